@@ -1,0 +1,1 @@
+"""attnspec.conformance: the cross-framework conformance and gradient kit."""

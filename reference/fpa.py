@@ -1,0 +1,471 @@
+"""First Passage Attention (FPA) and its Forgetting-Transformer special case.
+
+The executable statement of ``shared/spec/fpa.md``; labels in comments (``# (F3)``) are the spec's.
+Everything is float64; positions are 0-based: the spec's segment (j, i] is ``range(j + 1, i + 1)``.
+
+Shapes: q, k (..., T, dk); v (..., T, dv); field, level (..., T). Any leading batch dims are allowed
+and must agree exactly across arguments; nothing is broadcast.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+from scipy.special import logsumexp
+
+from .validation import check_length, check_shape, real_array, scalar
+
+# --------------------------------------------------------------------------------------------
+# Validation
+
+
+def _check_qkv(q, k, v, *, scale) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+    q = real_array("q", q, min_ndim=2)
+    *lead, T, dk = q.shape
+    check_length("q", T)
+    k = real_array("k", k, min_ndim=2)
+    check_shape("k", k, (*lead, T, dk), "leading dims and T of q, then dk of q")
+    v = real_array("v", v, min_ndim=2)
+    if v.shape[:-1] != (*lead, T):
+        raise ValueError(
+            f"v: expected shape {(*lead, T)} + (dv,) (leading dims and T of q), got {v.shape}"
+        )
+    s = 1.0 / np.sqrt(dk) if scale is None else scalar("scale", scale)
+    return q, k, v, s
+
+
+def _check_per_token(name: str, x, q: np.ndarray) -> np.ndarray:
+    x = real_array(name, x, min_ndim=1)
+    check_shape(name, x, q.shape[:-1], "leading dims and T of q")
+    return x
+
+
+def _check_fpa(q, k, v, field, level, scale):
+    q, k, v, s = _check_qkv(q, k, v, scale=scale)
+    field = _check_per_token("field", field, q)
+    level = _check_per_token("level", level, q)
+    return q, k, v, field, level, s
+
+
+def _check_log_f(log_f, q: np.ndarray) -> np.ndarray:
+    log_f = _check_per_token("log_f", log_f, q)
+    if (log_f > 0).any():
+        index = tuple(int(i) for i in np.argwhere(log_f > 0)[0])
+        raise ValueError(
+            f"log_f: expected log forget gates <= 0, got {log_f[index]:.6g} at index {index}"
+        )
+    return log_f
+
+
+# --------------------------------------------------------------------------------------------
+# The operator, vectorised (F1)-(F5)
+
+
+def _causal(T: int) -> np.ndarray:
+    """Boolean (T, T), True where j <= i."""
+    return np.tril(np.ones((T, T), dtype=bool))
+
+
+def segment_min(field: np.ndarray) -> np.ndarray:
+    """(F1) segment minimum m[..., i, j] = min_{j < t <= i} field[..., t].
+
+    Args:
+        field: (..., T) real.
+
+    Returns:
+        (..., T, T) float64; +inf where the segment is empty (j >= i), so m_ii = +inf.
+    """
+    field = real_array("field", field, min_ndim=1)
+    T = field.shape[-1]
+    i = np.arange(T)[:, None]
+    j = np.arange(T)[None, :]
+    # X[i, j] = phi_i if j < i else +inf; a running min down the rows gives min over (j, i].
+    X = np.where(j < i, field[..., :, None], np.inf)  # (..., T, T)
+    return np.minimum.accumulate(X, axis=-2)
+
+
+def descent_depth(field: np.ndarray, level: np.ndarray) -> np.ndarray:
+    """(F2) descent depth pi[..., i, j] = max(0, level_j - m_ij); zero on and above the diagonal.
+
+    Args:
+        field, level: (..., T) real, same shape.
+
+    Returns:
+        (..., T, T) float64, non-negative.
+    """
+    field = real_array("field", field, min_ndim=1)
+    level = real_array("level", level, min_ndim=1)
+    check_shape("level", level, field.shape, "same as field")
+    m = segment_min(field)  # (..., T, T)
+    return np.maximum(0.0, level[..., None, :] - m)  # (F2)
+
+
+def _attend(logits: np.ndarray, v: np.ndarray):
+    """(F4)-(F5) causal softmax of ``logits`` (..., T, T) and the weighted sum of v (..., T, dv)."""
+    T = logits.shape[-1]
+    a = np.where(_causal(T), logits, -np.inf)  # (F3) a_ij = -inf for j > i
+    lse = logsumexp(a, axis=-1)  # (..., T); finite since a_ii is finite
+    p = np.exp(a - lse[..., None])  # (F4)
+    o = p @ v  # (F5) (..., T, dv)
+    return p, lse, o
+
+
+def fpa_attention(q, k, v, field, level, *, scale: float | None = None, return_lse: bool = False):
+    """First Passage Attention, (F1)-(F5).
+
+    Args:
+        q, k: (..., T, dk) queries and keys.
+        v: (..., T, dv) values.
+        field: (..., T) the scalar field phi.
+        level: (..., T) the key levels l.
+        scale: softmax scale s; default 1/sqrt(dk).
+        return_lse: also return lse (..., T) of (F4).
+
+    Returns:
+        o (..., T, dv) float64, or (o, lse) when ``return_lse``.
+    """
+    q, k, v, field, level, s = _check_fpa(q, k, v, field, level, scale)
+    pi = descent_depth(field, level)  # (F2) (..., T, T)
+    logits = s * (q @ np.swapaxes(k, -1, -2)) - pi  # (F3)
+    _, lse, o = _attend(logits, v)
+    return (o, lse) if return_lse else o
+
+
+def fpa_attention_loops(
+    q, k, v, field, level, *, scale: float | None = None, return_lse: bool = False
+):
+    """The definition read aloud: (F1)-(F5) as nested loops, one scalar at a time.
+
+    Same contract as :func:`fpa_attention`; O(T^3) and slow, for checking only.
+    """
+    q, k, v, field, level, s = _check_fpa(q, k, v, field, level, scale)
+    *lead, T, _ = q.shape
+    o = np.zeros((*lead, T, v.shape[-1]))
+    lse = np.zeros((*lead, T))
+    for b in np.ndindex(*lead):
+        for i in range(T):
+            logits = np.empty(i + 1)
+            for j in range(i + 1):
+                m = np.inf  # (F1) min over the half-open segment (j, i]
+                for t in range(j + 1, i + 1):
+                    m = min(m, field[b][t])
+                depth = max(0.0, level[b][j] - m)  # (F2)
+                logits[j] = s * float(np.dot(q[b][i], k[b][j])) - depth  # (F3)
+            top = logits.max()
+            lse[b][i] = top + np.log(np.sum(np.exp(logits - top)))  # (F4)
+            weights = np.exp(logits - lse[b][i])
+            o[b][i] = weights @ v[b][: i + 1]  # (F5)
+    return (o, lse) if return_lse else o
+
+
+# --------------------------------------------------------------------------------------------
+# FoX, the special case (F6)
+
+
+def fox_attention(q, k, v, log_f, *, scale: float | None = None, return_lse: bool = False):
+    """Forgetting Transformer attention through (F6): FPA with field = level = cumsum(log_f).
+
+    Args:
+        q, k: (..., T, dk); v: (..., T, dv); log_f: (..., T) log forget gates, all <= 0.
+        scale: default 1/sqrt(dk).
+
+    Returns:
+        o (..., T, dv), or (o, lse) when ``return_lse``.
+    """
+    q, k, v, s = _check_qkv(q, k, v, scale=scale)
+    log_f = _check_log_f(log_f, q)
+    c = np.cumsum(log_f, axis=-1)  # (F6) one walk, non-increasing
+    return fpa_attention(q, k, v, c, c, scale=s, return_lse=return_lse)
+
+
+def _fox_masks(T: int) -> tuple[np.ndarray, np.ndarray]:
+    """A[i, l] = [l <= i] and B[l, j] = [l > j], so that D = A diag(log f) B."""
+    upto_i = np.tril(np.ones((T, T)))
+    after_j = np.tril(np.ones((T, T)), k=-1)
+    return upto_i, after_j
+
+
+def _fox_decay(log_f: np.ndarray) -> np.ndarray:
+    """FoX decay bias D_ij = sum_{l=j+1..i} log f_l, written as A diag(log f) B with masks."""
+    upto_i, after_j = _fox_masks(log_f.shape[-1])
+    return np.einsum("il,...l,lj->...ij", upto_i, log_f, after_j)
+
+
+def fox_attention_direct(q, k, v, log_f, *, scale: float | None = None, return_lse=False):
+    """FoX written from its own formula: a_ij = s <q_i, k_j> + sum_{l=j+1..i} log f_l.
+
+    Independent of (F1)-(F2); :func:`fox_attention` must agree with it to rounding.
+    """
+    q, k, v, s = _check_qkv(q, k, v, scale=scale)
+    log_f = _check_log_f(log_f, q)
+    logits = s * (q @ np.swapaxes(k, -1, -2)) + _fox_decay(log_f)
+    _, lse, o = _attend(logits, v)
+    return (o, lse) if return_lse else o
+
+
+# --------------------------------------------------------------------------------------------
+# Gradients (G1)-(G4)
+
+
+class FPAGrads(NamedTuple):
+    """Input cotangents of :func:`fpa_attention`, shaped like the inputs."""
+
+    dq: np.ndarray
+    dk: np.ndarray
+    dv: np.ndarray
+    dfield: np.ndarray
+    dlevel: np.ndarray
+
+
+class FoXGrads(NamedTuple):
+    """Input cotangents of FoX attention, shaped like the inputs."""
+
+    dq: np.ndarray
+    dk: np.ndarray
+    dv: np.ndarray
+    dlog_f: np.ndarray
+
+
+def segment_argmin(field: np.ndarray) -> np.ndarray:
+    """t*_ij of (G3): the LATEST t in (j, i] with field_t = m_ij; -1 where j >= i.
+
+    Args:
+        field: (..., T) real.
+
+    Returns:
+        (..., T, T) int64.
+    """
+    field = real_array("field", field, min_ndim=1)
+    T = field.shape[-1]
+    m = segment_min(field)
+    tstar = np.full(m.shape, -1, dtype=np.int64)
+    for i in range(1, T):
+        # (T2) m_{j,i} = min(m_{j,i-1}, phi_i); "<=" sends ties to the latest position.
+        newest = field[..., i, None] <= m[..., i - 1, :i]
+        tstar[..., i, :i] = np.where(newest, i, tstar[..., i - 1, :i])
+    return tstar
+
+
+def _logit_cotangent(p, o, v, d_out, d_lse):
+    """G_ij = p_ij (<dO_i, v_j> - <dO_i, o_i>) (+ p_ij dLSE_i by (G4))."""
+    delta = np.sum(d_out * o, axis=-1)  # (..., T)
+    G = p * (d_out @ np.swapaxes(v, -1, -2) - delta[..., None])  # (..., T, T)
+    if d_lse is not None:
+        G = G + p * d_lse[..., None]  # (G4)
+    return G
+
+
+def _check_cotangents(d_out, d_lse, o_shape, lse_shape):
+    d_out = real_array("d_out", d_out, min_ndim=2)
+    check_shape("d_out", d_out, o_shape, "shape of the output o")
+    if d_lse is not None:
+        d_lse = real_array("d_lse", d_lse, min_ndim=1)
+        check_shape("d_lse", d_lse, lse_shape, "shape of lse")
+    return d_out, d_lse
+
+
+def fpa_attention_vjp(
+    q, k, v, field, level, d_out, *, scale: float | None = None, d_lse=None
+) -> FPAGrads:
+    """Hand-written backward of :func:`fpa_attention`, (G1)-(G4).
+
+    Args:
+        q, k, v, field, level, scale: as for :func:`fpa_attention`.
+        d_out: (..., T, dv) cotangent of o.
+        d_lse: optional (..., T) cotangent of lse.
+
+    Returns:
+        :class:`FPAGrads` (dq, dk, dv, dfield, dlevel), float64, shaped like the inputs.
+
+    Conventions (spec section 6): d max(0, x)/dx = 1 at x = 0, and argmin ties go to the latest t.
+    """
+    q, k, v, field, level, s = _check_fpa(q, k, v, field, level, scale)
+    T = q.shape[-2]
+    m = segment_min(field)  # (F1) (..., T, T)
+    pi = np.maximum(0.0, level[..., None, :] - m)  # (F2)
+    p, lse, o = _attend(s * (q @ np.swapaxes(k, -1, -2)) - pi, v)
+    d_out, d_lse = _check_cotangents(d_out, d_lse, o.shape, lse.shape)
+
+    G = _logit_cotangent(p, o, v, d_out, d_lse)  # (..., T, T)
+    dq = s * G @ k  # (G1)
+    dk = s * np.swapaxes(G, -1, -2) @ q
+    dv = np.swapaxes(p, -1, -2) @ d_out
+
+    strictly_lower = np.tril(np.ones((T, T), dtype=bool), k=-1)
+    active = (level[..., None, :] >= m) & strictly_lower  # active_ij = [l_j >= m_ij], j < i
+    W = G * active  # dL/d(l_j - m_ij) = -G_ij on active pairs
+    dlevel = -W.sum(axis=-2)  # (G2)
+
+    tstar = segment_argmin(field)  # (G3) scatter G_ij to the latest argmin of the segment
+    n_seq = W[..., 0, 0].size
+    rows = np.broadcast_to(np.arange(n_seq).reshape(*W.shape[:-2], 1, 1), W.shape)
+    flat = np.zeros((n_seq, T))
+    np.add.at(flat, (rows[active], tstar[active]), W[active])
+    dfield = flat.reshape(field.shape)
+    return FPAGrads(dq, dk, dv, dfield, dlevel)
+
+
+def fox_attention_vjp(q, k, v, log_f, d_out, *, scale: float | None = None) -> FoXGrads:
+    """Backward of FoX from its own formula: dL/dlog f_l = sum_{(i, j): j < l <= i} G_ij.
+
+    An independent witness for the tie conventions: FPA gradients chained through (F6) must equal
+    these exactly, also with gates f = 1 (log_f = 0).
+    """
+    q, k, v, s = _check_qkv(q, k, v, scale=scale)
+    log_f = _check_log_f(log_f, q)
+    T = q.shape[-2]
+    p, lse, o = _attend(s * (q @ np.swapaxes(k, -1, -2)) + _fox_decay(log_f), v)
+    d_out, _ = _check_cotangents(d_out, None, o.shape, lse.shape)
+    G = _logit_cotangent(p, o, v, d_out, None)
+    upto_i, after_j = _fox_masks(T)
+    dlog_f = np.einsum("il,...ij,lj->...l", upto_i, G, after_j)  # D = A diag(log f) B
+    dq = s * G @ k
+    dk = s * np.swapaxes(G, -1, -2) @ q
+    dv = np.swapaxes(p, -1, -2) @ d_out
+    return FoXGrads(dq, dk, dv, dlog_f)
+
+
+# --------------------------------------------------------------------------------------------
+# Liveness and the stack theorem (spec section 4)
+
+
+def live_keys(field, level) -> np.ndarray:
+    """Key j is live at query i iff j <= i and pi_ij = 0 (weak inequality l_j <= m_ij).
+
+    Args:
+        field, level: (..., T).
+
+    Returns:
+        (..., T, T) bool, live[..., i, j].
+    """
+    pi = descent_depth(field, level)
+    T = pi.shape[-1]
+    return (pi == 0.0) & _causal(T)
+
+
+def stack_live_keys(field) -> np.ndarray:
+    """(T1) the live keys when level = field, by the monotonic-stack algorithm (not the definition).
+
+    At each step pop every key whose field value is strictly above the new value, then push the
+    new key. The stack after step i is the live set L_i.
+
+    Args:
+        field: (..., T).
+
+    Returns:
+        (..., T, T) bool, live[..., i, j].
+    """
+    field = real_array("field", field, min_ndim=1)
+    *lead, T = field.shape
+    live = np.zeros((*lead, T, T), dtype=bool)
+    for b in np.ndindex(*lead):
+        stack: list[int] = []
+        for i in range(T):
+            while stack and field[b][stack[-1]] > field[b][i]:
+                stack.pop()
+            stack.append(i)
+            live[b][i, stack] = True
+    return live
+
+
+# --------------------------------------------------------------------------------------------
+# Decoding with a KV cache and eviction (F7)
+
+
+class FPADecoder:
+    """(F7) one head decoded token by token with a KV cache and eviction threshold theta.
+
+    Each cache entry holds (k_j, v_j, l_j, m_j), m_j the running minimum of the field since j.
+    With ``theta = inf`` nothing is evicted and the outputs equal :func:`fpa_attention`.
+    """
+
+    def __init__(self, *, scale: float, theta: float = np.inf):
+        self.scale = scalar("scale", scale)
+        self.theta = scalar("theta", theta, positive=True, allow_inf=True)
+        self.keys: list[np.ndarray] = []
+        self.values: list[np.ndarray] = []
+        self.levels: list[float] = []
+        self.mins: list[float] = []
+        self.positions: list[int] = []
+        self.steps = 0
+        self.peak_cache_size = 0
+
+    @property
+    def cache_size(self) -> int:
+        return len(self.positions)
+
+    def step(self, q, k, v, field: float, level: float) -> np.ndarray:
+        """Consume token t = ``self.steps`` and return its output o_t, shape (dv,)."""
+        q = real_array("q", q, min_ndim=1)
+        k = real_array("k", k, min_ndim=1)
+        v = real_array("v", v, min_ndim=1)
+        check_shape("k", k, q.shape, "same as q: (dk,)")
+        if self.keys:
+            check_shape("k", k, self.keys[0].shape, "dk of the cached keys")
+            check_shape("v", v, self.values[0].shape, "dv of the cached values")
+        field = scalar("field", field)
+        level = scalar("level", level)
+
+        kept = []
+        for n in range(self.cache_size):
+            self.mins[n] = min(self.mins[n], field)  # (F7) m_j <- min(m_j, phi_t)
+            depth = max(0.0, self.levels[n] - self.mins[n])  # (F2)
+            if not depth >= self.theta:  # evict when pi_j >= theta; by (T2) for good
+                kept.append(n)
+        for store in (self.keys, self.values, self.levels, self.mins, self.positions):
+            store[:] = [store[n] for n in kept]
+
+        self.keys.append(k)
+        self.values.append(v)
+        self.levels.append(level)
+        self.mins.append(np.inf)  # empty segment: pi_tt = 0
+        self.positions.append(self.steps)
+        self.steps += 1
+        self.peak_cache_size = max(self.peak_cache_size, self.cache_size)
+
+        K = np.stack(self.keys)  # (n, dk)
+        depth = np.maximum(0.0, np.array(self.levels) - np.array(self.mins))  # (F2)
+        logits = self.scale * (K @ q) - depth  # (F3)
+        weights = np.exp(logits - logsumexp(logits))  # (F4)
+        return weights @ np.stack(self.values)  # (F5)
+
+
+class DecodeResult(NamedTuple):
+    """Output of :func:`fpa_decode`.
+
+    o: (..., T, dv) outputs. cache_sizes: (..., T) cache size after each step.
+    kept_fraction: peak cache size over T, averaged over the leading dims (the fraction of a
+    full KV cache that must be allocated).
+    """
+
+    o: np.ndarray
+    cache_sizes: np.ndarray
+    kept_fraction: float
+
+
+def fpa_decode(
+    q, k, v, field, level, *, theta: float = np.inf, scale: float | None = None
+) -> DecodeResult:
+    """(F7) streaming decode of every (batch, head) sequence with :class:`FPADecoder`.
+
+    Same inputs as :func:`fpa_attention` plus the eviction threshold ``theta`` > 0.
+    """
+    q, k, v, field, level, s = _check_fpa(q, k, v, field, level, scale)
+    theta = scalar("theta", theta, positive=True, allow_inf=True)
+    *lead, T, _ = q.shape
+    o = np.zeros((*lead, T, v.shape[-1]))
+    sizes = np.zeros((*lead, T), dtype=np.int64)
+    peaks = []
+    for b in np.ndindex(*lead):
+        decoder = FPADecoder(scale=s, theta=theta)
+        for t in range(T):
+            o[b][t] = decoder.step(q[b][t], k[b][t], v[b][t], field[b][t], level[b][t])
+            sizes[b][t] = decoder.cache_size
+        peaks.append(decoder.peak_cache_size)
+    return DecodeResult(o, sizes, float(np.mean(peaks)) / T)
+
+
+def eviction_threshold(bound_logit: float, n_keys: int, eps: float) -> float:
+    """(T3) theta = 2U + log N - log eps, with U >= s * max |<q_i, k_j>|."""
+    return 2.0 * bound_logit + np.log(n_keys) - np.log(eps)

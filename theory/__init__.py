@@ -1,0 +1,1 @@
+"""attnspec.theory: numerical verification of the theorems and identities."""
