@@ -1,0 +1,235 @@
+"""HiPPO operators: LegS and LegT transitions, the exact LegS step, discretisation, S4D inits.
+
+The executable statement of section 1 of ``shared/spec/interdomain.md``; labels (``# (I5)``) are
+the spec's. Sign convention: ``legs_transition`` and ``legt_transition`` return the positive
+matrices of the spec, for dc/dt = -(1/t) A c + (1/t) B f (LegS) and dc/dt = -A c + B f (LegT);
+``discretize`` takes the standard state-space form dx/dt = A x + B u, as scipy does.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+from numpy.polynomial import legendre
+from scipy.linalg import expm, solve_triangular
+
+from .validation import check_length, positive_int, real_array, scalar
+
+
+def legs_transition(M: int) -> tuple[np.ndarray, np.ndarray]:
+    """(I4) the HiPPO-LegS matrices.
+
+    A_nk = sqrt(2n+1) sqrt(2k+1) if n > k; n + 1 if n = k; 0 if n < k.  B_n = sqrt(2n+1).
+
+    Returns:
+        A (M, M) lower triangular, B (M,), float64.
+    """
+    M = positive_int("M", M)
+    r = np.sqrt(2 * np.arange(M) + 1.0)
+    A = np.tril(np.outer(r, r), k=-1) + np.diag(np.arange(1.0, M + 1))
+    return A, r.copy()
+
+
+def legt_transition(M: int, theta: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """HiPPO-LegT (sliding window of length theta, the LMU form) for dc/dt = -A c + B f.
+
+    A_nk = (2n+1)/theta * ((-1)^(n-k) if n >= k else 1),  B_n = (2n+1) (-1)^n / theta.
+    The coefficients are those of f on the window in the shifted Legendre basis P_n(2r - 1),
+    normalised so that a constant input has steady state e_0.
+    """
+    M = positive_int("M", M)
+    theta = scalar("theta", theta, positive=True)
+    n = np.arange(M)[:, None]
+    k = np.arange(M)[None, :]
+    A = (2 * n + 1.0) * np.where(n >= k, (-1.0) ** (n - k), 1.0) / theta
+    B = (2 * np.arange(M) + 1.0) * (-1.0) ** np.arange(M) / theta
+    return A, B
+
+
+@lru_cache(maxsize=4096)
+def _legs_step_cached(n: int, M: int) -> tuple[np.ndarray, np.ndarray]:
+    A, B = legs_transition(M)
+    A_inv_B = solve_triangular(A, B, lower=True)
+    if n == 1:
+        return np.zeros((M, M)), A_inv_B  # (I5) c_1 = A^{-1} B f_1: the history starts at t = 0
+    E = expm(-A * np.log(n / (n - 1)))  # (I5) E_n, exact over log time [log(n-1), log n]
+    F = solve_triangular(A, (np.eye(M) - E) @ B, lower=True)  # A^{-1} (I - E_n) B
+    return E, F
+
+
+def legs_step(n: int, M: int) -> tuple[np.ndarray, np.ndarray]:
+    """(I5) the exact LegS step for token n (1-based) with piecewise-constant input.
+
+    c_n = E_n c_{n-1} + F_n f_n with E_n = expm(-A log(n/(n-1))), F_n = A^{-1} (I - E_n) B;
+    E_1 = 0 and F_1 = A^{-1} B.
+
+    Returns:
+        E_n (M, M), F_n (M,) float64 (fresh copies; callers may modify them).
+    """
+    n = positive_int("n", n)
+    M = positive_int("M", M)
+    E, F = _legs_step_cached(n, M)
+    return E.copy(), F.copy()
+
+
+def legs_project(f, M: int) -> np.ndarray:
+    """Causal LegS projection of a token sequence by the recurrence (I5).
+
+    Args:
+        f: (T,) or (T, C) real, token n's value held on [n-1, n).
+        M: number of Legendre coefficients.
+
+    Returns:
+        c (T, M) or (T, M, C): row n-1 holds the coefficients of the history [0, n].
+    """
+    f = real_array("f", f, min_ndim=1)
+    M = positive_int("M", M)
+    check_length("f", f.shape[0])
+    channels = f.reshape(f.shape[0], -1)  # (T, C)
+    c = np.zeros((f.shape[0], M, channels.shape[1]))
+    state = np.zeros((M, channels.shape[1]))
+    for n in range(1, f.shape[0] + 1):
+        E, F = _legs_step_cached(n, M)
+        state = E @ state + np.outer(F, channels[n - 1])  # (I5)
+        c[n - 1] = state
+    return c.reshape(f.shape[0], M, *f.shape[1:])
+
+
+def legs_project_vjp(f_shape: tuple[int, ...], dc) -> np.ndarray:
+    """Adjoint of :func:`legs_project` (linear in f): g_n = dc_n + E_{n+1}^T g_{n+1}, reversed.
+
+    Args:
+        f_shape: (T,) or (T, C), the shape of f.
+        dc: cotangent shaped like the output of :func:`legs_project`.
+
+    Returns:
+        df shaped ``f_shape``.
+    """
+    T = f_shape[0]
+    dc = real_array("dc", dc, min_ndim=2)
+    M = dc.shape[1]
+    flat = dc.reshape(T, M, -1)  # (T, M, C)
+    df = np.zeros((T, flat.shape[2]))
+    g = np.zeros((M, flat.shape[2]))
+    for n in range(T, 0, -1):
+        if n < T:
+            E_next, _ = _legs_step_cached(n + 1, M)
+            g = E_next.T @ g
+        g = g + flat[n - 1]
+        _, F = _legs_step_cached(n, M)
+        df[n - 1] = F @ g
+    return df.reshape(f_shape)
+
+
+def legs_project_closed_form(f, M: int) -> np.ndarray:
+    """The LegS projection integral, evaluated with Legendre antiderivatives (witness for (I5)).
+
+    c_m(N) = (sqrt(2m+1)/N) sum_n f_n int_{n-1}^{n} P_m(2s/N - 1) ds
+           = (sqrt(2m+1)/2) sum_n f_n [Q_m(x_n) - Q_m(x_{n-1})],  x_n = 2n/N - 1, Q_m' = P_m.
+
+    Same contract as :func:`legs_project`.
+    """
+    f = real_array("f", f, min_ndim=1)
+    M = positive_int("M", M)
+    T = f.shape[0]
+    check_length("f", T)
+    channels = f.reshape(T, -1)
+    out = np.zeros((T, M, channels.shape[1]))
+    for N in range(1, T + 1):
+        x = 2.0 * np.arange(N + 1) / N - 1.0  # token edges mapped to [-1, 1]
+        for m in range(M):
+            Q = legendre.legint(np.eye(M)[m])  # antiderivative of P_m
+            increments = np.diff(legendre.legval(x, Q))  # (N,) integrals over each token
+            out[N - 1, m] = np.sqrt(2 * m + 1) / 2 * increments @ channels[:N]
+    return out.reshape(T, M, *f.shape[1:])
+
+
+def legs_reconstruct(c, t: float, x) -> np.ndarray:
+    """Evaluate sum_m c_m g_m(x), g_m(x) = sqrt(2m+1) P_m(2x/t - 1), at points x in [0, t].
+
+    Args:
+        c: (M,) coefficients of the history [0, t].
+        t: the current time.
+        x: points (P,).
+    """
+    c = real_array("c", c, min_ndim=1)
+    x = real_array("x", x, min_ndim=1)
+    t = scalar("t", t, positive=True)
+    scale = np.sqrt(2 * np.arange(c.shape[0]) + 1.0)
+    return legendre.legval(2 * x / t - 1, c * scale)
+
+
+def discretize(A, B, dt: float, method: str = "zoh") -> tuple[np.ndarray, np.ndarray]:
+    """Discretise dx/dt = A x + B u with step dt.
+
+    zoh: Ad = expm(A dt), Bd = int_0^dt expm(A s) ds B (the upper-right block of the expm of
+    [[A, B], [0, 0]] dt; valid for singular A).
+    bilinear: Ad = (I - dt/2 A)^{-1} (I + dt/2 A), Bd = (I - dt/2 A)^{-1} dt B.
+
+    Args:
+        A: (N, N); B: (N,) or (N, P).
+
+    Returns:
+        Ad (N, N), Bd shaped like B.
+    """
+    A = real_array("A", A, min_ndim=2)
+    B = real_array("B", B, min_ndim=1)
+    dt = scalar("dt", dt, positive=True)
+    N = A.shape[0]
+    if A.shape != (N, N):
+        raise ValueError(f"A: expected a square matrix, got shape {A.shape}")
+    if B.shape[0] != N:
+        raise ValueError(f"B: expected {N} rows (the size of A), got shape {B.shape}")
+    B2 = B.reshape(N, -1)
+    if method == "zoh":
+        P = B2.shape[1]
+        block = np.zeros((N + P, N + P))
+        block[:N, :N] = A
+        block[:N, N:] = B2
+        E = expm(block * dt)
+        Ad, Bd = E[:N, :N], E[:N, N:]
+    elif method == "bilinear":
+        left = np.eye(N) - dt / 2 * A
+        Ad = np.linalg.solve(left, np.eye(N) + dt / 2 * A)
+        Bd = np.linalg.solve(left, dt * B2)
+    else:
+        raise ValueError(f"method: expected 'zoh' or 'bilinear', got {method!r}")
+    return Ad, Bd.reshape(B.shape)
+
+
+def discrete_orthonormal_basis(T: int, M: int) -> np.ndarray:
+    """(I7) G (T, M): orthonormal columns under uniform weights 1/T, first column constant 1.
+
+    Column m spans the polynomials of degree <= m in x_t = 2t/T - 1 (t = 1..T). The QR is taken
+    of the Legendre-Vandermonde matrix, which spans the same space as the monomial one but is
+    far better conditioned [decision]. Requires M <= T.
+    """
+    T = positive_int("T", T)
+    M = positive_int("M", M)
+    if M > T:
+        raise ValueError(f"M: expected M <= T = {T} (at most T orthonormal columns), got {M}")
+    x = 2.0 * np.arange(1, T + 1) / T - 1.0
+    Q, R = np.linalg.qr(legendre.legvander(x, M - 1))
+    return np.sqrt(T) * Q * np.sign(np.diag(R))  # G^T G / T = I, G[:, 0] = +1
+
+
+def s4d_init(M: int, kind: str = "inv") -> tuple[np.ndarray, np.ndarray]:
+    """S4D diagonal initialisations: a = -exp(a_log) + i a_im with a_log = log(1/2).
+
+    inv: a_im[n] = (N/pi) (N/(2n+1) - 1), N = 2M (the upper halves of N = 2M conjugate pairs).
+    lin: a_im[n] = pi n.
+
+    Returns:
+        a_log (M,), a_im (M,).
+    """
+    M = positive_int("M", M)
+    n = np.arange(M)
+    if kind == "inv":
+        N = 2 * M
+        a_im = N / np.pi * (N / (2 * n + 1.0) - 1.0)
+    elif kind == "lin":
+        a_im = np.pi * n.astype(float)
+    else:
+        raise ValueError(f"kind: expected 'inv' or 'lin', got {kind!r}")
+    return np.full(M, np.log(0.5)), a_im
