@@ -6,6 +6,7 @@ operators), :mod:`.interdomain` (Interdomain Attention and the S4D layer).
 
 from . import fpa, hippo, interdomain
 from .fpa import (
+    FPA_PARAMETER_SCHEMA,
     DecodeResult,
     FoXGrads,
     FPADecoder,
@@ -19,6 +20,8 @@ from .fpa import (
     fpa_attention_loops,
     fpa_attention_vjp,
     fpa_decode,
+    fpa_layer,
+    init_fpa_params,
     live_keys,
     segment_argmin,
     segment_min,
@@ -54,6 +57,7 @@ from .interdomain import (
 )
 
 __all__ = [
+    "FPA_PARAMETER_SCHEMA",
     "PARAMETER_SCHEMA",
     "DecodeResult",
     "FPADecoder",
@@ -74,7 +78,9 @@ __all__ = [
     "fpa_attention_loops",
     "fpa_attention_vjp",
     "fpa_decode",
+    "fpa_layer",
     "hippo",
+    "init_fpa_params",
     "init_interdomain_params",
     "interdomain",
     "interdomain_discrete",

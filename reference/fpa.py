@@ -469,3 +469,78 @@ def fpa_decode(
 def eviction_threshold(bound_logit: float, n_keys: int, eps: float) -> float:
     """(T3) theta = 2U + log N - log eps, with U >= s * max |<q_i, k_j>|."""
     return 2.0 * bound_logit + np.log(n_keys) - np.log(eps)
+
+
+# --------------------------------------------------------------------------------------------
+# The layer (spec section 3)
+
+FPA_PARAMETER_SCHEMA = {
+    "wq": "(d, H*dk) query projection",
+    "wk": "(d, H*dk) key projection",
+    "wv": "(d, H*dv) value projection",
+    "wo": "(H*dv, d) output projection",
+    "w_delta": "(d, H) field increments delta_t = x_t w_delta + b_delta",
+    "b_delta": "(H,)",
+    "w_lam": "(d, H) key offsets lam_j = x_j w_lam + b_lam; levels l_j = phi_j + lam_j",
+    "b_lam": "(H,)",
+}
+
+
+def init_fpa_params(d: int, H: int, dk: int, dv: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """Parameters of :func:`fpa_layer` (:data:`FPA_PARAMETER_SCHEMA`), normal / sqrt(fan-in)."""
+    rng = np.random.default_rng(seed)
+    return {
+        "wq": rng.standard_normal((d, H * dk)) / np.sqrt(d),
+        "wk": rng.standard_normal((d, H * dk)) / np.sqrt(d),
+        "wv": rng.standard_normal((d, H * dv)) / np.sqrt(d),
+        "wo": rng.standard_normal((H * dv, d)) / np.sqrt(H * dv),
+        "w_delta": rng.standard_normal((d, H)) / np.sqrt(d),
+        "b_delta": np.zeros(H),
+        "w_lam": rng.standard_normal((d, H)) / np.sqrt(d),
+        "b_lam": np.zeros(H),
+    }
+
+
+def fpa_layer(x, params: dict, *, increments: str = "signed") -> np.ndarray:
+    """Multi-head FPA layer: x (B, T, d) -> y (B, T, d).
+
+    Per head: delta_t = x_t . w_delta + b_delta (signed; ``increments="logsigmoid"`` gives the
+    FoX-initialised layer, with lam = 0 when w_lam = b_lam = 0), phi = cumsum(delta),
+    lam_j = x_j . w_lam + b_lam, l_j = phi_j + lam_j [decision: levels relative to the field].
+    """
+    x = real_array("x", x, min_ndim=3)
+    missing = sorted(set(FPA_PARAMETER_SCHEMA) - set(params))
+    if missing:
+        raise ValueError(f"params: missing {missing}; see FPA_PARAMETER_SCHEMA")
+    P = {name: real_array(f"params[{name!r}]", val) for name, val in params.items()}
+    if increments not in ("signed", "logsigmoid"):
+        raise ValueError(f"increments: expected 'signed' or 'logsigmoid', got {increments!r}")
+    d = x.shape[-1]
+    H = P["b_delta"].shape[0]
+    dk = P["wq"].shape[1] // H
+    dv = P["wv"].shape[1] // H
+    expected = {
+        "wq": (d, H * dk),
+        "wk": (d, H * dk),
+        "wv": (d, H * dv),
+        "wo": (H * dv, d),
+        "w_delta": (d, H),
+        "w_lam": (d, H),
+        "b_lam": (H,),
+    }
+    for name, shape in expected.items():
+        check_shape(f"params[{name!r}]", P[name], shape, FPA_PARAMETER_SCHEMA[name])
+
+    def heads(y, width):  # (B, T, H*width) -> (B, H, T, width)
+        return np.swapaxes(y.reshape(*y.shape[:-1], H, width), -2, -3)
+
+    delta = x @ P["w_delta"] + P["b_delta"]  # (B, T, H)
+    if increments == "logsigmoid":
+        delta = -np.logaddexp(0.0, -delta)
+    field = np.cumsum(np.swapaxes(delta, -1, -2), axis=-1)  # (B, H, T)
+    level = field + np.swapaxes(x @ P["w_lam"] + P["b_lam"], -1, -2)
+    o = fpa_attention(
+        heads(x @ P["wq"], dk), heads(x @ P["wk"], dk), heads(x @ P["wv"], dv), field, level
+    )
+    o = np.swapaxes(o, -2, -3).reshape(*x.shape[:-1], H * dv)  # concatenate heads
+    return o @ P["wo"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import numpy as np
+from scipy.special import expit
 
 from .hippo import _legs_step_cached, discrete_orthonormal_basis, legs_project, s4d_init
 from .validation import (
@@ -228,7 +229,7 @@ def short_conv(x, w) -> np.ndarray:
 def feature_map(y, eps: float = 1e-6) -> np.ndarray:
     """(I9) xi(y) = SiLU(y) / sqrt(||y||^2 + eps) over the last axis (the head dim)."""
     y = real_array("y", y, min_ndim=1)
-    silu = y / (1.0 + np.exp(-y))
+    silu = y * expit(y)  # SiLU, stable for large |y|
     return silu / np.sqrt(np.sum(y**2, axis=-1, keepdims=True) + eps)
 
 
@@ -599,11 +600,22 @@ def interdomain_layer(
     dv = P["norm_v_g"].shape[1]
     M = P["a_log"].shape[1]
     expected = {
-        "wq": (d, H * R), "wk": (d, H * R), "wv": (d, H * dv), "wo": (H * dv, d),
-        "conv_q": (4, H * R), "conv_k": (4, H * R), "norm_k_b": (H, R), "norm_v_b": (H, dv),
-        "log_dt": (H,), "a_im": (H, M), "b_re": (H, M), "b_im": (H, M),
-        "c_re": (H, M, M), "c_im": (H, M, M), "wg": (d, H * dv),
-    }  # fmt: skip
+        "wq": (d, H * R),
+        "wk": (d, H * R),
+        "wv": (d, H * dv),
+        "wo": (H * dv, d),
+        "conv_q": (4, H * R),
+        "conv_k": (4, H * R),
+        "norm_k_b": (H, R),
+        "norm_v_b": (H, dv),
+        "log_dt": (H,),
+        "a_im": (H, M),
+        "b_re": (H, M),
+        "b_im": (H, M),
+        "c_re": (H, M, M),
+        "c_im": (H, M, M),
+        "wg": (d, H * dv),
+    }
     for name, shape in expected.items():
         if name in P:
             check_shape(f"params[{name!r}]", P[name], shape, PARAMETER_SCHEMA[name])
@@ -624,7 +636,7 @@ def interdomain_layer(
     o = np.swapaxes(o, -2, -3).reshape(*x.shape[:-1], H * dv)  # concatenate heads
     if gate:
         g = x @ P["wg"]
-        o = g / (1.0 + np.exp(-g)) * o  # SiLU(W_g x) * o
+        o = g * expit(g) * o  # SiLU(W_g x) * o
     return o @ P["wo"]
 
 

@@ -363,3 +363,32 @@ def test_bad_scale_theta_and_cotangent():
         fpa.fpa_decode(**a, theta=0.0)
     with pytest.raises(ValueError, match="d_out: expected shape"):
         fpa.fpa_attention_vjp(**a, d_out=np.zeros((2, 3, 4, 4)))
+
+
+# ------------------------------------------------------------------------- the layer (section 3)
+
+
+def test_layer_equals_per_head_fpa():
+    p = fpa.init_fpa_params(d=6, H=2, dk=3, dv=2, seed=1)
+    p["b_delta"] = np.array([0.3, -0.2])
+    x = np.random.default_rng(30).standard_normal((2, 9, 6))
+    y = fpa.fpa_layer(x, p)
+    outs = []
+    for h in range(2):
+        delta = x @ p["w_delta"][:, h] + p["b_delta"][h]
+        phi = np.cumsum(delta, axis=-1)
+        level = phi + x @ p["w_lam"][:, h] + p["b_lam"][h]
+        cols = slice(3 * h, 3 * h + 3)
+        q, k = x @ p["wq"][:, cols], x @ p["wk"][:, cols]
+        v = x @ p["wv"][:, 2 * h : 2 * h + 2]
+        outs.append(fpa.fpa_attention_loops(q, k, v, phi, level))
+    np.testing.assert_allclose(y, np.concatenate(outs, axis=-1) @ p["wo"], rtol=1e-12)
+
+
+def test_fox_initialised_layer_is_fox():
+    p = fpa.init_fpa_params(d=4, H=1, dk=2, dv=2, seed=2)
+    p["w_lam"][:] = 0.0
+    x = np.random.default_rng(31).standard_normal((1, 8, 4))
+    log_f = -np.logaddexp(0.0, -(x @ p["w_delta"][:, 0]))
+    want = fpa.fox_attention_direct(x @ p["wq"], x @ p["wk"], x @ p["wv"], log_f) @ p["wo"]
+    np.testing.assert_allclose(fpa.fpa_layer(x, p, increments="logsigmoid"), want, rtol=1e-12)

@@ -303,8 +303,12 @@ def test_h6_decode_equals_scan_with_constant_state(readout):
     dec = I.InterdomainDecoder(lam, b, c, readout=readout)
     sizes = set()
     for t in range(15):
-        np.testing.assert_allclose(dec.step(fq[..., t, :], kt[..., t, :], vt[..., t, :]),
-                                   o[..., t, :], rtol=1e-12, atol=1e-14)  # fmt: skip
+        np.testing.assert_allclose(
+            dec.step(fq[..., t, :], kt[..., t, :], vt[..., t, :]),
+            o[..., t, :],
+            rtol=1e-12,
+            atol=1e-14,
+        )
         sizes.add(dec.state_size())
     extra = 1 if readout == "ratio" else 0
     assert sizes == {2 * 4 * (3 + 2 + extra)}
@@ -393,8 +397,10 @@ def test_legs_vjp_matches_central_differences(wrt):
 # ------------------------------------------------------------------------- the layer
 
 
-@pytest.mark.parametrize(("readout", "use_rope", "gate"), [
-    ("linear", False, False), ("ratio", False, False), ("linear", True, True)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("readout", "use_rope", "gate"),
+    [("linear", False, False), ("ratio", False, False), ("linear", True, True)],
+)
 def test_layer_shapes_and_causality(readout, use_rope, gate):
     params = I.init_interdomain_params(d=8, H=2, R=4, dv=3, M=5, seed=1, gate=gate)
     x = np.random.default_rng(22).standard_normal((2, 10, 8))
@@ -416,12 +422,15 @@ def test_layer_equals_its_pieces():
     q = I.short_conv(x @ p["wq"], p["conv_q"]).reshape(1, 7, 2, 3).transpose(0, 2, 1, 3)
     k = I.short_conv(x @ p["wk"], p["conv_k"]).reshape(1, 7, 2, 3).transpose(0, 2, 1, 3)
     v = (x @ p["wv"]).reshape(1, 7, 2, 2).transpose(0, 2, 1, 3)
-    kt = np.stack([I.rms_norm(I.feature_map(k[:, h]), p["norm_k_g"][h]) + p["norm_k_b"][h]
-                   for h in range(2)], axis=1)  # fmt: skip
+    kt = np.stack(
+        [I.rms_norm(I.feature_map(k[:, h]), p["norm_k_g"][h]) + p["norm_k_b"][h] for h in range(2)],
+        axis=1,
+    )
     vt = np.stack([I.rms_norm(v[:, h], p["norm_v_g"][h]) + p["norm_v_b"][h] for h in range(2)], 1)
     lam = I.s4d_lambda(p["log_dt"], p["a_log"], p["a_im"])
-    o = I.interdomain_s4d(I.feature_map(q), kt, vt, lam, p["b_re"] + 1j * p["b_im"],
-                          p["c_re"] + 1j * p["c_im"])  # fmt: skip
+    o = I.interdomain_s4d(
+        I.feature_map(q), kt, vt, lam, p["b_re"] + 1j * p["b_im"], p["c_re"] + 1j * p["c_im"]
+    )
     want = o.transpose(0, 2, 1, 3).reshape(1, 7, 4) @ p["wo"]
     np.testing.assert_allclose(I.interdomain_layer(x, p), want, rtol=1e-13)
 

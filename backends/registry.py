@@ -1,0 +1,87 @@
+"""Backend names and how to load them.
+
+A backend is selected by a registered name or by ``module:attribute`` for third-party code.
+Frameworks are imported only when their backend is asked for.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+
+BUILTIN = {
+    "numpy": "attnspec.backends.numpy_backend:NumpyBackend",
+}
+
+# Named in the spec, not part of this version yet: asking for them gives a clear message.
+PLANNED = {
+    "torch": "torch (eager)",
+    "triton": "torch + Triton kernels",
+    "jax": "jax (jnp)",
+    "pallas": "jax + Pallas kernels",
+}
+
+
+def _import_file(path: str):
+    if not os.path.isfile(path):
+        raise ValueError(f"backend: no such file {path!r}")
+    name = "attnspec_user_backend_" + os.path.splitext(os.path.basename(path))[0]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_object(spec: str):
+    """Import ``module:attribute`` (or ``path/to/file.py:attribute``) and return the attribute."""
+    module_name, _, attribute = spec.rpartition(":")
+    if not module_name or not attribute:
+        raise ValueError(f"backend: expected 'module:attribute', got {spec!r}")
+    try:
+        if module_name.endswith(".py"):
+            module = _import_file(module_name)
+        else:
+            module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"backend: cannot import module {module_name!r}: {exc}") from exc
+    try:
+        return getattr(module, attribute)
+    except AttributeError:
+        raise ValueError(
+            f"backend: module {module_name!r} has no attribute {attribute!r}"
+        ) from None
+
+
+def get_backend(name: str, device: str = "cpu"):
+    """Instantiate a backend by registered name or ``module:attribute``.
+
+    ``module:attribute`` may name a class or factory (called with ``device=``) or a ready object.
+    """
+    if name in BUILTIN:
+        return load_object(BUILTIN[name])(device=device)
+    if name in PLANNED:
+        raise ValueError(
+            f"backend: {name!r} ({PLANNED[name]}) is not part of this version of attnspec; "
+            f"available: {sorted(BUILTIN)}"
+        )
+    if ":" in name:
+        obj = load_object(name)
+        return obj(device=device) if callable(obj) else obj
+    raise ValueError(
+        f"backend: unknown name {name!r}; registered: {sorted(BUILTIN)}, or give 'module:attribute'"
+    )
+
+
+def available_backends() -> list[str]:
+    """Registered backends whose dependencies import on this machine."""
+    names = []
+    for name in BUILTIN:
+        try:
+            get_backend(name)
+        except (ImportError, ValueError):
+            continue
+        names.append(name)
+    return names

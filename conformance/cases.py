@@ -1,0 +1,446 @@
+"""Deterministic conformance cases with stable ids ``<op>/<family>/<n>``.
+
+A case is built from its id alone: the seed is crc32 of the id, so ``fpa/ragged/2`` names the
+same float64 arrays on every machine. Shapes come from a fixed menu so compiled backends do not
+recompile per case. Assumptions that keep a case well conditioned are stated in ``note``.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from attnspec.reference import fpa, hippo
+from attnspec.reference import interdomain as idm
+
+GENERATOR_VERSION = "1"
+
+
+@dataclass(frozen=True)
+class Case:
+    """One conformance case: float64 inputs, static params, and what it is checked for.
+
+    gradient: in the gradient suite (backend VJP vs reference VJP).
+    finite_difference: the reference VJP is also checked by central differences (inputs are
+    away from kinks); False for tie cases, which check the conventions of spec/fpa.md sec. 6.
+    """
+
+    id: str
+    op: str
+    seed: int
+    inputs: dict[str, np.ndarray]
+    params: dict = field(default_factory=dict)
+    gradient: bool = False
+    finite_difference: bool = False
+    note: str = ""
+
+    @property
+    def family(self) -> str:
+        return self.id.split("/")[1]
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: tuple(x.shape) for name, x in self.inputs.items()}
+
+
+@dataclass(frozen=True)
+class Family:
+    """count cases built by ``build(rng, n) -> (inputs, params)``; flags as on :class:`Case`."""
+
+    count: int
+    build: Callable
+    note: str
+    gradient: bool = False
+    finite_difference: bool = False
+
+
+def case_seed(case_id: str) -> int:
+    return zlib.crc32(case_id.encode())
+
+
+# ------------------------------------------------------------------------------------- FPA
+
+
+def fpa_kink_margin(field_: np.ndarray, level: np.ndarray) -> float:
+    """Distance of the inputs from the kinks of FPA.
+
+    The smaller of: |l_j - m_ij| over j < i (the clamp of (F2)), and the gap between the
+    smallest and second-smallest field value of each segment (j, i] (ties of the argmin in (G3)).
+    """
+    T = field_.shape[-1]
+    if T < 2:
+        return np.inf
+    m = fpa.segment_min(field_)
+    lower = np.tril(np.ones((T, T), dtype=bool), k=-1)
+    margin = np.abs(level[..., None, :] - m)[..., lower].min()
+    first = np.full(field_.shape, np.inf)  # running min of (j, i] for each j
+    second = np.full(field_.shape, np.inf)  # running second min
+    for i in range(1, T):
+        new = field_[..., i, None]
+        second[..., :i] = np.minimum(second[..., :i], np.maximum(first[..., :i], new))
+        first[..., :i] = np.minimum(first[..., :i], new)
+        with np.errstate(invalid="ignore"):  # inf - inf where the segment has one value
+            gap = (second - first)[..., :i]
+        margin = min(margin, gap[np.isfinite(gap)].min(initial=np.inf))
+    return float(margin)
+
+
+def _bracket_walk(rng, shape, step=1.0):
+    steps = rng.choice([step, -step, 0.0], size=shape, p=[0.35, 0.35, 0.3])
+    return np.cumsum(steps, axis=-1)
+
+
+def _fields(rng, kind: str, shape) -> np.ndarray:
+    if kind == "walk":
+        return np.cumsum(rng.standard_normal(shape), axis=-1)
+    if kind == "monotone":  # FoX-like, strictly decreasing
+        return np.cumsum(-rng.exponential(0.5, shape) - 0.01, axis=-1)
+    if kind == "brackets":
+        return _bracket_walk(rng, shape)
+    if kind == "constant":
+        return np.zeros(shape)
+    if kind == "huge":
+        return 1e4 * np.cumsum(rng.standard_normal(shape), axis=-1) / np.sqrt(shape[-1])
+    if kind == "cliff":  # a -inf-like descent in the middle
+        walk = np.cumsum(rng.standard_normal(shape), axis=-1)
+        walk[..., shape[-1] // 2 :] -= 1e30
+        return walk
+    raise ValueError(kind)
+
+
+def _levels(rng, kind: str, field_: np.ndarray) -> np.ndarray:
+    if kind == "one_walk":
+        return field_.copy()
+    if kind == "offset":
+        return field_ + rng.standard_normal(field_.shape)
+    if kind == "extreme":  # some keys never die, some die at once
+        return field_ + rng.choice([-1e4, 0.0, 1e4], size=field_.shape)
+    raise ValueError(kind)
+
+
+def _fpa_inputs(rng, shape, *, field_kind="walk", level_kind="offset", logit=1.0, margin=0.0):
+    (B, H, T, dk, dv) = shape
+    for _ in range(50):
+        q = logit * rng.standard_normal((B, H, T, dk))
+        k = rng.standard_normal((B, H, T, dk))
+        v = rng.standard_normal((B, H, T, dv))
+        f = _fields(rng, field_kind, (B, H, T))
+        lev = _levels(rng, level_kind, f)
+        if margin == 0.0 or fpa_kink_margin(f, lev) > margin:
+            return {"q": q, "k": k, "v": v, "field": f, "level": lev}
+    raise RuntimeError("could not draw inputs away from the kinks")
+
+
+# The shape menu (B, H, T, dk, dv); families pick from it by index.
+FPA_SHAPES = [(1, 1, 1, 16, 16), (2, 3, 7, 16, 16), (1, 2, 64, 16, 16), (2, 1, 130, 16, 16)]
+FPA_HEADDIMS = [(1, 2, 17, 1, 5), (1, 2, 17, 3, 1), (1, 2, 17, 64, 64), (1, 2, 17, 128, 32)]
+FPA_RAGGED = [(2, 3, 15, 8, 8), (2, 3, 17, 8, 8), (2, 3, 63, 8, 8), (2, 3, 65, 8, 8)]
+FPA_FIELD_SHAPE = (1, 2, 33, 8, 8)
+SMOOTH = "inputs at least 1e-4 away from clamp zeros and segment-minimum ties"
+
+
+def _fpa_family(shape_list, **kw):
+    def build(rng, n):
+        return _fpa_inputs(rng, shape_list[n % len(shape_list)], **kw), {}
+
+    return build
+
+
+TIES = "tie case: checks the conventions of spec/fpa.md section 6"
+FPA_FAMILIES = {
+    "shapes": Family(4, _fpa_family(FPA_SHAPES, margin=1e-4), SMOOTH, True, True),
+    "headdim": Family(4, _fpa_family(FPA_HEADDIMS, margin=1e-4), SMOOTH, True, True),
+    "ragged": Family(4, _fpa_family(FPA_RAGGED, margin=1e-4), SMOOTH, True, True),
+    "long": Family(1, _fpa_family([(1, 1, 512, 16, 16)]), "T = 512"),
+    "walk": Family(3, _fpa_family([FPA_FIELD_SHAPE], margin=1e-4), SMOOTH, True, True),
+    "monotone": Family(
+        3,
+        _fpa_family([FPA_FIELD_SHAPE], field_kind="monotone", level_kind="one_walk", margin=1e-4),
+        "FoX-like field, level = field; " + SMOOTH,
+        True,
+        True,
+    ),
+    "brackets": Family(
+        3,
+        _fpa_family([FPA_FIELD_SHAPE], field_kind="brackets", level_kind="one_walk"),
+        "integer field, level = field; " + TIES,
+        True,
+        False,
+    ),
+    "constant": Family(
+        2,
+        _fpa_family([FPA_FIELD_SHAPE], field_kind="constant"),
+        "every segment minimum tied; " + TIES,
+        True,
+        False,
+    ),
+    "huge": Family(
+        2, _fpa_family([FPA_FIELD_SHAPE], field_kind="huge"), "field of magnitude 1e4", True, False
+    ),
+    "cliff": Family(2, _fpa_family([FPA_FIELD_SHAPE], field_kind="cliff"), "a 1e30 descent midway"),
+    "one_walk": Family(
+        2,
+        _fpa_family([FPA_FIELD_SHAPE], level_kind="one_walk", margin=1e-4),
+        "level = field; " + SMOOTH,
+        True,
+        True,
+    ),
+    "extreme_level": Family(
+        2,
+        _fpa_family([FPA_FIELD_SHAPE], level_kind="extreme"),
+        "level offsets of +-1e4",
+        True,
+        False,
+    ),
+    "near_uniform": Family(
+        2,
+        _fpa_family([FPA_FIELD_SHAPE], field_kind="constant", logit=1e-3),
+        "tiny logits, flat field: near-uniform weights; " + TIES,
+        True,
+        False,
+    ),
+    "near_onehot": Family(
+        2,
+        _fpa_family([FPA_FIELD_SHAPE], logit=12.0, margin=1e-4),
+        "large logits: near one-hot weights; " + SMOOTH,
+        True,
+        True,
+    ),
+}
+
+
+def _fox_family(unit_gates: float, decay: float):
+    def build(rng, n):
+        B, H, T, dk, dv = [(1, 1, 1, 8, 8), (2, 3, 17, 16, 8), (1, 2, 65, 8, 16)][n % 3]
+        q, k = rng.standard_normal((2, B, H, T, dk))
+        v = rng.standard_normal((B, H, T, dv))
+        log_f = -rng.exponential(decay, (B, H, T)) - (0.0 if unit_gates else 1e-2)
+        log_f[rng.random(log_f.shape) < unit_gates] = 0.0
+        return {"q": q, "k": k, "v": v, "log_f": log_f}, {}
+
+    return build
+
+
+FOX_FAMILIES = {
+    "shapes": Family(3, _fox_family(0.0, 0.5), "gates f < 1", True, True),
+    "unit_gates": Family(3, _fox_family(0.4, 0.5), "40% of gates exactly 1; " + TIES, True),
+    "strong_decay": Family(2, _fox_family(0.0, 5.0), "log f ~ -5", True, True),
+}
+
+
+def _decode_family(bracket: bool):
+    def build(rng, n):
+        B, H, T, dk, dv = [(1, 1, 1, 8, 8), (1, 2, 33, 8, 4), (2, 1, 65, 4, 8)][n % 3]
+        if bracket:
+            f = 4.0 * _bracket_walk(rng, (B, H, T))
+            theta = 6.0  # depths are multiples of 4: no depth within 2 of theta
+        else:
+            f = np.cumsum(rng.standard_normal((B, H, T)), axis=-1)
+            theta = np.inf
+        q, k = rng.standard_normal((2, B, H, T, dk))
+        v = rng.standard_normal((B, H, T, dv))
+        return {"q": q, "k": k, "v": v, "field": f, "level": f.copy()}, {"theta": theta}
+
+    return build
+
+
+DECODE_FAMILIES = {
+    "no_eviction": Family(3, _decode_family(False), "theta = inf: equals the parallel op"),
+    "brackets": Family(3, _decode_family(True), "bracket field x4, theta = 6: far from all depths"),
+}
+
+
+def _positive(rng, shape):
+    return np.exp(0.5 * rng.standard_normal(shape))  # ratio readouts need fq . u_0 > 0
+
+
+def _legs_family(menu):
+    def build(rng, n):
+        B, H, T, R, dv, M = menu[n % len(menu)]
+        inputs = {
+            "fq": _positive(rng, (B, H, T, R)),
+            "fk": _positive(rng, (B, H, T, R)),
+            "v": rng.standard_normal((B, H, T, dv)),
+        }
+        return inputs, {"M": M}
+
+    return build
+
+
+LEGS_FAMILIES = {
+    "basis_size": Family(
+        4,
+        _legs_family([(1, 2, 80, 4, 4, M) for M in (1, 4, 16, 64)]),
+        "positive features; T >> M for small M",
+        True,
+        True,
+    ),
+    "shapes": Family(
+        3,
+        _legs_family([(1, 1, 1, 3, 2, 4), (2, 3, 17, 8, 4, 8), (1, 2, 65, 4, 8, 16)]),
+        "positive features",
+        True,
+        True,
+    ),
+    "long": Family(1, _legs_family([(1, 1, 300, 4, 4, 16)]), "T = 300, M = 16", True),
+}
+
+
+def _s4d_family(menu, *, dt_range=(0.01, 0.3), readout="linear"):
+    def build(rng, n):
+        B, H, T, R, dv, M = menu[n % len(menu)]
+        a_log, a_im = hippo.s4d_init(M)
+        dt = rng.uniform(*dt_range, H)
+        lam = idm.s4d_lambda(np.log(dt), np.tile(a_log, (H, 1)), np.tile(a_im, (H, 1)))
+        b = rng.standard_normal((H, M)) + 1j * rng.standard_normal((H, M))
+        c = (rng.standard_normal((H, M, M)) + 1j * rng.standard_normal((H, M, M))) / np.sqrt(2 * M)
+        if readout == "ratio":
+            fq, kt, b = _positive(rng, (B, H, T, R)), _positive(rng, (B, H, T, R)), np.abs(b)
+            c = np.eye(M) + 0.1 * c  # keeps the denominator Re(fq . conj(U) eta) away from 0
+        else:
+            fq, kt = rng.standard_normal((2, B, H, T, R))
+        inputs = {
+            "fq": fq,
+            "kt": kt,
+            "vt": rng.standard_normal((B, H, T, dv)),
+            "lam_re": lam.real,
+            "lam_im": lam.imag,
+            "b_re": b.real,
+            "b_im": b.imag,
+            "c_re": c.real,
+            "c_im": c.imag,
+        }
+        return inputs, {"readout": readout}
+
+    return build
+
+
+S4D_FAMILIES = {
+    "modes": Family(
+        4, _s4d_family([(1, 2, 40, 4, 4, M) for M in (1, 4, 16, 64)]), "M from 1 to 64", True, True
+    ),
+    "long_memory": Family(
+        2,
+        _s4d_family([(1, 2, 130, 4, 4, 8)], dt_range=(1e-3, 2e-3)),
+        "|Lambda| near 1, T >> M",
+        True,
+        True,
+    ),
+    "short_memory": Family(
+        2,
+        _s4d_family([(1, 2, 40, 4, 4, 8)], dt_range=(1.0, 2.0)),
+        "|Lambda| = exp(-dt/2) <= 0.61",
+        True,
+        True,
+    ),
+    "ratio": Family(
+        3,
+        _s4d_family(
+            [(1, 2, 1, 4, 4, 4), (2, 2, 17, 4, 8, 8), (1, 3, 65, 8, 4, 16)], readout="ratio"
+        ),
+        "ratio readout, positive features, C near I",
+        True,
+        True,
+    ),
+    "shapes": Family(
+        3,
+        _s4d_family([(1, 1, 1, 3, 2, 4), (2, 3, 17, 8, 4, 8), (1, 2, 65, 16, 16, 16)]),
+        "B*H > 1, odd sizes",
+        True,
+        True,
+    ),
+}
+
+
+def _layer_family(kind: str, readout: str = "linear"):
+    def build(rng, n):
+        B, T, d = [(1, 9, 8), (2, 17, 16)][n % 2]
+        seed = int(rng.integers(2**31))
+        if kind == "fpa":
+            params = fpa.init_fpa_params(d, 2, 4, 4, seed)
+            extra = {}
+        else:
+            params = idm.init_interdomain_params(d, 2, 4, 4, 8, seed)
+            if readout == "ratio":
+                params["norm_k_b"] += 3.0  # positive k~ keeps the denominator away from zero
+                params["c_re"] += np.eye(8)
+            extra = {"readout": readout}
+        inputs = {"x": rng.standard_normal((B, T, d))}
+        inputs.update({f"params.{k}": v for k, v in params.items()})
+        return inputs, extra
+
+    return build
+
+
+FAMILIES: dict[str, dict[str, Family]] = {
+    "fpa_attention": FPA_FAMILIES,
+    "fox_attention": FOX_FAMILIES,
+    "fpa_decode": DECODE_FAMILIES,
+    "interdomain_legs": LEGS_FAMILIES,
+    "interdomain_s4d": S4D_FAMILIES,
+    # Layers have no reference VJP: forward only [decision].
+    "fpa_layer": {"shapes": Family(2, _layer_family("fpa"), "random layer, H = 2")},
+    "interdomain_layer": {
+        "shapes": Family(2, _layer_family("interdomain"), "S4D-Inv init, linear readout"),
+        "ratio": Family(1, _layer_family("interdomain", "ratio"), "ratio readout, positive k~"),
+    },
+}
+PREFIX = {
+    "fpa_attention": "fpa",
+    "fox_attention": "fox",
+    "fpa_decode": "decode",
+    "interdomain_legs": "legs",
+    "interdomain_s4d": "s4d",
+    "fpa_layer": "fpa_layer",
+    "interdomain_layer": "interdomain_layer",
+}
+OP_OF_PREFIX = {prefix: op for op, prefix in PREFIX.items()}
+
+
+def build_case(case_id: str, seed: int | None = None) -> Case:
+    """Build one case from its id (``fpa/ragged/2``); ``seed`` overrides the id's seed."""
+    try:
+        prefix, family, index = case_id.split("/")
+        op = OP_OF_PREFIX[prefix]
+        fam = FAMILIES[op][family]
+        n = int(index)
+    except (ValueError, KeyError):
+        raise ValueError(f"case id: unknown case {case_id!r}") from None
+    if not 0 <= n < fam.count and seed is None:
+        raise ValueError(f"case id: {case_id!r} out of range: family has {fam.count} cases")
+    seed = case_seed(case_id) if seed is None else seed
+    inputs, params = fam.build(np.random.default_rng(seed), n)
+    gradient, fd, note = fam.gradient, fam.finite_difference, fam.note
+    if gradient and _vanishing_gradients(op, inputs, params):
+        gradient, fd = False, False
+        note += "; output only: " + VANISHING
+    return Case(case_id, op, seed, inputs, params, gradient, fd, note)
+
+
+VANISHING = (
+    "with T = 1 (or M = 1 for LegS) every gradient but that of the values vanishes "
+    "identically, so a relative error is undefined"
+)
+
+
+def _vanishing_gradients(op: str, inputs: dict, params: dict) -> bool:
+    T = next(iter(inputs.values())).shape[-2]
+    return T == 1 or (op == "interdomain_legs" and params["M"] == 1)
+
+
+def case_ids(ops: list[str] | None = None) -> list[str]:
+    """Every case id, in a stable order."""
+    ids = []
+    for op, families in FAMILIES.items():
+        if ops is None or op in ops:
+            for name, fam in families.items():
+                ids.extend(f"{PREFIX[op]}/{name}/{n}" for n in range(fam.count))
+    return ids
+
+
+def generate_cases(ops: list[str] | None = None, prefixes: list[str] | None = None) -> list[Case]:
+    """All cases of the given ops whose id starts with one of ``prefixes`` (all by default)."""
+    ids = [i for i in case_ids(ops) if not prefixes or any(i.startswith(p) for p in prefixes)]
+    return [build_case(i) for i in ids]

@@ -1,0 +1,118 @@
+"""The backend protocol: what a backend provides, and the table of ops the kit checks.
+
+A backend is any object with:
+
+- ``name: str`` and ``dtypes: tuple[str, ...]`` (the dtypes it accepts: float64, float32,
+  float16, bfloat16);
+- ``capabilities() -> set[str]``: the op names it implements, plus ``"<op>.vjp"`` for each op
+  whose gradients it provides. Anything absent is reported as "not implemented";
+- ``asarray(x: numpy.ndarray, dtype: str)`` and ``to_numpy(x) -> numpy.ndarray``: the adapter,
+  the only place where arrays cross between NumPy and the backend;
+- the ops below, called with keyword arguments in the canonical layout, returning its own arrays;
+- ``vjp(op, inputs, params, cotangents) -> dict``: input cotangents by input name.
+
+Complex parameters cross the boundary as (re, im) pairs of real arrays (``lam_re``, ``lam_im``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+
+@runtime_checkable
+class Backend(Protocol):
+    name: str
+    dtypes: tuple[str, ...]
+
+    def capabilities(self) -> set[str]: ...
+
+    def asarray(self, x: np.ndarray, dtype: str) -> Any: ...
+
+    def to_numpy(self, x: Any) -> np.ndarray: ...
+
+    def vjp(self, op: str, inputs: dict, params: dict, cotangents: dict) -> dict: ...
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """One op of the protocol.
+
+    inputs: array arguments in canonical order; ``wide`` ones stay float32 or wider when the
+    tested dtype is narrower (field, level and gate arithmetic, SSM parameters) [decision].
+    outputs: names of the returned values with their tolerance quantity.
+    differentiable: inputs whose cotangents ``vjp`` must return.
+    """
+
+    name: str
+    inputs: tuple[str, ...]
+    outputs: tuple[tuple[str, str], ...]
+    differentiable: tuple[str, ...] = ()
+    wide: tuple[str, ...] = ()
+    layer: bool = False
+
+
+S4D_PARAMS = ("lam_re", "lam_im", "b_re", "b_im", "c_re", "c_im")
+
+OPS: dict[str, OpSpec] = {
+    spec.name: spec
+    for spec in [
+        OpSpec(
+            "fpa_attention",
+            ("q", "k", "v", "field", "level"),
+            (("o", "output"), ("lse", "lse")),
+            ("q", "k", "v", "field", "level"),
+            wide=("field", "level"),
+        ),
+        OpSpec(
+            "fox_attention",
+            ("q", "k", "v", "log_f"),
+            (("o", "output"),),
+            ("q", "k", "v", "log_f"),
+            wide=("log_f",),
+        ),
+        OpSpec(
+            "fpa_decode",
+            ("q", "k", "v", "field", "level"),
+            (("o", "output"), ("kept_fraction", "state")),
+            wide=("field", "level"),
+        ),
+        OpSpec("interdomain_legs", ("fq", "fk", "v"), (("o", "output"),), ("fq", "fk", "v")),
+        OpSpec(
+            "interdomain_s4d",
+            ("fq", "kt", "vt", *S4D_PARAMS),
+            (("o", "output"),),
+            ("fq", "kt", "vt", *S4D_PARAMS),
+            wide=S4D_PARAMS,
+        ),
+        OpSpec("fpa_layer", ("x",), (("y", "output"),), layer=True),
+        OpSpec("interdomain_layer", ("x",), (("y", "output"),), layer=True),
+    ]
+}
+
+
+def call_op(backend, op: str, inputs: dict, params: dict) -> dict[str, Any]:
+    """Call ``op`` on ``backend`` with native inputs; return its outputs by name.
+
+    Layer ops take ``x`` and a parameter dict: their inputs carry the parameters under
+    ``params.<name>`` keys.
+    """
+    spec = OPS[op]
+    fn = getattr(backend, op)
+    if spec.layer:
+        weights = {k.removeprefix("params."): v for k, v in inputs.items() if k != "x"}
+        result = fn(inputs["x"], weights, **params)
+    elif op == "fpa_attention":
+        result = fn(**inputs, **params, return_lse=True)
+    else:
+        result = fn(**inputs, **params)
+    names = [name for name, _ in spec.outputs]
+    if len(names) == 1:
+        return {names[0]: result}
+    if not isinstance(result, tuple | list) or len(result) != len(names):
+        raise TypeError(
+            f"{op}: expected a tuple of {len(names)} outputs {names}, got {type(result)}"
+        )
+    return dict(zip(names, result, strict=True))

@@ -1,0 +1,120 @@
+"""Reports of a conformance run: the summary table, failures with repro lines, JSON, JUnit XML."""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+from collections import defaultdict
+
+from .runner import RunReport
+from .tolerances import format_table as tolerance_table
+
+VERDICTS = ("passed", "failed", "not implemented", "skipped")
+
+
+def summary_rows(report: RunReport) -> list[dict]:
+    """One row per (op, dtype, kind): counts by verdict and the worst error / tolerance."""
+    groups: dict[tuple, list] = defaultdict(list)
+    for r in report.results:
+        groups[(r.op, r.dtype, r.kind)].append(r)
+    rows = []
+    for (op, dtype, kind), results in groups.items():
+        counts = {v: sum(r.verdict == v for r in results) for v in VERDICTS}
+        compared = [r for r in results if r.verdict in ("passed", "failed") and r.ratio == r.ratio]
+        worst = max(compared, key=lambda r: r.ratio, default=None)
+        rows.append(
+            {
+                "op": op,
+                "dtype": dtype,
+                "kind": kind,
+                **counts,
+                "worst_error": worst.error if worst else None,
+                "tolerance": worst.tolerance if worst else None,
+                "worst_case": worst.case_id if worst else None,
+            }
+        )
+    return rows
+
+
+def format_report(report: RunReport, *, max_failures: int = 30) -> str:
+    lines = [
+        f"attnspec conformance: backend {report.backend} on {report.device} "
+        f"({', '.join(f'{k} {v}' for k, v in report.versions.items())})",
+        "",
+    ]
+    head = (
+        f"{'op':<18} {'dtype':<8} {'kind':<17} {'pass':>5} {'fail':>5} {'n/i':>5} {'skip':>5}"
+        f"  {'worst error':>11} {'tolerance':>9}  verdict"
+    )
+    lines += [head, "-" * len(head)]
+    for row in summary_rows(report):
+        err = "" if row["worst_error"] is None else f"{row['worst_error']:.2e}"
+        tol = "" if row["tolerance"] is None else f"{row['tolerance']:.0e}"
+        if row["failed"]:
+            verdict = "FAILED"
+        elif row["passed"]:
+            verdict = "passed"
+        else:
+            verdict = "not implemented" if row["not implemented"] else "skipped"
+        lines.append(
+            f"{row['op']:<18} {row['dtype']:<8} {row['kind']:<17} {row['passed']:>5} "
+            f"{row['failed']:>5} {row['not implemented']:>5} {row['skipped']:>5}  "
+            f"{err:>11} {tol:>9}  {verdict}"
+        )
+    failures = [r for r in report.results if r.verdict == "failed"]
+    if failures:
+        lines += ["", f"{len(failures)} failure(s):"]
+        for r in failures[:max_failures]:
+            lines.append(f"  {r.case_id} [{r.dtype}, {r.kind}]: {r.message}")
+            lines.append(f"    repro: {r.repro}")
+        if len(failures) > max_failures:
+            lines.append(f"  ... and {len(failures) - max_failures} more (see --json)")
+    for warning in report.unmatched_skips:
+        lines.append(f"warning: skip entry {warning}")
+    lines += ["", "tolerances (normwise relative error):", tolerance_table(), ""]
+    counts = {v: sum(r.verdict == v for r in report.results) for v in VERDICTS}
+    lines.append(
+        f"{counts['passed']} passed, {counts['failed']} failed, "
+        f"{counts['not implemented']} not implemented, {counts['skipped']} skipped "
+        f"in {report.seconds:.1f} s"
+    )
+    return "\n".join(lines)
+
+
+def write_json(report: RunReport, path: str) -> None:
+    data = {
+        "backend": report.backend,
+        "device": report.device,
+        "versions": report.versions,
+        "seconds": report.seconds,
+        "summary": summary_rows(report),
+        "unmatched_skips": report.unmatched_skips,
+        "cases": [r.as_dict() for r in report.results],
+    }
+    with open(path, "w") as fh:
+        json.dump(data, fh, indent=1, default=float)
+
+
+def write_junit(report: RunReport, path: str) -> None:
+    """JUnit XML: one testcase per (case, dtype, kind); failures carry the repro line."""
+    suite = ET.Element(
+        "testsuite",
+        name=f"attnspec-conformance-{report.backend}",
+        tests=str(len(report.results)),
+        time=f"{report.seconds:.3f}",
+        failures=str(sum(r.verdict == "failed" for r in report.results)),
+        skipped=str(sum(r.verdict in ("skipped", "not implemented") for r in report.results)),
+    )
+    for r in report.results:
+        case = ET.SubElement(
+            suite,
+            "testcase",
+            classname=f"{report.backend}.{r.op}",
+            name=f"{r.case_id}[{r.dtype}-{r.kind}]",
+        )
+        if r.verdict == "failed":
+            failure = ET.SubElement(case, "failure", message=r.message[:500])
+            failure.text = f"{r.message}\nrepro: {r.repro}"
+        elif r.verdict in ("skipped", "not implemented"):
+            ET.SubElement(case, "skipped", message=f"{r.verdict}: {r.message}")
+    ET.ElementTree(suite).write(path, encoding="utf-8", xml_declaration=True)

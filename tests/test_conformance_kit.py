@@ -1,0 +1,431 @@
+"""Tests of the conformance kit: it passes the reference, catches every mutant, and reports."""
+
+import json
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+from attnspec.backends.numpy_backend import NumpyBackend
+from attnspec.backends.registry import get_backend
+from attnspec.conformance import cases, mutants, runner, strategies, vectors
+from attnspec.conformance.cli import main
+from attnspec.conformance.metrics import compare
+from attnspec.conformance.skips import SkipList
+from attnspec.conformance.tolerances import DTYPES, QUANTITIES, TOLERANCES, round_to
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(ROOT, "docs", "examples", "minimal_backend.py")
+
+
+@pytest.fixture(scope="module")
+def all_cases():
+    return cases.generate_cases()
+
+
+# ------------------------------------------------------------------------- cases
+
+
+def test_case_ids_are_stable_and_deterministic():
+    ids = cases.case_ids()
+    assert len(ids) == len(set(ids))
+    a, b = cases.build_case("fpa/ragged/2"), cases.build_case("fpa/ragged/2")
+    assert a.seed == cases.case_seed("fpa/ragged/2")
+    for name in a.inputs:
+        np.testing.assert_array_equal(a.inputs[name], b.inputs[name])
+
+
+def test_generator_has_not_drifted():
+    # Changing what an id names must come with a new GENERATOR_VERSION and a new value here.
+    case = cases.build_case("fox/shapes/1")
+    digest = float(sum(np.sum(x * (i + 1)) for i, x in enumerate(case.inputs.values())))
+    assert cases.GENERATOR_VERSION == "1"
+    assert digest == pytest.approx(-71.61663441961386, abs=1e-8)  # recorded at version 1
+
+
+def test_families_of_the_spec_are_present():
+    ids = cases.case_ids()
+    for family in [
+        "shapes",
+        "headdim",
+        "ragged",
+        "long",
+        "walk",
+        "monotone",
+        "brackets",
+        "constant",
+        "huge",
+        "cliff",
+        "one_walk",
+        "extreme_level",
+        "near_uniform",
+        "near_onehot",
+    ]:
+        assert any(i.startswith(f"fpa/{family}/") for i in ids), family
+    Ms = {cases.build_case(i).params["M"] for i in ids if i.startswith("legs/")}
+    assert {1, 64} <= Ms
+    moduli = [
+        np.abs(
+            cases.build_case(f"s4d/{f}/0").inputs["lam_re"]
+            + 1j * cases.build_case(f"s4d/{f}/0").inputs["lam_im"]
+        )
+        for f in ("long_memory", "short_memory")
+    ]
+    assert moduli[0].min() > 0.999 and moduli[1].max() < 0.62
+
+
+def test_gradient_cases_are_away_from_kinks(all_cases):
+    for case in all_cases:
+        if case.op == "fpa_attention" and case.finite_difference:
+            assert cases.fpa_kink_margin(case.inputs["field"], case.inputs["level"]) > 1e-4
+
+
+def test_ratio_cases_have_positive_denominators(all_cases):
+    checked = 0
+    for case in all_cases:
+        if case.op == "interdomain_legs":
+            assert (case.inputs["fq"] > 0).all() and (case.inputs["fk"] > 0).all()
+            checked += 1
+        elif case.op == "interdomain_s4d" and case.params["readout"] == "ratio":
+            assert (case.inputs["fq"] > 0).all() and (case.inputs["kt"] > 0).all()
+            checked += 1
+    assert checked == 11
+
+
+def test_unknown_case_id():
+    with pytest.raises(ValueError, match="case id: unknown case 'fpa/nosuch/0'"):
+        cases.build_case("fpa/nosuch/0")
+    with pytest.raises(ValueError, match="out of range"):
+        cases.build_case("fpa/long/5")
+
+
+# ------------------------------------------------------------------------- tolerances, metric
+
+
+def test_tolerance_table_complete():
+    for dtype in DTYPES:
+        for quantity in QUANTITIES:
+            assert TOLERANCES[(dtype, quantity)] > 0
+
+
+def test_bfloat16_rounding_nearest_even():
+    x = np.array([1.0, 1 + 2**-8, 1 + 3 * 2**-8, 1 + 2**-9, -3.0])
+    np.testing.assert_array_equal(round_to(x, "bfloat16"), [1.0, 1.0, 1 + 2**-6, 1.0, -3.0])
+
+
+def test_metric_fails_on_nan_shape_and_reports_worst_index():
+    ref = np.arange(6.0).reshape(2, 3)
+    bad = ref.copy()
+    bad[1, 2] = np.nan
+    assert not compare(bad, ref, 1.0).passed
+    assert "non-finite value nan at (1, 2)" in compare(bad, ref, 1.0).describe()
+    assert not compare(ref[:1], ref, 1.0).passed
+    off = ref.copy()
+    off[0, 1] += 1e-3
+    c = compare(off, ref, 1e-3)
+    assert c.worst_index == (0, 1) and c.worst_abs == pytest.approx(1e-3)
+    assert c.rel == pytest.approx(1e-3 / np.linalg.norm(ref))
+
+
+# ------------------------------------------------------------------------- the reference passes
+
+
+def test_reference_backend_passes_everything(all_cases):
+    report = runner.run(
+        NumpyBackend(), all_cases, ["float64", "float32", "float16"], finite_differences=True
+    )
+    bad = [(r.case_id, r.dtype, r.kind, r.message) for r in report.results if r.verdict != "passed"]
+    assert not bad
+    kinds = {r.kind for r in report.results}
+    assert kinds == {"output", "gradient", "finite_difference"}
+
+
+@settings(max_examples=25)
+@given(case=strategies.cases())
+def test_reference_passes_hypothesis_cases(case):
+    for kind in ("output", "gradient") if case.gradient else ("output",):
+        result = runner.run_case(NumpyBackend(), case, "float32", kind)
+        assert result.verdict == "passed", result.message
+
+
+# ------------------------------------------------------------------------- mutants
+
+
+@pytest.mark.parametrize("name", sorted(mutants.MUTANTS))
+def test_every_mutant_is_caught(name, all_cases):
+    report = runner.run(mutants.MUTANTS[name](), all_cases, ["float64"], backend_name=name)
+    caught = sorted({r.case_id for r in report.results if r.verdict == "failed"})
+    print(f"\n{name}: caught by {len(caught)} cases, e.g. {caught[:4]}")
+    assert caught
+
+
+def test_spec_mutants_are_all_there():
+    assert {
+        "ClosedSegment",
+        "SumNotMax",
+        "NoClamp",
+        "EarliestArgmin",
+        "NoScale",
+        "TransposePairing",
+        "RecurrenceOffByOne",
+        "DroppedDenominator",
+    } <= set(mutants.MUTANTS)
+
+
+def test_earliest_argmin_is_caught_only_by_tie_cases(all_cases):
+    report = runner.run(mutants.EarliestArgmin(), all_cases, ["float64"])
+    caught = {r.case_id.split("/")[1] for r in report.results if r.verdict == "failed"}
+    assert caught and caught <= {
+        "brackets",
+        "constant",
+        "near_uniform",
+        "extreme_level",
+        "unit_gates",
+    }
+
+
+# ------------------------------------------------------------------------- faults of a backend
+
+
+class Faulty(NumpyBackend):
+    def fox_attention(self, q, k, v, log_f, *, scale=None):
+        raise RuntimeError("kernel exploded")
+
+    def fpa_decode(self, q, k, v, field, level, *, theta, scale=None):
+        o, kept = super().fpa_decode(q, k, v, field, level, theta=theta, scale=scale)
+        return o[..., :-1, :], kept  # wrong shape
+
+    def interdomain_legs(self, fq, fk, v, *, M):
+        return super().interdomain_legs(fq, fk, v, M=M).astype(np.float64)  # wrong dtype
+
+    def interdomain_s4d(self, *args, **kwargs):
+        o = super().interdomain_s4d(*args, **kwargs)
+        o[..., -1, 0] = np.nan
+        return o
+
+    def capabilities(self):
+        return super().capabilities() - {"fpa_layer"} | {"interdomain_layer.vjp"}
+
+
+def test_backend_faults_are_reported_per_case():
+    selected = cases.generate_cases(
+        prefixes=[
+            "fox/shapes/1",
+            "decode/brackets/1",
+            "legs/shapes/1",
+            "s4d/shapes/1",
+            "fpa_layer/",
+        ]
+    )
+    report = runner.run(Faulty(), selected, ["float32"], backend_name="faulty")
+    by = {(r.case_id, r.kind): r for r in report.results}
+    assert "RuntimeError raised: kernel exploded" in by[("fox/shapes/1", "output")].message
+    assert "wrong shape" in by[("decode/brackets/1", "output")].message
+    assert "wrong dtype float64, expected float32" in by[("legs/shapes/1", "output")].message
+    assert "non-finite value nan" in by[("s4d/shapes/1", "output")].message
+    assert by[("fpa_layer/shapes/0", "output")].verdict == "not implemented"
+    assert not report.ok
+    r = by[("fox/shapes/1", "output")]
+    assert r.repro == "attnspec conformance --backend faulty --cases fox/shapes/1 --dtypes float32"
+
+
+def test_missing_attribute_and_missing_gradient():
+    class Claims(NumpyBackend):
+        def capabilities(self):
+            return {"fox_attention", "fox_attention.vjp"}
+
+        fox_attention = property(lambda self: None)  # claimed but not callable
+
+        def vjp(self, op, inputs, params, cotangents):
+            grads = super().vjp(op, inputs, params, cotangents)
+            del grads["log_f"]
+            return grads
+
+    case = cases.build_case("fox/shapes/1")
+    out = runner.run_case(Claims(), case, "float64", "output")
+    assert out.verdict == "failed" and "TypeError" in out.message
+    grad = runner.run_case(Claims(), case, "float64", "gradient")
+    assert grad.verdict == "failed" and "log_f: missing from the backend's vjp" in grad.message
+
+
+# ------------------------------------------------------------------------- CLI and reports
+
+
+def test_cli_reports_json_junit_and_exit_codes(tmp_path, capsys):
+    js, xml = tmp_path / "r.json", tmp_path / "r.xml"
+    assert (
+        main(
+            [
+                "conformance",
+                "--backend",
+                "numpy",
+                "--cases",
+                "fox/",
+                "decode/",
+                "--json",
+                str(js),
+                "--junit",
+                str(xml),
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "fox_attention      float32  output" in out and "0 failed" in out
+    data = json.loads(js.read_text())
+    assert {c["verdict"] for c in data["cases"]} == {"passed"}
+    assert data["cases"][0]["seed"] == cases.case_seed(data["cases"][0]["case_id"])
+    suite = ET.parse(xml).getroot()
+    assert int(suite.get("failures")) == 0 and len(suite) == len(data["cases"])
+
+    mutant = "attnspec.conformance.mutants:SumNotMax"
+    assert (
+        main(
+            [
+                "conformance",
+                "--backend",
+                mutant,
+                "--cases",
+                "fpa/walk/0",
+                "--no-gradients",
+                "--dtypes",
+                "float64",
+            ]
+        )
+        == 1
+    )
+    out = capsys.readouterr().out
+    repro = next(line.split("repro: ")[1] for line in out.splitlines() if "repro: " in line)
+    assert repro == f"attnspec conformance --backend {mutant} --cases fpa/walk/0 --dtypes float64"
+    assert main(repro.split()[1:]) == 1  # the repro line reproduces the failure
+
+    assert main(["conformance", "--backend", "nosuch"]) == 2
+    assert "unknown name 'nosuch'" in capsys.readouterr().err
+    assert main(["conformance", "--backend", "jax"]) == 2
+    assert "not part of this version" in capsys.readouterr().err
+
+
+def test_example_backend_from_the_docs(capsys):
+    assert main(["conformance", "--backend", f"{EXAMPLE}:MinimalFoX"]) == 0
+    out = capsys.readouterr().out
+    assert "fox_attention      float32  gradient" in out
+    assert "not implemented" in out
+
+
+def test_skip_files(tmp_path):
+    skip = tmp_path / "skips.txt"
+    skip.write_text("fox/shapes float32  # known float32 issue\nfpa/nosuch  # stale entry\n")
+    skips = SkipList.load("numpy", [str(skip)])
+    report = runner.run(
+        NumpyBackend(),
+        cases.generate_cases(prefixes=["fox/shapes/0"]),
+        ["float32", "float64"],
+        skips=skips,
+    )
+    verdicts = {(r.dtype, r.kind): r.verdict for r in report.results}
+    assert verdicts[("float32", "output")] == "skipped"
+    assert verdicts[("float64", "output")] == "passed"
+    assert report.unmatched_skips == [f"{skip}:2: 'fpa/nosuch' matched no case"]
+    bad = tmp_path / "bad.txt"
+    bad.write_text("fox/shapes\n")
+    with pytest.raises(ValueError, match="needs a reason"):
+        SkipList.load("numpy", [str(bad)])
+
+
+def test_registry_loads_module_attribute_and_files():
+    assert get_backend("attnspec.conformance.mutants:NoScale").name == "numpy"
+    assert get_backend(f"{EXAMPLE}:MinimalFoX").name == "minimal-fox"
+    with pytest.raises(ValueError, match="no attribute 'Nope'"):
+        get_backend("attnspec.conformance.mutants:Nope")
+    with pytest.raises(ValueError, match="device: the numpy backend runs on 'cpu' only"):
+        get_backend("numpy", "cuda")
+
+
+# ------------------------------------------------------------------------- golden vectors
+
+
+def test_vectors_round_trip(tmp_path):
+    vec, res = tmp_path / "vec", tmp_path / "res"
+    assert (
+        main(
+            [
+                "vectors",
+                "export",
+                str(vec),
+                "--cases",
+                "fpa/ragged/0",
+                "decode/brackets/1",
+                "s4d/ratio/1",
+            ]
+        )
+        == 0
+    )
+    manifest = json.loads((vec / "manifest.json").read_text())
+    assert len(manifest["cases"]) == 6 and manifest["generator_version"] == "1"
+    entry = next(e for e in manifest["cases"] if e["id"] == "decode/brackets/1")
+    assert entry["params"] == {"theta": 6.0}
+    vectors.write_results_from_backend(str(vec), str(res), NumpyBackend())
+    assert {v.verdict for v in vectors.check(str(vec), str(res))} == {"passed"}
+    assert main(["vectors", "check", str(vec), "--results", str(res)]) == 0
+
+    bad = tmp_path / "bad"
+    vectors.write_results_from_backend(str(vec), str(bad), mutants.NoClamp())
+    verdicts = {(v.id, v.dtype): v.verdict for v in vectors.check(str(vec), str(bad))}
+    assert verdicts[("fpa/ragged/0", "float64")] == "failed"
+    os.remove(bad / entry["file"])
+    verdicts = {(v.id, v.dtype): v.verdict for v in vectors.check(str(vec), str(bad))}
+    assert verdicts[("decode/brackets/1", entry["dtype"])] == "not implemented"
+
+    with open(vec / entry["file"], "ab") as fh:
+        fh.write(b"tampered")
+    tampered = {v.id: v.message for v in vectors.check(str(vec), str(res)) if v.verdict == "failed"}
+    assert "checksum mismatch" in tampered["decode/brackets/1"]
+
+
+# ------------------------------------------------------------------------- pytest plugin
+
+
+def run_pytest(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+
+
+def test_pytest_plugin_runs_the_cases(tmp_path):
+    ok = run_pytest(
+        "--pyargs",
+        "attnspec.conformance",
+        "--backend",
+        "numpy",
+        "--conformance-cases",
+        "fox/unit_gates,decode/brackets/0",
+        "-q",
+    )
+    assert ok.returncode == 0, ok.stdout
+    assert "18 passed" in ok.stdout  # 3 + 3 + 2 x 3 dtypes (T = 1: no gradient), decode 3
+    skip = tmp_path / "s.txt"
+    skip.write_text("legs/nosuch  # stale\n")
+    bad = run_pytest(
+        "--pyargs",
+        "attnspec.conformance",
+        "--backend",
+        "attnspec.conformance.mutants:EagerEviction",
+        "--conformance-cases",
+        "decode/brackets",
+        "--conformance-skips",
+        str(skip),
+        "-q",
+    )
+    assert bad.returncode == 1
+    assert (
+        "repro: attnspec conformance --backend attnspec.conformance.mutants:EagerEviction"
+        in bad.stdout
+    )
+    assert "skip entry" in bad.stdout and "'legs/nosuch' matched no case" in bad.stdout
