@@ -1,1 +1,16 @@
-"""attnspec.theory: numerical verification of the theorems and identities."""
+"""attnspec.theory: numerical verification of the theorems and identities of the spec.
+
+Each statement (T1-T6 of spec/fpa.md section 4, H1-H11 of spec/interdomain.md section 3, and
+the FoX reduction (F6)) is a registered check returning a statement, a witness, a measured value,
+a tolerance and a verdict. ``python -m attnspec.theory`` prints the table.
+"""
+
+from .registry import CHECKS, CheckResult, run_checks
+
+
+def load_all() -> None:
+    """Import every check module so that its checks register."""
+    from . import eviction, expressivity, fox_reduction, hippo_identities, stack  # noqa: F401
+
+
+__all__ = ["CHECKS", "CheckResult", "load_all", "run_checks"]

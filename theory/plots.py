@@ -1,0 +1,166 @@
+"""Teaching figures (matplotlib, PNG): the live-key stack, FPA vs FoX maps, LegS, eviction."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from attnspec.reference import fpa, hippo
+
+from .eviction import eviction_fields
+from .expressivity import attention_weights
+from .hippo_identities import legs_error_curve
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:  # pragma: no cover - exercised only without the extra
+        raise ImportError(
+            "attnspec theory --plots needs matplotlib: pip install 'attnspec[plots]'"
+        ) from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_stack(path: str) -> None:
+    """(1) A bracket field and the live-key stack at every step (T1)."""
+    plt = _pyplot()
+    tokens = list("a(b(cd)e(f)g)h(i(j)k)l")
+    field = np.cumsum([{"(": 1.0, ")": -1.0}.get(t, 0.0) for t in tokens])
+    live = fpa.live_keys(field, field)
+    T = len(tokens)
+    fig, (top, bottom) = plt.subplots(
+        2, 1, figsize=(9, 7), sharex=True, gridspec_kw={"height_ratios": [1, 2]}
+    )
+    top.step(range(T), field, where="mid", color="C0", label="field phi_t (depth)")
+    top.set_ylabel("field phi")
+    top.set_title("Brackets: delta = +1 on '(', -1 on ')'; level = field (one walk)")
+    top.legend(loc="upper left")
+    bottom.imshow(live.T, origin="lower", cmap="Greens", aspect="auto", interpolation="nearest")
+    bottom.set_xticks(range(T), [f"{i}\n{t}" for i, t in enumerate(tokens)])
+    bottom.set_yticks(range(T), [f"{t} {j}" for j, t in enumerate(tokens)])
+    bottom.set_xlabel("query position i (token)")
+    bottom.set_ylabel("key j (token)")
+    bottom.set_title("Live keys (green) at each step: a stack; a closed block is forgotten")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_attention_maps(path: str) -> None:
+    """(2) FoX vs FPA attention weights on the same queries, keys and values."""
+    plt = _pyplot()
+    rng = np.random.default_rng(50)
+    T, dk = 32, 8
+    q, k = rng.standard_normal((2, T, dk))
+    log_f = -np.log1p(np.exp(-rng.normal(1.0, 1.0, T)))  # logsigmoid gates
+    c = np.cumsum(log_f)
+    walk = 1.5 * np.cumsum(rng.choice([1.0, -1.0, 0.0], size=T, p=[0.35, 0.35, 0.3]))
+    maps = [
+        (
+            "FoX (log f = logsigmoid)",
+            attention_weights(fpa.fox_attention_direct, q, k, log_f=log_f),
+        ),
+        (
+            "FPA, field = level = cumsum(log f)  (F6)",
+            attention_weights(fpa.fpa_attention, q, k, field=c, level=c),
+        ),
+        (
+            "FPA, signed walk field, level = field",
+            attention_weights(fpa.fpa_attention, q, k, field=walk, level=walk),
+        ),
+    ]
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.8))
+    for ax, (title, p) in zip(axes, maps, strict=True):
+        im = ax.imshow(p, cmap="viridis", vmin=0, vmax=1)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("key j")
+        ax.set_ylabel("query i")
+    fig.colorbar(im, ax=axes, label="attention weight p_ij", shrink=0.8)
+    fig.suptitle("Same q, k: FoX equals FPA on its monotone field; a signed field forgets blocks")
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
+def plot_legs(path: str) -> None:
+    """(3) LegS reconstruction of a token sequence, and the readout error vs M (H4)."""
+    plt = _pyplot()
+    rng = np.random.default_rng(51)
+    T = 64
+    f = np.sin(np.linspace(0, 3 * np.pi, T)) + 0.3 * rng.standard_normal(T)
+    x = np.linspace(0, T, 600)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
+    left.step(
+        np.arange(T + 1),
+        np.append(f, f[-1]),
+        where="post",
+        color="k",
+        lw=1,
+        label="tokens f_n on [n-1, n)",
+    )
+    for M in (4, 16, 64):
+        c = hippo.legs_project(f, M)[-1]
+        left.plot(x, hippo.legs_reconstruct(c, T, x), label=f"LegS, M = {M}")
+    left.set_xlabel("time t")
+    left.set_ylabel("value")
+    left.set_title(f"Reconstruction from the LegS coefficients at t = {T}")
+    left.legend(fontsize=8)
+    curve = legs_error_curve()
+    right.loglog([m for m, _ in curve], [e for _, e in curve], "o-", label="LegS ratio readout")
+    right.set_xlabel("basis size M")
+    right.set_ylabel("relative error vs linear attention (I1)")
+    right.set_title("Interdomain readout error falls with M (H4), T = 64")
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_eviction(path: str) -> None:
+    """(4) Kept fraction of the KV cache vs the eviction threshold theta (F7, T3)."""
+    plt = _pyplot()
+    rng = np.random.default_rng(52)
+    T, dk = 256, 8
+    q, k = rng.standard_normal((2, T, dk))
+    v = rng.standard_normal((T, 4))
+    thetas = np.array([0.5, 1, 2, 4, 8, 12, 16, 24, 32, 48])
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for kind, field in eviction_fields(T).items():
+        kept = [fpa.fpa_decode(q, k, v, field, field, theta=t).kept_fraction for t in thetas]
+        ax.semilogx(thetas, kept, "o-", label=kind)
+    U = np.abs(q @ k.T).max() / np.sqrt(dk)
+    for eps in (1e-2, 1e-8):
+        theta = fpa.eviction_threshold(U, T, eps)
+        ax.axvline(theta, color="gray", ls="--", lw=1)
+        ax.text(theta, 0.05, f" safe for eps={eps:g}", rotation=90, fontsize=8, color="gray")
+    ax.set_xlabel("eviction threshold theta")
+    ax.set_ylabel("kept fraction (peak cache / T)")
+    ax.set_ylim(0, 1.05)
+    ax.set_title(f"FPA decoding with eviction, T = {T}, level = field")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+FIGURES = {
+    "stack.png": plot_stack,
+    "attention_maps.png": plot_attention_maps,
+    "legs.png": plot_legs,
+    "eviction.png": plot_eviction,
+}
+
+
+def write_all(directory: str) -> list[str]:
+    """Write every figure into ``directory`` (created if missing); return the paths."""
+    os.makedirs(directory, exist_ok=True)
+    paths = []
+    for name, plot in FIGURES.items():
+        path = os.path.join(directory, name)
+        plot(path)
+        paths.append(path)
+    return paths
