@@ -31,3 +31,8 @@ format: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .hypothesis
+
+# The documentation site (needs the docs extra; not part of CI).
+docs: $(STAMP)
+	$(PY) -m pip install --quiet -e ".[docs]"
+	$(PY) -m mkdocs build --strict
