@@ -395,6 +395,11 @@ class FPADecoder:
     def cache_size(self) -> int:
         return len(self.positions)
 
+    @property
+    def kept_fraction(self) -> float:
+        """Peak cache size over the tokens seen so far (1.0 without eviction)."""
+        return self.peak_cache_size / max(self.steps, 1)
+
     def step(self, q, k, v, field: float, level: float) -> np.ndarray:
         """Consume token t = ``self.steps`` and return its output o_t, shape (dv,)."""
         q = real_array("q", q, min_ndim=1)
@@ -462,8 +467,8 @@ def fpa_decode(
         for t in range(T):
             o[b][t] = decoder.step(q[b][t], k[b][t], v[b][t], field[b][t], level[b][t])
             sizes[b][t] = decoder.cache_size
-        peaks.append(decoder.peak_cache_size)
-    return DecodeResult(o, sizes, float(np.mean(peaks)) / T)
+        peaks.append(decoder.kept_fraction)
+    return DecodeResult(o, sizes, float(np.mean(peaks)))
 
 
 def eviction_threshold(bound_logit: float, n_keys: int, eps: float) -> float:

@@ -63,7 +63,7 @@ def linear_attention(fq, fk, v) -> np.ndarray:
     """
     fq, fk, v = _check_fq_fk_v(fq, fk, v)
     scores = np.tril(fq @ np.swapaxes(fk, -1, -2))  # (..., T, T), zero above the diagonal
-    return (scores @ v) / scores.sum(axis=-1, keepdims=True)
+    return (scores @ v) / scores.sum(axis=-1, keepdims=True)  # (I1)
 
 
 class Coefficients(NamedTuple):
@@ -103,8 +103,8 @@ def basis_coefficients(fk, v, M: int) -> Coefficients:
 def ratio_readout(fq, coeffs: Coefficients) -> np.ndarray:
     """(I3) o_i = sum_m (fq_i . u_m) gamma_m / sum_m (fq_i . u_m) eta_m, row by row."""
     a = np.einsum("...tmr,...tr->...tm", coeffs.U, fq)  # (..., T, M) = U_i fq_i
-    num = np.einsum("...tm,...tmd->...td", a, coeffs.Gamma)
-    den = np.einsum("...tm,...tm->...t", a, coeffs.eta)
+    num = np.einsum("...tm,...tmd->...td", a, coeffs.Gamma)  # (I3) sum_m (fq . u_m) gamma_m
+    den = np.einsum("...tm,...tm->...t", a, coeffs.eta)  # (I3) sum_m (fq . u_m) eta_m
     return num / den[..., None]
 
 
@@ -138,7 +138,7 @@ def discrete_coefficients(fk, v, M: int) -> Coefficients:
     eta = np.zeros((*lead, T, M))
     for i in range(T):
         n = i + 1
-        G = discrete_orthonormal_basis(n, min(M, n))  # (n, M_i)
+        G = discrete_orthonormal_basis(n, min(M, n))  # (I7) (n, M_i)
         w = G.shape[1]
         U[..., i, :w, :] = np.einsum("tm,...tr->...mr", G, fk[..., :n, :]) / n
         Gamma[..., i, :w, :] = np.einsum("tm,...td->...md", G, v[..., :n, :]) / n
@@ -230,7 +230,7 @@ def feature_map(y, eps: float = 1e-6) -> np.ndarray:
     """(I9) xi(y) = SiLU(y) / sqrt(||y||^2 + eps) over the last axis (the head dim)."""
     y = real_array("y", y, min_ndim=1)
     silu = y * expit(y)  # SiLU, stable for large |y|
-    return silu / np.sqrt(np.sum(y**2, axis=-1, keepdims=True) + eps)
+    return silu / np.sqrt(np.sum(y**2, axis=-1, keepdims=True) + eps)  # (I9)
 
 
 def rms_norm(x, g, eps: float = 1e-6) -> np.ndarray:
@@ -239,7 +239,7 @@ def rms_norm(x, g, eps: float = 1e-6) -> np.ndarray:
     g = real_array("g", g, min_ndim=1)
     if g.shape != x.shape[-1:]:
         raise ValueError(f"g: expected shape {x.shape[-1:]} (last axis of x), got {g.shape}")
-    return x / np.sqrt(np.mean(x**2, axis=-1, keepdims=True) + eps) * g
+    return x / np.sqrt(np.mean(x**2, axis=-1, keepdims=True) + eps) * g  # (I10)
 
 
 def rope(x) -> np.ndarray:
@@ -269,8 +269,8 @@ def s4d_lambda(log_dt, a_log, a_im) -> np.ndarray:
     a_im = real_array("a_im", a_im, min_ndim=2)
     check_shape("a_log", a_log, (log_dt.shape[0], a_log.shape[1]), "(H, M), H from log_dt")
     check_shape("a_im", a_im, a_log.shape, "same as a_log")
-    a = -np.exp(a_log) + 1j * a_im
-    return np.exp(np.exp(log_dt)[:, None] * a)
+    a = -np.exp(a_log) + 1j * a_im  # (I11)
+    return np.exp(np.exp(log_dt)[:, None] * a)  # (I11) Lambda = exp(dt a)
 
 
 # --------------------------------------------------------------------------------------------
@@ -391,7 +391,7 @@ def interdomain_s4d_oracle(fq, kt, vt, lam, b, c, *, readout: str = "linear") ->
     fq, kt, vt, lam, b, c = _check_s4d(fq, kt, vt, lam, b, c)
     T = fq.shape[-2]
     K = np.einsum("hmn,hpn->hpm", c, lam[:, None, :] ** np.arange(T)[None, :, None] * b[:, None])
-    w = np.einsum("hpm,hqm->hpq", K.conj(), K)  # (H, T, T) w(p, p')
+    w = np.einsum("hpm,hqm->hpq", K.conj(), K)  # H9: (H, T, T) w(p, p')
     o = np.zeros(vt.shape)
     for t in range(T):
         lag = t - np.arange(t + 1)  # p = t - s for s = 0..t
@@ -504,7 +504,9 @@ class InterdomainDecoder:
             self.state = np.zeros((*z.shape[:-1], self.lam.shape[1], z.shape[-1]), complex)
         elif self.state.shape[-1] != z.shape[-1] or self.state.shape[:-2] != z.shape[:-1]:
             raise ValueError(f"step: inputs changed shape from the first step ({z.shape})")
-        self.state = self.lam[:, :, None] * self.state + self.b[:, :, None] * z[..., None, :]
+        self.state = (
+            self.lam[:, :, None] * self.state + self.b[:, :, None] * z[..., None, :]
+        )  # (I11)
         Y = self.c @ self.state  # (I12)
         a = np.einsum("...mr,...r->...m", Y[..., :R], fq)
         o = np.einsum("...m,...md->...d", a.conj(), Y[..., R : R + dv]).real  # (I13)

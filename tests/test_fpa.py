@@ -306,6 +306,7 @@ def test_decoder_cache_is_the_live_stack_when_theta_small():
     for t in range(30):
         dec.step(np.zeros(1), np.zeros(1), np.zeros(1), field[t], field[t])
         assert dec.positions == list(np.flatnonzero(live[t]))
+    assert dec.kept_fraction == max(live[t].sum() for t in range(30)) / 30
 
 
 # ------------------------------------------------------------------------- bad input

@@ -26,6 +26,15 @@ def _pyplot():
     return plt
 
 
+def _save(fig, path: str, *, tight: bool = True) -> None:
+    import matplotlib.pyplot as plt
+
+    if tight:
+        fig.tight_layout()
+    fig.savefig(path, dpi=120, bbox_inches=None if tight else "tight")
+    plt.close(fig)
+
+
 def plot_stack(path: str) -> None:
     """(1) A bracket field and the live-key stack at every step (T1)."""
     plt = _pyplot()
@@ -46,9 +55,7 @@ def plot_stack(path: str) -> None:
     bottom.set_xlabel("query position i (token)")
     bottom.set_ylabel("key j (token)")
     bottom.set_title("Live keys (green) at each step: a stack; a closed block is forgotten")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def plot_attention_maps(path: str) -> None:
@@ -82,8 +89,7 @@ def plot_attention_maps(path: str) -> None:
         ax.set_ylabel("query i")
     fig.colorbar(im, ax=axes, label="attention weight p_ij", shrink=0.8)
     fig.suptitle("Same q, k: FoX equals FPA on its monotone field; a signed field forgets blocks")
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
+    _save(fig, path, tight=False)
 
 
 def plot_legs(path: str) -> None:
@@ -115,9 +121,7 @@ def plot_legs(path: str) -> None:
     right.set_ylabel("relative error vs linear attention (I1)")
     right.set_title("Interdomain readout error falls with M (H4), T = 64")
     right.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def plot_eviction(path: str) -> None:
@@ -142,9 +146,7 @@ def plot_eviction(path: str) -> None:
     ax.set_ylim(0, 1.05)
     ax.set_title(f"FPA decoding with eviction, T = {T}, level = field")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path)
 
 
 FIGURES = {
