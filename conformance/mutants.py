@@ -199,3 +199,5 @@ MUTANTS: dict[str, type[NumpyBackend]] = {
         EulerLegs,
     ]
 }
+for _name, _cls in MUTANTS.items():
+    _cls.name = f"mutant-{_name}"  # its own skip file, and no reference-only checks

@@ -78,7 +78,7 @@ def _export_case(directory: str, case: Case, dtype: str) -> dict:
     arrays.update({f"out.{n}": np.asarray(x, dtype=np.float64) for n, x in outs.items()})
     tolerances = {n: tolerance(case.op, dtype, q) for n, q in spec.outputs}
     if case.gradient:
-        cot = cotangents(case, outs)
+        cot = cotangents(case, outs, dtype)
         grads = REFERENCE.vjp(case.op, inputs, case.params, cot)
         arrays.update({f"cot.{n}": c for n, c in cot.items()})
         arrays.update({f"grad.{n}": np.asarray(grads[n], np.float64) for n in spec.differentiable})

@@ -337,7 +337,7 @@ def test_skip_files(tmp_path):
 
 
 def test_registry_loads_module_attribute_and_files():
-    assert get_backend("attnspec.conformance.mutants:NoScale").name == "numpy"
+    assert get_backend("attnspec.conformance.mutants:NoScale").name == "mutant-NoScale"
     assert get_backend(f"{EXAMPLE}:MinimalFoX").name == "minimal-fox"
     with pytest.raises(ValueError, match="no attribute 'Nope'"):
         get_backend("attnspec.conformance.mutants:Nope")
