@@ -230,25 +230,46 @@ FOX_FAMILIES = {
 }
 
 
-def _decode_family(bracket: bool):
+def threshold_in_widest_gap(depths: np.ndarray, low: float = 1.0, high: float = 8.0) -> float:
+    """The midpoint of the widest gap between the distinct depths in [low, high] (and its ends),
+    so that no key's depth lies near the eviction threshold."""
+    points = np.unique(np.concatenate([[low, high], depths[(depths > low) & (depths < high)]]))
+    widest = int(np.argmax(np.diff(points)))
+    return float((points[widest] + points[widest + 1]) / 2)
+
+
+def _decode_family(kind: str):
     def build(rng, n):
         B, H, T, dk, dv = [(1, 1, 1, 8, 8), (1, 2, 33, 8, 4), (2, 1, 65, 4, 8)][n % 3]
-        if bracket:
+        level = None
+        if kind == "brackets":
             f = 4.0 * _bracket_walk(rng, (B, H, T))
             theta = 6.0  # depths are multiples of 4: no depth within 2 of theta
+        elif kind == "walk":
+            f = 2.0 * np.cumsum(rng.standard_normal((B, H, T)), axis=-1)
+            level = f + 0.5 * rng.standard_normal((B, H, T))  # general levels: not one walk
+            theta = threshold_in_widest_gap(fpa.descent_depth(f, level).ravel())
         else:
             f = np.cumsum(rng.standard_normal((B, H, T)), axis=-1)
             theta = np.inf
         q, k = rng.standard_normal((2, B, H, T, dk))
         v = rng.standard_normal((B, H, T, dv))
-        return {"q": q, "k": k, "v": v, "field": f, "level": f.copy()}, {"theta": theta}
+        level = f.copy() if level is None else level
+        return {"q": q, "k": k, "v": v, "field": f, "level": level}, {"theta": theta}
 
     return build
 
 
 DECODE_FAMILIES = {
-    "no_eviction": Family(3, _decode_family(False), "theta = inf: equals the parallel op"),
-    "brackets": Family(3, _decode_family(True), "bracket field x4, theta = 6: far from all depths"),
+    "no_eviction": Family(3, _decode_family("inf"), "theta = inf: equals the parallel op"),
+    "brackets": Family(
+        3, _decode_family("brackets"), "bracket field x4, theta = 6: far from all depths"
+    ),
+    "walk": Family(
+        3,
+        _decode_family("walk"),
+        "random-walk field, offset levels; theta mid-way in the widest gap of the depths",
+    ),
 }
 
 

@@ -25,7 +25,9 @@ from .fpa import (
     live_keys,
     segment_argmin,
     segment_min,
+    segment_min_tiled,
     stack_live_keys,
+    tile_skippable,
 )
 from .hippo import (
     discrete_orthonormal_basis,
@@ -102,6 +104,8 @@ __all__ = [
     "s4d_lambda",
     "segment_argmin",
     "segment_min",
+    "segment_min_tiled",
     "short_conv",
     "stack_live_keys",
+    "tile_skippable",
 ]

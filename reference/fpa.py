@@ -477,6 +477,69 @@ def eviction_threshold(bound_logit: float, n_keys: int, eps: float) -> float:
 
 
 # --------------------------------------------------------------------------------------------
+# Tiled computation (spec section 7), for kernel writers
+
+
+def segment_min_tiled(field, block: int) -> np.ndarray:
+    """(F1) assembled tile by tile, as a blocked kernel computes it; equals :func:`segment_min`.
+
+    For a key block [j0, j1] strictly before a query block [i0, i1]:
+    m_ij = min(A_j, mid, B_i), A_j = min phi over (j, j1] (suffix min inside the key block),
+    mid = min phi over (j1, i0) (the gap), B_i = min phi over [i0, i] (prefix min inside the
+    query block). Diagonal blocks use the direct in-block segment minimum.
+
+    Args:
+        field: (..., T); block: tile size >= 1.
+
+    Returns:
+        (..., T, T) float64, +inf where j >= i.
+    """
+    field = real_array("field", field, min_ndim=1)
+    block = int(block)
+    if block < 1:
+        raise ValueError(f"block: expected a tile size >= 1, got {block}")
+    T = field.shape[-1]
+    m = np.full((*field.shape, T), np.inf)
+    starts = range(0, T, block)
+    for i0 in starts:
+        i1 = min(i0 + block, T) - 1
+        rows = field[..., i0 : i1 + 1]
+        B = np.minimum.accumulate(rows, axis=-1)  # min over [i0, i]
+        m[..., i0 : i1 + 1, i0 : i1 + 1] = segment_min(rows)  # diagonal block
+        for j0 in starts:
+            j1 = min(j0 + block, T) - 1
+            if j1 >= i0:
+                break
+            cols = field[..., j0 : j1 + 1]
+            # A_j = min over (j, j1]: a reversed running min, shifted by one, +inf at j = j1.
+            suffix = np.minimum.accumulate(cols[..., ::-1], axis=-1)[..., ::-1]
+            A = np.concatenate([suffix[..., 1:], np.full((*cols.shape[:-1], 1), np.inf)], axis=-1)
+            gap = field[..., j1 + 1 : i0]
+            mid = gap.min(axis=-1) if gap.shape[-1] else np.full(field.shape[:-1], np.inf)
+            tile = np.minimum(np.minimum(A[..., None, :], mid[..., None, None]), B[..., :, None])
+            m[..., i0 : i1 + 1, j0 : j1 + 1] = tile
+    return m
+
+
+def tile_skippable(field, level, keys: tuple[int, int], query_start: int, theta: float) -> bool:
+    """Section 7: may the key block [j0, j1] be skipped for every query at or after i0?
+
+    True when min_j l_j - min phi over (j1, i0] >= theta: then pi_ij >= theta for every key of
+    the block and every i >= i0, and by (T2) for every later query block too.
+    """
+    field = real_array("field", field, min_ndim=1)
+    level = real_array("level", level, min_ndim=1)
+    check_shape("level", level, field.shape, "same as field")
+    j0, j1 = keys
+    if not 0 <= j0 <= j1 < query_start <= field.shape[-1] - 1:
+        raise ValueError(
+            f"keys, query_start: expected j0 <= j1 < i0 < T, got {keys}, {query_start}"
+        )
+    lowest_level = level[..., j0 : j1 + 1].min()
+    return bool(lowest_level - field[..., j1 + 1 : query_start + 1].min() >= theta)
+
+
+# --------------------------------------------------------------------------------------------
 # The layer (spec section 3)
 
 FPA_PARAMETER_SCHEMA = {

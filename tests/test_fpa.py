@@ -393,3 +393,30 @@ def test_fox_initialised_layer_is_fox():
     log_f = -np.logaddexp(0.0, -(x @ p["w_delta"][:, 0]))
     want = fpa.fox_attention_direct(x @ p["wq"], x @ p["wk"], x @ p["wv"], log_f) @ p["wo"]
     np.testing.assert_allclose(fpa.fpa_layer(x, p, increments="logsigmoid"), want, rtol=1e-12)
+
+
+# ------------------------------------------------------------------------- section 7 tiles
+
+
+@pytest.mark.parametrize("block", [1, 3, 4, 16, 64])
+def test_tiled_segment_min_equals_direct(block):
+    rng = np.random.default_rng(40)
+    for T in (1, 5, 16, 37):
+        field = np.cumsum(rng.standard_normal((2, T)), axis=-1)
+        np.testing.assert_array_equal(fpa.segment_min_tiled(field, block), fpa.segment_min(field))
+
+
+def test_skippable_tiles_are_evictable_for_every_later_query():
+    rng = np.random.default_rng(41)
+    T, block, theta = 64, 8, 3.0
+    skipped = 0
+    for _ in range(20):
+        field = 2 * np.cumsum(rng.standard_normal(T))
+        level = field + rng.standard_normal(T)
+        pi = fpa.descent_depth(field, level)
+        for j0 in range(0, T, block):
+            for i0 in range(j0 + block, T, block):
+                if fpa.tile_skippable(field, level, (j0, j0 + block - 1), i0, theta):
+                    skipped += 1
+                    assert (pi[i0:, j0 : j0 + block] >= theta).all()
+    assert skipped > 50  # the statement was exercised
