@@ -45,10 +45,9 @@ def plot_stack(path: str) -> None:
     fig, (top, bottom) = plt.subplots(
         2, 1, figsize=(9, 7), sharex=True, gridspec_kw={"height_ratios": [1, 2]}
     )
-    top.step(range(T), field, where="mid", color="C0", label="field phi_t (depth)")
-    top.set_ylabel("field phi")
+    top.step(range(T), field, where="mid", color="C0")
+    top.set_ylabel("field phi_t (depth)")
     top.set_title("Brackets: delta = +1 on '(', -1 on ')'; level = field (one walk)")
-    top.legend(loc="upper left")
     bottom.imshow(live.T, origin="lower", cmap="Greens", aspect="auto", interpolation="nearest")
     bottom.set_xticks(range(T), [f"{i}\n{t}" for i, t in enumerate(tokens)])
     bottom.set_yticks(range(T), [f"{t} {j}" for j, t in enumerate(tokens)])
