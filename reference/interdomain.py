@@ -14,7 +14,7 @@ from typing import NamedTuple
 import numpy as np
 from scipy.special import expit
 
-from .hippo import _legs_step_cached, discrete_orthonormal_basis, legs_project, s4d_init
+from .hippo import discrete_orthonormal_basis, legs_project, legs_project_vjp, s4d_init
 from .validation import (
     check_length,
     check_shape,
@@ -152,21 +152,6 @@ def interdomain_discrete(fq, fk, v, M: int) -> np.ndarray:
     return ratio_readout(fq, discrete_coefficients(fk, v, M))
 
 
-def legs_kernel(T: int, M: int) -> np.ndarray:
-    """K[i, n] (T, T, M): the coefficient vector that token n contributes at time i (0 if n > i).
-
-    (I5) is linear: c_i = sum_{n<=i} K[i, n] f_n with K[i, n] = E_i ... E_{n+1} F_n.
-    """
-    K = np.zeros((T, T, M))
-    for n in range(1, T + 1):
-        _, col = _legs_step_cached(n, M)
-        for i in range(n, T + 1):
-            if i > n:
-                col = _legs_step_cached(i, M)[0] @ col
-            K[i - 1, n - 1] = col
-    return K
-
-
 class LegsGrads(NamedTuple):
     dfq: np.ndarray
     dfk: np.ndarray
@@ -195,10 +180,14 @@ def interdomain_legs_vjp(fq, fk, v, M: int, d_out) -> LegsGrads:
     dfq = np.einsum("...tmr,...tm->...tr", co.U, da)
     dU = np.einsum("...tm,...tr->...tmr", da, fq)
     dGamma = np.einsum("...tm,...td->...tmd", a, dnum)
-    # Adjoint of U_i = sum_{n<=i} K[i, n] fk_n^T: dfk_n = sum_{i>=n} dU_i^T K[i, n].
-    K = legs_kernel(T, M)
-    dfk = np.einsum("inm,...imr->...nr", K, dU)
-    dv = np.einsum("inm,...imd->...nd", K, dGamma)
+    # Adjoint of the projection (I5) of the channels [fk, v], by the reverse scan; the layout
+    # mirrors basis_coefficients: token axis first, batch and channels flattened.
+    dc = np.concatenate([dU, dGamma], axis=-1)  # (..., T, M, R + dv)
+    dc = np.moveaxis(dc, (-3, -2), (0, 1))  # (T, M, ..., C)
+    df = legs_project_vjp((T, dc[0, 0].size), dc.reshape(T, M, -1))  # (T, prod(lead) * C)
+    df = np.moveaxis(df.reshape(T, *dc.shape[2:]), 0, -2)  # (..., T, C)
+    R = fk.shape[-1]
+    dfk, dv = df[..., :R], df[..., R:]
     return LegsGrads(dfq, dfk, dv)
 
 
@@ -431,7 +420,7 @@ def interdomain_s4d_vjp(fq, kt, vt, lam, b, c, d_out, *, readout: str = "linear"
     R, dv = kt.shape[-1], vt.shape[-1]
     z = _ssm_inputs(kt, vt, readout)  # (..., H, T, C)
     x = s4d_states(z, lam, b)  # (..., H, T, M, C)
-    Y = np.einsum("hmn,...htnc->...htmc", c, x)  # (I12)
+    Y = np.einsum("hmn,...htnc->...htmc", c, x, optimize=True)  # (I12); optimize: use BLAS
     U, Gamma = Y[..., :R], Y[..., R : R + dv]
     a = np.einsum("...tmr,...tr->...tm", U, fq)  # U_t fq_t
     num = np.einsum("...tm,...tmd->...td", a.conj(), Gamma).real
@@ -452,13 +441,14 @@ def interdomain_s4d_vjp(fq, kt, vt, lam, b, c, d_out, *, readout: str = "linear"
     dfq = np.einsum("...tmr,...tm->...tr", U.conj(), ga).real
 
     lead = tuple(range(x.ndim - 4))  # the batch axes before (H, T, M, C)
-    gc = np.einsum("...htmc,...htnc->...hmn", gY, x.conj()).sum(axis=lead)
-    gx_ext = np.einsum("hmn,...htmc->...htnc", c.conj(), gY)  # C^H g(Y_t)
+    gc = np.einsum("...htmc,...htnc->...hmn", gY, x.conj(), optimize=True).sum(axis=lead)
+    gx_ext = np.einsum("hmn,...htmc->...htnc", c.conj(), gY, optimize=True)  # C^H g(Y_t)
     T = z.shape[-2]
     gx = np.zeros_like(x)
     carry = np.zeros_like(x[..., 0, :, :])
+    decay = lam.conj()[:, :, None]  # the adjoint recurrence runs with conj(Lambda)
     for t in range(T - 1, -1, -1):
-        carry = gx_ext[..., t, :, :] + lam.conj()[:, :, None] * carry
+        carry = gx_ext[..., t, :, :] + decay * carry
         gx[..., t, :, :] = carry
     x_prev = np.concatenate([np.zeros_like(x[..., :1, :, :]), x[..., :-1, :, :]], axis=-3)
     glam = np.einsum("...htmc,...htmc->...hm", x_prev.conj(), gx).sum(axis=lead)
@@ -659,7 +649,6 @@ __all__ = [
     "interdomain_s4d",
     "interdomain_s4d_oracle",
     "interdomain_s4d_vjp",
-    "legs_kernel",
     "linear_attention",
     "ratio_readout",
     "rms_norm",
