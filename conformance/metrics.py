@@ -20,6 +20,13 @@ class Comparison:
     problem: str = ""  # shape, dtype or non-finite trouble; never passes
 
     @property
+    def ratio(self) -> float:
+        """rel / tolerance; with a zero tolerance (exact quantities) 0 if equal, else inf."""
+        if self.tolerance:
+            return self.rel / self.tolerance
+        return 0.0 if self.rel == 0 else float("inf")
+
+    @property
     def passed(self) -> bool:
         return not self.problem and self.rel <= self.tolerance  # NaN fails this comparison
 

@@ -84,17 +84,10 @@ def cotangents(case: Case, outputs: dict[str, np.ndarray], dtype: str) -> dict[s
 
 def _summarise(result: CaseResult, comparisons: dict) -> CaseResult:
     failed = {n: c for n, c in comparisons.items() if not c.passed}
-    worst_name = max(
-        comparisons, key=lambda n: comparisons[n].rel / max(comparisons[n].tolerance, 1e-300)
-    )
-    worst = comparisons[worst_name]
+    worst = max(comparisons.values(), key=lambda c: c.ratio)
     result.error = worst.rel
     result.tolerance = worst.tolerance
-    result.ratio = (
-        worst.rel / max(worst.tolerance, 1e-300)
-        if worst.tolerance
-        else (0.0 if worst.rel == 0 else float("inf"))
-    )
+    result.ratio = worst.ratio
     result.details = {n: c.describe() for n, c in comparisons.items()}
     if failed:
         result.verdict = "failed"

@@ -161,13 +161,7 @@ def _score(entry: dict, vector, result) -> VectorResult:
         else:
             comparisons[key] = compare(result[key], vector[key], tol)
     failed = {k: c for k, c in comparisons.items() if not c.passed}
-    worst = max(
-        (
-            c.rel / c.tolerance if c.tolerance else (0.0 if c.rel == 0 else math.inf)
-            for c in comparisons.values()
-        ),
-        default=0.0,
-    )
+    worst = max((c.ratio for c in comparisons.values()), default=0.0)
     if failed:
         message = "; ".join(f"{k}: {c.describe()}" for k, c in failed.items())
         return VectorResult(entry["id"], entry["dtype"], "failed", message, worst)

@@ -6,11 +6,7 @@ import numpy as np
 
 from attnspec.reference import fpa
 
-from .registry import CheckResult, check, verdict
-
-
-def _rel(x, ref) -> float:
-    return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-300))
+from .registry import CheckResult, check, relative_error, verdict
 
 
 def _fox_inputs(seed: int, unit_gates: float):
@@ -30,7 +26,8 @@ def fox_reduction(
     for seed, unit in [(0, 0.0), (1, 0.3), (2, 1.0)]:
         q, k, v, log_f = _fox_inputs(seed, unit)
         worst = max(
-            worst, _rel(fox_attention(q, k, v, log_f), fox_attention_direct(q, k, v, log_f))
+            worst,
+            relative_error(fox_attention(q, k, v, log_f), fox_attention_direct(q, k, v, log_f)),
         )
     return verdict(
         "F6",
@@ -54,7 +51,7 @@ def fox_gradients(
         dlog_f = np.cumsum((g.dfield + g.dlevel)[..., ::-1], axis=-1)[..., ::-1]  # cumsum adjoint
         ref = fox_attention_vjp(q, k, v, log_f, d_out)
         for got, want in [(g.dq, ref.dq), (g.dk, ref.dk), (g.dv, ref.dv), (dlog_f, ref.dlog_f)]:
-            worst = max(worst, _rel(got, want))
+            worst = max(worst, relative_error(got, want))
     return verdict(
         "F6-grad",
         "FPA gradients through (F6) equal FoX gradients, also with ties (gates f = 1)",

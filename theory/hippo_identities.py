@@ -9,11 +9,7 @@ import numpy as np
 from attnspec.reference import hippo
 from attnspec.reference import interdomain as idm
 
-from .registry import CheckResult, check, verdict
-
-
-def _rel(x, ref) -> float:
-    return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-300))
+from .registry import CheckResult, check, relative_error, verdict
 
 
 def positive_features(rng, shape):
@@ -62,7 +58,7 @@ def h2_recurrence_is_the_projection(
 ) -> CheckResult:
     rng = np.random.default_rng(31)
     f = rng.standard_normal((64, 2))
-    worst = max(_rel(legs_project(f, M), closed_form(f, M)) for M in (1, 4, 8, 32))
+    worst = max(relative_error(legs_project(f, M), closed_form(f, M)) for M in (1, 4, 8, 32))
     return verdict(
         "H2",
         "the exact log-time recurrence (I5) equals the LegS projection integral",
@@ -81,7 +77,7 @@ def h3_complete_discrete_basis(
     T = 24
     fq, fk = positive_features(rng, (2, 3, T, 4))
     v = rng.standard_normal((3, T, 5))
-    complete = _rel(interdomain_discrete(fq, fk, v, T), linear_attention(fq, fk, v))
+    complete = relative_error(interdomain_discrete(fq, fk, v, T), linear_attention(fq, fk, v))
     M = 5
     o = interdomain_discrete(fq[0], fk[0], v[0], M)
     projector = 0.0
@@ -90,7 +86,7 @@ def h3_complete_discrete_basis(
         G = hippo.discrete_orthonormal_basis(n, min(M, n))
         P = G @ G.T / n
         want = (fq[0, i] @ fk[0, :n].T @ P @ v[0, :n]) / (fq[0, i] @ fk[0, :n].T @ P @ np.ones(n))
-        projector = max(projector, _rel(o[i], want))
+        projector = max(projector, relative_error(o[i], want))
     return verdict(
         "H3",
         "with a complete discrete basis (M = T) the ratio readout (I3) is linear attention (I1); "
@@ -113,7 +109,7 @@ def legs_error_curve(
     fq, fk = positive_features(rng, (2, 4, T, 4))
     v = rng.standard_normal((4, T, 3))
     ref = idm.linear_attention(fq, fk, v)
-    return [(M, _rel(interdomain_legs(fq, fk, v, M), ref)) for M in Ms]
+    return [(M, relative_error(interdomain_legs(fq, fk, v, M), ref)) for M in Ms]
 
 
 @check("H4")
@@ -142,11 +138,11 @@ def h5_scale_invariance(
     co = idm.basis_coefficients(fk, rng.standard_normal((20, 3)), 8)
     o = ratio_readout(fq, co)
     moved = ratio_readout(fq, idm.Coefficients(-0.3 * co.U, 7.0 * co.Gamma, 7.0 * co.eta))
-    invariance = _rel(moved, o)
+    invariance = relative_error(moved, o)
     case = s4d_case(35)
     linear = interdomain_s4d(**case)
     scaled = interdomain_s4d(**{**case, "c": 2 * case["c"]})
-    linear_changes = _rel(scaled, linear) > 0.5  # (I13) is quadratic in C: it moves by x4
+    linear_changes = relative_error(scaled, linear) > 0.5  # (I13) is quadratic in C: it moves by x4
     return verdict(
         "H5",
         "the ratio readout is invariant to (Gamma, eta) -> a (Gamma, eta), U -> b U; "
@@ -170,7 +166,7 @@ def h6_decode_equals_scan(
         dec = decoder(case["lam"], case["b"], case["c"], readout=readout)
         for t in range(T):
             step = dec.step(case["fq"][..., t, :], case["kt"][..., t, :], case["vt"][..., t, :])
-            worst = max(worst, _rel(step, o[..., t, :]))
+            worst = max(worst, relative_error(step, o[..., t, :]))
             sizes.add((readout, dec.state_size()))
     grows = len(sizes) != 2  # one state size per readout, whatever T
     return verdict(
@@ -228,10 +224,10 @@ def h8_convolution_form(
     for t in range(T):
         for s in range(t + 1):  # x_t = sum_{s<=t} Lambda^(t-s) b z_s
             conv[..., t, :, :] += (powers[:, t - s] * b)[..., None] * z[..., s, None, :]
-    worst = _rel(x, conv)
+    worst = relative_error(x, conv)
     for chunk in (1, 4, 7, 30):
-        worst = max(worst, _rel(s4d_states_chunked(z, lam, b, chunk), conv))
-    worst = max(worst, _rel(s4d_states_fft(z, lam, b), conv))
+        worst = max(worst, relative_error(s4d_states_chunked(z, lam, b, chunk), conv))
+    worst = max(worst, relative_error(s4d_states_fft(z, lam, b), conv))
     return verdict(
         "H8",
         "the convolution form x_t = sum_{s<=t} Lambda^(t-s) b z_s equals the recurrence "
@@ -250,7 +246,10 @@ def h9_oracle(
     for readout in ("linear", "ratio"):
         case = s4d_case(39, ratio=readout == "ratio")
         worst = max(
-            worst, _rel(interdomain_s4d(**case, readout=readout), oracle(**case, readout=readout))
+            worst,
+            relative_error(
+                interdomain_s4d(**case, readout=readout), oracle(**case, readout=readout)
+            ),
         )
     return verdict(
         "H9",

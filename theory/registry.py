@@ -11,6 +11,8 @@ import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class CheckResult:
@@ -48,6 +50,11 @@ def verdict(
     ok = measured >= tolerance if at_least else measured <= tolerance
     ok = ok and not math.isnan(measured)
     return CheckResult(id, statement, witness, measured, tolerance, ok, at_least, table or [])
+
+
+def relative_error(x, ref) -> float:
+    """Normwise relative error ||x - ref|| / ||ref||, the witness metric of the checks."""
+    return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-300))
 
 
 CHECKS: dict[str, Callable[..., CheckResult]] = {}
