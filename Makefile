@@ -5,10 +5,14 @@ STAMP  := $(VENV)/.attnspec-installed
 
 .PHONY: verify test lint format docs clean
 
-# Create the virtual environment and install the package with its test extras (exact CI pins).
+EXTRAS ?= test,torch,jax,bench
+# Triton kernels run under its interpreter on machines without a GPU (set before triton loads).
+export TRITON_INTERPRET ?= $(shell nvidia-smi -L >/dev/null 2>&1 || echo 1)
+
+# Create the virtual environment and install the package with its extras (exact CI pins).
 $(STAMP): pyproject.toml requirements-ci.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet -c requirements-ci.txt -e ".[test]"
+	$(PY) -m pip install --quiet -c requirements-ci.txt -e ".[$(EXTRAS)]"
 	touch $(STAMP)
 
 # The main job: theorem checks, then the conformance report of every backend available here.

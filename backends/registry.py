@@ -13,15 +13,14 @@ import sys
 
 BUILTIN = {
     "numpy": "attnspec.backends.numpy_backend:NumpyBackend",
+    "torch": "attnspec.backends.torch.kit:TorchBackend",
+    "triton": "attnspec.backends.torch.kit:TritonBackend",
+    "jax": "attnspec.backends.jax.kit:JaxBackend",
+    "pallas": "attnspec.backends.jax.kit:PallasBackend",
 }
 
-# Named in the spec, not part of this version yet: asking for them gives a clear message.
-PLANNED = {
-    "torch": "torch (eager)",
-    "triton": "torch + Triton kernels",
-    "jax": "jax (jnp)",
-    "pallas": "jax + Pallas kernels",
-}
+# The extra that provides each framework backend, for the message when it is missing.
+EXTRAS = {"torch": "torch", "triton": "torch", "jax": "jax", "pallas": "jax"}
 
 
 def _import_file(path: str):
@@ -55,18 +54,24 @@ def load_object(spec: str):
         ) from None
 
 
+def _require_extra(name: str) -> None:
+    framework = {"torch": "torch", "jax": "jax"}[EXTRAS[name]]
+    if importlib.util.find_spec(framework) is None:
+        raise ImportError(
+            f"backend: {name!r} needs {framework}; install the {EXTRAS[name]!r} extra: "
+            f"pip install 'attnspec[{EXTRAS[name]}]'"
+        )
+
+
 def get_backend(name: str, device: str = "cpu"):
     """Instantiate a backend by registered name or ``module:attribute``.
 
     ``module:attribute`` may name a class or factory (called with ``device=``) or a ready object.
     """
     if name in BUILTIN:
+        if name in EXTRAS:
+            _require_extra(name)
         return load_object(BUILTIN[name])(device=device)
-    if name in PLANNED:
-        raise ValueError(
-            f"backend: {name!r} ({PLANNED[name]}) is not part of this version of attnspec; "
-            f"available: {sorted(BUILTIN)}"
-        )
     if ":" in name:
         obj = load_object(name)
         return obj(device=device) if callable(obj) else obj

@@ -5,11 +5,27 @@ A backend is any object with:
 - ``name: str`` and ``dtypes: tuple[str, ...]`` (the dtypes it accepts: float64, float32,
   float16, bfloat16);
 - ``capabilities() -> set[str]``: the op names it implements, plus ``"<op>.vjp"`` for each op
-  whose gradients it provides. Anything absent is reported as "not implemented";
+  whose gradients it provides, ``"<op>.varlen"`` (packed sequences, for fpa_attention,
+  fox_attention and interdomain_s4d) and ``"<op>.gqa"`` (fewer key/value heads, for
+  fpa_attention and fox_attention). Anything absent is reported as "not implemented";
 - ``asarray(x: numpy.ndarray, dtype: str)`` and ``to_numpy(x) -> numpy.ndarray``: the adapter,
   the only place where arrays cross between NumPy and the backend;
+- optionally ``dtype_name(x) -> str``: the dtype of a returned array in the kit's names
+  ("bfloat16", ...). Without it the dtype of ``to_numpy(x)`` is used, and a bfloat16 result
+  that arrives widened to float32 is accepted;
 - the ops below, called with keyword arguments in the canonical layout, returning its own arrays;
 - ``vjp(op, inputs, params, cotangents) -> dict``: input cotangents by input name.
+
+Conventions the runner checks:
+
+- Outputs come back in the tested dtype; ``lse`` in float32 or wider; every gradient in the
+  dtype of its input (the wide inputs field, level, log_f and the SSM parameters are float32
+  when the tested dtype is narrower, float64 when it is float64).
+- Inputs and cotangents are never modified.
+- varlen: the case has B = 1 and ``params["cu_seqlens"]`` is a tuple of ints (0, ..., T),
+  FlashAttention's convention; each segment is an independent sequence.
+- GQA: k and v have H_kv heads, H_kv dividing the H heads of q; query head h reads key/value
+  head h // (H / H_kv); per-token scalars (field, level, log_f) have the H heads of q.
 
 Complex parameters cross the boundary as (re, im) pairs of real arrays (``lam_re``, ``lam_im``).
 """

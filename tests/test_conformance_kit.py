@@ -310,8 +310,19 @@ def test_cli_reports_json_junit_and_exit_codes(tmp_path, capsys):
 
     assert main(["conformance", "--backend", "nosuch"]) == 2
     assert "unknown name 'nosuch'" in capsys.readouterr().err
-    assert main(["conformance", "--backend", "jax"]) == 2
-    assert "not part of this version" in capsys.readouterr().err
+
+
+def test_missing_framework_names_the_extra(monkeypatch, capsys):
+    from attnspec.backends import registry
+
+    real = registry.importlib.util.find_spec
+    monkeypatch.setattr(
+        registry.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "jax" else real(name, *a),
+    )
+    assert main(["conformance", "--backend", "pallas"]) == 2
+    assert "install the 'jax' extra" in capsys.readouterr().err
 
 
 def test_example_backend_from_the_docs(capsys):

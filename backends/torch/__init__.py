@@ -1,0 +1,1 @@
+"""attnspec.backends.torch: PyTorch eager ops, autograd Functions and Triton kernels."""
