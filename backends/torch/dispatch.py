@@ -1,0 +1,73 @@
+"""Which implementation computes each kernel: the eager torch twin or a Triton kernel.
+
+Every kernel has an eager twin (the CPU path and the fallback) and may have a Triton kernel
+beside it. Both register here under the same kernel name with the same signature; the public ops
+look them up by ``impl``. Layout: the torch layout ``[B, T, H, D]``; per-token scalars
+``[B, T, H]``; everything contiguous.
+
+Kernel signatures (GQA: q has HQ heads, k and v have H heads, HQ a multiple of H; per-token
+scalars have HQ heads; varlen: B = 1 and ``cu_seqlens`` an int64 tensor of offsets):
+
+- ``fpa_fwd(q, k, v, field, level, scale, cu_seqlens) -> (o, lse)``: o ``[B, T, HQ, V]`` in
+  q's dtype; lse ``[B, T, HQ]`` in the dtype of field (float32, float64 for float64 inputs),
+  natural-log units. field and level are float32 or wider.
+- ``fpa_bwd(q, k, v, field, level, o, lse, do, dlse, scale, cu_seqlens)
+  -> (dq, dk, dv, dfield, dlevel)``: shaped and typed like their inputs (dk, dv reduced over the
+  query heads of each group); ``dlse`` may be None. Conventions of spec/fpa.md section 6.
+- ``fox_fwd(q, k, v, log_f, scale, cu_seqlens) -> (o, lse)`` and
+  ``fox_bwd(q, k, v, log_f, o, lse, do, dlse, scale, cu_seqlens) -> (dq, dk, dv, dlog_f)``.
+- ``s4d_fwd(fq, kt, vt, lam, b, c, readout, cu_seqlens, initial_state) -> (o, final_state)``:
+  fq, kt ``[B, T, H, R]``, vt ``[B, T, H, V]``; lam, b ``[H, M, 2]`` and c ``[H, M, M, 2]``
+  real (re, im in the last axis) in float32 or wider; readout "linear" or "ratio"; states
+  ``[N, H, M, C, 2]`` in float32 or wider (N sequences, C = R + V, + 1 for "ratio"),
+  initial_state may be None.
+- ``s4d_bwd(fq, kt, vt, lam, b, c, readout, cu_seqlens, initial_state, do, dfinal_state)
+  -> (dfq, dkt, dvt, dlam, db, dc, dinitial_state)``.
+- ``legs_fwd(fq, fk, v, M, cu_seqlens) -> o`` and
+  ``legs_bwd(fq, fk, v, M, cu_seqlens, do) -> (dfq, dfk, dv)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+KERNELS = (
+    "fpa_fwd",
+    "fpa_bwd",
+    "fox_fwd",
+    "fox_bwd",
+    "s4d_fwd",
+    "s4d_bwd",
+    "legs_fwd",
+    "legs_bwd",
+)
+
+_REGISTRY: dict[str, dict[str, Callable]] = {name: {} for name in KERNELS}
+
+
+def register(kernel: str, impl: str) -> Callable[[Callable], Callable]:
+    """Decorator: register ``fn`` as implementation ``impl`` ("eager", "triton") of ``kernel``."""
+    if kernel not in _REGISTRY:
+        raise ValueError(f"kernel: expected one of {KERNELS}, got {kernel!r}")
+
+    def decorate(fn: Callable) -> Callable:
+        _REGISTRY[kernel][impl] = fn
+        return fn
+
+    return decorate
+
+
+def lookup(kernel: str, impl: str) -> Callable:
+    """The implementation ``impl`` of ``kernel``; ValueError naming what is available."""
+    try:
+        return _REGISTRY[kernel][impl]
+    except KeyError:
+        available = sorted(_REGISTRY.get(kernel, {}))
+        raise ValueError(
+            f"impl: no {impl!r} implementation of {kernel!r}; available: {available}"
+        ) from None
+
+
+def implementations(kernel: str) -> list[str]:
+    """Names of the registered implementations of ``kernel``."""
+    return sorted(_REGISTRY[kernel])
