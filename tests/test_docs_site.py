@@ -89,6 +89,8 @@ def test_api_pages_render_the_docstrings(site):
     reference = page(site, "api/reference")
     assert "attnspec.reference.fpa.fpa_attention" in reference
     assert "First Passage Attention, (F1)-(F5)." in reference
+    assert "Source code in <code>reference/fpa.py</code>" in reference
+    assert "build/api" not in reference
     for backend in ("torch", "jax"):
         assert f"attnspec.backends.{backend}" in page(site, f"api/{backend}")
 
