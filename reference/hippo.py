@@ -168,6 +168,8 @@ def legs_reconstruct(c, t: float, x) -> np.ndarray:
         (P,) float64. Cost: O(P M) time, O(P + M) memory.
     """
     c = real_array("c", c, min_ndim=1)
+    if c.ndim != 1:
+        raise ValueError(f"c: expected shape (M,), got {c.shape}")
     x = real_array("x", x, min_ndim=1)
     t = scalar("t", t, positive=True)
     scale = np.sqrt(2 * np.arange(c.shape[0]) + 1.0)

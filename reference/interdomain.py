@@ -533,7 +533,7 @@ def interdomain_s4d(fq, kt, vt, lam, b, c, *, readout: str = "linear") -> np.nda
 
 
 def interdomain_s4d_oracle(fq, kt, vt, lam, b, c, *, readout: str = "linear") -> np.ndarray:
-    """H9: the O(T^2) double-sum form, written independently of the recurrence.
+    """H9: the double-sum form (O(t^2) terms for output t), written without the recurrence.
 
     o_t = Re sum_{s,s'<=t} (fq_t . kt_s) w(t-s, t-s') vt_s',
     w(p, p') = (conj(Lambda)^p conj(b))^T C^H C (Lambda^p' b); the ratio readout divides by the
