@@ -583,8 +583,9 @@ def eviction_threshold(bound_logit: float, n_keys: int, eps: float) -> float:
     Args:
         bound_logit: U, a finite number >= 0.
         n_keys: N, the number of keys a row may attend to, an integer >= 1.
-        eps: the weight budget, 0 < eps < 1 [decision: eps >= 1 bounds nothing, since every
-            weight is <= 1 anyway, and could give theta <= 0, which no decoder accepts].
+        eps: the budget, 0 < eps < 1 [decision: with eps >= 1 the bound 2 eps max ||v|| says
+            nothing (two convex combinations of the values never differ by more than
+            2 max ||v||), and theta could be <= 0, which no decoder accepts].
 
     Returns:
         theta > 0, a float. Cost: O(1).

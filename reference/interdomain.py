@@ -61,8 +61,7 @@ def _ratio(num: np.ndarray, den: np.ndarray, names: str) -> np.ndarray:
         row = tuple(int(i) for i in np.argwhere(zero)[0])
         raise ValueError(
             f"{names}: the ratio readout's denominator is 0 at row {row}, where the ratio is "
-            "undefined; use features that keep it away from 0 (e.g. positive fq and fk) or "
-            "the linear readout"
+            "undefined; use features that keep it away from 0 (e.g. positive ones)"
         )
     with np.errstate(over="ignore"):
         o = num / den[..., None]
