@@ -94,6 +94,14 @@ def _check_log_f(log_f, q: np.ndarray) -> np.ndarray:
         raise ValueError(
             f"log_f: expected log forget gates <= 0, got {log_f[index]:.6g} at index {index}"
         )
+    # Every gate is <= 0, so the walk cumsum(log_f) of (F6) stays finite iff its end does.
+    with np.errstate(over="ignore"):
+        total = log_f.sum(axis=-1)
+    if not np.isfinite(total).all():
+        raise ValueError(
+            "log_f: expected a sum along T above -1.8e308 (cumsum(log_f) is the "
+            "field of (F6)), got one that overflows float64"
+        )
     return log_f
 
 

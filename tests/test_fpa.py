@@ -179,6 +179,15 @@ def test_quadratic_fox_forms_equal_the_cubic_mask_form(lead, T, unit_gates):
         assert rel_err(got, want) < 1e-12
 
 
+@pytest.mark.parametrize("op", ["fox_attention", "fox_attention_direct", "fox_attention_vjp"])
+def test_fox_gates_whose_sum_overflows(op):
+    # The field cumsum(log f) of (F6) reached -inf, and -inf - (-inf) made NaN.
+    args = good(T=3)
+    args["field"] = np.broadcast_to([0.0, -1e308, -1e308], args["field"].shape)
+    with pytest.raises(ValueError, match=r"log_f: expected a sum along T above -1.8e308"):
+        OPS[op](args)
+
+
 def test_fox_direct_sums_each_segment_on_its_own():
     # A gate of -1e8 at l = 1 enters no D_ij with j >= 1. Summing each segment's own gates keeps
     # those logits exact; a difference of two prefix sums would lose about 8 digits.
