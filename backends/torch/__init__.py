@@ -1,1 +1,10 @@
-"""attnspec.backends.torch: PyTorch eager ops, autograd Functions and Triton kernels."""
+"""attnspec.backends.torch: PyTorch eager ops, autograd, torch.library ops and Triton kernels.
+
+Public ops in the flash-attn / flash-linear-attention layout ``[B, T, H, D]``:
+:func:`fpa_attention`, :func:`fox_attention`. Kernels are chosen per call (``impl=``) from
+:mod:`.dispatch`; the Triton modules are imported only when a Triton kernel is asked for.
+"""
+
+from .ops import fox_attention, fpa_attention
+
+__all__ = ["fox_attention", "fpa_attention"]
