@@ -164,3 +164,41 @@ def log_gates(x: Tensor) -> None:
         raise ValueError(
             f"log_f: expected log forget gates <= 0, got {float(x[index]):.6g} at index {index}"
         )
+
+
+class FeatureDims(NamedTuple):
+    B: int
+    T: int
+    H: int
+    R: int
+    V: int
+
+
+def interdomain_features(names: tuple[str, str, str], fq, fk, v) -> FeatureDims:
+    """fq, fk [B, T, H, R] and v [B, T, H, V]: one float dtype, one device, T >= 1."""
+    fq = tensor(names[0], fq, 4, QKV_DTYPES, "[B, T, H, R]")
+    fk = tensor(names[1], fk, 4, QKV_DTYPES, "[B, T, H, R]")
+    v = tensor(names[2], v, 4, QKV_DTYPES, "[B, T, H, V]")
+    same_dtype(names, (fq, fk, v))
+    same_device(names, (fq, fk, v))
+    B, T, H, R = fq.shape
+    if T < 1 or H < 1 or R < 1:
+        raise ValueError(f"{names[0]}: expected T, H, R >= 1, got shape {tuple(fq.shape)}")
+    shape(names[1], fk, (B, T, H, R), f"[B, T, H, R], as {names[0]}")
+    V = v.shape[3]
+    shape(names[2], v, (B, T, H, V), f"[B, T, H, V]: B, T, H of {names[0]}")
+    if V < 1:
+        raise ValueError(f"{names[2]}: expected a value dim V >= 1, got shape {tuple(v.shape)}")
+    return FeatureDims(B, T, H, R, V)
+
+
+def decays(lam: Tensor) -> None:
+    """S4D decays as (re, im) pairs [..., 2] with 0 < |Lambda| <= 1 (the recurrence is stable)."""
+    modulus = torch.linalg.vector_norm(lam, dim=-1)
+    bad = (modulus > 1) | (modulus == 0)
+    if bad.any():
+        index = tuple(int(i) for i in bad.nonzero()[0])
+        raise ValueError(
+            f"lam: expected 0 < |Lambda| <= 1, got |Lambda| = {float(modulus[index]):.6g} at "
+            f"index {index}"
+        )

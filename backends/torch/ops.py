@@ -22,6 +22,7 @@ from torch import Tensor
 
 from . import checks, dispatch
 from . import eager_fpa as _eager_fpa  # noqa: F401  (registers the eager FPA/FoX kernels)
+from . import eager_interdomain as _eager_interdomain  # noqa: F401  (and the Interdomain ones)
 
 TRITON_MODULES = (
     "attnspec.backends.torch.triton_fpa",
@@ -308,3 +309,289 @@ def fox_attention(
         q.contiguous(), k.contiguous(), v.contiguous(), log_f.contiguous(), s, cu_seqlens, impl
     )
     return o
+
+
+# --------------------------------------------------------------------------------------------
+# Interdomain: the S4D core
+
+
+def _s4d_state_channels(R: int, V: int, readout: str) -> int:
+    return R + V + (readout == "ratio")
+
+
+@torch.library.custom_op(
+    "attnspec::s4d_fwd",
+    mutates_args=(),
+    schema="(Tensor fq, Tensor kt, Tensor vt, Tensor lam, Tensor b, Tensor c, str readout, "
+    "Tensor? cu_seqlens, Tensor? initial_state, str impl) -> (Tensor, Tensor)",
+)
+def _s4d_fwd(fq, kt, vt, lam, b, c, readout, cu_seqlens, initial_state, impl):
+    for name, x in (("lam", lam), ("b", b), ("c", c)):
+        checks.finite(name, x)
+    checks.decays(lam)
+    if cu_seqlens is not None:
+        checks.cu_seqlens_values(cu_seqlens, fq.shape[1])
+    with _no_autocast(fq):
+        kernel = dispatch.lookup("s4d_fwd", impl)
+        return kernel(fq, kt, vt, lam, b, c, readout, cu_seqlens, initial_state)
+
+
+@_s4d_fwd.register_fake
+def _(fq, kt, vt, lam, b, c, readout, cu_seqlens, initial_state, impl):
+    B, T, H, R = fq.shape
+    V, M = vt.shape[3], lam.shape[1]
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    C = _s4d_state_channels(R, V, readout)
+    return fq.new_empty(B, T, H, V), lam.new_empty(N, H, M, C, 2)
+
+
+@torch.library.custom_op(
+    "attnspec::s4d_bwd",
+    mutates_args=(),
+    schema="(Tensor fq, Tensor kt, Tensor vt, Tensor lam, Tensor b, Tensor c, str readout, "
+    "Tensor? cu_seqlens, Tensor? initial_state, Tensor do, Tensor? dfinal_state, str impl) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+)
+def _s4d_bwd(fq, kt, vt, lam, b, c, readout, cu_seqlens, initial_state, do, dfinal_state, impl):
+    with _no_autocast(fq):
+        kernel = dispatch.lookup("s4d_bwd", impl)
+        *grads, d_initial = kernel(
+            fq, kt, vt, lam, b, c, readout, cu_seqlens, initial_state, do, dfinal_state
+        )
+    # the schema has no optional output: no initial state, an empty cotangent
+    return (*grads, lam.new_empty(0) if d_initial is None else d_initial)
+
+
+@_s4d_bwd.register_fake
+def _(fq, kt, vt, lam, b, c, readout, cu_seqlens, initial_state, do, dfinal_state, impl):
+    d_initial = lam.new_empty(0) if initial_state is None else _empty(initial_state)
+    return _empty(fq), _empty(kt), _empty(vt), _empty(lam), _empty(b), _empty(c), d_initial
+
+
+def _s4d_setup(ctx, inputs, output):
+    fq, kt, vt, lam, b, c, readout, cu_seqlens, initial_state, impl = inputs
+    ctx.save_for_backward(fq, kt, vt, lam, b, c, cu_seqlens, initial_state)
+    ctx.readout, ctx.impl = readout, impl
+
+
+def _s4d_backward(ctx, do, dfinal_state):
+    fq, kt, vt, lam, b, c, cu_seqlens, initial_state = ctx.saved_tensors
+    impl = _backward_impl("s4d_bwd", ctx.impl)
+    *grads, d_initial = _s4d_bwd(
+        fq,
+        kt,
+        vt,
+        lam,
+        b,
+        c,
+        ctx.readout,
+        cu_seqlens,
+        initial_state,
+        do.contiguous(),
+        dfinal_state.contiguous(),
+        impl,
+    )
+    return (*grads, None, None, None if initial_state is None else d_initial, None)
+
+
+_s4d_fwd.register_autograd(_s4d_backward, setup_context=_s4d_setup)
+
+
+def s4d_pairs(
+    fq: Tensor,
+    kt: Tensor,
+    vt: Tensor,
+    lam: Tensor,
+    b: Tensor,
+    c: Tensor,
+    *,
+    readout: str = "linear",
+    cu_seqlens: Tensor | None = None,
+    initial_state: Tensor | None = None,
+    impl: str | None = None,
+) -> tuple[Tensor, Tensor]:
+    """:func:`interdomain_s4d` with the complex parameters and states as (re, im) pairs in a
+    last axis of size 2 (lam, b [H, M, 2]; c [H, M, M, 2]; states [N, H, M, C, 2]), the form the
+    modules use so compiled graphs hold no complex tensors.
+
+    Returns:
+        (o [B, T, H, V], final state [N, H, M, C, 2]).
+    """
+    B, _, H, R, V = checks.interdomain_features(("fq", "kt", "vt"), fq, kt, vt)
+    if readout not in ("linear", "ratio"):
+        raise ValueError(f"readout: expected 'linear' or 'ratio', got {readout!r}")
+    lam = checks.tensor("lam", lam, 3, checks.WIDE_DTYPES, "[H, M, 2] (re, im)")
+    M = lam.shape[1]
+    checks.shape("lam", lam, (H, M, 2), "[H, M, 2]: H heads of fq")
+    b = checks.tensor("b", b, 3, checks.WIDE_DTYPES, "[H, M, 2] (re, im)")
+    checks.shape("b", b, (H, M, 2), "[H, M, 2], as lam")
+    c = checks.tensor("c", c, 4, checks.WIDE_DTYPES, "[H, M, M, 2] (re, im)")
+    checks.shape("c", c, (H, M, M, 2), "[H, M, M, 2], M of lam")
+    checks.same_dtype(("lam", "b", "c"), (lam, b, c))
+    cu_seqlens = checks.cu_seqlens(cu_seqlens, B, fq)
+    checks.same_device(("fq", "lam", "b", "c"), (fq, lam, b, c))
+    if initial_state is not None:
+        N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        C = _s4d_state_channels(R, V, readout)
+        initial_state = checks.tensor(
+            "initial_state", initial_state, 5, checks.WIDE_DTYPES, "[N, H, M, C, 2]"
+        )
+        checks.shape("initial_state", initial_state, (N, H, M, C, 2), "[N, H, M, C, 2]")
+        checks.same_dtype(("lam", "initial_state"), (lam, initial_state))
+        checks.same_device(("fq", "initial_state"), (fq, initial_state))
+    impl = resolve_impl("s4d_fwd", impl, fq.device)
+    fq, kt, vt = _autocast(fq, kt, vt)
+    if fq.dtype == torch.float64:
+        lam, b, c = lam.to(torch.float64), b.to(torch.float64), c.to(torch.float64)
+        if initial_state is not None:
+            initial_state = initial_state.to(torch.float64)
+    contiguous = (x.contiguous() for x in (fq, kt, vt, lam, b, c))
+    return _s4d_fwd(
+        *contiguous,
+        readout,
+        cu_seqlens,
+        None if initial_state is None else initial_state.contiguous(),
+        impl,
+    )
+
+
+def interdomain_s4d(
+    fq: Tensor,
+    kt: Tensor,
+    vt: Tensor,
+    lam: Tensor,
+    b: Tensor,
+    c: Tensor,
+    *,
+    readout: str = "linear",
+    cu_seqlens: Tensor | None = None,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    impl: str | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """The S4D core of Interdomain Attention, (I11)-(I13) of spec/interdomain.md, chunked.
+
+    Args:
+        fq: [B, T, H, R] query features xi(q); kt: [B, T, H, R] SSM key inputs k~;
+            vt: [B, T, H, V] SSM value inputs v~. One float dtype of float64, float32, float16,
+            bfloat16.
+        lam, b: [H, M] complex; c: [H, M, M] complex (complex64 or complex128; 0 < |lam| <= 1).
+            Gradients are dL/dRe + i dL/dIm, the reference's convention.
+        readout: "linear" (denominator-free, I13) or "ratio".
+        cu_seqlens: int32/int64 offsets [N + 1] of N packed sequences (B = 1), each started
+            from its own state.
+        initial_state: [N, H, M, C] complex (C = R + V, + 1 for "ratio"; N = B, or the number
+            of packed sequences), the state x before the first token; zeros if None.
+        output_final_state: also return the state after the last token.
+        impl: "eager", "triton", or None (Triton on CUDA when registered, else eager).
+
+    Returns:
+        o [B, T, H, V] in fq's dtype, or (o, final state [N, H, M, C] complex).
+
+    Time O(T (L M + M (R + V + M))) with chunks of L tokens; memory O(L^2 M) per batch-head
+    beyond inputs and outputs (eager); the state does not grow with T.
+    """
+    params = []
+    for name, x, ndim in (("lam", lam, 2), ("b", b, 2), ("c", c, 3)):
+        params.append(checks.tensor(name, x, ndim, checks.COMPLEX_DTYPES, "complex"))
+    checks.same_dtype(("lam", "b", "c"), tuple(params))
+    if initial_state is not None:
+        initial_state = checks.tensor(
+            "initial_state", initial_state, 4, checks.COMPLEX_DTYPES, "[N, H, M, C] complex"
+        )
+        initial_state = torch.view_as_real(initial_state)
+    o, final = s4d_pairs(
+        fq,
+        kt,
+        vt,
+        *(torch.view_as_real(p) for p in params),
+        readout=readout,
+        cu_seqlens=cu_seqlens,
+        initial_state=initial_state,
+        impl=impl,
+    )
+    return (o, torch.view_as_complex(final)) if output_final_state else o
+
+
+# --------------------------------------------------------------------------------------------
+# Interdomain: the LegS projection with the ratio readout
+
+
+@torch.library.custom_op(
+    "attnspec::legs_fwd",
+    mutates_args=(),
+    schema="(Tensor fq, Tensor fk, Tensor v, int M, Tensor? cu_seqlens, str impl) -> Tensor",
+)
+def _legs_fwd(fq, fk, v, M, cu_seqlens, impl):
+    if cu_seqlens is not None:
+        checks.cu_seqlens_values(cu_seqlens, fq.shape[1])
+    with _no_autocast(fq):
+        return dispatch.lookup("legs_fwd", impl)(fq, fk, v, M, cu_seqlens)
+
+
+@_legs_fwd.register_fake
+def _(fq, fk, v, M, cu_seqlens, impl):
+    return _empty(v)
+
+
+@torch.library.custom_op(
+    "attnspec::legs_bwd",
+    mutates_args=(),
+    schema="(Tensor fq, Tensor fk, Tensor v, int M, Tensor? cu_seqlens, Tensor do, str impl) "
+    "-> (Tensor, Tensor, Tensor)",
+)
+def _legs_bwd(fq, fk, v, M, cu_seqlens, do, impl):
+    with _no_autocast(fq):
+        return tuple(dispatch.lookup("legs_bwd", impl)(fq, fk, v, M, cu_seqlens, do))
+
+
+@_legs_bwd.register_fake
+def _(fq, fk, v, M, cu_seqlens, do, impl):
+    return _empty(fq), _empty(fk), _empty(v)
+
+
+def _legs_setup(ctx, inputs, output):
+    fq, fk, v, M, cu_seqlens, impl = inputs
+    ctx.save_for_backward(fq, fk, v, cu_seqlens)
+    ctx.M, ctx.impl = M, impl
+
+
+def _legs_backward(ctx, do):
+    fq, fk, v, cu_seqlens = ctx.saved_tensors
+    impl = _backward_impl("legs_bwd", ctx.impl)
+    grads = _legs_bwd(fq, fk, v, ctx.M, cu_seqlens, do.contiguous(), impl)
+    return (*grads, None, None, None)
+
+
+_legs_fwd.register_autograd(_legs_backward, setup_context=_legs_setup)
+
+
+def interdomain_legs(
+    fq: Tensor,
+    fk: Tensor,
+    v: Tensor,
+    M: int,
+    *,
+    cu_seqlens: Tensor | None = None,
+    impl: str | None = None,
+) -> Tensor:
+    """Interdomain attention with the HiPPO-LegS basis: (I2) coefficients by the exact steps
+    (I5), ratio readout (I3).
+
+    Args:
+        fq, fk: [B, T, H, R] query and key features (the denominator xi(q) . u_0 must not
+            vanish: positive features keep it positive); v: [B, T, H, V]. One float dtype.
+        M: number of Legendre coefficients (>= 1).
+        cu_seqlens, impl: as in :func:`interdomain_s4d`.
+
+    Returns:
+        o [B, T, H, V] in fq's dtype. Time O(T (L M + M^2 + M (R + V))) with chunks of L tokens;
+        the cached step products hold T (M^2 + L M) numbers per (M, dtype, device).
+    """
+    dims = checks.interdomain_features(("fq", "fk", "v"), fq, fk, v)
+    if isinstance(M, bool) or not isinstance(M, int) or M < 1:
+        raise ValueError(f"M: expected an integer >= 1, got {M!r}")
+    cu_seqlens = checks.cu_seqlens(cu_seqlens, dims.B, fq)
+    impl = resolve_impl("legs_fwd", impl, fq.device)
+    fq, fk, v = _autocast(fq, fk, v)
+    return _legs_fwd(fq.contiguous(), fk.contiguous(), v.contiguous(), M, cu_seqlens, impl)
