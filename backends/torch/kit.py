@@ -196,6 +196,12 @@ class TritonBackend(TorchBackend):
         if not torch.cuda.is_available() and "triton" not in sys.modules:
             os.environ.setdefault("TRITON_INTERPRET", "1")
         super().__init__(device)
+        if self.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                "device: Triton kernels run on CPU only under the interpreter; set "
+                "TRITON_INTERPRET=1 before triton is imported (a first call of a torch op "
+                "imports it)"
+            )
         ops.load_triton_kernels()
         narrow = ("float32", "float16", "bfloat16")
         interpreted = os.environ.get("TRITON_INTERPRET") == "1"

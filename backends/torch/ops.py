@@ -49,10 +49,15 @@ def load_triton_kernels() -> None:
                 raise
 
 
-@torch.compiler.assume_constant_result
 def _has_triton(kernel: str) -> bool:
     load_triton_kernels()
     return "triton" in dispatch.implementations(kernel)
+
+
+if torch.cuda.is_available():
+    # a constant for torch.compile. Only with CUDA: the decorator imports torch._dynamo, which
+    # imports triton, and a CPU-only process may still have to choose the Triton interpreter.
+    _has_triton = torch.compiler.assume_constant_result(_has_triton)
 
 
 def resolve_impl(kernel: str, impl: str | None, device: torch.device) -> str:
