@@ -80,9 +80,11 @@ def segment_min(field: np.ndarray) -> np.ndarray:
     T = field.shape[-1]
     i = np.arange(T)[:, None]
     j = np.arange(T)[None, :]
+    # --8<-- [start:f1]
     # X[i, j] = phi_i if j < i else +inf; a running min down the rows gives min over (j, i].
     X = np.where(j < i, field[..., :, None], np.inf)  # (..., T, T)
     return np.minimum.accumulate(X, axis=-2)
+    # --8<-- [end:f1]
 
 
 def descent_depth(field: np.ndarray, level: np.ndarray) -> np.ndarray:
@@ -97,17 +99,21 @@ def descent_depth(field: np.ndarray, level: np.ndarray) -> np.ndarray:
     field = real_array("field", field, min_ndim=1)
     level = real_array("level", level, min_ndim=1)
     check_shape("level", level, field.shape, "same as field")
+    # --8<-- [start:f2]
     m = segment_min(field)  # (..., T, T)
     return np.maximum(0.0, level[..., None, :] - m)  # (F2)
+    # --8<-- [end:f2]
 
 
 def _attend(logits: np.ndarray, v: np.ndarray):
     """(F4)-(F5) causal softmax of ``logits`` (..., T, T) and the weighted sum of v (..., T, dv)."""
     T = logits.shape[-1]
+    # --8<-- [start:f4]
     a = np.where(_causal(T), logits, -np.inf)  # (F3) a_ij = -inf for j > i
     lse = logsumexp(a, axis=-1)  # (..., T); finite since a_ii is finite
     p = np.exp(a - lse[..., None])  # (F4)
     o = p @ v  # (F5) (..., T, dv)
+    # --8<-- [end:f4]
     return p, lse, o
 
 
@@ -126,8 +132,10 @@ def fpa_attention(q, k, v, field, level, *, scale: float | None = None, return_l
         o (..., T, dv) float64, or (o, lse) when ``return_lse``.
     """
     q, k, v, field, level, s = _check_fpa(q, k, v, field, level, scale)
+    # --8<-- [start:f3]
     pi = descent_depth(field, level)  # (F2) (..., T, T)
     logits = s * (q @ np.swapaxes(k, -1, -2)) - pi  # (F3)
+    # --8<-- [end:f3]
     _, lse, o = _attend(logits, v)
     return (o, lse) if return_lse else o
 
@@ -143,6 +151,7 @@ def fpa_attention_loops(
     *lead, T, _ = q.shape
     o = np.zeros((*lead, T, v.shape[-1]))
     lse = np.zeros((*lead, T))
+    # --8<-- [start:loops]
     for b in np.ndindex(*lead):
         for i in range(T):
             logits = np.empty(i + 1)
@@ -156,6 +165,7 @@ def fpa_attention_loops(
             lse[b][i] = top + np.log(np.sum(np.exp(logits - top)))  # (F4)
             weights = np.exp(logits - lse[b][i])
             o[b][i] = weights @ v[b][: i + 1]  # (F5)
+    # --8<-- [end:loops]
     return (o, lse) if return_lse else o
 
 
@@ -175,8 +185,10 @@ def fox_attention(q, k, v, log_f, *, scale: float | None = None, return_lse: boo
     """
     q, k, v, s = _check_qkv(q, k, v, scale=scale)
     log_f = _check_log_f(log_f, q)
+    # --8<-- [start:f6]
     c = np.cumsum(log_f, axis=-1)  # (F6) one walk, non-increasing
     return fpa_attention(q, k, v, c, c, scale=s, return_lse=return_lse)
+    # --8<-- [end:f6]
 
 
 def _fox_masks(T: int) -> tuple[np.ndarray, np.ndarray]:
@@ -188,8 +200,10 @@ def _fox_masks(T: int) -> tuple[np.ndarray, np.ndarray]:
 
 def _fox_decay(log_f: np.ndarray) -> np.ndarray:
     """FoX decay bias D_ij = sum_{l=j+1..i} log f_l, written as A diag(log f) B with masks."""
+    # --8<-- [start:fox-decay]
     upto_i, after_j = _fox_masks(log_f.shape[-1])
     return np.einsum("il,...l,lj->...ij", upto_i, log_f, after_j)
+    # --8<-- [end:fox-decay]
 
 
 def fox_attention_direct(q, k, v, log_f, *, scale: float | None = None, return_lse=False):
@@ -240,19 +254,23 @@ def segment_argmin(field: np.ndarray) -> np.ndarray:
     T = field.shape[-1]
     m = segment_min(field)
     tstar = np.full(m.shape, -1, dtype=np.int64)
+    # --8<-- [start:g3-ties]
     for i in range(1, T):
         # (T2) m_{j,i} = min(m_{j,i-1}, phi_i); "<=" sends ties to the latest position.
         newest = field[..., i, None] <= m[..., i - 1, :i]
         tstar[..., i, :i] = np.where(newest, i, tstar[..., i - 1, :i])
+    # --8<-- [end:g3-ties]
     return tstar
 
 
 def _logit_cotangent(p, o, v, d_out, d_lse):
     """G_ij = p_ij (<dO_i, v_j> - <dO_i, o_i>) (+ p_ij dLSE_i by (G4))."""
+    # --8<-- [start:g4]
     delta = np.sum(d_out * o, axis=-1)  # (..., T)
     G = p * (d_out @ np.swapaxes(v, -1, -2) - delta[..., None])  # (..., T, T)
     if d_lse is not None:
         G = G + p * d_lse[..., None]  # (G4)
+    # --8<-- [end:g4]
     return G
 
 
@@ -287,22 +305,28 @@ def fpa_attention_vjp(
     p, lse, o = _attend(s * (q @ np.swapaxes(k, -1, -2)) - pi, v)
     d_out, d_lse = _check_cotangents(d_out, d_lse, o.shape, lse.shape)
 
+    # --8<-- [start:g1]
     G = _logit_cotangent(p, o, v, d_out, d_lse)  # (..., T, T)
     dq = s * G @ k  # (G1)
     dk = s * np.swapaxes(G, -1, -2) @ q
     dv = np.swapaxes(p, -1, -2) @ d_out
+    # --8<-- [end:g1]
 
+    # --8<-- [start:g2]
     strictly_lower = np.tril(np.ones((T, T), dtype=bool), k=-1)
     active = (level[..., None, :] >= m) & strictly_lower  # active_ij = [l_j >= m_ij], j < i
     W = G * active  # dL/d(l_j - m_ij) = -G_ij on active pairs
     dlevel = -W.sum(axis=-2)  # (G2)
+    # --8<-- [end:g2]
 
+    # --8<-- [start:g3]
     tstar = segment_argmin(field)  # (G3) scatter G_ij to the latest argmin of the segment
     n_seq = W[..., 0, 0].size
     rows = np.broadcast_to(np.arange(n_seq).reshape(*W.shape[:-2], 1, 1), W.shape)
     flat = np.zeros((n_seq, T))
     np.add.at(flat, (rows[active], tstar[active]), W[active])
     dfield = flat.reshape(field.shape)
+    # --8<-- [end:g3]
     return FPAGrads(dq, dk, dv, dfield, dlevel)
 
 
@@ -359,6 +383,7 @@ def stack_live_keys(field) -> np.ndarray:
     field = real_array("field", field, min_ndim=1)
     *lead, T = field.shape
     live = np.zeros((*lead, T, T), dtype=bool)
+    # --8<-- [start:t1]
     for b in np.ndindex(*lead):
         stack: list[int] = []
         for i in range(T):
@@ -366,6 +391,7 @@ def stack_live_keys(field) -> np.ndarray:
                 stack.pop()
             stack.append(i)
             live[b][i, stack] = True
+    # --8<-- [end:t1]
     return live
 
 
@@ -412,6 +438,7 @@ class FPADecoder:
         field = scalar("field", field)
         level = scalar("level", level)
 
+        # --8<-- [start:f7]
         kept = []
         for n in range(self.cache_size):
             self.mins[n] = min(self.mins[n], field)  # (F7) m_j <- min(m_j, phi_t)
@@ -425,6 +452,7 @@ class FPADecoder:
         self.values.append(v)
         self.levels.append(level)
         self.mins.append(np.inf)  # empty segment: pi_tt = 0
+        # --8<-- [end:f7]
         self.positions.append(self.steps)
         self.steps += 1
         self.peak_cache_size = max(self.peak_cache_size, self.cache_size)
@@ -473,7 +501,9 @@ def fpa_decode(
 
 def eviction_threshold(bound_logit: float, n_keys: int, eps: float) -> float:
     """(T3) theta = 2U + log N - log eps, with U >= s * max |<q_i, k_j>|."""
+    # --8<-- [start:t3]
     return 2.0 * bound_logit + np.log(n_keys) - np.log(eps)
+    # --8<-- [end:t3]
 
 
 # --------------------------------------------------------------------------------------------
@@ -510,6 +540,7 @@ def segment_min_tiled(field, block: int) -> np.ndarray:
             j1 = min(j0 + block, T) - 1
             if j1 >= i0:
                 break
+            # --8<-- [start:tiled]
             cols = field[..., j0 : j1 + 1]
             # A_j = min over (j, j1]: a reversed running min, shifted by one, +inf at j = j1.
             suffix = np.minimum.accumulate(cols[..., ::-1], axis=-1)[..., ::-1]
@@ -518,6 +549,7 @@ def segment_min_tiled(field, block: int) -> np.ndarray:
             mid = gap.min(axis=-1) if gap.shape[-1] else np.full(field.shape[:-1], np.inf)
             tile = np.minimum(np.minimum(A[..., None, :], mid[..., None, None]), B[..., :, None])
             m[..., i0 : i1 + 1, j0 : j1 + 1] = tile
+            # --8<-- [end:tiled]
     return m
 
 

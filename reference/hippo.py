@@ -26,8 +26,10 @@ def legs_transition(M: int) -> tuple[np.ndarray, np.ndarray]:
         A (M, M) lower triangular, B (M,), float64.
     """
     M = positive_int("M", M)
+    # --8<-- [start:i4]
     r = np.sqrt(2 * np.arange(M) + 1.0)
     A = np.tril(np.outer(r, r), k=-1) + np.diag(np.arange(1.0, M + 1))
+    # --8<-- [end:i4]
     return A, r.copy()
 
 
@@ -50,11 +52,13 @@ def legt_transition(M: int, theta: float = 1.0) -> tuple[np.ndarray, np.ndarray]
 @lru_cache(maxsize=4096)
 def _legs_step_cached(n: int, M: int) -> tuple[np.ndarray, np.ndarray]:
     A, B = legs_transition(M)
+    # --8<-- [start:i5]
     A_inv_B = solve_triangular(A, B, lower=True)
     if n == 1:
         return np.zeros((M, M)), A_inv_B  # (I5) c_1 = A^{-1} B f_1: the history starts at t = 0
     E = expm(-A * np.log(n / (n - 1)))  # (I5) E_n, exact over log time [log(n-1), log n]
     F = solve_triangular(A, (np.eye(M) - E) @ B, lower=True)  # A^{-1} (I - E_n) B
+    # --8<-- [end:i5]
     return E, F
 
 
@@ -89,10 +93,12 @@ def legs_project(f, M: int) -> np.ndarray:
     channels = f.reshape(f.shape[0], -1)  # (T, C)
     c = np.zeros((f.shape[0], M, channels.shape[1]))
     state = np.zeros((M, channels.shape[1]))
+    # --8<-- [start:i5-scan]
     for n in range(1, f.shape[0] + 1):
         E, F = _legs_step_cached(n, M)
         state = E @ state + np.outer(F, channels[n - 1])  # (I5)
         c[n - 1] = state
+    # --8<-- [end:i5-scan]
     return c.reshape(f.shape[0], M, *f.shape[1:])
 
 
@@ -209,9 +215,11 @@ def discrete_orthonormal_basis(T: int, M: int) -> np.ndarray:
     M = positive_int("M", M)
     if M > T:
         raise ValueError(f"M: expected M <= T = {T} (at most T orthonormal columns), got {M}")
+    # --8<-- [start:i7]
     x = 2.0 * np.arange(1, T + 1) / T - 1.0
     Q, R = np.linalg.qr(legendre.legvander(x, M - 1))
     return np.sqrt(T) * Q * np.sign(np.diag(R))  # G^T G / T = I, G[:, 0] = +1
+    # --8<-- [end:i7]
 
 
 def s4d_init(M: int, kind: str = "inv") -> tuple[np.ndarray, np.ndarray]:

@@ -62,8 +62,10 @@ def linear_attention(fq, fk, v) -> np.ndarray:
         o (..., T, dv).
     """
     fq, fk, v = _check_fq_fk_v(fq, fk, v)
+    # --8<-- [start:i1]
     scores = np.tril(fq @ np.swapaxes(fk, -1, -2))  # (..., T, T), zero above the diagonal
     return (scores @ v) / scores.sum(axis=-1, keepdims=True)  # (I1)
+    # --8<-- [end:i1]
 
 
 class Coefficients(NamedTuple):
@@ -92,20 +94,24 @@ def basis_coefficients(fk, v, M: int) -> Coefficients:
         raise ValueError(f"v: expected shape {(*lead, T)} + (dv,) (as fk), got {v.shape}")
     M = positive_int("M", M)
     dv = v.shape[-1]
-    # One recurrence for all channels: [xi(k), v, 1] (I5), token axis first.
+    # --8<-- [start:i2]
+    # One recurrence for [xi(k), v, 1] (I5), token axis first; the 1 gives eta = e_0 (I6).
     z = np.concatenate([fk, v, np.ones((*lead, T, 1))], axis=-1)  # (..., T, R+dv+1)
     z = np.moveaxis(z, -2, 0)  # (T, ..., C)
     c = legs_project(z.reshape(T, -1), M).reshape(T, M, *lead, R + dv + 1)
     c = np.moveaxis(c, (0, 1), (-3, -2))  # (..., T, M, C)
     return Coefficients(c[..., :R], c[..., R : R + dv], c[..., R + dv])
+    # --8<-- [end:i2]
 
 
 def ratio_readout(fq, coeffs: Coefficients) -> np.ndarray:
     """(I3) o_i = sum_m (fq_i . u_m) gamma_m / sum_m (fq_i . u_m) eta_m, row by row."""
+    # --8<-- [start:i3]
     a = np.einsum("...tmr,...tr->...tm", coeffs.U, fq)  # (..., T, M) = U_i fq_i
     num = np.einsum("...tm,...tmd->...td", a, coeffs.Gamma)  # (I3) sum_m (fq . u_m) gamma_m
     den = np.einsum("...tm,...tm->...t", a, coeffs.eta)  # (I3) sum_m (fq . u_m) eta_m
     return num / den[..., None]
+    # --8<-- [end:i3]
 
 
 def interdomain_legs(fq, fk, v, M: int) -> np.ndarray:
@@ -210,16 +216,20 @@ def short_conv(x, w) -> np.ndarray:
         raise ValueError(f"w: expected shape (K, {x.shape[-1]}) (channels of x), got {w.shape}")
     T = x.shape[-2]
     out = np.zeros_like(x)
+    # --8<-- [start:i8]
     for s in range(min(w.shape[0], T)):
         out[..., s:, :] += w[s] * x[..., : T - s, :]  # (I8) x_{t-s}, zero for t < s
+    # --8<-- [end:i8]
     return out
 
 
 def feature_map(y, eps: float = 1e-6) -> np.ndarray:
     """(I9) xi(y) = SiLU(y) / sqrt(||y||^2 + eps) over the last axis (the head dim)."""
     y = real_array("y", y, min_ndim=1)
+    # --8<-- [start:i9]
     silu = y * expit(y)  # SiLU, stable for large |y|
     return silu / np.sqrt(np.sum(y**2, axis=-1, keepdims=True) + eps)  # (I9)
+    # --8<-- [end:i9]
 
 
 def rms_norm(x, g, eps: float = 1e-6) -> np.ndarray:
@@ -228,7 +238,9 @@ def rms_norm(x, g, eps: float = 1e-6) -> np.ndarray:
     g = real_array("g", g, min_ndim=1)
     if g.shape != x.shape[-1:]:
         raise ValueError(f"g: expected shape {x.shape[-1:]} (last axis of x), got {g.shape}")
+    # --8<-- [start:i10]
     return x / np.sqrt(np.mean(x**2, axis=-1, keepdims=True) + eps) * g  # (I10)
+    # --8<-- [end:i10]
 
 
 def rope(x) -> np.ndarray:
@@ -258,8 +270,10 @@ def s4d_lambda(log_dt, a_log, a_im) -> np.ndarray:
     a_im = real_array("a_im", a_im, min_ndim=2)
     check_shape("a_log", a_log, (log_dt.shape[0], a_log.shape[1]), "(H, M), H from log_dt")
     check_shape("a_im", a_im, a_log.shape, "same as a_log")
+    # --8<-- [start:i11]
     a = -np.exp(a_log) + 1j * a_im  # (I11)
     return np.exp(np.exp(log_dt)[:, None] * a)  # (I11) Lambda = exp(dt a)
+    # --8<-- [end:i11]
 
 
 # --------------------------------------------------------------------------------------------
@@ -284,10 +298,12 @@ def _check_s4d(fq, kt, vt, lam, b, c):
 
 def _ssm_inputs(kt, vt, readout):
     """z_t = [k~_t, v~_t] (+ a constant-ones channel for the ratio readout), (..., H, T, C)."""
+    # --8<-- [start:ssm-inputs]
     parts = [kt, vt]
     if readout == "ratio":
         parts.append(np.ones((*kt.shape[:-1], 1)))
     return np.concatenate(parts, axis=-1)
+    # --8<-- [end:ssm-inputs]
 
 
 def s4d_states(z, lam, b) -> np.ndarray:
@@ -357,6 +373,7 @@ def interdomain_s4d(fq, kt, vt, lam, b, c, *, readout: str = "linear") -> np.nda
     z = _ssm_inputs(kt, vt, readout)
     state = np.zeros((*z.shape[:-2], lam.shape[1], z.shape[-1]), dtype=np.complex128)
     o = np.zeros(vt.shape)
+    # --8<-- [start:s4d-core]
     for t in range(z.shape[-2]):
         state = lam[:, :, None] * state + b[:, :, None] * z[..., t, None, :]  # (I11)
         Y = c @ state  # (I12) (..., H, M, C)
@@ -366,6 +383,7 @@ def interdomain_s4d(fq, kt, vt, lam, b, c, *, readout: str = "linear") -> np.nda
             den = np.einsum("...m,...m->...", a.conj(), Y[..., R + dv]).real
             num = num / den[..., None]
         o[..., t, :] = num
+    # --8<-- [end:s4d-core]
     return o
 
 
@@ -612,6 +630,7 @@ def interdomain_layer(
         if name in P:
             check_shape(f"params[{name!r}]", P[name], shape, PARAMETER_SCHEMA[name])
 
+    # --8<-- [start:layer]
     q = short_conv(x @ P["wq"], P["conv_q"])  # (I8) (B, T, H*R)
     k = short_conv(x @ P["wk"], P["conv_k"])
     v = x @ P["wv"]  # values are not convolved
@@ -630,6 +649,7 @@ def interdomain_layer(
         g = x @ P["wg"]
         o = g * expit(g) * o  # SiLU(W_g x) * o
     return o @ P["wo"]
+    # --8<-- [end:layer]
 
 
 __all__ = [
