@@ -1,0 +1,284 @@
+"""E3: tiny byte-level language models on the Python standard library's own sources.
+
+The corpus is every ``.py`` file of the running Python's standard library (site-packages left
+out), read from disk: available offline on every machine, different between Python versions
+(its size and hash are recorded). Files are split into training and validation by a hash of
+their path. Models are trained on windows of L bytes and evaluated on validation windows of
+4L bytes: the loss at each position gives the curve at 1x, 2x and 4x the training length
+(a causal model's loss at positions < nL is the loss it would have on windows of nL bytes).
+
+Models, at equal parameter counts (the MLP width of each is set so its count matches the
+largest): softmax + RoPE, Interdomain (S4D layer), Interdomain without the query-conditioned
+path (the paper's ablation), S4D-only (query and key paths removed), FPA, FoX. The claims
+(spec/interdomain.md section 4, spec/fpa.md section 8): Interdomain beats S4D-only, removing
+the query path costs perplexity, Interdomain's loss stays flat beyond the training length where
+softmax's rises; FPA's loss is on par with FoX's.
+
+Run: ``python -m attnspec.experiments.e3 [--quick]``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from . import harness
+from .models import TinyModel, matched_mlp_hidden, parameter_count
+from .training import seed_everything, train
+
+MODELS = ("softmax_rope", "interdomain", "interdomain_noquery", "s4d_only", "fpa", "fox")
+VALIDATION_HASH_BYTE = 26  # a file whose path hash starts below this validates: ~10%
+
+SETTINGS = {
+    "full": {
+        "L": 128,
+        "eval_multiple": 4,
+        "d_model": 64,
+        "n_layers": 2,
+        "n_heads": 4,
+        "head_dim": 16,
+        "n_modes": 16,
+        "mlp_hidden_base": 128,
+        "batch": 16,
+        "steps": 500,
+        "lr": 3e-3,
+        "eval_windows": 64,
+        "max_corpus_bytes": None,
+        "seeds": [0],
+    },
+    "quick": {
+        "L": 32,
+        "eval_multiple": 4,
+        "d_model": 16,
+        "n_layers": 1,
+        "n_heads": 2,
+        "head_dim": 8,
+        "n_modes": 4,
+        "mlp_hidden_base": 32,
+        "batch": 8,
+        "steps": 15,
+        "lr": 3e-3,
+        "eval_windows": 8,
+        "max_corpus_bytes": 300_000,
+        "seeds": [0],
+    },
+}
+
+
+def stdlib_corpus(max_bytes: int | None) -> tuple[np.ndarray, np.ndarray, dict]:
+    """(train bytes, validation bytes, description) from the standard library's ``.py`` files,
+    in path order, split by path hash, each side cut at ``max_bytes`` (None: all), as uint8
+    arrays."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(
+        p
+        for p in root.rglob("*.py")
+        if not {"site-packages", "dist-packages"} & set(p.relative_to(root).parts)
+    )
+    if not files:
+        raise ValueError(f"stdlib: expected .py files under {root}, found none")
+    sides: dict[str, list[bytes]] = {"train": [], "validation": []}
+    sizes = {"train": 0, "validation": 0}
+    for path in files:
+        name = path.relative_to(root).as_posix()
+        side = (
+            "validation"
+            if hashlib.sha256(name.encode()).digest()[0] < VALIDATION_HASH_BYTE
+            else "train"
+        )
+        if max_bytes is not None and sizes[side] >= max_bytes:
+            continue
+        text = path.read_bytes() + b"\n\n"
+        sides[side].append(text)
+        sizes[side] += len(text)
+    train_bytes, val_bytes = (b"".join(sides[s])[:max_bytes] for s in ("train", "validation"))
+    if min(len(train_bytes), len(val_bytes)) < 4096:
+        raise ValueError(f"stdlib: expected at least 4 KiB on each side, got {sizes}")
+    description = {
+        "root": str(root),
+        "python": sys.version.split()[0],
+        "files": len(files),
+        "train_bytes": len(train_bytes),
+        "validation_bytes": len(val_bytes),
+        "sha256": hashlib.sha256(train_bytes + val_bytes).hexdigest()[:16],
+    }
+    return (
+        np.frombuffer(train_bytes, dtype=np.uint8),
+        np.frombuffer(val_bytes, dtype=np.uint8),
+        description,
+    )
+
+
+def windows(data: np.ndarray, starts: np.ndarray, length: int) -> torch.Tensor:
+    """Byte windows data[s : s + length] for each start: [n, length] int64."""
+    return torch.from_numpy(data[starts[:, None] + np.arange(length)].astype(np.int64))
+
+
+def model_for(name: str, cfg: dict, mlp_hidden: int) -> TinyModel:
+    return TinyModel(
+        256,
+        256,
+        mixer=name,
+        d_model=cfg["d_model"],
+        n_layers=cfg["n_layers"],
+        n_heads=cfg["n_heads"],
+        head_dim=cfg["head_dim"],
+        mlp_hidden=mlp_hidden,
+        n_modes=cfg["n_modes"],
+    )
+
+
+def loss_by_position(model: TinyModel, batch: torch.Tensor, chunk: int = 16) -> np.ndarray:
+    """Next-byte cross-entropy (nats) at every position of every window: [n, T - 1]."""
+    out = []
+    with torch.no_grad():
+        for i in range(0, len(batch), chunk):
+            x = batch[i : i + chunk]
+            logits = model(x[:, :-1])
+            out.append(F.cross_entropy(logits.transpose(1, 2), x[:, 1:], reduction="none"))
+    return torch.cat(out).numpy()
+
+
+def summarise(losses: np.ndarray, L: int, multiple: int) -> dict:
+    """Mean loss (and its standard error over windows) at 1x, 2x, ... the training length and
+    in each band [nL/2, nL) beyond it."""
+    summary = {}
+    n = 1
+    while n <= multiple:
+        per_window = losses[:, : n * L].mean(axis=1)
+        summary[f"{n}x"] = {
+            "mean": float(per_window.mean()),
+            "stderr": float(per_window.std(ddof=1) / np.sqrt(len(per_window))),
+        }
+        if n > 1:
+            band = losses[:, n * L // 2 : n * L].mean(axis=1)
+            summary[f"band_{n // 2}x_{n}x"] = {
+                "mean": float(band.mean()),
+                "stderr": float(band.std(ddof=1) / np.sqrt(len(band))),
+            }
+        n *= 2
+    return summary
+
+
+def run(setting: str, progress: harness.Progress) -> dict:
+    cfg = SETTINGS[setting]
+    train_data, val_data, corpus = stdlib_corpus(cfg["max_corpus_bytes"])
+    L, T_eval = cfg["L"], cfg["L"] * cfg["eval_multiple"]
+    eval_starts = np.random.default_rng(2024).integers(
+        0, len(val_data) - T_eval - 1, size=cfg["eval_windows"]
+    )
+    eval_batch = windows(val_data, eval_starts, T_eval + 1)
+
+    # equal parameter counts: every model's MLP width matched to the largest model's count
+    base = {name: parameter_count(model_for(name, cfg, cfg["mlp_hidden_base"])) for name in MODELS}
+    target = max(base.values())
+    hidden = {
+        name: matched_mlp_hidden(lambda h, name=name: model_for(name, cfg, h), target)
+        for name in MODELS
+    }
+    results: dict = {"corpus": corpus, "target_parameters": target, "models": {}}
+    for seed in cfg["seeds"]:
+        for name in MODELS:
+            data_rng = np.random.default_rng(seed)
+            seed_everything(seed)
+            model = model_for(name, cfg, hidden[name])
+
+            def batch_loss(model, step, data_rng=data_rng):
+                starts = data_rng.integers(0, len(train_data) - L - 1, size=cfg["batch"])
+                x = windows(train_data, starts, L + 1)
+                logits = model(x[:, :-1])
+                return F.cross_entropy(logits.reshape(-1, 256), x[:, 1:].reshape(-1))
+
+            losses = train(
+                model,
+                batch_loss,
+                steps=cfg["steps"],
+                lr=cfg["lr"],
+                progress=progress,
+                label=f"e3 {name} seed {seed}",
+            )
+            by_position = loss_by_position(model, eval_batch)
+            results["models"].setdefault(name, []).append(
+                {
+                    "seed": seed,
+                    "parameters": parameter_count(model),
+                    "mlp_hidden": hidden[name],
+                    "loss_curve": [round(x, 4) for x in losses],
+                    "final_train_loss": float(np.mean(losses[-max(1, cfg["steps"] // 20) :])),
+                    "loss_by_position": np.round(by_position.mean(axis=0), 4).tolist(),
+                    "validation": summarise(by_position, L, cfg["eval_multiple"]),
+                }
+            )
+    config = {**cfg, "models": list(MODELS)}
+    return {"config": config, "seeds": cfg["seeds"], "results": results}
+
+
+LABELS = {
+    "softmax_rope": "softmax + RoPE",
+    "interdomain": "Interdomain (S4D)",
+    "interdomain_noquery": "Interdomain, no query path",
+    "s4d_only": "S4D-only",
+    "fpa": "FPA",
+    "fox": "FoX",
+}
+COLOURS = {
+    "softmax_rope": "C1",
+    "interdomain": "C4",
+    "interdomain_noquery": "C9",
+    "s4d_only": "C7",
+    "fpa": "C3",
+    "fox": "C0",
+}
+
+
+def plot(record: dict, path: Path) -> None:
+    """Validation loss by position (moving average over L/8 bytes) for the Interdomain family
+    and for FPA vs FoX, the training length marked; softmax + RoPE in both for reference."""
+    plt = harness.pyplot()
+    res, cfg = record["results"], record["config"]
+    L = cfg["L"]
+    width = max(1, L // 8)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
+    groups = (
+        ("softmax_rope", "interdomain", "interdomain_noquery", "s4d_only"),
+        ("softmax_rope", "fpa", "fox"),
+    )
+    titles = ("Interdomain vs its ablations and softmax", "FPA vs FoX")
+    for ax, group, title in zip(axes, groups, titles, strict=True):
+        for name in group:
+            curve = np.mean([r["loss_by_position"] for r in res["models"][name]], axis=0)
+            smooth = np.convolve(curve, np.ones(width) / width, mode="valid")
+            x = np.arange(len(smooth)) + width
+            at = {k: v["mean"] for k, v in res["models"][name][0]["validation"].items()}
+            label = f"{LABELS[name]}: {at['1x']:.3f} / {at[str(cfg['eval_multiple']) + 'x']:.3f}"
+            ax.plot(x, smooth, color=COLOURS[name], lw=1.5, label=label)
+        for n in range(1, cfg["eval_multiple"]):
+            ax.axvline(n * L, color="k", ls=":" if n > 1 else "--", lw=0.8)
+        ax.text(L, 0.98, " L (training)", transform=ax.get_xaxis_transform(), va="top", fontsize=8)
+        ax.set_xlabel("position in the validation window (bytes)")
+        ax.set_title(title)
+        ax.legend(
+            fontsize=8, title=f"mean loss at 1x / {cfg['eval_multiple']}x L", title_fontsize=8
+        )
+    axes[0].set_ylabel(f"next-byte loss, nats (moving average over {width})")
+    corpus = res["corpus"]
+    fig.suptitle(
+        f"E3: byte-level LMs on the Python {corpus['python']} standard library "
+        f"({corpus['train_bytes'] / 1e6:.1f} MB), {res['target_parameters']:,} parameters each"
+    )
+    fig.tight_layout()
+    harness.save(fig, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return harness.main("e3", "E3: tiny language models, loss by position.", run, plot, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

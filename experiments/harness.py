@@ -1,0 +1,202 @@
+"""What every experiment shares: its command line, a progress bar, and the result record.
+
+Each experiment module (``e1``, ``e2``, ``e3``) defines its settings ("quick" for CI smoke tests,
+"full" for the numbers in docs/experiments.md) and a ``run(setting, progress)`` that returns its
+config, seeds and results; :func:`main` wraps that in the record written as JSON (config, seeds,
+versions, wall time, machine load) and draws the figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from importlib import metadata
+from pathlib import Path
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+# In a clone the committed full-setting results live beside the code and the figures in the docs.
+RESULTS_DIR = PACKAGE_DIR / "results"
+FIGURES_DIR = PACKAGE_DIR.parent / "docs" / "figures" / "experiments"
+QUICK_DIR = Path("build") / "experiments"
+
+RECORD_KEYS = (
+    "experiment",
+    "setting",
+    "config",
+    "seeds",
+    "results",
+    "versions",
+    "started",
+    "seconds",
+    "load_average",
+    "figure",
+)
+
+
+class Progress:
+    """A one-line progress bar on stderr: ``label [#####-----] 12/40 0:07 loss 0.412``.
+
+    On a terminal it redraws in place; elsewhere (CI logs) it prints a line at every tenth.
+    """
+
+    def __init__(self, stream=None, width: int = 24):
+        self.stream = stream or sys.stderr
+        self.width = width
+        self.tty = self.stream.isatty()
+        self.label, self.total, self.done, self.start = "", 1, 0, time.monotonic()
+        self._printed = -1
+
+    def begin(self, label: str, total: int) -> None:
+        self.label, self.total, self.done = label, max(int(total), 1), 0
+        self.start, self._printed = time.monotonic(), -1
+        self._draw("")
+
+    def advance(self, note: str = "") -> None:
+        self.done = min(self.done + 1, self.total)
+        self._draw(note)
+
+    def end(self, note: str = "") -> None:
+        if self.done < self.total or self.tty:
+            self.done = self.total
+            self._draw(note, final=True)
+
+    def _draw(self, note: str, final: bool = False) -> None:
+        filled = self.width * self.done // self.total
+        elapsed = int(time.monotonic() - self.start)
+        line = (
+            f"{self.label:<28} [{'#' * filled}{'-' * (self.width - filled)}] "
+            f"{self.done}/{self.total} {elapsed // 60}:{elapsed % 60:02d} {note}"
+        )
+        if self.tty:
+            self.stream.write("\r" + line[:120].ljust(120) + ("\n" if final else ""))
+        else:
+            tenth = 10 * self.done // self.total
+            if tenth == self._printed and not final:
+                return
+            self._printed = tenth
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+
+def versions() -> dict[str, str]:
+    """Versions of what produced a result: Python, the project, torch, NumPy, the machine."""
+    import numpy as np
+    import torch
+
+    try:
+        attnspec = metadata.version("attnspec")
+    except metadata.PackageNotFoundError:
+        attnspec = "not installed"
+    return {
+        "python": platform.python_version(),
+        "attnspec": attnspec,
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "platform": platform.platform(),
+        "cpu_count": str(os.cpu_count()),
+        "torch_threads": str(torch.get_num_threads()),
+    }
+
+
+def parse_args(name: str, description: str, argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog=f"python -m attnspec.experiments.{name}", description=description
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="the CI smoke setting (about a minute); results go to build/experiments/ by default",
+    )
+    parser.add_argument(
+        "--out",
+        metavar="DIR",
+        type=Path,
+        help=f"where the JSON goes (default: {RESULTS_DIR} for the full setting)",
+    )
+    parser.add_argument(
+        "--figures",
+        metavar="DIR",
+        type=Path,
+        help=f"where the PNG goes (default: {FIGURES_DIR} for the full setting, else --out)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (default 1: at these sizes more threads on a shared "
+        "machine only wait for each other)",
+    )
+    return parser.parse_args(argv)
+
+
+def main(
+    name: str,
+    description: str,
+    run: Callable[[str, Progress], dict],
+    plot: Callable[[dict, Path], None],
+    argv: list[str] | None = None,
+) -> int:
+    """Run one experiment from the command line; write ``NAME.json`` and ``NAME.png``.
+
+    ``run(setting, progress)`` returns ``{"config": ..., "seeds": [...], "results": ...}``;
+    ``plot(record, path)`` draws the figure from the record alone.
+    """
+    import torch
+
+    args = parse_args(name, description, argv)
+    if args.threads < 1:
+        raise SystemExit(f"--threads: expected an integer >= 1, got {args.threads}")
+    torch.set_num_threads(args.threads)
+    setting = "quick" if args.quick else "full"
+    out = args.out or (QUICK_DIR if args.quick else RESULTS_DIR)
+    figures = args.figures or (out if args.quick or args.out else FIGURES_DIR)
+    out.mkdir(parents=True, exist_ok=True)
+    figures.mkdir(parents=True, exist_ok=True)
+
+    started = datetime.now(UTC).isoformat(timespec="seconds")
+    load_before = os.getloadavg()
+    t0 = time.monotonic()
+    outcome = run(setting, Progress())
+    seconds = time.monotonic() - t0
+    figure = figures / f"{name}.png"
+    record = {
+        "experiment": name,
+        "setting": setting,
+        "config": outcome["config"],
+        "seeds": outcome["seeds"],
+        "results": outcome["results"],
+        "versions": versions(),
+        "started": started,
+        "seconds": round(seconds, 1),
+        # 1-minute load average before and after: the machine is shared, timings depend on it
+        "load_average": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
+        "figure": figure.name,
+    }
+    path = out / f"{name}.json"
+    path.write_text(json.dumps(record, indent=1, sort_keys=False) + "\n")
+    plot(record, figure)
+    print(f"wrote {path} and {figure} ({seconds:.0f} s)")
+    return 0
+
+
+def pyplot():
+    """matplotlib's pyplot on the Agg backend (files only, no display)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save(fig, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
