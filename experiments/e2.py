@@ -44,10 +44,10 @@ SETTINGS = {
         "head_dim": 32,
         "mlp_hidden": 128,
         "batch": 32,
-        "steps": 1500,
+        "steps": 1000,
         "lr": 3e-3,
-        "test_sequences": 256,
-        "thetas": [16.0, 8.0, 4.0, 2.0, 1.0, 0.5],
+        "test_sequences": 128,
+        "thetas": [16.0, 8.0, 4.0, 2.0, 1.0],
         "seeds": [0],
     },
     "quick": {
@@ -112,21 +112,29 @@ def retrieval_accuracy(logits: torch.Tensor, passkeys: torch.Tensor) -> float:
 
 def evaluate(
     model: TinyModel, tokens: np.ndarray, passkeys: np.ndarray, theta: float | None, chunk: int = 64
-) -> tuple[float, float | None]:
-    """(accuracy, kept fraction): the plain forward for theta None, else the decode prefill of
-    every FPA layer with a cache evicting at depth >= theta; sequences in chunks of ``chunk``."""
-    correct, kept = [], []
+) -> tuple[float, np.ndarray | None]:
+    """(accuracy, kept fractions [layers, heads]): the plain forward for theta None, else the
+    decode prefill of every FPA layer with a cache evicting at depth >= theta. A head's kept
+    fraction is its largest live-key count over the tokens, divided by the tokens, averaged
+    over the sequences (the caches' ``kept_fraction`` per head). Sequences in chunks."""
+    correct, kept, sizes = [], [], []
     with torch.no_grad():
         for i in range(0, len(tokens), chunk):
             x = torch.from_numpy(tokens[i : i + chunk])
             caches = None if theta is None else model.new_caches(theta)
             logits = model(x, caches)
             correct.append(retrieval_accuracy(logits, torch.from_numpy(passkeys[i : i + chunk])))
+            sizes.append(len(x))
             if caches is not None:
-                kept.append(np.mean([c.attention.kept_fraction for c in caches]))
-    sizes = [len(tokens[i : i + chunk]) for i in range(0, len(tokens), chunk)]
+                peaks = [c.attention.peak.reshape(len(x), -1).double() for c in caches]
+                kept.append(
+                    [
+                        (p.mean(0) / c.attention.steps).tolist()
+                        for p, c in zip(peaks, caches, strict=True)
+                    ]
+                )
     accuracy = float(np.average(correct, weights=sizes))
-    return accuracy, (float(np.average(kept, weights=sizes)) if kept else None)
+    return accuracy, (np.average(kept, axis=0, weights=sizes) if kept else None)
 
 
 def run(setting: str, progress: harness.Progress) -> dict:
@@ -177,9 +185,10 @@ def run(setting: str, progress: harness.Progress) -> dict:
             kept: dict = {}
             for theta, n in evaluations:
                 key = "none" if theta is None else f"{theta:g}"
-                acc, frac = evaluate(model, *tests[n], theta)
+                acc, by_head = evaluate(model, *tests[n], theta)
                 accuracy.setdefault(key, []).append(acc)
-                kept.setdefault(key, []).append(1.0 if frac is None else frac)
+                if by_head is not None:
+                    kept.setdefault(key, []).append(by_head)
                 progress.advance(f"theta {key} T {n}: {acc:.2f}")
             progress.end()
             entry = {
@@ -191,59 +200,86 @@ def run(setting: str, progress: harness.Progress) -> dict:
             }
             if name == "fpa":
                 entry["eviction"] = {
-                    key: {"accuracy": accuracy[key], "kept_fraction": kept[key]}
-                    for key in accuracy
-                    if key != "none"
+                    key: {
+                        "accuracy": accuracy[key],
+                        "kept_fraction": [float(h.mean()) for h in kept[key]],
+                        "kept_fraction_by_layer_head": [np.round(h, 4).tolist() for h in kept[key]],
+                    }
+                    for key in kept
                 }
             results["models"].setdefault(name, []).append(entry)
     return {"config": {**cfg, "models": list(MODELS)}, "seeds": cfg["seeds"], "results": results}
 
 
 LABELS = {"fpa": "FPA (full cache)", "fox": "FoX", "softmax_rope": "softmax + RoPE"}
-COLOURS = {"fpa": "C3", "fox": "C0", "softmax_rope": "C1"}
+STYLES = {
+    "fpa": {"color": "C3", "marker": "o", "ms": 9, "lw": 3},
+    "fox": {"color": "C0", "marker": "s", "ms": 5, "lw": 1.5, "ls": "--"},
+    "softmax_rope": {"color": "C1", "marker": "^", "ms": 6, "lw": 1.5},
+}
 
 
 def plot(record: dict, path: Path) -> None:
-    """Accuracy against test length (all models, FPA per eviction threshold) and, for FPA,
-    accuracy against the kept fraction of the cache at each length."""
+    """Accuracy against test length for the three models; FPA's accuracy with eviction at each
+    threshold; the kept fraction of each layer's cache (per head) at the longest length."""
     plt = harness.pyplot()
     res, cfg = record["results"], record["config"]
     multiples = cfg["multiples"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
+    ticks = [f"{m}x\n({m * cfg['L']})" for m in multiples]
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    ax = axes[0]
     for name, runs in res["models"].items():
         acc = np.mean([r["accuracy"] for r in runs], axis=0)
-        left.plot(multiples, acc, "o-", color=COLOURS[name], lw=2, label=LABELS[name])
+        ax.plot(multiples, acc, label=LABELS[name], **STYLES[name])
+    ax.set_title(f"Full cache: retrieval beyond the training length L = {cfg['L']}")
+
     fpa_runs = res["models"]["fpa"]
     thetas = list(fpa_runs[0]["eviction"])
-    shades = plt.cm.Reds(np.linspace(0.35, 0.85, len(thetas)))
+    shades = plt.cm.viridis(np.linspace(0.0, 0.85, len(thetas)))
+    ax = axes[1]
     for theta, shade in zip(thetas, shades, strict=True):
         acc = np.mean([r["eviction"][theta]["accuracy"] for r in fpa_runs], axis=0)
         kept = np.mean([r["eviction"][theta]["kept_fraction"] for r in fpa_runs], axis=0)
-        left.plot(
+        ax.plot(
             multiples,
             acc,
-            "s--",
+            "s-",
             color=shade,
-            lw=1,
-            label=f"FPA, evict at pi >= {theta} (kept {kept[-1]:.0%} at {multiples[-1]}x)",
+            label=f"theta = {theta}: {kept[-1]:.0%} of the cache kept at {multiples[-1]}x",
         )
-        right.plot(kept, acc, "s-", color=shade, lw=1, label=f"theta = {theta}")
-        for m, x, y in zip(multiples, kept, acc, strict=True):
-            right.annotate(f"{m}x", (x, y), textcoords="offset points", xytext=(4, 3), fontsize=7)
-    left.set_xscale("log", base=2)
-    left.set_xticks(multiples, [f"{m}x\n({m * cfg['L']})" for m in multiples])
-    left.set_xlabel("test length / training length (tokens)")
-    left.set_ylabel("passkey retrieved (all digits right)")
-    left.set_ylim(-0.03, 1.05)
-    left.set_title(f"Retrieval beyond the training length L = {cfg['L']}")
-    left.legend(fontsize=7, loc="lower left")
-    right.set_xlabel("kept fraction of the KV cache (peak live keys / tokens)")
-    right.set_ylabel("passkey retrieved")
-    right.set_xlim(0, 1.05)
-    right.set_ylim(-0.03, 1.05)
-    right.set_title("FPA with eviction: accuracy vs cache kept (labels: test length)")
-    right.legend(fontsize=7, loc="lower right")
-    fig.suptitle("E2: passkey retrieval, two layers")
+    ax.set_title("FPA decoding with eviction at depth pi >= theta")
+    for ax in axes[:2]:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(multiples, ticks)
+        ax.minorticks_off()
+        ax.set_xlabel("test length / training length (tokens)")
+        ax.set_ylabel("passkey retrieved (all digits right)")
+        ax.set_ylim(-0.03, 1.05)
+        ax.legend(fontsize=8, loc="lower left")
+
+    ax = axes[2]
+    by_head = np.array(
+        [fpa_runs[0]["eviction"][t]["kept_fraction_by_layer_head"][-1] for t in thetas]
+    )
+    n_layers, n_heads = by_head.shape[1:]
+    width = 0.8 / (n_layers * n_heads)
+    for layer in range(n_layers):
+        for head in range(n_heads):
+            offset = (layer * n_heads + head) * width - 0.4 + width / 2
+            ax.bar(
+                np.arange(len(thetas)) + offset,
+                by_head[:, layer, head],
+                width,
+                color=f"C{layer}",
+                alpha=1.0 - 0.4 * head,
+                label=f"layer {layer + 1}, head {head + 1}",
+            )
+    ax.set_xticks(range(len(thetas)), [f"theta = {t}" for t in thetas])
+    ax.set_ylabel(f"kept fraction of the cache at {multiples[-1]}x (peak live keys / tokens)")
+    ax.set_ylim(0, 1.05)
+    ax.set_title(f"Where the cache goes (FPA, seed {fpa_runs[0]['seed']}, {multiples[-1]}x)")
+    ax.legend(fontsize=8)
+    fig.suptitle("E2: passkey retrieval, two layers, trained at one length, tested at several")
     fig.tight_layout()
     harness.save(fig, path)
 

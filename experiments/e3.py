@@ -46,9 +46,9 @@ SETTINGS = {
         "n_modes": 16,
         "mlp_hidden_base": 128,
         "batch": 16,
-        "steps": 500,
+        "steps": 400,
         "lr": 3e-3,
-        "eval_windows": 64,
+        "eval_windows": 128,
         "max_corpus_bytes": None,
         "seeds": [0],
     },
@@ -238,12 +238,12 @@ COLOURS = {
 
 
 def plot(record: dict, path: Path) -> None:
-    """Validation loss by position (moving average over L/8 bytes) for the Interdomain family
+    """Validation loss by position (moving average over L/4 bytes) for the Interdomain family
     and for FPA vs FoX, the training length marked; softmax + RoPE in both for reference."""
     plt = harness.pyplot()
     res, cfg = record["results"], record["config"]
     L = cfg["L"]
-    width = max(1, L // 8)
+    width = max(1, L // 4)
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
     groups = (
         ("softmax_rope", "interdomain", "interdomain_noquery", "s4d_only"),
@@ -258,9 +258,18 @@ def plot(record: dict, path: Path) -> None:
             at = {k: v["mean"] for k, v in res["models"][name][0]["validation"].items()}
             label = f"{LABELS[name]}: {at['1x']:.3f} / {at[str(cfg['eval_multiple']) + 'x']:.3f}"
             ax.plot(x, smooth, color=COLOURS[name], lw=1.5, label=label)
-        for n in range(1, cfg["eval_multiple"]):
-            ax.axvline(n * L, color="k", ls=":" if n > 1 else "--", lw=0.8)
-        ax.text(L, 0.98, " L (training)", transform=ax.get_xaxis_transform(), va="top", fontsize=8)
+        n = 1
+        while n < cfg["eval_multiple"]:
+            ax.axvline(n * L, color="k", ls="--" if n == 1 else ":", lw=0.8)
+            ax.text(
+                n * L,
+                0.98,
+                " L (training)" if n == 1 else f" {n}L",
+                transform=ax.get_xaxis_transform(),
+                va="top",
+                fontsize=8,
+            )
+            n *= 2
         ax.set_xlabel("position in the validation window (bytes)")
         ax.set_title(title)
         ax.legend(

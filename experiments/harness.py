@@ -126,6 +126,12 @@ def parse_args(name: str, description: str, argv: list[str] | None) -> argparse.
         help=f"where the PNG goes (default: {FIGURES_DIR} for the full setting, else --out)",
     )
     parser.add_argument(
+        "--replot",
+        metavar="JSON",
+        type=Path,
+        help="only redraw the figure from a record written before (into --figures)",
+    )
+    parser.add_argument(
         "--threads",
         type=int,
         default=1,
@@ -158,6 +164,14 @@ def main(
     figures = args.figures or (out if args.quick or args.out else FIGURES_DIR)
     out.mkdir(parents=True, exist_ok=True)
     figures.mkdir(parents=True, exist_ok=True)
+    if args.replot:
+        record = json.loads(args.replot.read_text())
+        if record.get("experiment") != name:
+            raise SystemExit(f"--replot: expected a record of {name}, got {args.replot}")
+        figure = figures / f"{name}.png"
+        plot(record, figure)
+        print(f"wrote {figure}")
+        return 0
 
     started = datetime.now(UTC).isoformat(timespec="seconds")
     load_before = os.getloadavg()
