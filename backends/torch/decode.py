@@ -20,8 +20,8 @@ from torch import Tensor
 
 from attnspec.reference import hippo
 
-from . import checks
-from .eager_fpa import QUERY_BLOCK, FPAPenalty, Tile, _compute_dtype, _rows, _unrows, attend
+from . import checks, eager_fpa
+from .eager_fpa import FPAPenalty, Tile, _compute_dtype, _rows, _unrows, attend
 from .ops import interdomain_s4d
 
 _INF = float("inf")
@@ -180,7 +180,7 @@ class FPADecodeCache:
             _rows(v, wide, groups),
             checks.scale(self.scale, K),
             evicting,
-            QUERY_BLOCK,
+            eager_fpa.QUERY_BLOCK,
         )
         # the cache after the last token: m_j = min field over (j, T), kept if depth < theta
         after = torch.cat([fs[:, 1:], torch.full_like(fs[:, :1], _INF)], dim=1)

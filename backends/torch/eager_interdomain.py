@@ -264,6 +264,7 @@ def _states(state, n: int, cu_seqlens, shape, R: int, like: Tensor) -> list[Tens
 
 
 def _s4d_setup(fq, kt, vt, lam, b, c, readout, chunk):
+    chunk = S4D_CHUNK if chunk is None else chunk
     dtype = torch.promote_types(torch.promote_types(fq.dtype, torch.float32), lam.dtype)
     lam_c, b_c, c_c = (_as_complex(p, dtype) for p in (lam, b, c))
     model = S4DScan(
@@ -284,7 +285,7 @@ def s4d_fwd(
     cu_seqlens: Tensor | None,
     initial_state: Tensor | None,
     *,
-    chunk: int = S4D_CHUNK,
+    chunk: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(I11)-(I13) in chunks: o [B, T, H, V] in fq's dtype and the final state [N, H, M, C, 2]
     (C = R + V, + 1 for "ratio") in the parameters' dtype."""
@@ -318,7 +319,7 @@ def s4d_bwd(
     do: Tensor,
     dfinal_state: Tensor | None,
     *,
-    chunk: int = S4D_CHUNK,
+    chunk: int | None = None,
 ) -> tuple[Tensor | None, ...]:
     """Cotangents of :func:`s4d_fwd`: dfq, dkt, dvt, dlam, db, dc, dinitial_state (None without
     an initial state), shaped and typed like the inputs; complex ones as (re, im) pairs of
@@ -465,6 +466,7 @@ class LegSScan:
 
 
 def _legs_setup(fq, fk, v, M, chunk):
+    chunk = LEGS_CHUNK if chunk is None else chunk
     dtype = torch.promote_types(fq.dtype, torch.float32)
     xs = [_heads_first(fq, dtype), _heads_first(fk, dtype), _heads_first(v, dtype)]
     return LegSScan(M, chunk), xs
@@ -477,7 +479,13 @@ def _legs_zeros(part: list[Tensor], M: int) -> list[Tensor]:
 
 @dispatch.register("legs_fwd", "eager")
 def legs_fwd(
-    fq: Tensor, fk: Tensor, v: Tensor, M: int, cu_seqlens: Tensor | None, *, chunk: int = LEGS_CHUNK
+    fq: Tensor,
+    fk: Tensor,
+    v: Tensor,
+    M: int,
+    cu_seqlens: Tensor | None,
+    *,
+    chunk: int | None = None,
 ) -> Tensor:
     """(I2), (I3), (I5) in chunks: o [B, T, H, V] in fq's dtype."""
     model, xs = _legs_setup(fq, fk, v, M, chunk)
@@ -498,7 +506,7 @@ def legs_bwd(
     cu_seqlens: Tensor | None,
     do: Tensor,
     *,
-    chunk: int = LEGS_CHUNK,
+    chunk: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Cotangents of :func:`legs_fwd`: dfq, dfk, dv shaped and typed like the inputs."""
     model, xs = _legs_setup(fq, fk, v, M, chunk)
