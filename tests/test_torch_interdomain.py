@@ -222,7 +222,7 @@ BAD_S4D = [
     (s4d_changed(kt=lambda x: x[..., :2]), {}, "kt: expected shape"),
     (s4d_changed(vt=lambda x: x.double()), {}, "vt: expected the dtype of fq"),
     (s4d_changed(lam=lambda x: x.real), {}, "lam: expected dtype complex64"),
-    (s4d_changed(lam=lambda x: x[:1]), {}, r"lam: expected shape \(2, 5, 2\)"),
+    (s4d_changed(lam=lambda x: x[:1]), {}, r"lam: expected shape \(2, 5\) \(\[H, M\] complex"),
     (s4d_changed(c=lambda x: x[..., :4]), {}, "c: expected shape"),
     (s4d_changed(b=lambda x: x.to(torch.complex128)), {}, "b: expected the dtype of lam"),
     (s4d_changed(lam=lambda x: 1.5 * x / x.abs()), {}, r"lam: expected 0 < \|Lambda\| <= 1"),

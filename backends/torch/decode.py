@@ -221,8 +221,7 @@ class S4DDecodeState:
     """
 
     def __init__(self, lam: Tensor, b: Tensor, c: Tensor, *, readout: str = "linear", state=None):
-        if readout not in ("linear", "ratio"):
-            raise ValueError(f"readout: expected 'linear' or 'ratio', got {readout!r}")
+        checks.readout(readout)
         for name, x, ndim in (("lam", lam, 2), ("b", b, 2), ("c", c, 3)):
             checks.tensor(name, x, ndim, checks.COMPLEX_DTYPES, "complex")
         H, M = lam.shape
