@@ -166,6 +166,13 @@ def log_gates(x: Tensor) -> None:
         )
 
 
+def readout(value) -> str:
+    """The S4D readout: "linear" (I13) or "ratio"."""
+    if value not in ("linear", "ratio"):
+        raise ValueError(f"readout: expected 'linear' or 'ratio', got {value!r}")
+    return value
+
+
 class FeatureDims(NamedTuple):
     B: int
     T: int
@@ -202,3 +209,32 @@ def decays(lam: Tensor) -> None:
             f"lam: expected 0 < |Lambda| <= 1, got |Lambda| = {float(modulus[index]):.6g} at "
             f"index {index}"
         )
+
+
+def s4d_parameters(lam, b, c, H: int, pairs: bool) -> int:
+    """lam, b [H, M] and c [H, M, M], complex, or as (re, im) pairs in a last axis of size 2
+    (float32 or wider); one dtype.
+
+    Returns:
+        M.
+    """
+    extra, dtypes = ((2,), WIDE_DTYPES) if pairs else ((), COMPLEX_DTYPES)
+    form = " + (2,) (re, im)" if pairs else " complex"
+    lam = tensor("lam", lam, 2 + len(extra), dtypes, f"[H, M]{form}")
+    M = lam.shape[1]
+    shape("lam", lam, (H, M, *extra), f"[H, M]{form}, H = heads of fq")
+    b = tensor("b", b, 2 + len(extra), dtypes, f"[H, M]{form}")
+    shape("b", b, (H, M, *extra), f"[H, M]{form}, as lam")
+    c = tensor("c", c, 3 + len(extra), dtypes, f"[H, M, M]{form}")
+    shape("c", c, (H, M, M, *extra), f"[H, M, M]{form}, M of lam")
+    same_dtype(("lam", "b", "c"), (lam, b, c))
+    return M
+
+
+def s4d_state(x, dims: tuple[int, int, int, int], pairs: bool, lam: Tensor) -> Tensor:
+    """An S4D state [N, H, M, C] complex (or + (2,) as (re, im) pairs), of lam's dtype."""
+    extra, dtypes = ((2,), WIDE_DTYPES) if pairs else ((), COMPLEX_DTYPES)
+    x = tensor("initial_state", x, 4 + len(extra), dtypes, "[N, H, M, C]")
+    shape("initial_state", x, (*dims, *extra), "[N, H, M, C]: N sequences, C = R + V (+ 1)")
+    same_dtype(("lam", "initial_state"), (lam, x))
+    return x

@@ -20,8 +20,8 @@ from torch import Tensor
 
 from attnspec.reference import hippo
 
-from . import checks
-from .eager_fpa import QUERY_BLOCK, FPAPenalty, Tile, _compute_dtype, _rows, _unrows, attend
+from . import checks, eager_fpa
+from .eager_fpa import FPAPenalty, Tile, _compute_dtype, _rows, _unrows, attend
 from .ops import interdomain_s4d
 
 _INF = float("inf")
@@ -180,7 +180,7 @@ class FPADecodeCache:
             _rows(v, wide, groups),
             checks.scale(self.scale, K),
             evicting,
-            QUERY_BLOCK,
+            eager_fpa.QUERY_BLOCK,
         )
         # the cache after the last token: m_j = min field over (j, T), kept if depth < theta
         after = torch.cat([fs[:, 1:], torch.full_like(fs[:, :1], _INF)], dim=1)
@@ -221,8 +221,7 @@ class S4DDecodeState:
     """
 
     def __init__(self, lam: Tensor, b: Tensor, c: Tensor, *, readout: str = "linear", state=None):
-        if readout not in ("linear", "ratio"):
-            raise ValueError(f"readout: expected 'linear' or 'ratio', got {readout!r}")
+        checks.readout(readout)
         for name, x, ndim in (("lam", lam, 2), ("b", b, 2), ("c", c, 3)):
             checks.tensor(name, x, ndim, checks.COMPLEX_DTYPES, "complex")
         H, M = lam.shape

@@ -69,6 +69,13 @@ def _segments(cu_seqlens: Tensor | None, T: int) -> list[tuple[int, int]]:
     return list(itertools.pairwise(offsets))
 
 
+def _blocks(block: int | None, key_block: int | None) -> tuple[int, int | None]:
+    """The tile sizes of a call: the module's QUERY_BLOCK and KEY_BLOCK unless given."""
+    return (QUERY_BLOCK if block is None else block), (
+        KEY_BLOCK if key_block is None else key_block
+    )
+
+
 def _compute_dtype(q: Tensor, wide: Tensor) -> torch.dtype:
     """float32 for 16-bit and float32 inputs, float64 when q or the field is float64."""
     return torch.promote_types(torch.promote_types(q.dtype, torch.float32), wide.dtype)
@@ -352,13 +359,14 @@ def fpa_fwd(
     scale: float,
     cu_seqlens: Tensor | None,
     *,
-    block: int = QUERY_BLOCK,
-    key_block: int | None = KEY_BLOCK,
+    block: int | None = None,
+    key_block: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(F1)-(F5) tiled: o [B, T, HQ, V] in q's dtype, lse [B, T, HQ] in field's dtype.
 
     Time O(T^2 (K + V)) per sequence, memory O(T * block).
     """
+    block, key_block = _blocks(block, key_block)
     B, T, HQ, _ = q.shape
     groups = HQ // k.shape[2]
     dtype = _compute_dtype(q, field)
@@ -386,13 +394,14 @@ def fpa_bwd(
     scale: float,
     cu_seqlens: Tensor | None,
     *,
-    block: int = QUERY_BLOCK,
-    key_block: int | None = KEY_BLOCK,
+    block: int | None = None,
+    key_block: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(G1)-(G4) tiled: dq, dk, dv, dfield, dlevel shaped and typed like their inputs.
 
     Time O(T^2 (K + V)) per sequence, memory O(T * block).
     """
+    block, key_block = _blocks(block, key_block)
     B, T, HQ, _ = q.shape
     groups = HQ // k.shape[2]
     dtype = _compute_dtype(q, field)
@@ -436,11 +445,12 @@ def fox_fwd(
     scale: float,
     cu_seqlens: Tensor | None,
     *,
-    block: int = QUERY_BLOCK,
-    key_block: int | None = KEY_BLOCK,
+    block: int | None = None,
+    key_block: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(F6) FoX tiled, the decay from segment-local cumulative sums: o [B, T, HQ, V] in q's
     dtype, lse [B, T, HQ] in log_f's dtype. Time O(T^2 (K + V)), memory O(T * block)."""
+    block, key_block = _blocks(block, key_block)
     B, T, HQ, _ = q.shape
     groups = HQ // k.shape[2]
     dtype = _compute_dtype(q, log_f)
@@ -467,11 +477,12 @@ def fox_bwd(
     scale: float,
     cu_seqlens: Tensor | None,
     *,
-    block: int = QUERY_BLOCK,
-    key_block: int | None = KEY_BLOCK,
+    block: int | None = None,
+    key_block: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """FoX backward: dq, dk, dv by (G1), dlog_f as the reverse cumulative sum of
     dL/dc (row sums minus column sums of G). Time O(T^2 (K + V)), memory O(T * block)."""
+    block, key_block = _blocks(block, key_block)
     B, T, HQ, _ = q.shape
     groups = HQ // k.shape[2]
     dtype = _compute_dtype(q, log_f)

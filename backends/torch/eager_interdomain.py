@@ -8,9 +8,11 @@ across chunks by passing the state, so no per-token state is ever materialised.
 S4D (I11)-(I13). With W = C^H C, alpha_t = x^K_t xi(q_t) and beta_t = W alpha_t, the readout is
 o_t = Re(beta_t^H x^V_t) (divided by the ones channel's readout for "ratio"). Inside a chunk
 starting at t0 with carried state x, x_t = Lambda^(t-t0+1) x + sum_{s<=t} Lambda^(t-s) b z_s,
-so alpha_t and o_t are sums over s <= t with weights Lambda^(t-s): powers of |Lambda| <= 1 taken
-by cumulative products (non-positive exponents: nothing overflows). Complex numbers are torch
-complex tensors inside (complex64 for float32 and narrower inputs, complex128 for float64).
+so alpha_t and o_t are sums over s <= t with weights Lambda^(t-s): a Toeplitz kernel, applied as
+a matmul with the powers Lambda^p once the (t, s) matrices are re-indexed by lag (``lag_major``);
+powers of |Lambda| <= 1 by cumulative products (non-positive exponents: nothing overflows).
+Complex numbers are torch complex tensors inside (complex64 for float32 and narrower inputs,
+complex128 for float64).
 
 LegS (I2), (I3), (I5). The exact steps c_n = E_n c_{n-1} + F_n f_n are time-varying; a chunk
 uses their products P_t = E_t ... E_{t0} (applied to the carried state) and
@@ -26,7 +28,7 @@ w = Lambda^p, g(Lambda) += g(w) conj(p Lambda^(p-1)). Conjugates are materialise
 AOTAutograd ran it (torch 2.13, caught by ``opcheck``).
 
 Cost per batch-head: S4D time O(T (L M + M (R + V + M))), LegS O(T (L M + M^2 + M (R + V))),
-memory O(L^2 M + L M (R + V)) for one chunk at a time.
+memory O(L^2 + L M (R + V)) for S4D and O(L^2 M + L M (R + V)) for LegS, one chunk at a time.
 """
 
 from __future__ import annotations
@@ -93,50 +95,65 @@ def scan_vjp(model: ChunkedScan, xs, carry, d_out: Tensor, d_carry: list[Tensor]
 # S4D
 
 
+def lag_major(x: Tensor) -> Tensor:
+    """[..., L, L] -> [..., L, L]: y[t, p] = x[t, t - p] for p <= t, 0 above the diagonal.
+
+    Re-indexes a causal (t, s) matrix by lag p = t - s, so that a Toeplitz kernel
+    Lambda^(t-s) becomes the plain matrix of powers Lambda^p. It is an involution on the lower
+    triangle, hence also its own adjoint.
+    """
+    L = x.shape[-1]
+    t = torch.arange(L, device=x.device)
+    lag = t[:, None] - t[None, :]
+    y = torch.gather(x, -1, lag.clamp_min(0).expand(x.shape))
+    return y * (lag >= 0)
+
+
 class S4DScan:
     """(I11)-(I13) in chunks. Inputs fq, kt [N, H, L, R] and zv [N, H, L, V'] (the values, plus
     a ones channel for "ratio"); carry x^K [N, H, M, R], x^V [N, H, M, V'] complex; parameters
-    lam, b [H, M] and W = C^H C [H, M, M] complex."""
+    lam, b [H, M] and W = C^H C [H, M, M] complex.
+
+    The chunk's kernel Lambda^(t-s) is Toeplitz: sums over s <= t of a(t, s) Lambda^(t-s) are
+    matmuls of ``lag_major(a)`` [L, L] with the powers Lambda^p [L, M], so no [L, L, M] tensor
+    is formed.
+    """
 
     def __init__(self, lam: Tensor, b: Tensor, W: Tensor, readout: str, size: int):
         self.lam, self.b, self.W, self.readout, self.size = lam, b, W, readout, size
         H, M = lam.shape
         ones = torch.ones(H, 1, M, dtype=lam.dtype, device=lam.device)
         self.powers = torch.cat([ones, lam[:, None].expand(H, size, M)], 1).cumprod(1)  # Lambda^p
-        t = torch.arange(size, device=lam.device)
-        self.lag = t[:, None] - t[None, :]  # t - s
-        causal = (self.lag >= 0)[None, :, :, None]
-        self.D = self.powers[:, self.lag.clamp_min(0)] * causal  # Lambda^(t-s), s <= t
 
     def _decays(self, L: int):
-        powers = self.powers[:, : L + 1]
-        D = self.D[:, :L, :L]  # [H, L, L, M]
-        decay = powers[:, 1:]  # Lambda^(t+1): carried state to token t
+        powers = self.powers[:, : L + 1]  # Lambda^p, p = 0..L: [H, L + 1, M]
+        decay = powers[:, 1:]  # Lambda^(t+1): the carried state to token t
         back = powers[:, :L].flip(1)  # Lambda^(L-1-s): token s to the chunk's end
-        return powers, D, decay, back
+        return powers, decay, back
 
     def step(self, xs, carry, t0, want_output):
         fq, kt, zv = xs
         xK, xV = carry
-        b = self.b
+        b, W = self.b, self.W
         L = fq.shape[2]
-        _, D, decay, back = self._decays(L)
+        powers, decay, back = self._decays(L)
+        cdtype = powers.dtype
         inflow = back * b[:, None]  # [H, L, M]
         last = decay[None, :, L - 1, :, None]  # Lambda^L
-        kt_c, zv_c = kt.to(D.dtype), zv.to(D.dtype)
+        kt_c, zv_c = kt.to(cdtype), zv.to(cdtype)
         xK_next = last * xK + torch.einsum("hsm,nhsr->nhmr", inflow, kt_c)  # (I11)
         xV_next = last * xV + torch.einsum("hsm,nhsv->nhmv", inflow, zv_c)
         if not want_output:
             return None, [xK_next, xV_next]
-        y = torch.einsum("nhtr,nhmr->nhtm", fq.to(D.dtype), xK)  # carried keys read by xi(q_t)
-        scores = torch.einsum("nhtr,nhsr->nhts", fq, kt).to(D.dtype)
-        Q = torch.einsum("nhts,htsm->nhtm", scores, D)  # the chunk's own keys
-        alpha = decay[None] * y + b[None, :, None] * Q  # x^K_t xi(q_t)
-        beta_bar = torch.einsum("hmk,nhtk->nhtm", self.W, alpha).conj_physical()
+        y = fq.to(cdtype) @ xK.transpose(-1, -2)  # carried keys read by xi(q_t): [N, H, L, M]
+        scores = fq @ kt.transpose(-1, -2)  # xi(q_t) . k~_s
+        Q = lag_major(scores).to(cdtype) @ powers[:, :L]  # the chunk's own keys
+        alpha = decay * y + b[:, None] * Q  # x^K_t xi(q_t)
+        beta_bar = (alpha @ W.transpose(-1, -2)).conj_physical()  # conj(W alpha_t)
         # (I13) Re(beta_t^H x^V_t): the carried values, then the chunk's own values
-        num = torch.einsum("nhtm,nhmv->nhtv", beta_bar * decay[None], xV).real
-        weights = torch.einsum("nhtm,htsm->nhts", beta_bar * b[None, :, None], D).real
-        num = num + torch.einsum("nhts,nhsv->nhtv", weights, zv)
+        num = ((beta_bar * decay) @ xV).real
+        weights = lag_major(((beta_bar * b[:, None]) @ powers[:, :L].transpose(-1, -2)).real)
+        num = num + weights @ zv
         return self._readout(num), [xK_next, xV_next]
 
     def _readout(self, num):
@@ -148,60 +165,60 @@ class S4DScan:
         gK_next, gV_next = d_carry
         b, W = self.b, self.W
         L = fq.shape[2]
-        powers, D, decay, back = self._decays(L)
-        cdtype = D.dtype
+        powers, decay, back = self._decays(L)
+        cdtype = powers.dtype
+        pw = powers[:, :L]  # Lambda^p, p = 0..L-1
         inflow = back * b[:, None]
         fq_c, kt_c, zv_c = fq.to(cdtype), kt.to(cdtype), zv.to(cdtype)
         # recompute the forward's intermediates
-        y = torch.einsum("nhtr,nhmr->nhtm", fq_c, xK)
-        scores = torch.einsum("nhtr,nhsr->nhts", fq, kt)
-        Q = torch.einsum("nhts,htsm->nhtm", scores.to(cdtype), D)
-        alpha = decay[None] * y + b[None, :, None] * Q
-        beta_bar = torch.einsum("hmk,nhtk->nhtm", W, alpha).conj_physical()
-        u = beta_bar * decay[None]
-        weights = torch.einsum("nhtm,htsm->nhts", beta_bar * b[None, :, None], D).real
+        y = fq_c @ xK.transpose(-1, -2)
+        scores_lag = lag_major(fq @ kt.transpose(-1, -2))
+        Q = scores_lag.to(cdtype) @ pw
+        alpha = decay * y + b[:, None] * Q
+        beta_bar = (alpha @ W.transpose(-1, -2)).conj_physical()
+        u = beta_bar * decay
+        X = beta_bar * b[:, None]
+        weights = lag_major((X @ pw.transpose(-1, -2)).real)
         # readout
         if self.readout == "linear":
             g_num = d_out
         else:
-            num = torch.einsum("nhtm,nhmv->nhtv", u, xV).real
-            num = num + torch.einsum("nhts,nhsv->nhtv", weights, zv)
+            num = (u @ xV).real + weights @ zv
             den, o = num[..., -1:], num[..., :-1] / num[..., -1:]
             g_num = torch.cat([d_out / den, -(d_out * o).sum(-1, keepdim=True) / den], dim=-1)
         g_num_c = g_num.to(cdtype)
-        # num = Re(u x^V) + Re(P) zv, u = beta_bar * decay, P_ts = sum_m beta_bar b D
-        g_u = torch.einsum("nhtv,nhmv->nhtm", g_num_c, xV.conj_physical())
-        g_xV = torch.einsum("nhtm,nhtv->nhmv", u.conj_physical(), g_num_c)
-        g_beta_bar = g_u * decay.conj_physical()[None]
+        # num = Re(u x^V) + lag_major(Re(X pw^T)) zv, u = beta_bar decay, X = beta_bar b
+        g_u = g_num_c @ xV.conj_physical().transpose(-1, -2)
+        g_xV = u.conj_physical().transpose(-1, -2) @ g_num_c
+        g_beta_bar = g_u * decay.conj_physical()
         g_decay = (g_u * beta_bar.conj_physical()).sum(0)
-        g_P = torch.einsum("nhtv,nhsv->nhts", g_num, zv).to(cdtype)
-        g_zv = torch.einsum("nhts,nhtv->nhsv", weights, g_num)
-        X = torch.einsum("nhts,htsm->nhtm", g_P, D.conj_physical())
-        g_beta_bar = g_beta_bar + X * b.conj_physical()[None, :, None]
-        g_b = (X * beta_bar.conj_physical()).sum((0, 2))
-        g_D = torch.einsum("nhts,nhtm->htsm", g_P, (beta_bar * b[None, :, None]).conj_physical())
-        # beta_bar = conj(W alpha)
+        g_zv = weights.transpose(-1, -2) @ g_num
+        g_lagged = lag_major(g_num @ zv.transpose(-1, -2)).to(cdtype)  # g(X pw^T)
+        g_X = g_lagged @ pw.conj_physical()
+        g_pw = torch.einsum("nhtm,nhtp->hpm", X.conj_physical(), g_lagged)
+        g_beta_bar = g_beta_bar + g_X * b.conj_physical()[:, None]
+        g_b = (g_X * beta_bar.conj_physical()).sum((0, 2))
+        # beta_bar = conj(alpha W^T)
         g_beta = g_beta_bar.conj_physical()
-        g_alpha = torch.einsum("hkm,nhtk->nhtm", W.conj_physical(), g_beta)
+        g_alpha = g_beta @ W.conj_physical()
         g_W = torch.einsum("nhtm,nhtk->hmk", g_beta, alpha.conj_physical())
-        # alpha = decay * y + b * Q, y = fq x^K^T, Q = scores D
+        # alpha = decay y + b Q, y = fq x^K^T, Q = lag_major(scores) pw
         g_decay = g_decay + (g_alpha * y.conj_physical()).sum(0)
-        g_y = g_alpha * decay.conj_physical()[None]
+        g_y = g_alpha * decay.conj_physical()
         g_b = g_b + (g_alpha * Q.conj_physical()).sum((0, 2))
-        g_Q = g_alpha * b.conj_physical()[None, :, None]
-        g_xK = torch.einsum("nhtm,nhtr->nhmr", g_y, fq_c)
-        g_fq = torch.einsum("nhtm,nhmr->nhtr", g_y, xK.conj_physical()).real
-        g_scores = torch.einsum("nhtm,htsm->nhts", g_Q, D.conj_physical()).real
-        g_D = g_D + torch.einsum("nhtm,nhts->htsm", g_Q, scores.to(cdtype))
-        g_fq = g_fq + torch.einsum("nhts,nhsr->nhtr", g_scores, kt)
-        g_kt = torch.einsum("nhts,nhtr->nhsr", g_scores, fq)
+        g_Q = g_alpha * b.conj_physical()[:, None]
+        g_xK = g_y.transpose(-1, -2) @ fq_c
+        g_fq = (g_y @ xK.conj_physical()).real
+        g_scores = lag_major((g_Q @ pw.conj_physical().transpose(-1, -2)).real)
+        g_pw = g_pw + torch.einsum("nhtp,nhtm->hpm", scores_lag.to(cdtype), g_Q)
+        g_fq = g_fq + g_scores @ kt
+        g_kt = g_scores.transpose(-1, -2) @ fq
         # the carried state after the chunk: Lambda^L x + sum_s inflow_s z_s
         last = decay[:, L - 1]
         g_xK = g_xK + last.conj_physical()[None, :, :, None] * gK_next
         g_xV = g_xV + last.conj_physical()[None, :, :, None] * gV_next
-        g_last = (gK_next * xK.conj_physical()).sum((0, 3)) + (gV_next * xV.conj_physical()).sum(
-            (0, 3)
-        )
+        g_last = (gK_next * xK.conj_physical()).sum((0, 3))
+        g_last = g_last + (gV_next * xV.conj_physical()).sum((0, 3))
         g_inflow = torch.einsum("nhmr,nhsr->hsm", gK_next, kt_c)
         g_inflow = g_inflow + torch.einsum("nhmv,nhsv->hsm", gV_next, zv_c)
         g_kt = g_kt + torch.einsum("hsm,nhmr->nhsr", inflow.conj_physical(), gK_next).real
@@ -209,13 +226,11 @@ class S4DScan:
         g_b = g_b + (g_inflow * back.conj_physical()).sum(1)
         # the powers Lambda^p: collect g(Lambda^p), then g(Lambda) = sum_p g conj(p Lambda^(p-1))
         g_powers = torch.zeros_like(powers)
+        g_powers[:, :L] += g_pw
         g_powers[:, 1:] += g_decay
         g_powers[:, L] += g_last
         g_powers[:, :L] += (g_inflow * b.conj_physical()[:, None]).flip(1)
-        lag = self.lag[:L, :L]
-        causal = (lag >= 0).flatten()
-        g_powers.index_add_(1, lag.flatten()[causal], g_D.flatten(1, 2)[:, causal])
-        p = torch.arange(1, L + 1, device=D.device, dtype=D.real.dtype)[None, :, None]
+        p = torch.arange(1, L + 1, device=fq.device, dtype=fq.dtype)[None, :, None]
         g_lam = (g_powers[:, 1:] * (p * powers[:, :L]).conj_physical()).sum(1)
         return [g_fq, g_kt, g_zv], [g_xK, g_xV], [g_lam, g_b, g_W]
 
@@ -264,6 +279,7 @@ def _states(state, n: int, cu_seqlens, shape, R: int, like: Tensor) -> list[Tens
 
 
 def _s4d_setup(fq, kt, vt, lam, b, c, readout, chunk):
+    chunk = S4D_CHUNK if chunk is None else chunk
     dtype = torch.promote_types(torch.promote_types(fq.dtype, torch.float32), lam.dtype)
     lam_c, b_c, c_c = (_as_complex(p, dtype) for p in (lam, b, c))
     model = S4DScan(
@@ -284,7 +300,7 @@ def s4d_fwd(
     cu_seqlens: Tensor | None,
     initial_state: Tensor | None,
     *,
-    chunk: int = S4D_CHUNK,
+    chunk: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(I11)-(I13) in chunks: o [B, T, H, V] in fq's dtype and the final state [N, H, M, C, 2]
     (C = R + V, + 1 for "ratio") in the parameters' dtype."""
@@ -318,7 +334,7 @@ def s4d_bwd(
     do: Tensor,
     dfinal_state: Tensor | None,
     *,
-    chunk: int = S4D_CHUNK,
+    chunk: int | None = None,
 ) -> tuple[Tensor | None, ...]:
     """Cotangents of :func:`s4d_fwd`: dfq, dkt, dvt, dlam, db, dc, dinitial_state (None without
     an initial state), shaped and typed like the inputs; complex ones as (re, im) pairs of
@@ -465,6 +481,7 @@ class LegSScan:
 
 
 def _legs_setup(fq, fk, v, M, chunk):
+    chunk = LEGS_CHUNK if chunk is None else chunk
     dtype = torch.promote_types(fq.dtype, torch.float32)
     xs = [_heads_first(fq, dtype), _heads_first(fk, dtype), _heads_first(v, dtype)]
     return LegSScan(M, chunk), xs
@@ -477,7 +494,13 @@ def _legs_zeros(part: list[Tensor], M: int) -> list[Tensor]:
 
 @dispatch.register("legs_fwd", "eager")
 def legs_fwd(
-    fq: Tensor, fk: Tensor, v: Tensor, M: int, cu_seqlens: Tensor | None, *, chunk: int = LEGS_CHUNK
+    fq: Tensor,
+    fk: Tensor,
+    v: Tensor,
+    M: int,
+    cu_seqlens: Tensor | None,
+    *,
+    chunk: int | None = None,
 ) -> Tensor:
     """(I2), (I3), (I5) in chunks: o [B, T, H, V] in fq's dtype."""
     model, xs = _legs_setup(fq, fk, v, M, chunk)
@@ -498,7 +521,7 @@ def legs_bwd(
     cu_seqlens: Tensor | None,
     do: Tensor,
     *,
-    chunk: int = LEGS_CHUNK,
+    chunk: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Cotangents of :func:`legs_fwd`: dfq, dfk, dv shaped and typed like the inputs."""
     model, xs = _legs_setup(fq, fk, v, M, chunk)

@@ -277,8 +277,7 @@ class InterdomainAttention(nn.Module):
         dtype=None,
     ):
         super().__init__()
-        if readout not in ("linear", "ratio"):
-            raise ValueError(f"readout: expected 'linear' or 'ratio', got {readout!r}")
+        checks.readout(readout)
         if use_rope and head_dim % 2:
             raise ValueError(f"head_dim: RoPE needs an even head dim, got {head_dim}")
         dv = head_dim if value_dim is None else value_dim

@@ -5,7 +5,10 @@ implementation and a registered autograd formula whose backward is a second cust
 ``torch.compile(fullgraph=True)`` sees one node per pass. The custom op looks its kernel up in
 :mod:`.dispatch` by the ``impl`` string it carries: ``"eager"`` (the twins in
 :mod:`.eager_fpa`, :mod:`.eager_interdomain`) or ``"triton"``, registered by the Triton modules
-beside this one when they are imported.
+beside this one when they are imported. ``impl=None`` picks "triton" for CUDA tensors when a
+Triton kernel is registered, else "eager"; a backward with no Triton kernel runs the eager twin.
+Value checks (NaN/Inf, gates, |Lambda|, offsets) read the data, so they run inside the custom
+op, where compiled code runs them too.
 
 Layout (flash-attn / flash-linear-attention): q, k ``[B, T, H, K]``, v ``[B, T, H, V]``,
 per-token scalars ``[B, T, H]``, output ``[B, T, H, V]``.
@@ -423,26 +426,14 @@ def s4d_pairs(
         (o [B, T, H, V], final state [N, H, M, C, 2]).
     """
     B, _, H, R, V = checks.interdomain_features(("fq", "kt", "vt"), fq, kt, vt)
-    if readout not in ("linear", "ratio"):
-        raise ValueError(f"readout: expected 'linear' or 'ratio', got {readout!r}")
-    lam = checks.tensor("lam", lam, 3, checks.WIDE_DTYPES, "[H, M, 2] (re, im)")
-    M = lam.shape[1]
-    checks.shape("lam", lam, (H, M, 2), "[H, M, 2]: H heads of fq")
-    b = checks.tensor("b", b, 3, checks.WIDE_DTYPES, "[H, M, 2] (re, im)")
-    checks.shape("b", b, (H, M, 2), "[H, M, 2], as lam")
-    c = checks.tensor("c", c, 4, checks.WIDE_DTYPES, "[H, M, M, 2] (re, im)")
-    checks.shape("c", c, (H, M, M, 2), "[H, M, M, 2], M of lam")
-    checks.same_dtype(("lam", "b", "c"), (lam, b, c))
+    readout = checks.readout(readout)
+    M = checks.s4d_parameters(lam, b, c, H, pairs=True)
     cu_seqlens = checks.cu_seqlens(cu_seqlens, B, fq)
     checks.same_device(("fq", "lam", "b", "c"), (fq, lam, b, c))
     if initial_state is not None:
         N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-        C = _s4d_state_channels(R, V, readout)
-        initial_state = checks.tensor(
-            "initial_state", initial_state, 5, checks.WIDE_DTYPES, "[N, H, M, C, 2]"
-        )
-        checks.shape("initial_state", initial_state, (N, H, M, C, 2), "[N, H, M, C, 2]")
-        checks.same_dtype(("lam", "initial_state"), (lam, initial_state))
+        dims = (N, H, M, _s4d_state_channels(R, V, readout))
+        initial_state = checks.s4d_state(initial_state, dims, True, lam)
         checks.same_device(("fq", "initial_state"), (fq, initial_state))
     impl = resolve_impl("s4d_fwd", impl, fq.device)
     fq, kt, vt = _autocast(fq, kt, vt)
@@ -496,15 +487,16 @@ def interdomain_s4d(
     Time O(T (L M + M (R + V + M))) with chunks of L tokens; memory O(L^2 M) per batch-head
     beyond inputs and outputs (eager); the state does not grow with T.
     """
-    params = []
-    for name, x, ndim in (("lam", lam, 2), ("b", b, 2), ("c", c, 3)):
-        params.append(checks.tensor(name, x, ndim, checks.COMPLEX_DTYPES, "complex"))
-    checks.same_dtype(("lam", "b", "c"), tuple(params))
+    dims = checks.interdomain_features(("fq", "kt", "vt"), fq, kt, vt)
+    readout = checks.readout(readout)
+    M = checks.s4d_parameters(lam, b, c, dims.H, pairs=False)
+    cu_seqlens = checks.cu_seqlens(cu_seqlens, dims.B, fq)
     if initial_state is not None:
-        initial_state = checks.tensor(
-            "initial_state", initial_state, 4, checks.COMPLEX_DTYPES, "[N, H, M, C] complex"
-        )
+        N = dims.B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        C = _s4d_state_channels(dims.R, dims.V, readout)
+        initial_state = checks.s4d_state(initial_state, (N, dims.H, M, C), False, lam)
         initial_state = torch.view_as_real(initial_state)
+    params = (lam, b, c)
     o, final = s4d_pairs(
         fq,
         kt,
