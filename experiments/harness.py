@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -84,8 +85,28 @@ class Progress:
         self.stream.flush()
 
 
+def source_revision() -> str:
+    """The git commit of the code that ran (``+dirty`` with uncommitted changes to tracked
+    files), or "unknown" outside a git checkout."""
+    try:
+        git = ["git", "-C", str(PACKAGE_DIR)]
+        head = subprocess.run(
+            [*git, "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            [*git, "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
 def versions() -> dict[str, str]:
-    """Versions of what produced a result: Python, the project, torch, NumPy, the machine."""
+    """Versions of what produced a result: the code's commit, Python, the project, torch,
+    NumPy, the machine."""
     import numpy as np
     import torch
 
@@ -94,6 +115,7 @@ def versions() -> dict[str, str]:
     except metadata.PackageNotFoundError:
         attnspec = "not installed"
     return {
+        "source": source_revision(),
         "python": platform.python_version(),
         "attnspec": attnspec,
         "torch": torch.__version__,
@@ -174,6 +196,7 @@ def main(
         return 0
 
     started = datetime.now(UTC).isoformat(timespec="seconds")
+    code = versions()  # before the run writes anything
     load_before = os.getloadavg()
     t0 = time.monotonic()
     outcome = run(setting, Progress())
@@ -185,7 +208,7 @@ def main(
         "config": outcome["config"],
         "seeds": outcome["seeds"],
         "results": outcome["results"],
-        "versions": versions(),
+        "versions": code,
         "started": started,
         "seconds": round(seconds, 1),
         # 1-minute load average before and after: the machine is shared, timings depend on it
