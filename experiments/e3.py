@@ -8,8 +8,10 @@ their path. Models are trained on windows of L bytes and evaluated on validation
 (a causal model's loss at positions < nL is the loss it would have on windows of nL bytes).
 
 Models, at equal parameter counts (the MLP width of each is set so its count matches the
-largest): softmax + RoPE, Interdomain (S4D layer), Interdomain without the query-conditioned
-path (the paper's ablation), S4D-only (query and key paths removed), FPA, FoX. The claims
+largest): softmax + RoPE, Interdomain (S4D layer; also with the optional ratio readout),
+Interdomain without the query-conditioned path (the paper's ablation), S4D-only (query and key
+paths removed), FPA, FoX. Differences between two models are taken window by window (paired),
+so their standard errors are those of the difference. The claims
 (spec/interdomain.md section 4, spec/fpa.md section 8): Interdomain beats S4D-only, removing
 the query path costs perplexity, Interdomain's loss stays flat beyond the training length where
 softmax's rises; FPA's loss is on par with FoX's.
@@ -32,7 +34,23 @@ from . import harness
 from .models import TinyModel, matched_mlp_hidden, parameter_count
 from .training import seed_everything, train
 
-MODELS = ("softmax_rope", "interdomain", "interdomain_noquery", "s4d_only", "fpa", "fox")
+MODELS = (
+    "softmax_rope",
+    "interdomain",
+    "interdomain_ratio",
+    "interdomain_noquery",
+    "s4d_only",
+    "fpa",
+    "fox",
+)
+# (A, B): the paired difference loss_A - loss_B over the same validation windows
+COMPARISONS = (
+    ("interdomain", "s4d_only"),
+    ("interdomain", "interdomain_noquery"),
+    ("interdomain", "softmax_rope"),
+    ("interdomain_ratio", "interdomain"),
+    ("fpa", "fox"),
+)
 VALIDATION_HASH_BYTE = 26  # a file whose path hash starts below this validates: ~10%
 
 SETTINGS = {
@@ -166,6 +184,23 @@ def summarise(losses: np.ndarray, L: int, multiple: int) -> dict:
     return summary
 
 
+def paired_difference(a: np.ndarray, b: np.ndarray, L: int, multiple: int) -> dict:
+    """loss_a - loss_b over the same windows [n, T] at 1x, 2x, ...: mean, standard error of the
+    per-window difference, and the ratio of per-byte perplexities exp(mean)."""
+    out = {}
+    n = 1
+    while n <= multiple:
+        diff = a[:, : n * L].mean(axis=1) - b[:, : n * L].mean(axis=1)
+        mean = float(diff.mean())
+        out[f"{n}x"] = {
+            "mean": mean,
+            "stderr": float(diff.std(ddof=1) / np.sqrt(len(diff))),
+            "perplexity_ratio": float(np.exp(mean)),
+        }
+        n *= 2
+    return out
+
+
 def run(setting: str, progress: harness.Progress) -> dict:
     cfg = SETTINGS[setting]
     train_data, val_data, corpus = stdlib_corpus(cfg["max_corpus_bytes"])
@@ -182,8 +217,14 @@ def run(setting: str, progress: harness.Progress) -> dict:
         name: matched_mlp_hidden(lambda h, name=name: model_for(name, cfg, h), target)
         for name in MODELS
     }
-    results: dict = {"corpus": corpus, "target_parameters": target, "models": {}}
+    results: dict = {
+        "corpus": corpus,
+        "target_parameters": target,
+        "models": {},
+        "comparisons": {},
+    }
     for seed in cfg["seeds"]:
+        window_losses = {}
         for name in MODELS:
             data_rng = np.random.default_rng(seed)
             seed_everything(seed)
@@ -203,7 +244,7 @@ def run(setting: str, progress: harness.Progress) -> dict:
                 progress=progress,
                 label=f"e3 {name} seed {seed}",
             )
-            by_position = loss_by_position(model, eval_batch)
+            by_position = window_losses[name] = loss_by_position(model, eval_batch)
             results["models"].setdefault(name, []).append(
                 {
                     "seed": seed,
@@ -215,13 +256,17 @@ def run(setting: str, progress: harness.Progress) -> dict:
                     "validation": summarise(by_position, L, cfg["eval_multiple"]),
                 }
             )
-    config = {**cfg, "models": list(MODELS)}
+        for a, b in COMPARISONS:
+            diff = paired_difference(window_losses[a], window_losses[b], L, cfg["eval_multiple"])
+            results["comparisons"].setdefault(f"{a} - {b}", []).append(diff)
+    config = {**cfg, "models": list(MODELS), "comparisons": [list(p) for p in COMPARISONS]}
     return {"config": config, "seeds": cfg["seeds"], "results": results}
 
 
 LABELS = {
     "softmax_rope": "softmax + RoPE",
     "interdomain": "Interdomain (S4D)",
+    "interdomain_ratio": "Interdomain, ratio readout",
     "interdomain_noquery": "Interdomain, no query path",
     "s4d_only": "S4D-only",
     "fpa": "FPA",
@@ -230,6 +275,7 @@ LABELS = {
 COLOURS = {
     "softmax_rope": "C1",
     "interdomain": "C4",
+    "interdomain_ratio": "C6",
     "interdomain_noquery": "C9",
     "s4d_only": "C7",
     "fpa": "C3",
@@ -246,7 +292,7 @@ def plot(record: dict, path: Path) -> None:
     width = max(1, L // 4)
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
     groups = (
-        ("softmax_rope", "interdomain", "interdomain_noquery", "s4d_only"),
+        ("softmax_rope", "interdomain", "interdomain_ratio", "interdomain_noquery", "s4d_only"),
         ("softmax_rope", "fpa", "fox"),
     )
     titles = ("Interdomain vs its ablations and softmax", "FPA vs FoX")

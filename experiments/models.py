@@ -9,7 +9,9 @@ Mixers by name:
   logsigmoid forget gates and the project's ``fox_attention`` op (F6).
 - ``"softmax_alibi"``, ``"softmax_rope"``: :class:`SoftmaxAttention`, causal softmax attention
   (torch SDPA) with an ALiBi bias or a rotary embedding: the baselines.
-- ``"interdomain"``: :class:`~attnspec.backends.torch.InterdomainAttention` (I8)-(I13).
+- ``"interdomain"``: :class:`~attnspec.backends.torch.InterdomainAttention` (I8)-(I13), the
+  paper's default denominator-free readout; ``"interdomain_ratio"``: the same layer with the
+  optional ratio readout of (I13).
 - ``"interdomain_noquery"``: :class:`~.layers.QueryFreeInterdomain`, the paper's ablation: the
   query features xi(q_t) replaced by one learned vector per head, so the readout of the state
   no longer depends on the query.
@@ -34,6 +36,7 @@ MIXERS = (
     "softmax_alibi",
     "softmax_rope",
     "interdomain",
+    "interdomain_ratio",
     "interdomain_noquery",
     "s4d_only",
 )
@@ -91,8 +94,9 @@ def make_mixer(name: str, d_model: int, n_heads: int, head_dim: int, n_modes: in
         return ForgettingAttention(d_model, n_heads, head_dim)
     if name in ("softmax_alibi", "softmax_rope"):
         return SoftmaxAttention(d_model, n_heads, head_dim, name.removeprefix("softmax_"))
-    if name == "interdomain":
-        return InterdomainAttention(d_model, n_heads, head_dim, n_modes=n_modes)
+    if name in ("interdomain", "interdomain_ratio"):
+        readout = "ratio" if name == "interdomain_ratio" else "linear"
+        return InterdomainAttention(d_model, n_heads, head_dim, n_modes=n_modes, readout=readout)
     if name in ("interdomain_noquery", "s4d_only"):
         return QueryFreeInterdomain(
             d_model, n_heads, head_dim, n_modes, keys=name == "interdomain_noquery"

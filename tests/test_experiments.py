@@ -268,6 +268,12 @@ def _check_e3(record: dict) -> None:
         assert len(run["loss_by_position"]) == cfg["L"] * cfg["eval_multiple"]
         assert set(run["validation"]) == {"1x", "2x", "band_1x_2x", "4x", "band_2x_4x"}
         assert all(v["mean"] > 0 for v in run["validation"].values())
+    assert list(res["comparisons"]) == [f"{a} - {b}" for a, b in e3.COMPARISONS]
+    for (a, b), (diff,) in zip(e3.COMPARISONS, res["comparisons"].values(), strict=True):
+        assert set(diff) == {"1x", "2x", "4x"}
+        expected = res["models"][a][0]["validation"]["1x"]["mean"]
+        expected -= res["models"][b][0]["validation"]["1x"]["mean"]
+        assert diff["1x"]["mean"] == pytest.approx(expected, abs=1e-5)
 
 
 @pytest.mark.parametrize(
