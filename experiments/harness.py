@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -102,6 +103,15 @@ def source_revision() -> str:
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head + ("+dirty" if dirty else "")
+
+
+_NUMBER_LIST = re.compile(r"\[[-+0-9.eE,\s]*\]")
+
+
+def record_json(record: dict) -> str:
+    """The record as indented JSON with every list of plain numbers on one line."""
+    text = json.dumps(record, indent=1)
+    return _NUMBER_LIST.sub(lambda m: re.sub(r"\s+", "", m.group()).replace(",", ", "), text) + "\n"
 
 
 def versions() -> dict[str, str]:
@@ -216,7 +226,7 @@ def main(
         "figure": figure.name,
     }
     path = out / f"{name}.json"
-    path.write_text(json.dumps(record, indent=1, sort_keys=False) + "\n")
+    path.write_text(record_json(record))
     plot(record, figure)
     print(f"wrote {path} and {figure} ({seconds:.0f} s)")
     return 0

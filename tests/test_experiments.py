@@ -290,3 +290,10 @@ def test_quick_run_writes_record_and_figure(tmp_path, name, module, check):
     _check_record(record, name)
     check(record)
     assert (tmp_path / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_record_json_round_trips_with_number_lists_on_one_line():
+    record = {"a": [1, 2.5, -3e-05, 1e300], "b": [[1, 2], [3, 4]], "c": ["x", 1], "d": []}
+    text = harness.record_json(record)
+    assert json.loads(text) == record
+    assert '"a": [1, 2.5, -3e-05, 1e+300]' in text and '"d": []' in text
