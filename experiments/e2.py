@@ -237,7 +237,7 @@ def plot(record: dict, path: Path) -> None:
     thetas = list(fpa_runs[0]["eviction"])
     shades = plt.cm.viridis(np.linspace(0.0, 0.85, len(thetas)))
     ax = axes[1]
-    for theta, shade in zip(thetas, shades, strict=True):
+    for i, (theta, shade) in enumerate(zip(thetas, shades, strict=True)):
         acc = np.mean([r["eviction"][theta]["accuracy"] for r in fpa_runs], axis=0)
         kept = np.mean([r["eviction"][theta]["kept_fraction"] for r in fpa_runs], axis=0)
         ax.plot(
@@ -245,6 +245,7 @@ def plot(record: dict, path: Path) -> None:
             acc,
             "s-",
             color=shade,
+            ms=max(3, 10 - 1.5 * i),  # overlaps visible
             label=f"theta = {theta}: {kept[-1]:.0%} of the cache kept at {multiples[-1]}x",
         )
     ax.set_title("FPA decoding with eviction at depth pi >= theta")
@@ -254,8 +255,9 @@ def plot(record: dict, path: Path) -> None:
         ax.minorticks_off()
         ax.set_xlabel("test length / training length (tokens)")
         ax.set_ylabel("passkey retrieved (all digits right)")
-        ax.set_ylim(-0.03, 1.05)
-        ax.legend(fontsize=8, loc="lower left")
+        ax.set_ylim(-0.03, 1.45)  # room for the legend above the curves
+        ax.set_yticks(np.linspace(0, 1, 6))
+        ax.legend(fontsize=8, loc="upper left")
 
     ax = axes[2]
     by_head = np.array(
@@ -276,9 +278,10 @@ def plot(record: dict, path: Path) -> None:
             )
     ax.set_xticks(range(len(thetas)), [f"theta = {t}" for t in thetas])
     ax.set_ylabel(f"kept fraction of the cache at {multiples[-1]}x (peak live keys / tokens)")
-    ax.set_ylim(0, 1.05)
+    ax.set_ylim(0, 1.3)
+    ax.set_yticks(np.linspace(0, 1, 6))
     ax.set_title(f"Where the cache goes (FPA, seed {fpa_runs[0]['seed']}, {multiples[-1]}x)")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, ncol=2, loc="upper center")
     fig.suptitle("E2: passkey retrieval, two layers, trained at one length, tested at several")
     fig.tight_layout()
     harness.save(fig, path)

@@ -14,7 +14,8 @@ paths removed), FPA, FoX. Differences between two models are taken window by win
 so their standard errors are those of the difference. The claims
 (spec/interdomain.md section 4, spec/fpa.md section 8): Interdomain beats S4D-only, removing
 the query path costs perplexity, Interdomain's loss stays flat beyond the training length where
-softmax's rises; FPA's loss is on par with FoX's.
+softmax's rises; FPA's loss is on par with FoX's. The FPA model is also decoded with caches
+evicting at depth >= theta (F7): kept fraction and loss for each theta.
 
 Run: ``python -m attnspec.experiments.e3 [--quick]``.
 """
@@ -67,6 +68,7 @@ SETTINGS = {
         "steps": 400,
         "lr": 3e-3,
         "eval_windows": 128,
+        "thetas": [16.0, 8.0, 4.0, 2.0],
         "max_corpus_bytes": None,
         "seeds": [0],
     },
@@ -83,6 +85,7 @@ SETTINGS = {
         "steps": 15,
         "lr": 3e-3,
         "eval_windows": 8,
+        "thetas": [2.0],
         "max_corpus_bytes": 300_000,
         "seeds": [0],
     },
@@ -152,15 +155,22 @@ def model_for(name: str, cfg: dict, mlp_hidden: int) -> TinyModel:
     )
 
 
-def loss_by_position(model: TinyModel, batch: torch.Tensor, chunk: int = 16) -> np.ndarray:
-    """Next-byte cross-entropy (nats) at every position of every window: [n, T - 1]."""
-    out = []
+def loss_by_position(
+    model: TinyModel, batch: torch.Tensor, theta: float | None = None, chunk: int = 16
+) -> tuple[np.ndarray, float | None]:
+    """Next-byte cross-entropy (nats) at every position of every window [n, T - 1], and with
+    ``theta`` (FPA models) the loss when decoding with caches evicting at depth >= theta and
+    their kept fraction (peak live keys / tokens, averaged over layers, heads and windows)."""
+    out, kept = [], []
     with torch.no_grad():
         for i in range(0, len(batch), chunk):
             x = batch[i : i + chunk]
-            logits = model(x[:, :-1])
+            caches = None if theta is None else model.new_caches(theta)
+            logits = model(x[:, :-1], caches)
             out.append(F.cross_entropy(logits.transpose(1, 2), x[:, 1:], reduction="none"))
-    return torch.cat(out).numpy()
+            if caches is not None:
+                kept += [c.attention.kept_fraction for c in caches] * len(x)
+    return torch.cat(out).numpy(), (float(np.mean(kept)) if kept else None)
 
 
 def summarise(losses: np.ndarray, L: int, multiple: int) -> dict:
@@ -198,6 +208,17 @@ def paired_difference(a: np.ndarray, b: np.ndarray, L: int, multiple: int) -> di
             "perplexity_ratio": float(np.exp(mean)),
         }
         n *= 2
+    return out
+
+
+def eviction(model: TinyModel, batch: torch.Tensor, cfg: dict) -> dict:
+    """FPA decoding the validation windows with caches evicting at depth >= theta, for each
+    theta of the setting: kept fraction and the loss summary."""
+    out = {}
+    for theta in cfg["thetas"]:
+        losses, kept = loss_by_position(model, batch, theta)
+        summary = summarise(losses, cfg["L"], cfg["eval_multiple"])
+        out[f"{theta:g}"] = {"kept_fraction": kept, "validation": summary}
     return out
 
 
@@ -244,7 +265,8 @@ def run(setting: str, progress: harness.Progress) -> dict:
                 progress=progress,
                 label=f"e3 {name} seed {seed}",
             )
-            by_position = window_losses[name] = loss_by_position(model, eval_batch)
+            by_position, _ = loss_by_position(model, eval_batch)
+            window_losses[name] = by_position
             results["models"].setdefault(name, []).append(
                 {
                     "seed": seed,
@@ -256,6 +278,8 @@ def run(setting: str, progress: harness.Progress) -> dict:
                     "validation": summarise(by_position, L, cfg["eval_multiple"]),
                 }
             )
+            if name == "fpa":
+                results["models"][name][-1]["eviction"] = eviction(model, eval_batch, cfg)
         for a, b in COMPARISONS:
             diff = paired_difference(window_losses[a], window_losses[b], L, cfg["eval_multiple"])
             results["comparisons"].setdefault(f"{a} - {b}", []).append(diff)
@@ -290,13 +314,14 @@ def plot(record: dict, path: Path) -> None:
     res, cfg = record["results"], record["config"]
     L = cfg["L"]
     width = max(1, L // 4)
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8), gridspec_kw={"width_ratios": [1, 1, 0.55]})
+    axes[1].sharey(axes[0])
     groups = (
         ("softmax_rope", "interdomain", "interdomain_ratio", "interdomain_noquery", "s4d_only"),
         ("softmax_rope", "fpa", "fox"),
     )
     titles = ("Interdomain vs its ablations and softmax", "FPA vs FoX")
-    for ax, group, title in zip(axes, groups, titles, strict=True):
+    for ax, group, title in zip(axes[:2], groups, titles, strict=True):
         for name in group:
             curve = np.mean([r["loss_by_position"] for r in res["models"][name]], axis=0)
             smooth = np.convolve(curve, np.ones(width) / width, mode="valid")
@@ -322,6 +347,28 @@ def plot(record: dict, path: Path) -> None:
             fontsize=8, title=f"mean loss at 1x / {cfg['eval_multiple']}x L", title_fontsize=8
         )
     axes[0].set_ylabel(f"next-byte loss, nats (moving average over {width})")
+    ax = axes[2]
+    fpa = res["models"]["fpa"][0]
+    kept = [1.0] + [e["kept_fraction"] for e in fpa["eviction"].values()]
+    labels = ["full"] + [f"theta = {t}" for t in fpa["eviction"]]
+    summaries = [fpa["validation"]] + [e["validation"] for e in fpa["eviction"].values()]
+    top = f"{cfg['eval_multiple']}x"
+    for key, marker in (("1x", "o-"), (top, "s--")):
+        ax.plot(
+            kept,
+            [v[key]["mean"] for v in summaries],
+            marker,
+            color="C3",
+            label=f"mean loss at {key} L",
+        )
+    for x, y, label in zip(kept, [v[top]["mean"] for v in summaries], labels, strict=True):
+        ax.annotate(
+            label, (x, y), textcoords="offset points", xytext=(-4, 6), fontsize=7, ha="right"
+        )
+    ax.set_xlabel("kept fraction of the KV cache (peak live keys / tokens)")
+    ax.set_ylabel("next-byte loss, nats")
+    ax.set_title("FPA decoding with eviction at pi >= theta")
+    ax.legend(fontsize=8)
     corpus = res["corpus"]
     fig.suptitle(
         f"E3: byte-level LMs on the Python {corpus['python']} standard library "

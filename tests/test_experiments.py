@@ -268,6 +268,10 @@ def _check_e3(record: dict) -> None:
         assert len(run["loss_by_position"]) == cfg["L"] * cfg["eval_multiple"]
         assert set(run["validation"]) == {"1x", "2x", "band_1x_2x", "4x", "band_2x_4x"}
         assert all(v["mean"] > 0 for v in run["validation"].values())
+    (fpa,) = res["models"]["fpa"]
+    assert list(fpa["eviction"]) == [f"{t:g}" for t in cfg["thetas"]]
+    for entry in fpa["eviction"].values():
+        assert 0.0 < entry["kept_fraction"] <= 1.0 and entry["validation"]["4x"]["mean"] > 0
     assert list(res["comparisons"]) == [f"{a} - {b}" for a, b in e3.COMPARISONS]
     for (a, b), (diff,) in zip(e3.COMPARISONS, res["comparisons"].values(), strict=True):
         assert set(diff) == {"1x", "2x", "4x"}
