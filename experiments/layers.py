@@ -6,6 +6,8 @@ reimplements a mechanism):
   key offsets, computed by the project's ``fox_attention`` op (F6).
 - :class:`QueryFreeInterdomain`: :class:`~attnspec.backends.torch.InterdomainAttention` with its
   query-conditioned path removed (the paper's ablation), and optionally its key path too.
+- :func:`fox_initialised_fpa`: the FoX-initialised FPA layer of spec/fpa.md section 3
+  (logsigmoid increments and lam = 0), which the module offers only with random key offsets.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnspec.backends.torch import InterdomainAttention, fox_attention
+from attnspec.backends.torch import FirstPassageAttention, InterdomainAttention, fox_attention
 from attnspec.backends.torch.modules import short_conv
 from attnspec.backends.torch.ops import s4d_pairs
 
@@ -78,3 +80,14 @@ class QueryFreeInterdomain(InterdomainAttention):
         fq, kt, vt = self._features(x, q, k, positions)  # (I9), (I10)
         o, _ = s4d_pairs(fq, kt, vt, *self.ssm_parameters(), readout=self.readout)  # (I11)-(I13)
         return self._output(x, o)
+
+
+def fox_initialised_fpa(d_model: int, n_heads: int, head_dim: int) -> FirstPassageAttention:
+    """spec/fpa.md section 3: delta = logsigmoid(x w_delta + b_delta) and lam = 0 at
+    initialisation (w_lam = b_lam = 0, both learned afterwards), so the layer starts as FoX (F6).
+    The field cannot rise: phi is non-increasing, and pi_ij = max(0, phi_j + lam_j - phi_i)."""
+    layer = FirstPassageAttention(d_model, n_heads, head_dim, increments="logsigmoid")
+    with torch.no_grad():
+        layer.w_lam.zero_()
+        layer.b_lam.zero_()
+    return layer
