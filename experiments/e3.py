@@ -10,8 +10,9 @@ their path. Models are trained on windows of L bytes and evaluated on validation
 Models, at equal parameter counts (the MLP width of each is set so its count matches the
 largest): softmax + RoPE, Interdomain (S4D layer; also with the optional ratio readout),
 Interdomain without the query-conditioned path (the paper's ablation), S4D-only (query and key
-paths removed), FPA, FoX. Differences between two models are taken window by window (paired),
-so their standard errors are those of the difference. The claims
+paths removed), FPA (signed field, and FoX-initialised), FoX. Differences between two models
+are taken window by window (paired), so their standard errors are those of the difference.
+The claims
 (spec/interdomain.md section 4, spec/fpa.md section 8): Interdomain beats S4D-only, removing
 the query path costs perplexity, Interdomain's loss stays flat beyond the training length where
 softmax's rises; FPA's loss is on par with FoX's. The FPA model is also decoded with caches
@@ -42,6 +43,7 @@ MODELS = (
     "interdomain_noquery",
     "s4d_only",
     "fpa",
+    "fpa_foxinit",
     "fox",
 )
 # (A, B): the paired difference loss_A - loss_B over the same validation windows
@@ -51,6 +53,7 @@ COMPARISONS = (
     ("interdomain", "softmax_rope"),
     ("interdomain_ratio", "interdomain"),
     ("fpa", "fox"),
+    ("fpa_foxinit", "fox"),
 )
 VALIDATION_HASH_BYTE = 26  # a file whose path hash starts below this validates: ~10%
 
@@ -294,6 +297,7 @@ LABELS = {
     "interdomain_noquery": "Interdomain, no query path",
     "s4d_only": "S4D-only",
     "fpa": "FPA",
+    "fpa_foxinit": "FPA, FoX-initialised",
     "fox": "FoX",
 }
 COLOURS = {
@@ -303,6 +307,7 @@ COLOURS = {
     "interdomain_noquery": "C9",
     "s4d_only": "C7",
     "fpa": "C3",
+    "fpa_foxinit": "C8",
     "fox": "C0",
 }
 
@@ -318,7 +323,7 @@ def plot(record: dict, path: Path) -> None:
     axes[1].sharey(axes[0])
     groups = (
         ("softmax_rope", "interdomain", "interdomain_ratio", "interdomain_noquery", "s4d_only"),
-        ("softmax_rope", "fpa", "fox"),
+        ("softmax_rope", "fpa", "fpa_foxinit", "fox"),
     )
     titles = ("Interdomain vs its ablations and softmax", "FPA vs FoX")
     for ax, group, title in zip(axes[:2], groups, titles, strict=True):

@@ -4,7 +4,8 @@ a readout. The mechanisms are the project's layers; only the softmax baselines a
 Mixers by name:
 
 - ``"fpa"``: :class:`~attnspec.backends.torch.FirstPassageAttention`, signed field increments and
-  learned key levels (spec/fpa.md section 3).
+  learned key levels (spec/fpa.md section 3); ``"fpa_foxinit"``: the FoX-initialised layer of
+  that section (:func:`~.layers.fox_initialised_fpa`).
 - ``"fox"``: :class:`~.layers.ForgettingAttention`, the projections of that layer with
   logsigmoid forget gates and the project's ``fox_attention`` op (F6).
 - ``"softmax_alibi"``, ``"softmax_rope"``: :class:`SoftmaxAttention`, causal softmax attention
@@ -28,10 +29,11 @@ from torch import Tensor, nn
 from attnspec.backends.torch import FirstPassageAttention, InterdomainAttention
 from attnspec.backends.torch.modules import rope
 
-from .layers import ForgettingAttention, QueryFreeInterdomain, projection
+from .layers import ForgettingAttention, QueryFreeInterdomain, fox_initialised_fpa, projection
 
 MIXERS = (
     "fpa",
+    "fpa_foxinit",
     "fox",
     "softmax_alibi",
     "softmax_rope",
@@ -90,6 +92,8 @@ def make_mixer(name: str, d_model: int, n_heads: int, head_dim: int, n_modes: in
     """The token mixer ``name`` (one of :data:`MIXERS`) at these sizes."""
     if name == "fpa":
         return FirstPassageAttention(d_model, n_heads, head_dim)
+    if name == "fpa_foxinit":
+        return fox_initialised_fpa(d_model, n_heads, head_dim)
     if name == "fox":
         return ForgettingAttention(d_model, n_heads, head_dim)
     if name in ("softmax_alibi", "softmax_rope"):
@@ -174,7 +178,7 @@ class TinyModel(nn.Module):
 
     def new_caches(self, theta: float) -> list:
         """One empty (F7) decode cache per FPA layer, evicting at depth >= ``theta``."""
-        if self.mixer_name != "fpa":
+        if not self.mixer_name.startswith("fpa"):
             raise ValueError(
                 f"mixer: decode caches need 'fpa' layers, this model has {self.mixer_name!r}"
             )

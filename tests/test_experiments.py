@@ -11,7 +11,11 @@ import pytest
 import torch
 
 from attnspec.experiments import e1, e2, e3, harness
-from attnspec.experiments.layers import ForgettingAttention, QueryFreeInterdomain
+from attnspec.experiments.layers import (
+    ForgettingAttention,
+    QueryFreeInterdomain,
+    fox_initialised_fpa,
+)
 from attnspec.experiments.models import (
     SoftmaxAttention,
     TinyModel,
@@ -126,6 +130,25 @@ def test_forgetting_attention_is_the_reference_fox_layer():
     }
     expected = ref_fpa.fpa_layer(_np(x), params, increments="logsigmoid")
     np.testing.assert_allclose(_np(layer(x)), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_fox_initialised_fpa_starts_as_fox():
+    """At initialisation the layer is FoX: its output equals the reference's direct FoX form
+    (logit s<q, k> + sum of log f) on the layer's own projections and gates."""
+    torch.manual_seed(4)
+    B, T, d, H, dk = 2, 13, 8, 2, 4
+    layer = fox_initialised_fpa(d, H, dk).double()
+    with torch.no_grad():
+        layer.b_delta.copy_(torch.tensor([1.5, -0.5], dtype=torch.float64))
+    x = torch.randn(B, T, d, dtype=torch.float64)
+    X = _np(x)
+    q, k, v = (np.swapaxes((X @ _np(w)).reshape(B, T, H, dk), 1, 2) for w in
+               (layer.wq, layer.wk, layer.wv))  # fmt: skip
+    gate = X @ _np(layer.w_delta) + _np(layer.b_delta)  # (B, T, H)
+    log_f = np.swapaxes(-np.logaddexp(0.0, -gate), 1, 2)  # logsigmoid, (B, H, T)
+    o = ref_fpa.fox_attention_direct(q, k, v, log_f)
+    expected = np.swapaxes(o, 1, 2).reshape(B, T, H * dk) @ _np(layer.wo)
+    np.testing.assert_allclose(_np(layer(x)), expected, rtol=1e-9, atol=1e-10)
 
 
 @pytest.mark.parametrize("keys", [True, False])
