@@ -214,6 +214,18 @@ def paired_difference(a: np.ndarray, b: np.ndarray, L: int, multiple: int) -> di
     return out
 
 
+def time_constants(model: TinyModel) -> list[list[list[float]]]:
+    """Per layer and head, the shortest and longest memory of the S4D modes in tokens,
+    -1 / log|Lambda| = 1 / (dt exp(a_log)) (I11): [layers][heads][2]."""
+    out = []
+    with torch.no_grad():
+        for block in model.blocks:
+            mixer = block.mixer
+            tau = 1.0 / (torch.exp(mixer.log_dt)[:, None] * torch.exp(mixer.a_log))  # [H, M]
+            out.append([[round(float(t.min()), 1), round(float(t.max()), 1)] for t in tau])
+    return out
+
+
 def eviction(model: TinyModel, batch: torch.Tensor, cfg: dict) -> dict:
     """FPA decoding the validation windows with caches evicting at depth >= theta, for each
     theta of the setting: kept fraction and the loss summary."""
@@ -283,6 +295,8 @@ def run(setting: str, progress: harness.Progress) -> dict:
             )
             if name == "fpa":
                 results["models"][name][-1]["eviction"] = eviction(model, eval_batch, cfg)
+            if name.startswith(("interdomain", "s4d")):
+                results["models"][name][-1]["time_constants"] = time_constants(model)
         for a, b in COMPARISONS:
             diff = paired_difference(window_losses[a], window_losses[b], L, cfg["eval_multiple"])
             results["comparisons"].setdefault(f"{a} - {b}", []).append(diff)

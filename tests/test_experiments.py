@@ -291,6 +291,11 @@ def _check_e3(record: dict) -> None:
         assert len(run["loss_by_position"]) == cfg["L"] * cfg["eval_multiple"]
         assert set(run["validation"]) == {"1x", "2x", "band_1x_2x", "4x", "band_2x_4x"}
         assert all(v["mean"] > 0 for v in run["validation"].values())
+    for name in ("interdomain", "interdomain_ratio", "interdomain_noquery", "s4d_only"):
+        tau = np.array(res["models"][name][0]["time_constants"])
+        assert (
+            tau.shape == (cfg["n_layers"], cfg["n_heads"], 2) and (tau[..., 0] <= tau[..., 1]).all()
+        )
     (fpa,) = res["models"]["fpa"]
     assert list(fpa["eviction"]) == [f"{t:g}" for t in cfg["thetas"]]
     for entry in fpa["eviction"].values():
