@@ -372,22 +372,17 @@ def plot(record: dict, path: Path) -> None:
     labels = ["full"] + [f"theta = {t}" for t in fpa["eviction"]]
     summaries = [fpa["validation"]] + [e["validation"] for e in fpa["eviction"].values()]
     top = f"{cfg['eval_multiple']}x"
-    for key, marker in (("1x", "o-"), (top, "s--")):
-        ax.plot(
-            kept,
-            [v[key]["mean"] for v in summaries],
-            marker,
-            color="C3",
-            label=f"mean loss at {key} L",
-        )
-    for x, y, label in zip(kept, [v[top]["mean"] for v in summaries], labels, strict=True):
-        ax.annotate(
-            label, (x, y), textcoords="offset points", xytext=(-4, 6), fontsize=7, ha="right"
+    losses = [(v["1x"]["mean"], v[top]["mean"]) for v in summaries]
+    ax.plot(kept, [b for _, b in losses], color="0.7", lw=1, zorder=1)
+    shades = plt.cm.viridis(np.linspace(0.0, 0.85, len(kept)))
+    for x, (a, b), label, shade in zip(kept, losses, labels, shades, strict=True):
+        ax.scatter(
+            [x], [b], color=shade, s=40, zorder=2, label=f"{label}: {x:.0%} kept, {a:.3f} / {b:.3f}"
         )
     ax.set_xlabel("kept fraction of the KV cache (peak live keys / tokens)")
-    ax.set_ylabel("next-byte loss, nats")
+    ax.set_ylabel(f"mean next-byte loss at {top} L, nats")
     ax.set_title("FPA decoding with eviction at pi >= theta")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, title=f"loss at 1x / {top} L", title_fontsize=8)
     corpus = res["corpus"]
     fig.suptitle(
         f"E3: byte-level LMs on the Python {corpus['python']} standard library "
