@@ -106,6 +106,8 @@ def answer_logits(logits: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def retrieval_accuracy(logits: torch.Tensor, passkeys: torch.Tensor) -> float:
+    """Fraction of sequences whose every passkey digit is predicted (argmax) right:
+    logits [n, T, vocab], passkeys [n, k] int64."""
     predicted = answer_logits(logits, passkeys.shape[1]).argmax(-1)
     return float((predicted == passkeys).all(dim=1).float().mean())
 
@@ -138,6 +140,12 @@ def evaluate(
 
 
 def run(setting: str, progress: harness.Progress) -> dict:
+    """Train each model of :data:`MODELS` at length L, test it at every multiple of L (FPA also
+    with evicting caches at every theta); returns the config, seeds and results of the record.
+
+    Time O(steps x batch x L^2 d + thetas x sequences x (8 L)^2 d) per model and seed; memory
+    O(chunk x heads x (8 L)^2) for the eviction counts.
+    """
     cfg = SETTINGS[setting]
     vocab = vocabulary(cfg)
     k = cfg["n_digits"]
@@ -288,6 +296,7 @@ def plot(record: dict, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m attnspec.experiments.e2 [--quick] [--out DIR] [--figures DIR] ...``"""
     return harness.main("e2", "E2: passkey retrieval beyond the training length.", run, plot, argv)
 
 

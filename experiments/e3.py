@@ -145,6 +145,7 @@ def windows(data: np.ndarray, starts: np.ndarray, length: int) -> torch.Tensor:
 
 
 def model_for(name: str, cfg: dict, mlp_hidden: int) -> TinyModel:
+    """The byte-level model with mixer ``name`` at the sizes of ``cfg``: 256 tokens in and out."""
     return TinyModel(
         256,
         256,
@@ -238,6 +239,13 @@ def eviction(model: TinyModel, batch: torch.Tensor, cfg: dict) -> dict:
 
 
 def run(setting: str, progress: harness.Progress) -> dict:
+    """Train each model of :data:`MODELS` at equal parameter counts on L-byte windows, evaluate
+    the loss by position on 4L-byte validation windows, compare pairs window by window; returns
+    the config, seeds and results of the record.
+
+    Time O(steps x batch x L^2 d) per attention model (O(L) for the S4D ones) and seed, plus the
+    evaluation at 4L; memory O(corpus) for the bytes and O(windows x 4L) for the losses.
+    """
     cfg = SETTINGS[setting]
     train_data, val_data, corpus = stdlib_corpus(cfg["max_corpus_bytes"])
     L, T_eval = cfg["L"], cfg["L"] * cfg["eval_multiple"]
@@ -393,6 +401,7 @@ def plot(record: dict, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m attnspec.experiments.e3 [--quick] [--out DIR] [--figures DIR] ...``"""
     return harness.main("e3", "E3: tiny language models, loss by position.", run, plot, argv)
 
 

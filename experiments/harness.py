@@ -55,15 +55,18 @@ class Progress:
         self._printed = -1
 
     def begin(self, label: str, total: int) -> None:
+        """Start a new bar of ``total`` steps."""
         self.label, self.total, self.done = label, max(int(total), 1), 0
         self.start, self._printed = time.monotonic(), -1
         self._draw("")
 
     def advance(self, note: str = "") -> None:
+        """One step done; ``note`` (e.g. the running loss) follows the bar."""
         self.done = min(self.done + 1, self.total)
         self._draw(note)
 
     def end(self, note: str = "") -> None:
+        """Finish the bar (drawn full once)."""
         if self.done < self.total or self.tty:
             self.done = self.total
             self._draw(note, final=True)
@@ -137,6 +140,7 @@ def versions() -> dict[str, str]:
 
 
 def parse_args(name: str, description: str, argv: list[str] | None) -> argparse.Namespace:
+    """The options every experiment takes: --quick, --out, --figures, --replot, --threads."""
     parser = argparse.ArgumentParser(
         prog=f"python -m attnspec.experiments.{name}", description=description
     )
@@ -243,6 +247,7 @@ def pyplot():
 
 
 def save(fig, path: Path) -> None:
+    """Write ``fig`` as a PNG at ``path`` and close it."""
     import matplotlib.pyplot as plt
 
     fig.savefig(path, dpi=110, bbox_inches="tight")

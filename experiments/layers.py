@@ -43,10 +43,12 @@ class ForgettingAttention(nn.Module):
         self.b_f = nn.Parameter(torch.zeros(H))
 
     def forward(self, x: Tensor) -> Tensor:
+        """x [B, T, d] -> y [B, T, d]."""
         B, T, _ = x.shape
         H, dk = self.n_heads, self.head_dim
         q, k, v = ((x @ w).view(B, T, H, dk) for w in (self.wq, self.wk, self.wv))
-        log_f = F.logsigmoid((x @ self.w_f + self.b_f).float())  # [B, T, H], float32
+        wide = torch.promote_types(x.dtype, torch.float32)  # gates in float32 or wider
+        log_f = F.logsigmoid((x @ self.w_f + self.b_f).to(wide))  # [B, T, H]
         o = fox_attention(q, k, v, log_f)
         return o.reshape(B, T, H * dk) @ self.wo
 
@@ -70,6 +72,7 @@ class QueryFreeInterdomain(InterdomainAttention):
             self.key = nn.Parameter(torch.randn(n_heads * head_dim))
 
     def forward(self, x: Tensor) -> Tensor:
+        """x [B, T, d] -> y [B, T, d]."""
         B, T, _ = x.shape
         positions = torch.arange(T, device=x.device)
         q = self.query.expand(B, T, -1)  # the same "query" at every token

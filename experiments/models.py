@@ -69,6 +69,7 @@ class SoftmaxAttention(nn.Module):
         self.register_buffer("slopes", alibi_slopes(H), persistent=False)
 
     def forward(self, x: Tensor) -> Tensor:
+        """x [B, T, d] -> y [B, T, d]."""
         B, T, _ = x.shape
         H, dk = self.n_heads, self.head_dim
         q, k, v = ((x @ w).view(B, T, H, dk) for w in (self.wq, self.wk, self.wv))
@@ -125,6 +126,7 @@ class Block(nn.Module):
             )
 
     def forward(self, x: Tensor, cache=None) -> Tensor:
+        """x [B, T, d] -> [B, T, d]; with ``cache`` the mixer runs as a decode prefill."""
         h = self.norm1(x)
         x = x + (self.mixer(h) if cache is None else self.mixer.prefill(h, cache))
         if self.mlp is not None:
@@ -186,6 +188,7 @@ class TinyModel(nn.Module):
 
 
 def parameter_count(model: nn.Module) -> int:
+    """Number of trainable numbers in ``model``."""
     return sum(p.numel() for p in model.parameters())
 
 

@@ -129,7 +129,7 @@ def test_forgetting_attention_is_the_reference_fox_layer():
         "b_lam": np.zeros(H),
     }
     expected = ref_fpa.fpa_layer(_np(x), params, increments="logsigmoid")
-    np.testing.assert_allclose(_np(layer(x)), expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(_np(layer(x)), expected, rtol=1e-9, atol=1e-10)
 
 
 def test_fox_initialised_fpa_starts_as_fox():
