@@ -21,7 +21,7 @@ from torch import Tensor
 from attnspec.reference import hippo
 
 from . import checks, eager_fpa
-from .eager_fpa import FPAPenalty, Tile, _compute_dtype, _rows, _unrows, attend
+from .eager_fpa import FPAPenalty, Tile, attend, compute_dtype, from_rows, to_rows
 from .ops import interdomain_s4d
 
 _INF = float("inf")
@@ -101,7 +101,7 @@ class FPADecodeCache:
             o [B, HQ, V] in q's dtype.
         """
         self._dims = B, HQ, H, K, V, _, _ = self._check_step(q, k, v, field, level)
-        wide = _compute_dtype(q, field)
+        wide = compute_dtype(q, field)
         phi = field.reshape(-1, 1).to(wide)  # [N, 1]
         if self.keys is not None:
             self.mins = torch.minimum(self.mins, phi)  # (F7) m_j <- min(m_j, phi_t)
@@ -171,13 +171,13 @@ class FPADecodeCache:
         checks.finite("level", level)
         B, T, HQ, H, K, V = dims
         groups = HQ // H
-        wide = _compute_dtype(q, field)
-        fs, ls = _rows(field, wide), _rows(level, wide)
+        wide = compute_dtype(q, field)
+        fs, ls = to_rows(field, wide), to_rows(level, wide)
         evicting = EvictingPenalty(fs, ls, self.theta)
         o, _ = attend(
-            _rows(q, wide),
-            _rows(k, wide, groups),
-            _rows(v, wide, groups),
+            to_rows(q, wide),
+            to_rows(k, wide, groups),
+            to_rows(v, wide, groups),
             checks.scale(self.scale, K),
             evicting,
             eager_fpa.QUERY_BLOCK,
@@ -187,12 +187,12 @@ class FPADecodeCache:
         self.mins = torch.cummin(after.flip(1), dim=1).values.flip(1)
         self.levels = ls
         self.live = torch.clamp_min(ls - self.mins, 0.0) < self.theta
-        self.keys = _rows(k, k.dtype, groups)
-        self.values = _rows(v, v.dtype, groups)
+        self.keys = to_rows(k, k.dtype, groups)
+        self.values = to_rows(v, v.dtype, groups)
         self._dims = (B, HQ, H, K, V, q.dtype, q.device)
         self.steps, self.peak = T, evicting.counts.max(dim=1).values
         self._compact()
-        return _unrows(o, B, q.dtype)
+        return from_rows(o, B, q.dtype)
 
 
 class EvictingPenalty:

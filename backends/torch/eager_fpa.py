@@ -39,7 +39,7 @@ _INF = float("inf")
 # Layout: [B, T, H, D] <-> one row per (batch, query head) sequence, [N, T, D]
 
 
-def _rows(x: Tensor, dtype: torch.dtype, groups: int = 1) -> Tensor:
+def to_rows(x: Tensor, dtype: torch.dtype, groups: int = 1) -> Tensor:
     """[B, T, H, D] -> [B*H*groups, T, D] (each head repeated for its query heads), or
     [B, T, H] -> [B*H, T], converted to ``dtype``."""
     if x.dim() == 3:
@@ -51,8 +51,8 @@ def _rows(x: Tensor, dtype: torch.dtype, groups: int = 1) -> Tensor:
     return x.reshape(B * H * groups, T, D)
 
 
-def _unrows(x: Tensor, B: int, dtype: torch.dtype, groups: int = 1) -> Tensor:
-    """Inverse of :func:`_rows`: [N, T, D] -> [B, T, N/B/groups, D] summed over each group
+def from_rows(x: Tensor, B: int, dtype: torch.dtype, groups: int = 1) -> Tensor:
+    """Inverse of :func:`to_rows`: [N, T, D] -> [B, T, N/B/groups, D] summed over each group
     (the dk, dv of GQA), or [N, T] -> [B, T, N/B]; contiguous, in ``dtype``."""
     if x.dim() == 2:
         return x.reshape(B, -1, x.shape[1]).permute(0, 2, 1).to(dtype).contiguous()
@@ -61,7 +61,7 @@ def _unrows(x: Tensor, B: int, dtype: torch.dtype, groups: int = 1) -> Tensor:
     return x.permute(0, 2, 1, 3).to(dtype).contiguous()
 
 
-def _segments(cu_seqlens: Tensor | None, T: int) -> list[tuple[int, int]]:
+def segments(cu_seqlens: Tensor | None, T: int) -> list[tuple[int, int]]:
     """The independent sequences along the time axis: [(bos, eos), ...]."""
     if cu_seqlens is None:
         return [(0, T)]
@@ -69,14 +69,14 @@ def _segments(cu_seqlens: Tensor | None, T: int) -> list[tuple[int, int]]:
     return list(itertools.pairwise(offsets))
 
 
-def _blocks(block: int | None, key_block: int | None) -> tuple[int, int | None]:
+def tile_sizes(block: int | None, key_block: int | None) -> tuple[int, int | None]:
     """The tile sizes of a call: the module's QUERY_BLOCK and KEY_BLOCK unless given."""
     return (QUERY_BLOCK if block is None else block), (
         KEY_BLOCK if key_block is None else key_block
     )
 
 
-def _compute_dtype(q: Tensor, wide: Tensor) -> torch.dtype:
+def compute_dtype(q: Tensor, wide: Tensor) -> torch.dtype:
     """float32 for 16-bit and float32 inputs, float64 when q or the field is float64."""
     return torch.promote_types(torch.promote_types(q.dtype, torch.float32), wide.dtype)
 
@@ -366,18 +366,18 @@ def fpa_fwd(
 
     Time O(T^2 (K + V)) per sequence, memory O(T * block).
     """
-    block, key_block = _blocks(block, key_block)
+    block, key_block = tile_sizes(block, key_block)
     B, T, HQ, _ = q.shape
     groups = HQ // k.shape[2]
-    dtype = _compute_dtype(q, field)
-    qs, ks, vs = _rows(q, dtype), _rows(k, dtype, groups), _rows(v, dtype, groups)
-    fs, ls = _rows(field, dtype), _rows(level, dtype)
+    dtype = compute_dtype(q, field)
+    qs, ks, vs = to_rows(q, dtype), to_rows(k, dtype, groups), to_rows(v, dtype, groups)
+    fs, ls = to_rows(field, dtype), to_rows(level, dtype)
     o, lse = qs.new_empty(*qs.shape[:2], vs.shape[2]), qs.new_empty(qs.shape[:2])
-    for bos, eos in _segments(cu_seqlens, T):
+    for bos, eos in segments(cu_seqlens, T):
         seq = slice(bos, eos)
         bias = FPAPenalty(fs[:, seq], ls[:, seq], key_block)
         o[:, seq], lse[:, seq] = attend(qs[:, seq], ks[:, seq], vs[:, seq], scale, bias, block)
-    return _unrows(o, B, q.dtype), _unrows(lse, B, field.dtype)
+    return from_rows(o, B, q.dtype), from_rows(lse, B, field.dtype)
 
 
 @dispatch.register("fpa_bwd", "eager")
@@ -401,17 +401,17 @@ def fpa_bwd(
 
     Time O(T^2 (K + V)) per sequence, memory O(T * block).
     """
-    block, key_block = _blocks(block, key_block)
+    block, key_block = tile_sizes(block, key_block)
     B, T, HQ, _ = q.shape
     groups = HQ // k.shape[2]
-    dtype = _compute_dtype(q, field)
-    qs, ks, vs = _rows(q, dtype), _rows(k, dtype, groups), _rows(v, dtype, groups)
-    fs, ls = _rows(field, dtype), _rows(level, dtype)
-    os_, dos, lses = _rows(o, dtype), _rows(do, dtype), _rows(lse, dtype)
-    dlses = None if dlse is None else _rows(dlse, dtype)
+    dtype = compute_dtype(q, field)
+    qs, ks, vs = to_rows(q, dtype), to_rows(k, dtype, groups), to_rows(v, dtype, groups)
+    fs, ls = to_rows(field, dtype), to_rows(level, dtype)
+    os_, dos, lses = to_rows(o, dtype), to_rows(do, dtype), to_rows(lse, dtype)
+    dlses = None if dlse is None else to_rows(dlse, dtype)
     dq, dk, dv = torch.empty_like(qs), torch.empty_like(ks), torch.empty_like(vs)
     dfield, dlevel = torch.empty_like(fs), torch.empty_like(ls)
-    for bos, eos in _segments(cu_seqlens, T):
+    for bos, eos in segments(cu_seqlens, T):
         seq = slice(bos, eos)
         bias = FPAPenalty(fs[:, seq], ls[:, seq], key_block)
         dq[:, seq], dk[:, seq], dv[:, seq] = attend_backward(
@@ -428,11 +428,11 @@ def fpa_bwd(
         )
         dfield[:, seq], dlevel[:, seq] = bias.dfield, bias.dlevel
     return (
-        _unrows(dq, B, q.dtype),
-        _unrows(dk, B, k.dtype, groups),
-        _unrows(dv, B, v.dtype, groups),
-        _unrows(dfield, B, field.dtype),
-        _unrows(dlevel, B, level.dtype),
+        from_rows(dq, B, q.dtype),
+        from_rows(dk, B, k.dtype, groups),
+        from_rows(dv, B, v.dtype, groups),
+        from_rows(dfield, B, field.dtype),
+        from_rows(dlevel, B, level.dtype),
     )
 
 
@@ -450,18 +450,18 @@ def fox_fwd(
 ) -> tuple[Tensor, Tensor]:
     """(F6) FoX tiled, the decay from segment-local cumulative sums: o [B, T, HQ, V] in q's
     dtype, lse [B, T, HQ] in log_f's dtype. Time O(T^2 (K + V)), memory O(T * block)."""
-    block, key_block = _blocks(block, key_block)
+    block, key_block = tile_sizes(block, key_block)
     B, T, HQ, _ = q.shape
     groups = HQ // k.shape[2]
-    dtype = _compute_dtype(q, log_f)
-    qs, ks, vs = _rows(q, dtype), _rows(k, dtype, groups), _rows(v, dtype, groups)
-    gs = _rows(log_f, dtype)
+    dtype = compute_dtype(q, log_f)
+    qs, ks, vs = to_rows(q, dtype), to_rows(k, dtype, groups), to_rows(v, dtype, groups)
+    gs = to_rows(log_f, dtype)
     o, lse = qs.new_empty(*qs.shape[:2], vs.shape[2]), qs.new_empty(qs.shape[:2])
-    for bos, eos in _segments(cu_seqlens, T):
+    for bos, eos in segments(cu_seqlens, T):
         seq = slice(bos, eos)  # the cumulative sum restarts with each sequence
         bias = FoXBias(gs[:, seq], dtype, key_block)
         o[:, seq], lse[:, seq] = attend(qs[:, seq], ks[:, seq], vs[:, seq], scale, bias, block)
-    return _unrows(o, B, q.dtype), _unrows(lse, B, log_f.dtype)
+    return from_rows(o, B, q.dtype), from_rows(lse, B, log_f.dtype)
 
 
 @dispatch.register("fox_bwd", "eager")
@@ -482,17 +482,17 @@ def fox_bwd(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """FoX backward: dq, dk, dv by (G1), dlog_f as the reverse cumulative sum of
     dL/dc (row sums minus column sums of G). Time O(T^2 (K + V)), memory O(T * block)."""
-    block, key_block = _blocks(block, key_block)
+    block, key_block = tile_sizes(block, key_block)
     B, T, HQ, _ = q.shape
     groups = HQ // k.shape[2]
-    dtype = _compute_dtype(q, log_f)
-    qs, ks, vs = _rows(q, dtype), _rows(k, dtype, groups), _rows(v, dtype, groups)
-    gs = _rows(log_f, dtype)
-    os_, dos, lses = _rows(o, dtype), _rows(do, dtype), _rows(lse, dtype)
-    dlses = None if dlse is None else _rows(dlse, dtype)
+    dtype = compute_dtype(q, log_f)
+    qs, ks, vs = to_rows(q, dtype), to_rows(k, dtype, groups), to_rows(v, dtype, groups)
+    gs = to_rows(log_f, dtype)
+    os_, dos, lses = to_rows(o, dtype), to_rows(do, dtype), to_rows(lse, dtype)
+    dlses = None if dlse is None else to_rows(dlse, dtype)
     dq, dk, dv = torch.empty_like(qs), torch.empty_like(ks), torch.empty_like(vs)
     dlog_f = torch.empty_like(gs, dtype=torch.float64)
-    for bos, eos in _segments(cu_seqlens, T):
+    for bos, eos in segments(cu_seqlens, T):
         seq = slice(bos, eos)
         bias = FoXBias(gs[:, seq], dtype, key_block)
         dq[:, seq], dk[:, seq], dv[:, seq] = attend_backward(
@@ -509,8 +509,8 @@ def fox_bwd(
         )
         dlog_f[:, seq] = bias.dlog_f()
     return (
-        _unrows(dq, B, q.dtype),
-        _unrows(dk, B, k.dtype, groups),
-        _unrows(dv, B, v.dtype, groups),
-        _unrows(dlog_f, B, log_f.dtype),
+        from_rows(dq, B, q.dtype),
+        from_rows(dk, B, k.dtype, groups),
+        from_rows(dv, B, v.dtype, groups),
+        from_rows(dlog_f, B, log_f.dtype),
     )

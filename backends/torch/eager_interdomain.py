@@ -41,7 +41,7 @@ from torch import Tensor
 from attnspec.reference import hippo
 
 from . import dispatch
-from .eager_fpa import _segments
+from .eager_fpa import segments
 
 S4D_CHUNK = 64
 LEGS_CHUNK = 64
@@ -310,7 +310,7 @@ def s4d_fwd(
     state = None if initial_state is None else _as_complex(initial_state, dtype)
     o = xs[0].new_empty(B, H, T, V)
     finals = []
-    for n, (bos, eos) in enumerate(_segments(cu_seqlens, T)):
+    for n, (bos, eos) in enumerate(segments(cu_seqlens, T)):
         rows = _rows_of(cu_seqlens)
         part = [x[rows, :, bos:eos] for x in xs]
         shape = (part[0].shape[0], H, model.lam.shape[1], R + xs[2].shape[3])
@@ -348,7 +348,7 @@ def s4d_bwd(
     d_xs = [torch.empty_like(x) for x in xs]
     d_params = [torch.zeros_like(p) for p in (model.lam, model.b, model.W)]
     d_initial = []
-    for n, (bos, eos) in enumerate(_segments(cu_seqlens, T)):
+    for n, (bos, eos) in enumerate(segments(cu_seqlens, T)):
         rows = _rows_of(cu_seqlens)
         part = [x[rows, :, bos:eos] for x in xs]
         shape = (part[0].shape[0], H, model.lam.shape[1], R + xs[2].shape[3])
@@ -505,7 +505,7 @@ def legs_fwd(
     """(I2), (I3), (I5) in chunks: o [B, T, H, V] in fq's dtype."""
     model, xs = _legs_setup(fq, fk, v, M, chunk)
     o = torch.empty_like(xs[2])
-    for bos, eos in _segments(cu_seqlens, fq.shape[1]):
+    for bos, eos in segments(cu_seqlens, fq.shape[1]):
         rows = _rows_of(cu_seqlens)
         part = [x[rows, :, bos:eos] for x in xs]  # each sequence starts at n = 1
         o[rows, :, bos:eos], _ = scan(model, part, _legs_zeros(part, M))
@@ -527,7 +527,7 @@ def legs_bwd(
     model, xs = _legs_setup(fq, fk, v, M, chunk)
     d_out = _heads_first(do, xs[0].dtype)
     d_xs = [torch.empty_like(x) for x in xs]
-    for bos, eos in _segments(cu_seqlens, fq.shape[1]):
+    for bos, eos in segments(cu_seqlens, fq.shape[1]):
         rows = _rows_of(cu_seqlens)
         part = [x[rows, :, bos:eos] for x in xs]
         zeros = _legs_zeros(part, M)
