@@ -29,7 +29,7 @@ from torch import Tensor
 
 from . import dispatch
 
-QUERY_BLOCK = 128  # rows per query block; measured fastest on CPU at T = 2048 (bench/cpu_torch.py)
+QUERY_BLOCK = 128  # query rows per tile: memory O(T * QUERY_BLOCK), matmuls wide enough for BLAS
 KEY_BLOCK: int | None = None  # keys per block left of the diagonal; None: all of them at once
 
 _INF = float("inf")
