@@ -250,3 +250,14 @@ def test_bad_legs_input():
         interdomain_legs(x["fq"], x["kt"], x["vt"], 0)
     with pytest.raises(ValueError, match="fk: expected shape"):
         interdomain_legs(x["fq"], x["kt"][:, :5], x["vt"], 3)
+
+
+def test_a_zero_ratio_denominator_is_a_value_error_as_in_the_reference():
+    fq = torch.ones(1, 5, 1, 2, dtype=torch.float64)
+    fk = fq.clone()
+    fq[0, 3, 0] = torch.tensor([1.0, -1.0])  # xi(q) . u_0 = 0 at token 3: fk is constant
+    message = "fq, fk: the ratio readout's denominator is 0 at batch 0, head 0, token 3"
+    with pytest.raises(ValueError, match=message):
+        interdomain_legs(fq, fk, torch.randn(1, 5, 1, 3, dtype=torch.float64), 4)
+    with pytest.raises(ValueError, match="denominator is 0"):
+        idm.interdomain_legs(*(np.swapaxes(x.numpy(), 1, 2) for x in (fq, fk, fk)), 4)

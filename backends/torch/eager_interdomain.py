@@ -47,6 +47,19 @@ S4D_CHUNK = 64
 LEGS_CHUNK = 64
 
 
+def ratio(num: Tensor, den: Tensor, names: str, t0: int) -> Tensor:
+    """num / den [N, H, L, 1] row by row in a chunk starting at t0; an exactly zero denominator
+    is a ValueError, as in the reference (the ratio is undefined there)."""
+    zero = den == 0
+    if zero.any():
+        n, h, t, _ = (int(i) for i in zero.nonzero()[0])
+        raise ValueError(
+            f"{names}: the ratio readout's denominator is 0 at batch {n}, head {h}, token "
+            f"{t0 + t} of its sequence; use features that keep it away from 0 (e.g. positive)"
+        )
+    return num / den
+
+
 class ChunkedScan(Protocol):
     """A recurrence in chunks of ``size`` along the time axis (axis 2 of every input)."""
 
@@ -154,10 +167,9 @@ class S4DScan:
         num = ((beta_bar * decay) @ xV).real
         weights = lag_major(((beta_bar * b[:, None]) @ powers[:, :L].transpose(-1, -2)).real)
         num = num + weights @ zv
-        return self._readout(num), [xK_next, xV_next]
-
-    def _readout(self, num):
-        return num if self.readout == "linear" else num[..., :-1] / num[..., -1:]
+        if self.readout == "ratio":
+            num = ratio(num[..., :-1], num[..., -1:], "fq, kt", t0)
+        return num, [xK_next, xV_next]
 
     def step_vjp(self, xs, carry, t0, d_out, d_carry):
         fq, kt, zv = xs
@@ -440,7 +452,7 @@ class LegSScan:
         num = torch.einsum("nhtm,nhmv->nhtv", z, Gamma) + torch.einsum(
             "nhts,nhsv->nhtv", weights, v
         )
-        return num / a[..., :1], [U_next, Gamma_next]
+        return ratio(num, a[..., :1], "fq, fk", t0), [U_next, Gamma_next]
 
     def step_vjp(self, xs, carry, t0, d_out, d_carry):
         fq, fk, v = xs
