@@ -60,7 +60,9 @@ def reference_bytes(op: str, T: int) -> int:
     if op in ("FPA", "FoX"):
         return 12 * B * H * T * T * 8  # (T, T) arrays of the VJP: m, p, G, masks, t*
     C = B * H * (2 * D + 1)
-    return 6 * T * M * C * 16  # states (T, M, C) and their cotangents
+    if op == "LegS":
+        return 5 * T * M * C * 8  # coefficients (T, M, C), readout and their cotangents
+    return 6 * T * M * C * 16  # complex states (T, M, C), C x, and their cotangents
 
 
 # --------------------------------------------------------------------------------------------
@@ -213,7 +215,9 @@ def header() -> str:
     return "\n".join(
         [
             f"date: {datetime.datetime.now().isoformat(timespec='seconds')}",
-            f"machine: {cpu}; torch threads: {torch.get_num_threads()}; load average: {load}",
+            f"machine: {cpu}; torch threads: {torch.get_num_threads()}; OMP_NUM_THREADS="
+            f"{os.environ.get('OMP_NUM_THREADS', '-')}, OPENBLAS_NUM_THREADS="
+            f"{os.environ.get('OPENBLAS_NUM_THREADS', '-')}; load average: {load}",
             f"versions: python {platform.python_version()}, torch {torch.__version__}, numpy "
             f"{np.__version__}, scipy {scipy.__version__}, fla-core {fla_version}",
             f"shapes: B = {B}, H = {H}, K = V = R = {D}, M = {M}; torch float32, reference float64",
