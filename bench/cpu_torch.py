@@ -42,6 +42,7 @@ from attnspec.reference import interdomain as idm
 
 B, H, D, M = 1, 2, 64, 64  # batch, heads, head dim (K = V = R), S4D/LegS modes
 REFERENCE_BUDGET = 4 * 2**30  # bytes the reference's intermediates may take
+ROW = "| {:<4} | {:>5} | {:<22} | {:>10} | {:>12} | {:>11} | {:>15} |"
 
 
 def median_time(fn, min_runs: int = 3, min_seconds: float = 1.0) -> float:
@@ -265,16 +266,15 @@ def main(argv=None) -> int:
             base = results[op, T, "torch eager"]
             for name, *_ in rows:
                 fwd, both = results[op, T, name]
-                lines.append(
-                    f"| {op:<4} | {T:>5} | {name:<22} | {1e3 * fwd:>10.1f} | {1e3 * both:>12.1f} |"
-                    f" {fwd / base[0]:>8.2f} | {both / base[1]:>11.2f} |"
-                )
+                cells = (op, T, name, f"{1e3 * fwd:.1f}", f"{1e3 * both:.1f}")
+                lines.append(ROW.format(*cells, f"{fwd / base[0]:.2f}", f"{both / base[1]:.2f}"))
     print()
-    print("| op   |     T | implementation         |     fwd ms |  fwd+bwd ms | fwd / torch | "
-          "fwd+bwd / torch |")  # fmt: skip
     print(
-        "|------|------:|------------------------|-----------:|------------:|---------:|------------:|"
+        ROW.format(
+            "op", "T", "implementation", "fwd ms", "fwd+bwd ms", "fwd / torch", "fwd+bwd / torch"
+        )
     )
+    print(ROW.format(*(("-" * w) for w in (4, 5, 22, 10, 12, 11, 15))).replace(" ", "-"))
     print("\n".join(lines))
     if build:
         built = ", ".join(f"T = {T}: {s:.1f} s" for T, s in build.items())
@@ -285,13 +285,17 @@ def main(argv=None) -> int:
         key = (op, 2048, "reference (NumPy f64)")
         if key in results:
             speedup = results[key][1] / results[op, 2048, "torch eager"][1]
-            print(f"  {op}: torch eager {speedup:.1f}x faster than the reference (goal >= 5x): "
-                  f"{'met' if speedup >= 5 else 'missed'}")  # fmt: skip
+            print(
+                f"  {op}: torch eager {speedup:.1f}x faster than the reference (goal >= 5x): "
+                f"{'met' if speedup >= 5 else 'missed'}"
+            )
     key = ("FoX", 2048, "fla naive FoX")
     if key in results:
         ratio = results[key][1] / results["FoX", 2048, "torch eager"][1]
-        print(f"  FoX: fla naive / torch eager = {ratio:.2f} (goal >= 1, no slower than the peer): "
-              f"{'met' if ratio >= 1 else 'missed'}")  # fmt: skip
+        print(
+            f"  FoX: fla naive / torch eager = {ratio:.2f} (goal >= 1, no slower than the peer): "
+            f"{'met' if ratio >= 1 else 'missed'}"
+        )
 
     if not args.skip_peak_memory:
         print("\n  measuring peak memory at T = 32768 ...", file=sys.stderr, flush=True)

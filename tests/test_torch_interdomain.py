@@ -95,9 +95,16 @@ def test_s4d_states_continue_and_their_cotangents_flow():
         fq[:, :5], kt[:, :5], vt[:, :5], lam, b, c, readout="ratio", output_final_state=True
     )
     second, last = interdomain_s4d(
-        fq[:, 5:], kt[:, 5:], vt[:, 5:], lam, b, c, readout="ratio", initial_state=middle,
+        fq[:, 5:],
+        kt[:, 5:],
+        vt[:, 5:],
+        lam,
+        b,
+        c,
+        readout="ratio",
+        initial_state=middle,
         output_final_state=True,
-    )  # fmt: skip
+    )
     assert torch.allclose(torch.cat([first, second], 1), whole, rtol=1e-12, atol=1e-12)
     assert torch.allclose(last, end, rtol=1e-12, atol=1e-12)
     # d(output, final state) / d(inputs, parameters, initial state) by finite differences
@@ -105,8 +112,9 @@ def test_s4d_states_continue_and_their_cotangents_flow():
     params = [p.clone().requires_grad_() for p in (lam, b, c)]
 
     def run(*xs):
-        o, end = interdomain_s4d(*xs[:6], readout="ratio", initial_state=xs[6],
-                                 output_final_state=True)  # fmt: skip
+        o, end = interdomain_s4d(
+            *xs[:6], readout="ratio", initial_state=xs[6], output_final_state=True
+        )
         return o, torch.view_as_real(end)
 
     assert torch.autograd.gradcheck(run, (*leaves, *params, middle.detach().requires_grad_()))
@@ -120,14 +128,29 @@ def test_packed_sequences_each_start_from_their_own_state(readout):
     cu = [0, 15, 16, 40]
     init = torch.randn(3, 2, 6, 3 + 4 + (readout == "ratio"), dtype=torch.complex128)
     o, final = interdomain_s4d(
-        fq, kt, vt, lam, b, c, readout=readout, cu_seqlens=torch.tensor(cu, dtype=torch.int32),
-        initial_state=init, output_final_state=True,
-    )  # fmt: skip
+        fq,
+        kt,
+        vt,
+        lam,
+        b,
+        c,
+        readout=readout,
+        cu_seqlens=torch.tensor(cu, dtype=torch.int32),
+        initial_state=init,
+        output_final_state=True,
+    )
     for n, (a, e) in enumerate(itertools.pairwise(cu)):
         part, end = interdomain_s4d(
-            fq[:, a:e], kt[:, a:e], vt[:, a:e], lam, b, c, readout=readout,
-            initial_state=init[n : n + 1], output_final_state=True,
-        )  # fmt: skip
+            fq[:, a:e],
+            kt[:, a:e],
+            vt[:, a:e],
+            lam,
+            b,
+            c,
+            readout=readout,
+            initial_state=init[n : n + 1],
+            output_final_state=True,
+        )
         assert torch.allclose(o[:, a:e], part, rtol=1e-12, atol=1e-12)
         assert torch.allclose(final[n], end[0], rtol=1e-12, atol=1e-12)
 
@@ -138,8 +161,9 @@ def test_long_memory_over_many_chunks_does_not_drift():
     fq, kt, vt, lam, b, c = s4d_draw(rng, 1, 1, 2048, 4, 4, 8, "ratio", dt=(1e-3, 1e-3))
     o_ref = idm.interdomain_s4d(fq, kt, vt, lam, b, c, readout="ratio")
     args = [to_torch(x).float() for x in (fq, kt, vt)]
-    o = interdomain_s4d(*args, *(torch.from_numpy(p).to(torch.complex64) for p in (lam, b, c)),
-                        readout="ratio")  # fmt: skip
+    o = interdomain_s4d(
+        *args, *(torch.from_numpy(p).to(torch.complex64) for p in (lam, b, c)), readout="ratio"
+    )
     assert relative(to_ref(o), o_ref) < 1e-5
 
 
@@ -206,10 +230,13 @@ def s4d_inputs():
     rng = np.random.default_rng(5)
     fq, kt, vt, lam, b, c = s4d_draw(rng, 1, 2, 10, 3, 4, 5, "linear")
     return dict(
-        fq=to_torch(fq).float(), kt=to_torch(kt).float(), vt=to_torch(vt).float(),
-        lam=torch.from_numpy(lam).to(torch.complex64), b=torch.from_numpy(b).to(torch.complex64),
+        fq=to_torch(fq).float(),
+        kt=to_torch(kt).float(),
+        vt=to_torch(vt).float(),
+        lam=torch.from_numpy(lam).to(torch.complex64),
+        b=torch.from_numpy(b).to(torch.complex64),
         c=torch.from_numpy(c).to(torch.complex64),
-    )  # fmt: skip
+    )
 
 
 def s4d_changed(**changes):

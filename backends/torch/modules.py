@@ -133,9 +133,13 @@ class FirstPassageAttention(nn.Module):
         H = int(np.shape(params["b_delta"])[0])
         d, width = np.shape(params["wq"])
         layer = cls(
-            d, H, width // H, np.shape(params["wv"])[1] // H, increments=increments,
+            d,
+            H,
+            width // H,
+            np.shape(params["wv"])[1] // H,
+            increments=increments,
             device="meta",
-        )  # fmt: skip
+        )
         for name, shape in layer.parameter_shapes().items():
             dt = dtype or (params[name].dtype if isinstance(params[name], Tensor) else None)
             setattr(layer, name, _param(params[name], shape, name, device, dt))
@@ -356,10 +360,16 @@ class InterdomainAttention(nn.Module):
             raise ValueError(f"params: missing {missing}; see PARAMETER_SCHEMA")
         H, R = np.shape(params["norm_k_g"])
         layer = cls(
-            np.shape(params["wq"])[0], H, R, np.shape(params["norm_v_g"])[1],
-            np.shape(params["a_log"])[1], readout=readout, gate="wg" in params,
-            use_rope=use_rope, device="meta",
-        )  # fmt: skip
+            np.shape(params["wq"])[0],
+            H,
+            R,
+            np.shape(params["norm_v_g"])[1],
+            np.shape(params["a_log"])[1],
+            readout=readout,
+            gate="wg" in params,
+            use_rope=use_rope,
+            device="meta",
+        )
         for name, shape in layer.parameter_shapes().items():
             dt = dtype or (params[name].dtype if isinstance(params[name], Tensor) else None)
             setattr(layer, name, _param(params[name], shape, name, device, dt))
@@ -406,9 +416,14 @@ class InterdomainAttention(nn.Module):
         k = short_conv(x @ self.wk, self.conv_k, positions)
         fq, kt, vt = self._features(x, q, k, positions)
         o, _ = s4d_pairs(
-            fq, kt, vt, *self.ssm_parameters(), readout=self.readout, cu_seqlens=cu_seqlens,
+            fq,
+            kt,
+            vt,
+            *self.ssm_parameters(),
+            readout=self.readout,
+            cu_seqlens=cu_seqlens,
             impl=impl,
-        )  # fmt: skip
+        )
         return self._output(x, o)
 
     def new_cache(self) -> InterdomainLayerState:
