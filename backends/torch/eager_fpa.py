@@ -176,10 +176,14 @@ class FPAPenalty:
             S, argS = suffix_min(cols)
             A = torch.cat([S[:, 1:], torch.full_like(S[:, :1], _INF)], dim=1)  # min over (j, j1)
             argA = torch.cat([argS[:, 1:], torch.zeros_like(argS[:, :1])], dim=1) + j0
-            m = torch.minimum(torch.minimum(A[:, None, :], mid[:, None, None]), B[:, :, None])
-            penalty = torch.clamp_min(level[:, None, j0:j1] - m, 0.0)  # (F2)
+            A_mid = torch.minimum(A, mid[:, None])  # min over (j, i0): [N, BS]
+            m = torch.minimum(A_mid[:, None, :], B[:, :, None])  # (F1) min(A_j, mid, B_i)
+            penalty = torch.sub(level[:, None, j0:j1], m).clamp_min_(0.0)  # (F2)
             yield Tile(
-                j0, j1, penalty, self._off_diagonal(j0, j1, m, A, B, argA, argB + i0, mid, argmid)
+                j0,
+                j1,
+                penalty,
+                self._off_diagonal(j0, j1, m, A, A_mid, B, argA, argB + i0, mid, argmid),
             )
             # the gap of the next key block also covers this one; ties keep the later argmin
             newer = S[:, 0] < mid
@@ -203,7 +207,9 @@ class FPAPenalty:
 
         return Tile(i0, i1, penalty, backward)
 
-    def _off_diagonal(self, j0, j1, m, A, B, argA, argB, mid, argmid) -> Callable[[Tensor], None]:
+    def _off_diagonal(
+        self, j0, j1, m, A, A_mid, B, argA, argB, mid, argmid
+    ) -> Callable[[Tensor], None]:
         level = self.level[:, None, j0:j1]
 
         def backward(G: Tensor) -> None:
@@ -211,8 +217,8 @@ class FPAPenalty:
             self.dlevel[:, j0:j1] -= W.sum(dim=1)  # (G2)
             # (G3) the latest argmin: in B (the query block) if B attains m, else in the gap,
             # else in A (the key block)
-            in_B = (B[:, :, None] <= A[:, None, :]) & (B[:, :, None] <= mid[:, None, None])
-            in_mid = ~in_B & (mid[:, None, None] <= A[:, None, :])
+            in_B = B[:, :, None] <= A_mid[:, None, :]
+            in_mid = ~in_B & (mid[:, None] <= A)[:, None, :]
             in_A = ~in_B & ~in_mid
             self.dfield.scatter_add_(1, argB, (W * in_B).sum(dim=2))  # row sums
             self.dfield.scatter_add_(1, argmid[:, None], (W * in_mid).sum(dim=(1, 2))[:, None])
@@ -288,15 +294,15 @@ def attend(
         top = total = acc = None
         for tile in bias.tiles(i0, i1):
             kj, vj = k[:, tile.j0 : tile.j1], v[:, tile.j0 : tile.j1]
-            s = torch.baddbmm(-tile.penalty, qi, kj.transpose(1, 2), alpha=scale)  # (F3)
+            s = torch.baddbmm(tile.penalty, qi, kj.transpose(1, 2), beta=-1, alpha=scale)  # (F3)
             if top is None:  # the diagonal tile comes first: every row has a finite logit
                 top = s.amax(dim=2)
-                p = torch.exp(s - top[:, :, None])
+                p = s.sub_(top[:, :, None]).exp_()
                 total, acc = p.sum(dim=2), torch.bmm(p, vj)
             else:
                 new_top = torch.maximum(top, s.amax(dim=2))
                 rescale = torch.exp(top - new_top)
-                p = torch.exp(s - new_top[:, :, None])
+                p = s.sub_(new_top[:, :, None]).exp_()
                 total = total * rescale + p.sum(dim=2)
                 acc = torch.baddbmm(acc * rescale[:, :, None], p, vj)
                 top = new_top
@@ -335,9 +341,9 @@ def attend_backward(
         for tile in bias.tiles(i0, i1):
             keys = slice(tile.j0, tile.j1)
             kj, vj = k[:, keys], v[:, keys]
-            s = torch.baddbmm(-tile.penalty, qi, kj.transpose(1, 2), alpha=scale)
-            p = torch.exp(s - lse_i)  # (F4)
-            G = p * (torch.bmm(doi, vj.transpose(1, 2)) - delta_i)  # G_ij
+            s = torch.baddbmm(tile.penalty, qi, kj.transpose(1, 2), beta=-1, alpha=scale)
+            p = s.sub_(lse_i).exp_()  # (F4)
+            G = torch.bmm(doi, vj.transpose(1, 2)).sub_(delta_i).mul_(p)  # G_ij
             dv[:, keys].baddbmm_(p.transpose(1, 2), doi)  # (G1)
             dk[:, keys].baddbmm_(G.transpose(1, 2), qi, alpha=scale)
             dq[:, i0:i1].baddbmm_(G, kj, alpha=scale)
