@@ -200,13 +200,13 @@ def interdomain_features(names: tuple[str, str, str], fq, fk, v) -> FeatureDims:
 
 
 def decays(lam: Tensor) -> None:
-    """S4D decays as (re, im) pairs [..., 2] with 0 < |Lambda| <= 1 (the recurrence is stable)."""
+    """S4D decays as (re, im) pairs [..., 2] with |Lambda| <= 1 (the recurrence is stable)."""
     modulus = torch.linalg.vector_norm(lam, dim=-1)
-    bad = (modulus > 1) | (modulus == 0)
+    bad = modulus > 1
     if bad.any():
         index = tuple(int(i) for i in bad.nonzero()[0])
         raise ValueError(
-            f"lam: expected 0 < |Lambda| <= 1, got |Lambda| = {float(modulus[index]):.6g} at "
+            f"lam: expected |Lambda| <= 1, got |Lambda| = {float(modulus[index]):.6g} at "
             f"index {index}"
         )
 

@@ -388,8 +388,7 @@ def s4d_bwd(
 # LegS
 
 
-_LEGS_PRODUCTS: dict[tuple[int, int], list[tuple[Tensor, Tensor]]] = {}
-_LEGS_CAST: dict[tuple, list[tuple[Tensor, Tensor]]] = {}
+_LEGS_CONSTANTS: dict[tuple, list[tuple[Tensor, Tensor]]] = {}
 
 
 def _legs_products(M: int, L: int, index: int) -> tuple[Tensor, Tensor]:
@@ -408,18 +407,15 @@ def _legs_products(M: int, L: int, index: int) -> tuple[Tensor, Tensor]:
 
 
 def legs_constants(M: int, L: int, index: int, dtype: torch.dtype, device) -> tuple[Tensor, Tensor]:
-    """(P, K) of chunk ``index`` in ``dtype`` on ``device``; built once, cached per (M, L).
+    """(P, K) of chunk ``index`` in ``dtype`` on ``device``: built in float64 once and cached.
 
     The cache holds T (M^2 + L M) numbers per (M, L, dtype, device) for the longest T seen.
     """
-    master = _LEGS_PRODUCTS.setdefault((M, L), [])
-    while len(master) <= index:
-        master.append(_legs_products(M, L, len(master)))
-    cast = _LEGS_CAST.setdefault((M, L, dtype, torch.device(device)), [])
-    while len(cast) <= index:
-        P, K = master[len(cast)]
-        cast.append((P.to(device, dtype), K.to(device, dtype)))
-    return cast[index]
+    cached = _LEGS_CONSTANTS.setdefault((M, L, dtype, torch.device(device)), [])
+    while len(cached) <= index:
+        P, K = _legs_products(M, L, len(cached))
+        cached.append((P.to(device, dtype), K.to(device, dtype)))
+    return cached[index]
 
 
 class LegSScan:

@@ -471,7 +471,7 @@ def interdomain_s4d(
         fq: [B, T, H, R] query features xi(q); kt: [B, T, H, R] SSM key inputs k~;
             vt: [B, T, H, V] SSM value inputs v~. One float dtype of float64, float32, float16,
             bfloat16.
-        lam, b: [H, M] complex; c: [H, M, M] complex (complex64 or complex128; 0 < |lam| <= 1).
+        lam, b: [H, M] complex; c: [H, M, M] complex (complex64 or complex128; |lam| <= 1).
             Gradients are dL/dRe + i dL/dIm, the reference's convention.
         readout: "linear" (denominator-free, I13) or "ratio".
         cu_seqlens: int32/int64 offsets [N + 1] of N packed sequences (B = 1), each started
