@@ -3,7 +3,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.attnspec-installed
 
-.PHONY: verify test lint format docs docs-check clean
+.PHONY: verify install test lint format docs docs-check clean FORCE
 
 EXTRAS ?= test,torch,jax,bench,docs
 # Triton kernels run under its interpreter on machines without a GPU (set before triton loads).
@@ -11,11 +11,28 @@ export TRITON_INTERPRET ?= $(shell nvidia-smi -L >/dev/null 2>&1 || echo 1)
 # Material for MkDocs prints a banner about its successor on every build unless this is set.
 export NO_MKDOCS_2_WARNING ?= 1
 
+# The code folders (each holds a py.typed) and the list of their files. Strict editable mode
+# links each file into build/__editable__.*/attnspec/, a plain tree that type checkers and IDEs
+# follow; a file added or removed later needs a re-install, so the list is a prerequisite of the
+# install and is rewritten only when it changes (editing a file re-installs nothing).
+PACKAGE_DIRS := $(patsubst %/py.typed,%,$(wildcard */py.typed))
+FILE_LIST    := $(VENV)/.attnspec-files
+
+$(FILE_LIST): FORCE
+	@mkdir -p $(VENV)
+	@find $(PACKAGE_DIRS) -name __pycache__ -prune -o -type f -print | LC_ALL=C sort > $@.new
+	@if cmp -s $@.new $@; then rm $@.new; else mv $@.new $@; fi
+
+FORCE:
+
 # Create the virtual environment and install the package with its extras (exact CI pins).
-$(STAMP): pyproject.toml requirements-ci.txt
+$(STAMP): pyproject.toml requirements-ci.txt $(FILE_LIST)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet -c requirements-ci.txt -e ".[$(EXTRAS)]"
+	$(PY) -m pip install --quiet -c requirements-ci.txt -e ".[$(EXTRAS)]" \
+		--config-settings editable_mode=strict
 	touch $(STAMP)
+
+install: $(STAMP)
 
 # The main job: theorem checks, then the conformance report of every backend available here.
 verify: $(STAMP)
