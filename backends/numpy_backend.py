@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from itertools import pairwise
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar, overload
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
@@ -123,6 +123,45 @@ class NumpyBackend:
 
     # ---------------------------------------------------------------- ops
 
+    @overload
+    def fpa_attention(
+        self,
+        q: FloatArray,
+        k: FloatArray,
+        v: FloatArray,
+        field: FloatArray,
+        level: FloatArray,
+        *,
+        scale: float | None = None,
+        cu_seqlens: ArrayLike | None = None,
+        return_lse: Literal[False] = False,
+    ) -> FloatArray: ...
+    @overload
+    def fpa_attention(
+        self,
+        q: FloatArray,
+        k: FloatArray,
+        v: FloatArray,
+        field: FloatArray,
+        level: FloatArray,
+        *,
+        scale: float | None = None,
+        cu_seqlens: ArrayLike | None = None,
+        return_lse: Literal[True],
+    ) -> tuple[FloatArray, NDArray[np.float64]]: ...
+    @overload
+    def fpa_attention(
+        self,
+        q: FloatArray,
+        k: FloatArray,
+        v: FloatArray,
+        field: FloatArray,
+        level: FloatArray,
+        *,
+        scale: float | None = None,
+        cu_seqlens: ArrayLike | None = None,
+        return_lse: bool = False,
+    ) -> FloatArray | tuple[FloatArray, NDArray[np.float64]]: ...
     def fpa_attention(
         self,
         q: FloatArray,
