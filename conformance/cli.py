@@ -131,9 +131,10 @@ class BackendError(ValueError):
 
 
 def _protocol_members() -> list[str]:
-    """The attributes of :class:`protocol.Backend`: its annotated fields, then its methods."""
-    methods = [n for n, v in vars(Backend).items() if callable(v) and not n.startswith("_")]
-    return [*Backend.__annotations__, *methods]
+    """The attributes of :class:`protocol.Backend`: its fields (properties), then its methods."""
+    members = {n: v for n, v in vars(Backend).items() if not n.startswith("_")}
+    fields = [n for n, v in members.items() if isinstance(v, property)]
+    return [*fields, *(n for n, v in members.items() if callable(v))]
 
 
 def _load_backend(name: str, device: str, requested: list[str] | None) -> Backend:

@@ -40,8 +40,12 @@ import numpy as np
 
 @runtime_checkable
 class Backend(Protocol):
-    name: str
-    dtypes: tuple[str, ...]
+    # Read-only members, so that a class attribute such as dtypes = ("float32",) conforms.
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def dtypes(self) -> tuple[str, ...]: ...
 
     def capabilities(self) -> set[str]: ...
 
