@@ -3,7 +3,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.attnspec-installed
 
-.PHONY: verify install test lint format docs docs-check clean FORCE
+.PHONY: verify install test lint typecheck format docs docs-check clean FORCE
 
 EXTRAS ?= test,torch,jax,bench,docs
 # Triton kernels run under its interpreter on machines without a GPU (set before triton loads).
@@ -39,9 +39,7 @@ verify: $(STAMP)
 	$(PY) -m attnspec.theory
 	$(PY) -m attnspec.conformance --backend available
 
-test: $(STAMP)
-	$(PY) -m ruff check .
-	$(PY) -m ruff format --check .
+test: lint typecheck
 	$(PY) -m mkdocs build --strict --quiet
 	$(PY) -m pytest -n auto
 
@@ -49,12 +47,20 @@ lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
+# mypy over the code folders (configuration in pyproject.toml; incremental cache in .mypy_cache).
+# It names files by their links in build/__editable__.*/attnspec/<package>/; sed names them by
+# the folder each link points to (every subpackage's folder carries its name).
+typecheck: $(STAMP)
+	@echo "$(PY) -m mypy"
+	@$(PY) -m mypy > $(VENV)/.mypy-report; status=$$?; \
+		sed 's|^build/__editable__[^/]*/attnspec/||' $(VENV)/.mypy-report; exit $$status
+
 format: $(STAMP)
 	$(PY) -m ruff format .
 	$(PY) -m ruff check --fix .
 
 clean:
-	rm -rf $(VENV) build site *.egg-info .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) build site *.egg-info .pytest_cache .ruff_cache .hypothesis .mypy_cache
 
 # The documentation site, into site/ (open site/index.html; no network needed to read it).
 # The first build fetches the pinned KaTeX package with npm into build/katex/.
