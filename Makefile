@@ -14,12 +14,14 @@ export NO_MKDOCS_2_WARNING ?= 1
 # The code folders (each holds a py.typed) and the list of their files. Strict editable mode
 # links each file into build/__editable__.*/attnspec/, a plain tree that type checkers and IDEs
 # follow; a file added or removed later needs a re-install, so the list is a prerequisite of the
-# install and is rewritten only when it changes (editing a file re-installs nothing).
+# install and is rewritten only when it changes (editing a file re-installs nothing), or when the
+# links are gone (rm -rf build).
 PACKAGE_DIRS := $(patsubst %/py.typed,%,$(wildcard */py.typed))
 FILE_LIST    := $(VENV)/.attnspec-files
 
 $(FILE_LIST): FORCE
 	@mkdir -p $(VENV)
+	@ls -d build/__editable__.* >/dev/null 2>&1 || rm -f $@
 	@find $(PACKAGE_DIRS) -name __pycache__ -prune -o -type f -print | LC_ALL=C sort > $@.new
 	@if cmp -s $@.new $@; then rm $@.new; else mv $@.new $@; fi
 
