@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -208,7 +209,17 @@ class FPAPenalty:
         return Tile(i0, i1, penalty, backward)
 
     def _off_diagonal(
-        self, j0, j1, m, A, A_mid, B, argA, argB, mid, argmid
+        self,
+        j0: int,
+        j1: int,
+        m: Tensor,
+        A: Tensor,
+        A_mid: Tensor,
+        B: Tensor,
+        argA: Tensor,
+        argB: Tensor,
+        mid: Tensor,
+        argmid: Tensor,
     ) -> Callable[[Tensor], None]:
         level = self.level[:, None, j0:j1]
 
@@ -271,8 +282,15 @@ class FoXBias:
 # Attention over the tiles of one sequence batch: (F3)-(F5) forward, (G1) and (G4) backward
 
 
+class Penalty(Protocol):
+    """What :func:`attend` needs of a penalty: its tiles for a query block, the diagonal
+    tile first, then the key blocks to its left."""
+
+    def tiles(self, i0: int, i1: int) -> Iterator[Tile]: ...
+
+
 def attend(
-    q: Tensor, k: Tensor, v: Tensor, scale: float, bias, block: int
+    q: Tensor, k: Tensor, v: Tensor, scale: float, bias: Penalty, block: int
 ) -> tuple[Tensor, Tensor]:
     """Causal softmax attention with a tiled additive penalty, online over the key tiles.
 
@@ -291,21 +309,22 @@ def attend(
     for i0 in range(0, T, block):
         i1 = min(T, i0 + block)
         qi = q[:, i0:i1]
-        top = total = acc = None
-        for tile in bias.tiles(i0, i1):
+        tiles = bias.tiles(i0, i1)
+        diagonal = next(tiles)  # every row has a finite logit there: the running max is finite
+        keys = slice(diagonal.j0, diagonal.j1)
+        s = torch.baddbmm(diagonal.penalty, qi, k[:, keys].transpose(1, 2), beta=-1, alpha=scale)
+        top = s.amax(dim=2)  # (F3), then (F4) online over the tiles
+        p = s.sub_(top[:, :, None]).exp_()
+        total, acc = p.sum(dim=2), torch.bmm(p, v[:, keys])
+        for tile in tiles:
             kj, vj = k[:, tile.j0 : tile.j1], v[:, tile.j0 : tile.j1]
-            s = torch.baddbmm(tile.penalty, qi, kj.transpose(1, 2), beta=-1, alpha=scale)  # (F3)
-            if top is None:  # the diagonal tile comes first: every row has a finite logit
-                top = s.amax(dim=2)
-                p = s.sub_(top[:, :, None]).exp_()
-                total, acc = p.sum(dim=2), torch.bmm(p, vj)
-            else:
-                new_top = torch.maximum(top, s.amax(dim=2))
-                rescale = torch.exp(top - new_top)
-                p = s.sub_(new_top[:, :, None]).exp_()
-                total = total * rescale + p.sum(dim=2)
-                acc = torch.baddbmm(acc * rescale[:, :, None], p, vj)
-                top = new_top
+            s = torch.baddbmm(tile.penalty, qi, kj.transpose(1, 2), beta=-1, alpha=scale)
+            new_top = torch.maximum(top, s.amax(dim=2))
+            rescale = torch.exp(top - new_top)
+            p = s.sub_(new_top[:, :, None]).exp_()
+            total = total * rescale + p.sum(dim=2)
+            acc = torch.baddbmm(acc * rescale[:, :, None], p, vj)
+            top = new_top
         o[:, i0:i1] = acc / total[:, :, None]  # (F4)-(F5)
         lse[:, i0:i1] = top + torch.log(total)
     return o, lse
@@ -320,7 +339,7 @@ def attend_backward(
     do: Tensor,
     dlse: Tensor | None,
     scale: float,
-    bias,
+    bias: Penalty,
     block: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(G1) with (G4): dq, dk, dv of :func:`attend`; the tiles' ``backward`` receive
