@@ -1,0 +1,229 @@
+"""GPU check, S4D section: the chunked ``interdomain_s4d`` Triton kernels against
+flash-linear-attention's ``chunk_gla`` at the same real state size (GLA key dim K = 2M).
+
+Order: a reference-matching check first (float32 and bfloat16 against the float64 reference,
+outputs and every gradient, the kit's tolerances), then timings with ``triton.testing.do_bench``
+(median of quantiles 0.5/0.2/0.8, warmup 25 ms, rep 100 ms; inputs prepared outside the timed
+region): forward and forward+backward at T in {2048, 8192, 32768}, M = 64, R = 64,
+dv in {64, 128}, bf16. Printed: ms, tokens/s, the ratio to chunk_gla and time(32K)/time(8K).
+Goals (issue 11): forward+backward within 2x of chunk_gla, time(32K)/time(8K) <= 4.4.
+
+Run from the repository root: ``python -m bench.gpu_s4d`` or ``python bench/gpu_s4d.py``;
+``--dry-run`` runs the same steps on CPU under the Triton interpreter at tiny shapes, with fla's
+naive recurrent GLA standing in for chunk_gla (which needs a GPU) and wall-clock timing.
+Exit status 1 when the reference check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+if __package__ in (None, ""):  # run as a file: make the repository root importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+GPU_SHAPES = dict(B=1, H=16, R=64, M=64, Ts=(2048, 8192, 32768), dvs=(64, 128))
+DRY_SHAPES = dict(B=1, H=1, R=16, M=16, Ts=(32, 64, 128), dvs=(16,))
+
+
+def _inputs(torch, B, T, H, R, V, M, dtype, device, seed=0):
+    """S4D inputs at initialisation-like scales: |Lambda| = exp(-dt/2), dt in [1e-3, 1e-1]."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    fq, kt = (torch.randn(B, T, H, R, generator=g) / R**0.5 for _ in range(2))
+    vt = torch.randn(B, T, H, V, generator=g)
+    dt = torch.exp(torch.empty(H, 1).uniform_(-6.9, -2.3, generator=g))
+    n = torch.arange(M, dtype=torch.float64)
+    a = torch.complex(-0.5 * torch.ones(H, M), (2 * M / torch.pi) * (2 * M / (2 * n + 1) - 1))
+    lam = torch.exp(dt * a.to(torch.complex64))
+    b = torch.complex(torch.ones(H, M), torch.zeros(H, M))
+    c = torch.complex(*(torch.randn(2, H, M, M, generator=g) / (2 * M) ** 0.5))
+    do = torch.randn(B, T, H, V, generator=g)
+    feats = [x.to(device=device, dtype=dtype) for x in (fq, kt, vt, do)]
+    params = [torch.view_as_real(x).float().contiguous().to(device) for x in (lam, b, c)]
+    return feats, params
+
+
+def reference_check(torch, ti, device, T: int) -> bool:
+    """Outputs and gradients against the float64 reference, both readouts, two dtypes."""
+    import numpy as np
+
+    from attnspec.conformance.tolerances import round_to, tolerance
+    from attnspec.reference import interdomain as ref
+
+    ok = True
+    B, H, R, V, M = 1, 2, 16, 24, 16
+    for dtype in (torch.float32, torch.bfloat16):
+        name = str(dtype).removeprefix("torch.")
+        for readout in ("linear", "ratio"):
+            (fq, kt, vt, do), (lam, b, c) = _inputs(torch, B, T, H, R, V, M, dtype, device, 1)
+            if readout == "ratio":  # positive features, C near I: the denominator stays away from 0
+                fq, kt = fq.abs() + 0.1, kt.abs() + 0.1
+                c = (
+                    0.1 * c
+                    + torch.eye(M, device=device)[..., None]
+                    * torch.tensor([1.0, 0.0], device=device)
+                ).contiguous()
+            args = (fq, kt, vt, lam, b, c, readout, None, None)
+            o, _ = ti.s4d_fwd(*args)
+            grads = ti.s4d_bwd(*args, do, None)
+            np_ = lambda x: np.swapaxes(x.double().cpu().numpy(), 1, 2)  # noqa: E731
+            cx = lambda x: torch.view_as_complex(x.double().cpu()).numpy()  # noqa: E731
+            want_o = ref.interdomain_s4d(
+                np_(fq), np_(kt), np_(vt), cx(lam), cx(b), cx(c), readout=readout
+            )
+            want = ref.interdomain_s4d_vjp(
+                np_(fq),
+                np_(kt),
+                np_(vt),
+                cx(lam),
+                cx(b),
+                cx(c),
+                round_to(np_(do), name),
+                readout=readout,
+            )
+            errors = {"o": _rel(np_(o), want_o)}
+            for key, x in zip(("dfq", "dkt", "dvt"), grads[:3], strict=True):
+                errors[key] = _rel(np_(x), getattr(want, key))
+            for key, x in zip(("dlam", "db", "dc"), grads[3:6], strict=True):
+                errors[key] = _rel(cx(x), getattr(want, key))
+            tol_o = tolerance("interdomain_s4d", name, "output")
+            tol_g = tolerance("interdomain_s4d", name, "gradient")
+            passed = errors["o"] < tol_o and all(e < tol_g for k, e in errors.items() if k != "o")
+            ok &= passed
+            errs = ", ".join(f"{k} {e:.1e}" for k, e in errors.items())
+            verdict = "pass" if passed else "FAIL"
+            print(f"  check {name:<8} {readout:<6} T={T} M={M}: {verdict} ({errs})")
+    return ok
+
+
+def _rel(x, want) -> float:
+    import numpy as np
+
+    return float(np.linalg.norm(x - want) / max(np.linalg.norm(want), 1e-300))
+
+
+def _timer(torch, dry: bool):
+    if dry:
+
+        def wall(fn):
+            t0 = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t0) * 1e3
+
+        return wall
+    from triton.testing import do_bench
+
+    return lambda fn: do_bench(fn, warmup=25, rep=100, quantiles=[0.5, 0.2, 0.8])[0]
+
+
+def _gla_peer(torch, dry: bool):
+    """(name, fn(q, k, v, g) -> o) for the peer."""
+    if dry:
+        from fla.ops.gla.naive import naive_recurrent_gla
+
+        return "naive_recurrent_gla (dry-run stand-in)", lambda q, k, v, g: naive_recurrent_gla(
+            q, k, v, g
+        )[0]
+    from fla.ops.gla import chunk_gla
+
+    return "chunk_gla", lambda q, k, v, g: chunk_gla(q, k, v, g)[0]
+
+
+def _time_config(torch, ti, bench, peer, B, T, H, R, V, M, dtype, device):
+    """(ours fwd, peer fwd, ours fwd+bwd, peer fwd+bwd) in ms for one shape."""
+    import torch.nn.functional as F
+
+    (fq, kt, vt, do), (lam, b, c) = _inputs(torch, B, T, H, R, V, M, dtype, device)
+    args = (fq, kt, vt, lam, b, c, "linear", None, None)
+    q, k = (torch.randn(B, T, H, 2 * M, device=device, dtype=dtype) for _ in range(2))
+    g = F.logsigmoid(torch.randn(B, T, H, 2 * M, device=device)).div(16)
+    leaves = [x.clone().requires_grad_() for x in (q, k, vt)]
+
+    def ours_fwdbwd():
+        ti.s4d_fwd(*args)
+        ti.s4d_bwd(*args, do, None)
+
+    def peer_fwdbwd():
+        peer(*leaves, g).backward(do)
+
+    with torch.no_grad():
+        t_fwd = bench(lambda: ti.s4d_fwd(*args))
+        p_fwd = bench(lambda: peer(q, k, vt, g))
+    return t_fwd, p_fwd, bench(ours_fwdbwd), bench(peer_fwdbwd)
+
+
+def timings(torch, ti, device, shapes, dry: bool) -> list[dict]:
+    bench = _timer(torch, dry)
+    peer_name, peer = _gla_peer(torch, dry)
+    dtype = torch.float32 if dry else torch.bfloat16
+    B, H, R, M = shapes["B"], shapes["H"], shapes["R"], shapes["M"]
+    rows = []
+    print(f"  peer: {peer_name}, K = 2M = {2 * M}; ours: M = {M} complex modes, R = {R}")
+    for V in shapes["dvs"]:
+        for T in shapes["Ts"]:
+            t_fwd, p_fwd, t_fb, p_fb = _time_config(
+                torch, ti, bench, peer, B, T, H, R, V, M, dtype, device
+            )
+            for mode, t, p in (("fwd", t_fwd, p_fwd), ("fwd+bwd", t_fb, p_fb)):
+                rows.append(dict(T=T, dv=V, mode=mode, ms=t, peer_ms=p, tok_s=B * T / (t * 1e-3)))
+                print(
+                    f"  T={T:>6} dv={V:>4} {mode:<8} ours {t:9.3f} ms  peer {p:9.3f} ms  "
+                    f"ratio {t / p:6.2f}  {B * T / (t * 1e-3):12.4g} tokens/s"
+                )
+    return rows
+
+
+def summary(rows: list[dict], Ts) -> None:
+    """The short table: ratio to the peer and time(T_max)/time(T_prev) per (dv, mode)."""
+    big, prev = Ts[-1], Ts[-2]
+    print(f"\nS4D summary (bf16 on GPU): ratio = ours / peer; linearity = t({big}) / t({prev})")
+    print(f"{'dv':>4} {'mode':<8} {'ratio@' + str(big):>12} {'linearity':>10} {'peer lin.':>10}")
+    for dv in sorted({r["dv"] for r in rows}):
+        for mode in ("fwd", "fwd+bwd"):
+            sel = {r["T"]: r for r in rows if r["dv"] == dv and r["mode"] == mode}
+            lin = sel[big]["ms"] / sel[prev]["ms"]
+            peer_lin = sel[big]["peer_ms"] / sel[prev]["peer_ms"]
+            ratio = sel[big]["ms"] / sel[big]["peer_ms"]
+            print(f"{dv:>4} {mode:<8} {ratio:>12.2f} {lin:>10.2f} {peer_lin:>10.2f}")
+    print("goals: fwd+bwd ratio <= 2.0; linearity <= 4.4 for T 8K -> 32K")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--dry-run", action="store_true", help="CPU, Triton interpreter, tiny shapes"
+    )
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+    import torch
+    import triton
+
+    from attnspec.backends.torch import triton_interdomain as ti
+
+    dry = args.dry_run
+    if not dry and not torch.cuda.is_available():
+        print("gpu_s4d: no CUDA device; use --dry-run on CPU", file=sys.stderr)
+        return 2
+    device = "cpu" if dry else "cuda"
+    name = "CPU (Triton interpreter)" if dry else torch.cuda.get_device_name()
+    import fla
+
+    print(
+        f"== S4D section: {name}; torch {torch.__version__}, triton {triton.__version__}, "
+        f"fla {getattr(fla, '__version__', '?')}, CUDA {torch.version.cuda}"
+    )
+    print("reference check (float64 reference, kit tolerances):")
+    if not reference_check(torch, ti, device, T=70 if dry else 300):
+        print("S4D: reference check FAILED; timings skipped")
+        return 1
+    shapes = DRY_SHAPES if dry else GPU_SHAPES
+    rows = timings(torch, ti, device, shapes, dry)
+    summary(rows, shapes["Ts"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
