@@ -499,3 +499,28 @@ def test_legs_bad_input_names_the_argument(change, match):
     change(args)
     with pytest.raises(ValueError, match=match):
         ti.legs_fwd(*args)
+
+
+# --------------------------------------------------------------------------------------------
+# The GPU check's S4D section, dry run
+
+
+def test_gpu_s4d_dry_run():
+    """``python -m bench.gpu_s4d --dry-run``: the reference check passes and the table prints
+    (CPU, interpreter, tiny shapes; the GPU check runs the same code at full size)."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run(
+        [sys.executable, "-m", "bench.gpu_s4d", "--dry-run"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.count(": pass (") == 4 and "FAIL" not in run.stdout
+    assert "S4D summary" in run.stdout and "fwd+bwd" in run.stdout
