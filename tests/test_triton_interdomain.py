@@ -155,7 +155,7 @@ def test_s4d_matches_reference(T, M, mag, R, V, readout, blocks, B, H):
 def test_s4d_lambda_zero_mode_stays_finite():
     """Lambda = 0 in one mode: 0^0 = 1 and no power with a negative exponent (no NaN)."""
     case, do = s4d_case(3, T=40, M=4, mag=0.05, zero_mode=True)
-    check_s4d(case, do, "linear", "float64", (32, 16, False))
+    check_s4d(case, do, "linear", "float64")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
@@ -180,7 +180,7 @@ def test_s4d_long_memory_does_not_drift():
 def test_s4d_varlen_with_a_length_one_segment():
     """cu_seqlens: each segment is an independent sequence (the reference run per segment)."""
     cu = [0, 1, 19, 45, 46]
-    case, do = s4d_case(5, B=1, H=2, T=cu[-1], R=4, V=3, M=8, mag=0.9, readout="ratio")
+    case, do = s4d_case(5, B=1, H=1, T=cu[-1], R=4, V=3, M=8, mag=0.9, readout="ratio")
     args = (
         *(to_torch(case[k]) for k in ("fq", "kt", "vt")),
         *(pair(case[k]) for k in ("lam", "b", "c")),
@@ -195,7 +195,7 @@ def test_s4d_varlen_with_a_length_one_segment():
     for a, e in itertools.pairwise(cu):
         seg = {k: (v[:, :, a:e] if v.ndim == 4 else v) for k, v in case.items()}
         want["o"].append(ref.interdomain_s4d(**seg, readout="ratio"))
-        z = np.concatenate([seg["kt"], seg["vt"], np.ones((1, 2, e - a, 1))], axis=-1)
+        z = np.concatenate([seg["kt"], seg["vt"], np.ones((1, 1, e - a, 1))], axis=-1)
         want["final"].append(ref.s4d_states(z, seg["lam"], seg["b"])[:, :, -1])
         gw = ref.interdomain_s4d_vjp(*seg.values(), do[:, :, a:e], readout="ratio")
         for name in ("dfq", "dkt", "dvt", "dlam", "db", "dc"):
@@ -230,7 +230,7 @@ def literal_s4d(fq, kt, vt, lam, b, c, h0, readout):
 def test_s4d_initial_and_final_state_against_a_literal_loop(readout):
     """initial_state in, final state out, and their gradients (with a final-state cotangent),
     against autograd through a literal complex128 recurrence."""
-    case, do = s4d_case(13, B=2, H=2, T=21, R=3, V=4, M=5, mag=0.9, readout=readout)
+    case, do = s4d_case(13, B=2, H=2, T=18, R=3, V=4, M=5, mag=0.9, readout=readout)
     rng = np.random.default_rng(14)
     C = 3 + 4 + (readout == "ratio")
     h0 = 0.3 * (rng.standard_normal((2, 2, 5, C)) + 1j * rng.standard_normal((2, 2, 5, C)))

@@ -33,9 +33,14 @@ exactly (I6): den_n = p_n[0]. Diagonalising A is no alternative: the condition n
 eigenvector matrix is 8e10 at M = 16, 1e23 at M = 32 and 3e47 at M = 64 (computed exactly in
 the tests).
 
+Decode: :func:`s4d_step` and :func:`legs_step` advance a fixed-size state by one token (the
+LegS state carries the token count n, since E_n depends on it).
+
 Precision: inputs in their dtype (bf16 / fp16 / fp32 / fp64), converted right after loading;
-states, tables and accumulation in float32 (float64 for float64 inputs). Deterministic: no
-atomics; partial sums are reduced on the host side of the launcher in a fixed order.
+states, tables and accumulation in float32 (float64 for float64 inputs); tl.dot in 3xTF32 for
+float32 inputs, TF32 for half inputs. Deterministic: no atomics; per-program partial sums are
+reduced by the launcher in a fixed order. Tile sizes: :class:`Blocks`, per device, overridable
+with :func:`block_sizes`.
 """
 
 from __future__ import annotations
@@ -54,6 +59,19 @@ import triton.language as tl
 from attnspec.reference import hippo
 
 from . import dispatch
+
+__all__ = [
+    "Blocks",
+    "LegsState",
+    "block_sizes",
+    "legs_bwd",
+    "legs_chunk_tables",
+    "legs_fwd",
+    "legs_step",
+    "s4d_bwd",
+    "s4d_fwd",
+    "s4d_step",
+]
 
 # --------------------------------------------------------------------------------------------
 # Block sizes
@@ -955,7 +973,7 @@ class _S4DPlan(NamedTuple):
 
 
 def _s4d_plan(fq, kt, vt, lam, b, c, readout, cu_seqlens, initial_state) -> _S4DPlan:
-    _check_inputs(("fq", "kt", "vt"), (fq, kt, vt), (None, fq.shape[-1], None))
+    _check_inputs(("fq", "kt", "vt"), (fq, kt, vt), (None, fq.shape[-1] if fq.ndim else 0, None))
     if readout not in ("linear", "ratio"):
         raise ValueError(f"readout: expected 'linear' or 'ratio', got {readout!r}")
     _, _, H, R = fq.shape
@@ -1529,7 +1547,7 @@ class _LegsPlan(NamedTuple):
 
 
 def _legs_plan(fq, fk, v, M, cu_seqlens) -> _LegsPlan:
-    _check_inputs(("fq", "fk", "v"), (fq, fk, v), (None, fq.shape[-1], None))
+    _check_inputs(("fq", "fk", "v"), (fq, fk, v), (None, fq.shape[-1] if fq.ndim else 0, None))
     if isinstance(M, bool) or not isinstance(M, int) or M < 1:
         raise ValueError(f"M: expected a positive int, got {M!r}")
     _, _, H, R = fq.shape
