@@ -17,6 +17,7 @@ Exit status 1 when the reference check fails.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -125,45 +126,56 @@ def _timer(torch, dry: bool):
     return lambda fn: do_bench(fn, warmup=25, rep=100, quantiles=[0.5, 0.2, 0.8])[0]
 
 
-def _gla_peer(torch, dry: bool):
-    """(name, fn(q, k, v, g) -> o) for the peer."""
-    if dry:
-        from fla.ops.gla.naive import naive_recurrent_gla
+def _gla_peer(dry: bool):
+    """(description, fn(q, k, v, g) -> o or None when flash-linear-attention is missing)."""
+    try:
+        if dry:
+            from fla.ops.gla.naive import naive_recurrent_gla as gla
 
-        return "naive_recurrent_gla (dry-run stand-in)", lambda q, k, v, g: naive_recurrent_gla(
-            q, k, v, g
-        )[0]
-    from fla.ops.gla import chunk_gla
+            name = "naive_recurrent_gla (dry-run stand-in)"
+        else:
+            from fla.ops.gla import chunk_gla as gla
 
-    return "chunk_gla", lambda q, k, v, g: chunk_gla(q, k, v, g)[0]
+            name = "chunk_gla"
+    except ImportError as exc:
+        return f"none: flash-linear-attention not importable ({exc})", None
+    import fla
+
+    return f"fla {getattr(fla, '__version__', '?')} {name}", lambda q, k, v, g: gla(q, k, v, g)[0]
 
 
 def _time_config(torch, ti, bench, peer, B, T, H, R, V, M, dtype, device):
-    """(ours fwd, peer fwd, ours fwd+bwd, peer fwd+bwd) in ms for one shape."""
+    """(ours fwd, peer fwd, ours fwd+bwd, peer fwd+bwd) in ms for one shape (peer: nan
+    without one)."""
     import torch.nn.functional as F
 
     (fq, kt, vt, do), (lam, b, c) = _inputs(torch, B, T, H, R, V, M, dtype, device)
     args = (fq, kt, vt, lam, b, c, "linear", None, None)
-    q, k = (torch.randn(B, T, H, 2 * M, device=device, dtype=dtype) for _ in range(2))
-    g = F.logsigmoid(torch.randn(B, T, H, 2 * M, device=device)).div(16)
-    leaves = [x.clone().requires_grad_() for x in (q, k, vt)]
 
     def ours_fwdbwd():
         ti.s4d_fwd(*args)
         ti.s4d_bwd(*args, do, None)
 
+    with torch.no_grad():
+        t_fwd = bench(lambda: ti.s4d_fwd(*args))
+    t_fb = bench(ours_fwdbwd)
+    if peer is None:
+        return t_fwd, math.nan, t_fb, math.nan
+    q, k = (torch.randn(B, T, H, 2 * M, device=device, dtype=dtype) for _ in range(2))
+    g = F.logsigmoid(torch.randn(B, T, H, 2 * M, device=device)).div(16)
+    leaves = [x.clone().requires_grad_() for x in (q, k, vt)]
+
     def peer_fwdbwd():
         peer(*leaves, g).backward(do)
 
     with torch.no_grad():
-        t_fwd = bench(lambda: ti.s4d_fwd(*args))
         p_fwd = bench(lambda: peer(q, k, vt, g))
-    return t_fwd, p_fwd, bench(ours_fwdbwd), bench(peer_fwdbwd)
+    return t_fwd, p_fwd, t_fb, bench(peer_fwdbwd)
 
 
 def timings(torch, ti, device, shapes, dry: bool) -> list[dict]:
     bench = _timer(torch, dry)
-    peer_name, peer = _gla_peer(torch, dry)
+    peer_name, peer = _gla_peer(dry)
     dtype = torch.float32 if dry else torch.bfloat16
     B, H, R, M = shapes["B"], shapes["H"], shapes["R"], shapes["M"]
     rows = []
@@ -216,11 +228,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     device = "cpu" if dry else "cuda"
     name = "CPU (Triton interpreter)" if dry else torch.cuda.get_device_name()
-    import fla
-
     print(
         f"== S4D section: {name}; torch {torch.__version__}, triton {triton.__version__}, "
-        f"fla {getattr(fla, '__version__', '?')}, CUDA {torch.version.cuda}"
+        f"CUDA {torch.version.cuda}"
     )
     print("reference check (float64 reference, kit tolerances):")
     if not reference_check(torch, ti, device, T=40 if dry else 300):
