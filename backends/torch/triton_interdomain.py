@@ -84,29 +84,36 @@ class Blocks:
 
     ``diag_loop`` walks the pairs inside a sub-chunk token by token with [BS, M] tiles, as
     on a GPU; the interpreter default uses whole-chunk sub-chunks and [BS, BS, M] tiles, which
-    cost it far fewer operations."""
+    cost it far fewer operations. ``channels``: state channels per state-pass program (at most;
+    a power of two >= 16). On sm_90 (compiled on CPU for a GPUTarget, M = 64, R = 64, dv = 128,
+    bf16) 8 warps keep the output-pass kernels free of register spills but for ~800 bytes per
+    thread in the backward, and 32 channels keep the state passes free of them."""
 
     chunk: int = 64
     sub_chunk: int = 16
-    num_warps: int = 4
+    num_warps: int = 8
     diag_loop: bool = True  # pairs inside a sub-chunk token by token (else as [BS, BS, M] tiles)
+    channels: int = 32
 
 
-# Per device capability; anything else (and the CPU interpreter) takes the default.
-DEVICE_BLOCKS = {(9, 0): Blocks(64, 16, 4), (8, 0): Blocks(64, 16, 4)}
-INTERPRETER_BLOCKS = Blocks(64, 64, 4, diag_loop=False)
+# Per device capability; anything else takes the default. The interpreter counts operations,
+# not registers: whole chunks per program and wide channel blocks run fastest there.
+DEVICE_BLOCKS = {(9, 0): Blocks(), (8, 0): Blocks()}
+INTERPRETER_BLOCKS = Blocks(64, 64, 4, diag_loop=False, channels=64)
 _override: list[Blocks] = []
 
 
 @contextmanager
-def block_sizes(chunk: int, sub_chunk: int, diag_loop: bool = True, num_warps: int = 4):
+def block_sizes(
+    chunk: int, sub_chunk: int, diag_loop: bool = True, num_warps: int = 4, channels: int = 64
+):
     """Force the tile sizes inside the block (tests use small chunks in the interpreter)."""
     for name, value in (("chunk", chunk), ("sub_chunk", sub_chunk)):
         if value < 1 or value & (value - 1):
             raise ValueError(f"{name}: expected a power of two, got {value}")
     if sub_chunk > chunk:
         raise ValueError(f"sub_chunk: expected at most chunk = {chunk}, got {sub_chunk}")
-    _override.append(Blocks(chunk, sub_chunk, num_warps, diag_loop))
+    _override.append(Blocks(chunk, sub_chunk, num_warps, diag_loop, channels))
     try:
         yield
     finally:
@@ -141,12 +148,14 @@ class Layout(NamedTuple):
     """Flat token axis split into sequences, chunks and sub-chunks.
 
     cu: (N + 1,) int32 sequence offsets; chunk_offsets: (N + 1,) int32 first global chunk of each
-    sequence; sub_info: (NS, 5) int32 rows (chunk start token, chunk end token, global chunk,
-    sub-chunk index, position of the chunk start in its sequence) for every output program.
+    sequence; chunk_info: (n_chunks, 2) int32 (start token, end token) of every chunk;
+    sub_info: (NS, 5) int32 rows (chunk start token, chunk end token, global chunk, sub-chunk
+    index, position of the chunk start in its sequence) for every output program.
     """
 
     cu: torch.Tensor
     chunk_offsets: torch.Tensor
+    chunk_info: torch.Tensor
     sub_info: torch.Tensor
     N: int
     n_chunks: int
@@ -169,13 +178,14 @@ def _layout(cu_list: list[int], chunk: int, sub_chunk: int, device) -> Layout:
 
 
 def _build_layout(cu_list: list[int], chunk: int, sub_chunk: int, device) -> Layout:
-    offsets, info = [0], []
+    offsets, chunks, info = [0], [], []
     for n in range(len(cu_list) - 1):
         bos, eos = cu_list[n], cu_list[n + 1]
         for k in range(-(-(eos - bos) // chunk)):
             t0 = bos + k * chunk
             t1 = min(t0 + chunk, eos)
             g = offsets[-1] + k
+            chunks.append((t0, t1))
             info.extend((t0, t1, g, i, t0 - bos) for i in range(-(-(t1 - t0) // sub_chunk)))
         offsets.append(offsets[-1] + -(-(eos - bos) // chunk))
     to = functools.partial(torch.tensor, dtype=torch.int32, device=device)
@@ -183,6 +193,7 @@ def _build_layout(cu_list: list[int], chunk: int, sub_chunk: int, device) -> Lay
     return Layout(
         to(cu_list),
         to(offsets),
+        to(chunks).reshape(-1, 2),
         to(info).reshape(-1, 5),
         len(cu_list) - 1,
         offsets[-1],
@@ -783,8 +794,8 @@ def _s4d_bwd_modes(
 
 @triton.jit
 def _s4d_reverse_state_pass(
-    fq, dnum, dden, kt, vt, b, pw, dpw, states, qe_buf, gp_buf, dht, dstates, dh0,
-    glam_part, gb_part, cu, chunk_offsets, H, R, V, CV, M, C, NKB,
+    fq, dnum, dden, qe_buf, gp_buf, pw, dht, dstates, dh0, cu, chunk_offsets,
+    H, R, V, CV, M, C, NKB,
     BT: tl.constexpr, BC: tl.constexpr, BM: tl.constexpr, TAB: tl.constexpr,
     RATIO: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, ACC: tl.constexpr,
     PREC: tl.constexpr,
@@ -792,14 +803,13 @@ def _s4d_reverse_state_pass(
     """The adjoint state, chunk by chunk from the last: store D_k (the adjoint entering the
     last token of chunk k from later tokens), then D_{k-1} = conj(Lambda)^L D_k +
     sum_s conj(Lambda)^(s-t0+1) q_s zq_s^T, with (q, zq) = (g(p), fq) on key channels and
-    (qe, [dnum, dden]) on value channels. Adds the parts of g(Lambda) and g(b) that pair a
-    chunk's start state or D_k with the chunk. Grid as the forward state pass."""
+    (qe, [dnum, dden]) on value channels; D_{-1} is the gradient of the initial state.
+    Grid as the forward state pass."""
     i_c, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos = tl.load(cu + i_n), tl.load(cu + i_n + 1)
     g0 = tl.load(chunk_offsets + i_n)
     o_m = tl.arange(0, BM)
-    m_m = o_m < M
     o_c = tl.arange(0, BC)
     o_t = tl.arange(0, BT)
     if i_c < NKB:
@@ -811,21 +821,14 @@ def _s4d_reverse_state_pass(
         c_st = R + c_loc
         m_c = c_loc < CV
     p_hm = (o_m[:, None] * C + c_st[None, :]) * 2
-    m_hm = m_m[:, None] & m_c[None, :]
-    b_re = tl.load(b + (i_h * M + o_m) * 2, mask=m_m, other=0.0).to(ACC)
-    b_im = tl.load(b + (i_h * M + o_m) * 2 + 1, mask=m_m, other=0.0).to(ACC)
+    m_hm = (o_m < M)[:, None] & m_c[None, :]
     pw_h = pw + i_h * 2 * TAB
-    dpw_h = dpw + i_h * 2 * TAB
     d_re = tl.zeros([BM, BC], dtype=ACC)
     d_im = tl.zeros([BM, BC], dtype=ACC)
     if USE_DHT:
         p_dht = dht + i_nh.to(tl.int64) * M * C * 2 + p_hm
         d_re = tl.load(p_dht, mask=m_hm, other=0.0).to(ACC)
         d_im = tl.load(p_dht + 1, mask=m_hm, other=0.0).to(ACC)
-    gl_re = tl.zeros([BM], dtype=ACC)
-    gl_im = tl.zeros([BM], dtype=ACC)
-    gb_re = tl.zeros([BM], dtype=ACC)
-    gb_im = tl.zeros([BM], dtype=ACC)
     NT = tl.cdiv(eos - bos, BT)
     for kk in range(0, NT):
         k = NT - 1 - kk
@@ -834,50 +837,19 @@ def _s4d_reverse_state_pass(
         off = ((g0 + k) * H + i_h).to(tl.int64) * M * C * 2 + p_hm
         tl.store(dstates + off, d_re, mask=m_hm)
         tl.store(dstates + off + 1, d_im, mask=m_hm)
-        s_re = tl.load(states + off, mask=m_hm, other=0.0)
-        s_im = tl.load(states + off + 1, mask=m_hm, other=0.0)
-        # The start state and D: sum over the chunk of conj(Lambda^(t-t0)) conj(Lambda)^(e-t)
-        # <S0, D> = conj(L Lambda^(L-1)) <S0, D>.
-        w_re, w_im = _pow_at(dpw_h, L, o_m, TAB, BM)
-        c_re = tl.sum(s_re * d_re + s_im * d_im, axis=1)
-        c_im = tl.sum(s_re * d_im - s_im * d_re, axis=1)
-        gl_re += w_re * c_re + w_im * c_im
-        gl_im += w_re * c_im - w_im * c_re
         tok = t0 + o_t
         m_t = o_t < L
         if i_c < NKB:
-            z = _rows(kt, tok, i_h, H, R, c_loc, m_t, ACC)
             zq = _rows(fq, tok, i_h, H, R, c_loc, m_t, ACC)
             q_re, q_im = _modes_rows(gp_buf, tok, i_h, H, m_t, BM)
         else:
-            z = _rows(vt, tok, i_h, H, V, c_loc, m_t, ACC)
             zq = _rows(dnum, tok, i_h, H, V, c_loc, m_t, ACC)
             if RATIO:
-                ones = m_t[:, None] & (c_loc == V)[None, :]
-                z = tl.where(ones, 1.0, z)
                 zd = tl.load(dden + tok.to(tl.int64) * H + i_h, mask=m_t, other=0.0)
-                zq = tl.where(ones, zd[:, None], zq)
+                zq = tl.where(m_t[:, None] & (c_loc == V)[None, :], zd[:, None], zq)
             q_re, q_im = _modes_rows(qe_buf, tok, i_h, H, m_t, BM)
-        # g(b) += D conj(sum_u Lambda^(e-u) z_u); g(Lambda) += D conj(b sum_u (e-u)
-        # Lambda^(e-u-1) z_u), summed over the channels.
-        k_u = tl.maximum(L - 1 - o_t, 0)[None, :]
-        w_re, w_im = _pow_at(pw_h, k_u, o_m[:, None], TAB, BM)
-        x_re = tl.dot(w_re, z, input_precision=PREC)
-        x_im = tl.dot(w_im, z, input_precision=PREC)
-        gb_re += tl.sum(d_re * x_re + d_im * x_im, axis=1)
-        gb_im += tl.sum(d_im * x_re - d_re * x_im, axis=1)
-        w_re, w_im = _pow_at(dpw_h, k_u, o_m[:, None], TAB, BM)
-        w_re, w_im = (
-            b_re[:, None] * w_re - b_im[:, None] * w_im,
-            b_re[:, None] * w_im + b_im[:, None] * w_re,
-        )
-        x_re = tl.dot(w_re, z, input_precision=PREC)
-        x_im = tl.dot(w_im, z, input_precision=PREC)
-        gl_re += tl.sum(d_re * x_re + d_im * x_im, axis=1)
-        gl_im += tl.sum(d_im * x_re - d_re * x_im, axis=1)
-        # D_{k-1} = conj(Lambda)^L D_k + sum_s conj(Lambda^(s-t0+1)) q_s zq_s^T
         w_re, w_im = _pow_at(pw_h, (o_t + 1)[:, None], o_m[None, :], TAB, BM)
-        qw_re = q_re * w_re + q_im * w_im
+        qw_re = q_re * w_re + q_im * w_im  # q_s conj(Lambda^(s-t0+1)) [BT, BM]
         qw_im = q_im * w_re - q_re * w_im
         e_re, e_im = _pow_at(pw_h, L, o_m, TAB, BM)
         d_re, d_im = (
@@ -890,7 +862,74 @@ def _s4d_reverse_state_pass(
         p_dh0 = dh0 + i_nh.to(tl.int64) * M * C * 2 + p_hm
         tl.store(p_dh0, d_re, mask=m_hm)
         tl.store(p_dh0 + 1, d_im, mask=m_hm)
-    p_part = (i_c * tl.num_programs(1) + i_nh).to(tl.int64) * 2 * BM + o_m
+
+
+@triton.jit
+def _s4d_chunk_grads(
+    kt, vt, b, pw, dpw, states, dstates, chunk_info, glam_part, gb_part,
+    H, R, V, CV, M, C, NKB,
+    BT: tl.constexpr, BC: tl.constexpr, BM: tl.constexpr, TAB: tl.constexpr,
+    RATIO: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    """The parts of g(b) = sum_t gx_t z_t and g(Lambda) = sum_t <x_{t-1}, gx_t> that pair a
+    chunk with its start state S0 or with D (the adjoint entering its last token e):
+    g(Lambda) += conj(L Lambda^(L-1)) <S0, D> + <b sum_u (e-u) Lambda^(e-u-1) z_u, D>,
+    g(b) += <sum_u Lambda^(e-u) z_u, D> (<x, y> = sum_c conj(x) y). Grid (chunks, channel
+    blocks, H), independent programs."""
+    i_g, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    t0 = tl.load(chunk_info + i_g * 2)
+    L = tl.load(chunk_info + i_g * 2 + 1) - t0
+    o_m = tl.arange(0, BM)
+    m_m = o_m < M
+    o_c = tl.arange(0, BC)
+    o_t = tl.arange(0, BT)
+    if i_c < NKB:
+        c_loc = i_c * BC + o_c
+        c_st = c_loc
+        m_c = c_loc < R
+    else:
+        c_loc = (i_c - NKB) * BC + o_c
+        c_st = R + c_loc
+        m_c = c_loc < CV
+    off = (i_g * H + i_h).to(tl.int64) * M * C * 2 + (o_m[:, None] * C + c_st[None, :]) * 2
+    m_hm = m_m[:, None] & m_c[None, :]
+    s_re = tl.load(states + off, mask=m_hm, other=0.0)
+    s_im = tl.load(states + off + 1, mask=m_hm, other=0.0)
+    d_re = tl.load(dstates + off, mask=m_hm, other=0.0)
+    d_im = tl.load(dstates + off + 1, mask=m_hm, other=0.0)
+    b_re = tl.load(b + (i_h * M + o_m) * 2, mask=m_m, other=0.0).to(ACC)
+    b_im = tl.load(b + (i_h * M + o_m) * 2 + 1, mask=m_m, other=0.0).to(ACC)
+    pw_h = pw + i_h * 2 * TAB
+    dpw_h = dpw + i_h * 2 * TAB
+    w_re, w_im = _pow_at(dpw_h, L, o_m, TAB, BM)  # L Lambda^(L-1)
+    c_re = tl.sum(s_re * d_re + s_im * d_im, axis=1)  # <S0, D>
+    c_im = tl.sum(s_re * d_im - s_im * d_re, axis=1)
+    gl_re = w_re * c_re + w_im * c_im
+    gl_im = w_re * c_im - w_im * c_re
+    tok = t0 + o_t
+    m_t = o_t < L
+    if i_c < NKB:
+        z = _rows(kt, tok, i_h, H, R, c_loc, m_t, ACC)
+    else:
+        z = _rows(vt, tok, i_h, H, V, c_loc, m_t, ACC)
+        if RATIO:
+            z = tl.where(m_t[:, None] & (c_loc == V)[None, :], 1.0, z)
+    k_u = tl.maximum(L - 1 - o_t, 0)[None, :]
+    w_re, w_im = _pow_at(pw_h, k_u, o_m[:, None], TAB, BM)
+    x_re = tl.dot(w_re, z, input_precision=PREC)  # sum_u Lambda^(e-u) z_u [BM, BC]
+    x_im = tl.dot(w_im, z, input_precision=PREC)
+    gb_re = tl.sum(d_re * x_re + d_im * x_im, axis=1)
+    gb_im = tl.sum(d_im * x_re - d_re * x_im, axis=1)
+    w_re, w_im = _pow_at(dpw_h, k_u, o_m[:, None], TAB, BM)
+    x_re = tl.dot(w_re, z, input_precision=PREC)  # sum_u (e-u) Lambda^(e-u-1) z_u
+    x_im = tl.dot(w_im, z, input_precision=PREC)
+    x_re, x_im = (
+        b_re[:, None] * x_re - b_im[:, None] * x_im,
+        b_re[:, None] * x_im + b_im[:, None] * x_re,
+    )
+    gl_re += tl.sum(d_re * x_re + d_im * x_im, axis=1)
+    gl_im += tl.sum(d_im * x_re - d_re * x_im, axis=1)
+    p_part = ((i_g * tl.num_programs(1) + i_c) * H + i_h).to(tl.int64) * 2 * BM + o_m
     tl.store(glam_part + p_part, gl_re)
     tl.store(glam_part + p_part + BM, gl_im)
     tl.store(gb_part + p_part, gb_re)
@@ -994,7 +1033,7 @@ def _s4d_plan(fq, kt, vt, lam, b, c, readout, cu_seqlens, initial_state) -> _S4D
     blocks = _blocks(fq.device)
     layout = _layout(cu, blocks.chunk, blocks.sub_chunk, fq.device)
     BM = _pow2(M)
-    BC = _pow2(min(max(R, CV), 64))
+    BC = _pow2(min(max(R, CV), blocks.channels))
     NKB = triton.cdiv(R, BC)
     pw, dpw = _power_tables(lam, blocks.chunk, BM, acc)
     common = dict(BT=blocks.chunk, BM=BM, TAB=(blocks.chunk + 2) * BM, ACC=ACC, PREC=PREC)
@@ -1123,14 +1162,18 @@ def s4d_bwd(
     )  # fmt: skip
     dstates = torch.empty_like(states)
     dh0 = torch.empty_like(states[: lay.N]) if initial_state is not None else None
-    glam2 = torch.empty(plan.grid_states[0], lay.N, plan.H, 2, BM, dtype=acc, device=dev)
-    gb2 = torch.empty_like(glam2)
     dht = dfinal_state.to(acc).contiguous() if dfinal_state is not None else dstates
     _s4d_reverse_state_pass[plan.grid_states](
-        fq_, dnum, dden, kt_, vt_, plan.b, plan.pw, plan.dpw, states, qe_buf, gp_buf,
-        dht, dstates, dh0 if dh0 is not None else dstates, glam2, gb2,
-        lay.cu, lay.chunk_offsets, plan.H, plan.R, plan.V, plan.CV, plan.M, plan.C, plan.NKB,
+        fq_, dnum, dden, qe_buf, gp_buf, plan.pw, dht, dstates,
+        dh0 if dh0 is not None else dstates, lay.cu, lay.chunk_offsets,
+        plan.H, plan.R, plan.V, plan.CV, plan.M, plan.C, plan.NKB,
         USE_DHT=dfinal_state is not None, STORE_DH0=dh0 is not None, **plan.state_tiles,
+    )  # fmt: skip
+    glam2 = torch.empty(lay.n_chunks, plan.grid_states[0], plan.H, 2, BM, dtype=acc, device=dev)
+    gb2 = torch.empty_like(glam2)
+    _s4d_chunk_grads[(lay.n_chunks, plan.grid_states[0], plan.H)](
+        kt_, vt_, plan.b, plan.pw, plan.dpw, states, dstates, lay.chunk_info, glam2, gb2,
+        plan.H, plan.R, plan.V, plan.CV, plan.M, plan.C, plan.NKB, **plan.state_tiles,
     )  # fmt: skip
     dkt, dvt = torch.empty_like(kt_), torch.empty_like(vt_)
     _s4d_bwd_inputs[plan.grid_sub](
@@ -1557,7 +1600,7 @@ def _legs_plan(fq, fk, v, M, cu_seqlens) -> _LegsPlan:
     blocks = _blocks(fq.device)
     layout = _layout(cu, blocks.chunk, blocks.sub_chunk, fq.device)
     BM = _pow2(M)
-    BC = _pow2(min(max(R, V), 64))
+    BC = _pow2(min(max(R, V), blocks.channels))
     NKB = triton.cdiv(R, BC)
     phi, ktab = _legs_tables(M, blocks.chunk, layout.max_len, BM, acc, fq.device)
     common = dict(BT=blocks.chunk, BM=BM, ACC=ACC, PREC=PREC, num_warps=blocks.num_warps)
