@@ -502,6 +502,56 @@ def test_legs_bad_input_names_the_argument(change, match):
 
 
 # --------------------------------------------------------------------------------------------
+# Against the eager twins (backends/torch/eager_interdomain.py), through the registry
+
+# Importing attnspec.backends.torch (above) registers the eager twins where they exist.
+needs_eager = pytest.mark.skipif(
+    "eager" not in dispatch.implementations("s4d_fwd"),
+    reason="the eager twins (backends/torch/eager_interdomain.py) are not on this branch",
+)
+
+
+@needs_eager
+@pytest.mark.parametrize("readout", ["linear", "ratio"])
+def test_s4d_matches_the_eager_twin(readout):
+    """varlen with a length-1 segment, initial states and a final-state cotangent: the kernels
+    and the eager chunked form agree on every output and gradient."""
+    cu = [0, 1, 30, 50]
+    case, do = s4d_case(31, B=1, H=1, T=50, R=3, V=4, M=6, mag=0.95, readout=readout)
+    rng = np.random.default_rng(32)
+    C = 3 + 4 + (readout == "ratio")
+    h0, dht = (
+        pair(rng.standard_normal((3, 1, 6, C)) + 1j * rng.standard_normal((3, 1, 6, C)))
+        for _ in range(2)
+    )
+    args = (
+        *(to_torch(case[k]) for k in ("fq", "kt", "vt")),
+        *(pair(case[k]) for k in ("lam", "b", "c")),
+        readout,
+        torch.tensor(cu, device=DEVICE),
+        h0,
+    )
+    twin_fwd, twin_bwd = dispatch.lookup("s4d_fwd", "eager"), dispatch.lookup("s4d_bwd", "eager")
+    for got, want in zip(ti.s4d_fwd(*args), twin_fwd(*args), strict=True):
+        assert rel_err(got.cpu(), want.cpu()) < 1e-12
+    got = ti.s4d_bwd(*args, to_torch(do), dht)
+    for x, y in zip(got, twin_bwd(*args, to_torch(do), dht), strict=True):
+        assert rel_err(x.cpu(), y.cpu()) < 1e-12
+
+
+@needs_eager
+def test_legs_matches_the_eager_twin():
+    cu = torch.tensor([0, 33, 34, 60], device=DEVICE)
+    case, do = legs_case(33, B=1, H=1, T=60, R=3, V=5)
+    args = (*(to_torch(case[k]) for k in ("fq", "fk", "v")), 12, cu)
+    o = ti.legs_fwd(*args)
+    assert rel_err(o.cpu(), dispatch.lookup("legs_fwd", "eager")(*args).cpu()) < 1e-12
+    got = ti.legs_bwd(*args, to_torch(do))
+    for x, y in zip(got, dispatch.lookup("legs_bwd", "eager")(*args, to_torch(do)), strict=True):
+        assert rel_err(x.cpu(), y.cpu()) < 1e-12
+
+
+# --------------------------------------------------------------------------------------------
 # The GPU check's S4D section, dry run
 
 
