@@ -9,6 +9,7 @@ Tolerances are the kit's table, keyed by dtype.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 
@@ -95,18 +96,10 @@ def run_s4d(case, do, readout, dtype="float64", blocks=None, backward=True):
         None,
         None,
     )
-    with ti.block_sizes(*blocks) if blocks else _nothing():
+    with ti.block_sizes(*blocks) if blocks else contextlib.nullcontext():
         o, final = ti.s4d_fwd(*args)
         grads = ti.s4d_bwd(*args, to_torch(do, dtype), None) if backward else None
     return o, final, grads
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def check_s4d(case, do, readout, dtype="float64", blocks=None):
@@ -378,7 +371,7 @@ def legs_case(seed, B=1, H=2, T=20, R=4, V=3):
 
 def check_legs(case, do, M, dtype="float64", blocks=None, cu=None):
     args = (*(to_torch(case[k], dtype) for k in ("fq", "fk", "v")), M, cu)
-    with ti.block_sizes(*blocks) if blocks else _nothing():
+    with ti.block_sizes(*blocks) if blocks else contextlib.nullcontext():
         o = ti.legs_fwd(*args)
         g = ti.legs_bwd(*args, to_torch(do, dtype))
     assert o.dtype == DTYPES[dtype] and all(x.dtype == DTYPES[dtype] for x in g)
