@@ -42,6 +42,7 @@ from attnspec.reference import interdomain as idm
 
 B, H, D, M = 1, 2, 64, 64  # batch, heads, head dim (K = V = R), S4D/LegS modes
 REFERENCE_BUDGET = 4 * 2**30  # bytes the reference's intermediates may take
+ROW = "| {:<4} | {:>5} | {:<22} | {:>10} | {:>12} | {:>11} | {:>15} |"
 
 
 def median_time(fn, min_runs: int = 3, min_seconds: float = 1.0) -> float:
@@ -60,7 +61,9 @@ def reference_bytes(op: str, T: int) -> int:
     if op in ("FPA", "FoX"):
         return 12 * B * H * T * T * 8  # (T, T) arrays of the VJP: m, p, G, masks, t*
     C = B * H * (2 * D + 1)
-    return 6 * T * M * C * 16  # states (T, M, C) and their cotangents
+    if op == "LegS":
+        return 5 * T * M * C * 8  # coefficients (T, M, C), readout and their cotangents
+    return 6 * T * M * C * 16  # complex states (T, M, C), C x, and their cotangents
 
 
 # --------------------------------------------------------------------------------------------
@@ -170,18 +173,30 @@ def interdomain_rows(op: str, T: int, gen: torch.Generator):
 # Peak memory of FPA forward+backward at T = 32768, in a child process
 
 
+def peak_rss() -> int:
+    """This process's peak resident set size in bytes: VmHWM of /proc/self/status (reset by
+    exec, unlike ru_maxrss, which a child started from a large parent inherits on Linux)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def peak_memory_child(T: int) -> None:
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, T, 1, 64, generator=gen).requires_grad_() for _ in range(3))
     field = torch.cumsum(torch.randn(1, T, 1, generator=gen), dim=1).requires_grad_()
     level = (field.detach() + torch.randn(1, T, 1, generator=gen)).requires_grad_()
     do = torch.randn(1, T, 1, 64, generator=gen)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    before = peak_rss()
     start = time.perf_counter()
     fpa_attention(q, k, v, field, level).backward(do)
     seconds = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({"before": before, "peak": peak, "seconds": seconds}))
+    print(json.dumps({"before": before, "peak": peak_rss(), "seconds": seconds}))
 
 
 def peak_memory(T: int) -> dict:
@@ -213,7 +228,9 @@ def header() -> str:
     return "\n".join(
         [
             f"date: {datetime.datetime.now().isoformat(timespec='seconds')}",
-            f"machine: {cpu}; torch threads: {torch.get_num_threads()}; load average: {load}",
+            f"machine: {cpu}; torch threads: {torch.get_num_threads()}; OMP_NUM_THREADS="
+            f"{os.environ.get('OMP_NUM_THREADS', '-')}, OPENBLAS_NUM_THREADS="
+            f"{os.environ.get('OPENBLAS_NUM_THREADS', '-')}; load average: {load}",
             f"versions: python {platform.python_version()}, torch {torch.__version__}, numpy "
             f"{np.__version__}, scipy {scipy.__version__}, fla-core {fla_version}",
             f"shapes: B = {B}, H = {H}, K = V = R = {D}, M = {M}; torch float32, reference float64",
@@ -223,8 +240,8 @@ def header() -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 8192])
-    p.add_argument("--ops", nargs="+", default=["FPA", "FoX", "LegS", "S4D"])
+    p.add_argument("--lengths", type=int, nargs="*", default=[512, 2048, 8192])
+    p.add_argument("--ops", nargs="*", default=["FPA", "FoX", "LegS", "S4D"])
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     p.add_argument("--skip-peak-memory", action="store_true")
     p.add_argument("--peak-memory-child", type=int, help=argparse.SUPPRESS)
@@ -261,16 +278,15 @@ def main(argv=None) -> int:
             base = results[op, T, "torch eager"]
             for name, *_ in rows:
                 fwd, both = results[op, T, name]
-                lines.append(
-                    f"| {op:<4} | {T:>5} | {name:<22} | {1e3 * fwd:>10.1f} | {1e3 * both:>12.1f} |"
-                    f" {fwd / base[0]:>8.2f} | {both / base[1]:>11.2f} |"
-                )
+                cells = (op, T, name, f"{1e3 * fwd:.1f}", f"{1e3 * both:.1f}")
+                lines.append(ROW.format(*cells, f"{fwd / base[0]:.2f}", f"{both / base[1]:.2f}"))
     print()
-    print("| op   |     T | implementation         |     fwd ms |  fwd+bwd ms | fwd / torch | "
-          "fwd+bwd / torch |")  # fmt: skip
     print(
-        "|------|------:|------------------------|-----------:|------------:|---------:|------------:|"
+        ROW.format(
+            "op", "T", "implementation", "fwd ms", "fwd+bwd ms", "fwd / torch", "fwd+bwd / torch"
+        )
     )
+    print(ROW.format(*(("-" * w) for w in (4, 5, 22, 10, 12, 11, 15))).replace(" ", "-"))
     print("\n".join(lines))
     if build:
         built = ", ".join(f"T = {T}: {s:.1f} s" for T, s in build.items())
@@ -281,13 +297,17 @@ def main(argv=None) -> int:
         key = (op, 2048, "reference (NumPy f64)")
         if key in results:
             speedup = results[key][1] / results[op, 2048, "torch eager"][1]
-            print(f"  {op}: torch eager {speedup:.1f}x faster than the reference (goal >= 5x): "
-                  f"{'met' if speedup >= 5 else 'missed'}")  # fmt: skip
+            print(
+                f"  {op}: torch eager {speedup:.1f}x faster than the reference (goal >= 5x): "
+                f"{'met' if speedup >= 5 else 'missed'}"
+            )
     key = ("FoX", 2048, "fla naive FoX")
     if key in results:
         ratio = results[key][1] / results["FoX", 2048, "torch eager"][1]
-        print(f"  FoX: fla naive / torch eager = {ratio:.2f} (goal >= 1, no slower than the peer): "
-              f"{'met' if ratio >= 1 else 'missed'}")  # fmt: skip
+        print(
+            f"  FoX: fla naive / torch eager = {ratio:.2f} (goal >= 1, no slower than the peer): "
+            f"{'met' if ratio >= 1 else 'missed'}"
+        )
 
     if not args.skip_peak_memory:
         print("\n  measuring peak memory at T = 32768 ...", file=sys.stderr, flush=True)

@@ -71,13 +71,14 @@ def test_prefill_equals_steps_and_decoding_continues_alike(theta):
     rng = np.random.default_rng(2)
     q, k, v, f, lev = draw(rng, T=50)
     stepped = FPADecodeCache(theta=theta)
-    o_steps = steps(stepped, q[:, :, :40], k[:, :, :40], v[:, :, :40], f[:, :, :40],
-                    lev[:, :, :40])  # fmt: skip
+    o_steps = steps(stepped, q[:, :, :40], k[:, :, :40], v[:, :, :40], f[:, :, :40], lev[:, :, :40])
     filled = FPADecodeCache(theta=theta)
     o_fill = filled.prefill(
-        *(torch.from_numpy(np.ascontiguousarray(np.swapaxes(x[:, :, :40], 1, 2)))
-          for x in (q, k, v, f, lev))
-    )  # fmt: skip
+        *(
+            torch.from_numpy(np.ascontiguousarray(np.swapaxes(x[:, :, :40], 1, 2)))
+            for x in (q, k, v, f, lev)
+        )
+    )
     np.testing.assert_allclose(np.swapaxes(o_fill.numpy(), 1, 2), o_steps, rtol=1e-12, atol=1e-12)
     assert filled.kept_fraction == stepped.kept_fraction
     assert filled.capacity == stepped.capacity

@@ -95,9 +95,16 @@ def test_s4d_states_continue_and_their_cotangents_flow():
         fq[:, :5], kt[:, :5], vt[:, :5], lam, b, c, readout="ratio", output_final_state=True
     )
     second, last = interdomain_s4d(
-        fq[:, 5:], kt[:, 5:], vt[:, 5:], lam, b, c, readout="ratio", initial_state=middle,
+        fq[:, 5:],
+        kt[:, 5:],
+        vt[:, 5:],
+        lam,
+        b,
+        c,
+        readout="ratio",
+        initial_state=middle,
         output_final_state=True,
-    )  # fmt: skip
+    )
     assert torch.allclose(torch.cat([first, second], 1), whole, rtol=1e-12, atol=1e-12)
     assert torch.allclose(last, end, rtol=1e-12, atol=1e-12)
     # d(output, final state) / d(inputs, parameters, initial state) by finite differences
@@ -105,8 +112,9 @@ def test_s4d_states_continue_and_their_cotangents_flow():
     params = [p.clone().requires_grad_() for p in (lam, b, c)]
 
     def run(*xs):
-        o, end = interdomain_s4d(*xs[:6], readout="ratio", initial_state=xs[6],
-                                 output_final_state=True)  # fmt: skip
+        o, end = interdomain_s4d(
+            *xs[:6], readout="ratio", initial_state=xs[6], output_final_state=True
+        )
         return o, torch.view_as_real(end)
 
     assert torch.autograd.gradcheck(run, (*leaves, *params, middle.detach().requires_grad_()))
@@ -120,14 +128,29 @@ def test_packed_sequences_each_start_from_their_own_state(readout):
     cu = [0, 15, 16, 40]
     init = torch.randn(3, 2, 6, 3 + 4 + (readout == "ratio"), dtype=torch.complex128)
     o, final = interdomain_s4d(
-        fq, kt, vt, lam, b, c, readout=readout, cu_seqlens=torch.tensor(cu, dtype=torch.int32),
-        initial_state=init, output_final_state=True,
-    )  # fmt: skip
+        fq,
+        kt,
+        vt,
+        lam,
+        b,
+        c,
+        readout=readout,
+        cu_seqlens=torch.tensor(cu, dtype=torch.int32),
+        initial_state=init,
+        output_final_state=True,
+    )
     for n, (a, e) in enumerate(itertools.pairwise(cu)):
         part, end = interdomain_s4d(
-            fq[:, a:e], kt[:, a:e], vt[:, a:e], lam, b, c, readout=readout,
-            initial_state=init[n : n + 1], output_final_state=True,
-        )  # fmt: skip
+            fq[:, a:e],
+            kt[:, a:e],
+            vt[:, a:e],
+            lam,
+            b,
+            c,
+            readout=readout,
+            initial_state=init[n : n + 1],
+            output_final_state=True,
+        )
         assert torch.allclose(o[:, a:e], part, rtol=1e-12, atol=1e-12)
         assert torch.allclose(final[n], end[0], rtol=1e-12, atol=1e-12)
 
@@ -138,8 +161,9 @@ def test_long_memory_over_many_chunks_does_not_drift():
     fq, kt, vt, lam, b, c = s4d_draw(rng, 1, 1, 2048, 4, 4, 8, "ratio", dt=(1e-3, 1e-3))
     o_ref = idm.interdomain_s4d(fq, kt, vt, lam, b, c, readout="ratio")
     args = [to_torch(x).float() for x in (fq, kt, vt)]
-    o = interdomain_s4d(*args, *(torch.from_numpy(p).to(torch.complex64) for p in (lam, b, c)),
-                        readout="ratio")  # fmt: skip
+    o = interdomain_s4d(
+        *args, *(torch.from_numpy(p).to(torch.complex64) for p in (lam, b, c)), readout="ratio"
+    )
     assert relative(to_ref(o), o_ref) < 1e-5
 
 
@@ -206,10 +230,13 @@ def s4d_inputs():
     rng = np.random.default_rng(5)
     fq, kt, vt, lam, b, c = s4d_draw(rng, 1, 2, 10, 3, 4, 5, "linear")
     return dict(
-        fq=to_torch(fq).float(), kt=to_torch(kt).float(), vt=to_torch(vt).float(),
-        lam=torch.from_numpy(lam).to(torch.complex64), b=torch.from_numpy(b).to(torch.complex64),
+        fq=to_torch(fq).float(),
+        kt=to_torch(kt).float(),
+        vt=to_torch(vt).float(),
+        lam=torch.from_numpy(lam).to(torch.complex64),
+        b=torch.from_numpy(b).to(torch.complex64),
         c=torch.from_numpy(c).to(torch.complex64),
-    )  # fmt: skip
+    )
 
 
 def s4d_changed(**changes):
@@ -225,7 +252,7 @@ BAD_S4D = [
     (s4d_changed(lam=lambda x: x[:1]), {}, r"lam: expected shape \(2, 5\) \(\[H, M\] complex"),
     (s4d_changed(c=lambda x: x[..., :4]), {}, "c: expected shape"),
     (s4d_changed(b=lambda x: x.to(torch.complex128)), {}, "b: expected the dtype of lam"),
-    (s4d_changed(lam=lambda x: 1.5 * x / x.abs()), {}, r"lam: expected 0 < \|Lambda\| <= 1"),
+    (s4d_changed(lam=lambda x: 1.5 * x / x.abs()), {}, r"lam: expected \|Lambda\| <= 1"),
     (s4d_changed(b=lambda x: x * float("nan")), {}, "b: contains NaN"),
     (s4d_inputs(), {"readout": "softmax"}, "readout: expected 'linear' or 'ratio'"),
     (s4d_inputs(), {"initial_state": torch.zeros(1, 2, 5, 7)}, "initial_state: expected dtype"),
@@ -250,3 +277,27 @@ def test_bad_legs_input():
         interdomain_legs(x["fq"], x["kt"], x["vt"], 0)
     with pytest.raises(ValueError, match="fk: expected shape"):
         interdomain_legs(x["fq"], x["kt"][:, :5], x["vt"], 3)
+
+
+def test_a_zero_ratio_denominator_is_a_value_error_as_in_the_reference():
+    fq = torch.ones(1, 5, 1, 2, dtype=torch.float64)
+    fk = fq.clone()
+    fq[0, 3, 0] = torch.tensor([1.0, -1.0])  # xi(q) . u_0 = 0 at token 3: fk is constant
+    message = "fq, fk: the ratio readout's denominator is 0 at batch 0, head 0, token 3"
+    with pytest.raises(ValueError, match=message):
+        interdomain_legs(fq, fk, torch.randn(1, 5, 1, 3, dtype=torch.float64), 4)
+    with pytest.raises(ValueError, match="denominator is 0"):
+        idm.interdomain_legs(*(np.swapaxes(x.numpy(), 1, 2) for x in (fq, fk, fk)), 4)
+
+
+def test_a_mode_without_memory_lambda_zero_keeps_exact_gradients():
+    # powers by cumulative products: Lambda = 0 needs no log, and d Lambda^1 / d Lambda = 1
+    rng = np.random.default_rng(6)
+    lam = np.array([[0.0, 0.5, 0.3 + 0.4j]])
+    b = rng.standard_normal((1, 3)) + 1j * rng.standard_normal((1, 3))
+    c = rng.standard_normal((1, 3, 3)) + 0j
+    fq, kt, vt, do = rng.standard_normal((4, 1, 1, 9, 2))
+    want = idm.interdomain_s4d_vjp(fq, kt, vt, lam, b, c, do)
+    args = [to_torch(x) for x in (fq, kt, vt)] + [pairs(p) for p in (lam, b, c)]
+    got = eager_interdomain.s4d_bwd(*args, "linear", None, None, to_torch(do), None, chunk=4)
+    assert relative(torch.view_as_complex(got[3]).numpy(), want.dlam) < 1e-12

@@ -103,17 +103,20 @@ class TwoLayers(torch.nn.Module):
 def test_a_model_with_both_layers_compiles_without_graph_breaks_and_matches_eager():
     torch.manual_seed(0)
     model = TwoLayers()
-    x = torch.randn(2, 13, 16)
     # fullgraph: any graph break is an error. aot_eager traces the whole graph through
     # dynamo and AOTAutograd (the ops' fakes and autograd formulas) without inductor's C++
     # build, which alone takes most of a minute on two cores.
-    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
-    y = compiled(x)
-    y.square().sum().backward()
-    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
-    model.zero_grad()
-    y_eager = model(x)
-    y_eager.square().sum().backward()
-    assert torch.allclose(y, y_eager, rtol=1e-5, atol=1e-5)
-    for name, p in model.named_parameters():
-        assert torch.allclose(grads[name], p.grad, rtol=1e-4, atol=1e-6), name
+    compiled = torch.compile(model, fullgraph=True, dynamic=True, backend="aot_eager")
+    for T in (13, 29):  # the second length reuses the graph: no recompilation
+        x = torch.randn(2, T, 16)
+        with torch.compiler.set_stance("fail_on_recompile" if T == 29 else "default"):
+            y = compiled(x)
+        y.square().sum().backward()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+        model.zero_grad()
+        y_eager = model(x)
+        y_eager.square().sum().backward()
+        assert torch.allclose(y, y_eager, rtol=1e-5, atol=1e-5)
+        for name, p in model.named_parameters():
+            assert torch.allclose(grads[name], p.grad, rtol=1e-4, atol=1e-6), name
+        model.zero_grad()

@@ -46,9 +46,9 @@ def test_fpa_layer_matches_the_reference_layer(increments):
 
 
 @pytest.mark.parametrize(
-    ("readout", "gate", "use_rope"), [("linear", False, False), ("ratio", False, False),
-                                      ("linear", True, True)]
-)  # fmt: skip
+    ("readout", "gate", "use_rope"),
+    [("linear", False, False), ("ratio", False, False), ("linear", True, True)],
+)
 def test_interdomain_layer_matches_the_reference_layer(readout, gate, use_rope):
     params = idm.init_interdomain_params(16, 2, 4, 3, 8, seed=1, gate=gate)
     if readout == "ratio":  # positive k~ and C near I keep the denominator away from zero
@@ -92,8 +92,9 @@ def test_layers_train_end_to_end():
 def test_bad_parameters_and_input():
     params = fpa.init_fpa_params(16, 2, 4, 3)
     with pytest.raises(ValueError, match=r"params: missing \['w_lam'\]"):
-        FirstPassageAttention.from_reference_params({k: v for k, v in params.items()
-                                                     if k != "w_lam"})  # fmt: skip
+        FirstPassageAttention.from_reference_params(
+            {k: v for k, v in params.items() if k != "w_lam"}
+        )
     with pytest.raises(ValueError, match=r"params\['wk'\]: expected shape \(16, 8\)"):
         FirstPassageAttention.from_reference_params({**params, "wk": params["wk"][:, :4]})
     layer = FirstPassageAttention.from_reference_params(params)

@@ -22,7 +22,9 @@ COMPLEX_DTYPES = (torch.complex64, torch.complex128)
 OFFSET_DTYPES = (torch.int32, torch.int64)
 
 
-def tensor(name: str, x, ndim: int, dtypes: tuple[torch.dtype, ...], meaning: str) -> Tensor:
+def tensor(
+    name: str, x: object, ndim: int, dtypes: tuple[torch.dtype, ...], meaning: str
+) -> Tensor:
     """Require a torch.Tensor with ``ndim`` dimensions and a dtype from ``dtypes``."""
     if not isinstance(x, Tensor):
         raise ValueError(f"{name}: expected a torch.Tensor {meaning}, got {type(x).__name__}")
@@ -56,7 +58,7 @@ def same_dtype(names: tuple[str, ...], xs: tuple[Tensor, ...]) -> None:
 
 def same_device(names: tuple[str, ...], xs: tuple[Tensor | None, ...]) -> None:
     """All tensors of ``xs`` (None entries ignored) live on the device of the first."""
-    device = xs[0].device
+    device = next(x.device for x in xs if x is not None)
     for name, x in zip(names[1:], xs[1:], strict=True):
         if x is not None and x.device != device:
             raise ValueError(
@@ -64,7 +66,7 @@ def same_device(names: tuple[str, ...], xs: tuple[Tensor | None, ...]) -> None:
             )
 
 
-def scale(value, head_dim: int) -> float:
+def scale(value: float | None, head_dim: int) -> float:
     """The softmax scale: ``None`` gives 1/sqrt(head_dim); otherwise a finite real number."""
     if value is None:
         return 1.0 / math.sqrt(head_dim)
@@ -84,7 +86,7 @@ class AttentionDims(NamedTuple):
     V: int
 
 
-def attention_inputs(q, k, v) -> AttentionDims:
+def attention_inputs(q: Tensor, k: Tensor, v: Tensor) -> AttentionDims:
     """q [B, T, HQ, K], k [B, T, H, K], v [B, T, H, V], HQ a multiple of H (GQA), T >= 1."""
     q = tensor("q", q, 4, QKV_DTYPES, "[B, T, HQ, K]")
     k = tensor("k", k, 4, QKV_DTYPES, "[B, T, H, K]")
@@ -110,7 +112,7 @@ def attention_inputs(q, k, v) -> AttentionDims:
     return AttentionDims(B, T, HQ, H, K, V)
 
 
-def per_token(name: str, x, q: Tensor) -> Tensor:
+def per_token(name: str, x: Tensor, q: Tensor) -> Tensor:
     """A per-token scalar of every query head: [B, T, HQ], float32 or float64, on q's device."""
     x = tensor(name, x, 3, WIDE_DTYPES, "[B, T, HQ] (float32 or wider: penalty arithmetic)")
     shape(name, x, tuple(q.shape[:3]), "[B, T, HQ]: B, T and the query heads of q")
@@ -118,7 +120,7 @@ def per_token(name: str, x, q: Tensor) -> Tensor:
     return x
 
 
-def cu_seqlens(x, B: int, q: Tensor) -> Tensor | None:
+def cu_seqlens(x: Tensor | None, B: int, q: Tensor) -> Tensor | None:
     """FlashAttention's offsets: a 1-D int32/int64 tensor on q's device, with B = 1.
 
     Returns:
@@ -166,7 +168,7 @@ def log_gates(x: Tensor) -> None:
         )
 
 
-def readout(value) -> str:
+def readout(value: str) -> str:
     """The S4D readout: "linear" (I13) or "ratio"."""
     if value not in ("linear", "ratio"):
         raise ValueError(f"readout: expected 'linear' or 'ratio', got {value!r}")
@@ -181,7 +183,9 @@ class FeatureDims(NamedTuple):
     V: int
 
 
-def interdomain_features(names: tuple[str, str, str], fq, fk, v) -> FeatureDims:
+def interdomain_features(
+    names: tuple[str, str, str], fq: Tensor, fk: Tensor, v: Tensor
+) -> FeatureDims:
     """fq, fk [B, T, H, R] and v [B, T, H, V]: one float dtype, one device, T >= 1."""
     fq = tensor(names[0], fq, 4, QKV_DTYPES, "[B, T, H, R]")
     fk = tensor(names[1], fk, 4, QKV_DTYPES, "[B, T, H, R]")
@@ -200,18 +204,18 @@ def interdomain_features(names: tuple[str, str, str], fq, fk, v) -> FeatureDims:
 
 
 def decays(lam: Tensor) -> None:
-    """S4D decays as (re, im) pairs [..., 2] with 0 < |Lambda| <= 1 (the recurrence is stable)."""
+    """S4D decays as (re, im) pairs [..., 2] with |Lambda| <= 1 (the recurrence is stable)."""
     modulus = torch.linalg.vector_norm(lam, dim=-1)
-    bad = (modulus > 1) | (modulus == 0)
+    bad = modulus > 1
     if bad.any():
         index = tuple(int(i) for i in bad.nonzero()[0])
         raise ValueError(
-            f"lam: expected 0 < |Lambda| <= 1, got |Lambda| = {float(modulus[index]):.6g} at "
+            f"lam: expected |Lambda| <= 1, got |Lambda| = {float(modulus[index]):.6g} at "
             f"index {index}"
         )
 
 
-def s4d_parameters(lam, b, c, H: int, pairs: bool) -> int:
+def s4d_parameters(lam: Tensor, b: Tensor, c: Tensor, H: int, pairs: bool) -> int:
     """lam, b [H, M] and c [H, M, M], complex, or as (re, im) pairs in a last axis of size 2
     (float32 or wider); one dtype.
 
@@ -231,7 +235,7 @@ def s4d_parameters(lam, b, c, H: int, pairs: bool) -> int:
     return M
 
 
-def s4d_state(x, dims: tuple[int, int, int, int], pairs: bool, lam: Tensor) -> Tensor:
+def s4d_state(x: Tensor, dims: tuple[int, int, int, int], pairs: bool, lam: Tensor) -> Tensor:
     """An S4D state [N, H, M, C] complex (or + (2,) as (re, im) pairs), of lam's dtype."""
     extra, dtypes = ((2,), WIDE_DTYPES) if pairs else ((), COMPLEX_DTYPES)
     x = tensor("initial_state", x, 4 + len(extra), dtypes, "[N, H, M, C]")

@@ -14,6 +14,8 @@ scalars [B, HQ]; prefills take the sequence layout [B, T, ...] of the parallel o
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from dataclasses import astuple, dataclass
 
 import torch
 from torch import Tensor
@@ -21,16 +23,49 @@ from torch import Tensor
 from attnspec.reference import hippo
 
 from . import checks, eager_fpa
-from .eager_fpa import FPAPenalty, Tile, _compute_dtype, _rows, _unrows, attend
+from .eager_fpa import FPAPenalty, Tile, attend, compute_dtype, from_rows, to_rows
 from .ops import interdomain_s4d
 
 _INF = float("inf")
 
 
-def _theta(theta) -> float:
+def _theta(theta: float) -> float:
     if isinstance(theta, bool) or not isinstance(theta, int | float) or not theta > 0:
         raise ValueError(f"theta: expected a positive number (or inf), got {theta!r}")
     return float(theta)
+
+
+@dataclass
+class CacheEntries:
+    """The entries (k_j, v_j, l_j, m_j) of F7, one row per (batch, query head), S slots a row;
+    rows hold different numbers of live keys, so ``live`` marks the slots in use."""
+
+    keys: Tensor  # [N, S, K] in the dtype of k
+    values: Tensor  # [N, S, V]
+    levels: Tensor  # [N, S] l_j, float32 or wider
+    mins: Tensor  # [N, S] m_j, the running minimum of the field since j
+    live: Tensor  # [N, S] bool
+
+    def depth(self) -> Tensor:
+        return torch.clamp_min(self.levels - self.mins, 0.0)  # (F2)
+
+    def append(self, new: CacheEntries) -> CacheEntries:
+        return CacheEntries(
+            *(torch.cat([a, b], dim=1) for a, b in zip(astuple(self), astuple(new), strict=True))
+        )
+
+    def compact(self) -> CacheEntries:
+        """Evicted entries dropped: live ones move to the front (in order), the slots shrink to
+        the largest live count."""
+        keep = int(self.live.sum(dim=1).max())
+        if keep == self.keys.shape[1]:
+            return self
+        order = torch.argsort((~self.live).to(torch.int8), dim=1, stable=True)[:, :keep]
+        return CacheEntries(
+            torch.gather(self.keys, 1, order[..., None].expand(-1, -1, self.keys.shape[2])),
+            torch.gather(self.values, 1, order[..., None].expand(-1, -1, self.values.shape[2])),
+            *(torch.gather(x, 1, order) for x in (self.levels, self.mins, self.live)),
+        )
 
 
 class FPADecodeCache:
@@ -51,18 +86,19 @@ class FPADecodeCache:
         self.theta = _theta(theta)
         self.scale = scale
         self.steps = 0
-        self.keys = self.values = self.levels = self.mins = self.live = None
+        self.entries: CacheEntries | None = None
         self.peak: Tensor | None = None  # [N] largest live count seen per row
-        self._dims: tuple | None = None
+        self.dims: tuple[int, int, int, int, int, torch.dtype, torch.device] | None = None
 
     @property
     def capacity(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[1]
+        return 0 if self.entries is None else self.entries.keys.shape[1]
 
     @property
     def cache_size(self) -> Tensor:
-        B, HQ = self._dims[:2]
-        return self.live.sum(dim=1).reshape(B, HQ)
+        if self.entries is None or self.dims is None:
+            return torch.zeros(0, dtype=torch.long)
+        return self.entries.live.sum(dim=1).reshape(self.dims[:2])
 
     @property
     def kept_fraction(self) -> float:
@@ -70,7 +106,9 @@ class FPADecodeCache:
             return 0.0
         return float(self.peak.to(torch.float64).mean()) / max(self.steps, 1)
 
-    def _check_step(self, q, k, v, field, level):
+    def _check_step(
+        self, q: Tensor, k: Tensor, v: Tensor, field: Tensor, level: Tensor
+    ) -> tuple[int, int, int, int, int, torch.dtype, torch.device]:
         for name, x, ndim in (("q", q, 3), ("k", k, 3), ("v", v, 3)):
             checks.tensor(name, x, ndim, checks.QKV_DTYPES, "[B, heads, dim]")
         checks.same_dtype(("q", "k", "v"), (q, k, v))
@@ -85,10 +123,10 @@ class FPADecodeCache:
             checks.shape(name, x, (B, HQ), "[B, HQ]: B and the query heads of q")
         checks.same_device(("q", "k", "v", "field", "level"), (q, k, v, field, level))
         dims = (B, HQ, H, K, V, q.dtype, q.device)
-        if self._dims is not None and dims != self._dims:
+        if self.dims is not None and dims != self.dims:
             raise ValueError(
                 f"q, k, v: expected the (B, HQ, H, K, V, dtype, device) of the first step "
-                f"{self._dims}, got {dims}"
+                f"{self.dims}, got {dims}"
             )
         checks.finite("field", field)
         checks.finite("level", level)
@@ -100,54 +138,38 @@ class FPADecodeCache:
         Returns:
             o [B, HQ, V] in q's dtype.
         """
-        self._dims = B, HQ, H, K, V, _, _ = self._check_step(q, k, v, field, level)
-        wide = _compute_dtype(q, field)
+        self.dims = B, HQ, H, K, V, _, _ = self._check_step(q, k, v, field, level)
+        wide = compute_dtype(q, field)
         phi = field.reshape(-1, 1).to(wide)  # [N, 1]
-        if self.keys is not None:
-            self.mins = torch.minimum(self.mins, phi)  # (F7) m_j <- min(m_j, phi_t)
-            if math.isfinite(self.theta):
-                depth = torch.clamp_min(self.levels - self.mins, 0.0)  # (F2)
-                self.live = self.live & ~(depth >= self.theta)  # evict: by (T2) for good
-                self._compact()
         groups = HQ // H
-        new = {
-            "keys": k.repeat_interleave(groups, dim=1).reshape(-1, 1, K),
-            "values": v.repeat_interleave(groups, dim=1).reshape(-1, 1, V),
-            "levels": level.reshape(-1, 1).to(wide),
-            "mins": torch.full_like(phi, _INF),  # empty segment: pi_tt = 0
-            "live": torch.ones_like(phi, dtype=torch.bool),
-        }
-        for name, entry in new.items():
-            old = getattr(self, name)
-            setattr(self, name, entry if old is None else torch.cat([old, entry], dim=1))
+        new = CacheEntries(
+            k.repeat_interleave(groups, dim=1).reshape(-1, 1, K),
+            v.repeat_interleave(groups, dim=1).reshape(-1, 1, V),
+            level.reshape(-1, 1).to(wide),
+            torch.full_like(phi, _INF),  # empty segment: pi_tt = 0
+            torch.ones_like(phi, dtype=torch.bool),
+        )
+        entries = self.entries
+        if entries is not None:
+            entries.mins = torch.minimum(entries.mins, phi)  # (F7) m_j <- min(m_j, phi_t)
+            if math.isfinite(self.theta):
+                entries.live = entries.live & ~(entries.depth() >= self.theta)  # (T2): for good
+                entries = entries.compact()
+            new = entries.append(new)
+        self.entries = new
         self.steps += 1
-        count = self.live.sum(dim=1)
+        count = new.live.sum(dim=1)
         self.peak = count if self.peak is None else torch.maximum(self.peak, count)
-        return self._attend(q, wide).reshape(B, HQ, V).to(q.dtype)
+        return self._attend(q, new, wide).reshape(B, HQ, V).to(q.dtype)
 
-    def _attend(self, q: Tensor, wide: torch.dtype) -> Tensor:
+    def _attend(self, q: Tensor, entries: CacheEntries, wide: torch.dtype) -> Tensor:
         scale = checks.scale(self.scale, q.shape[2])
-        depth = torch.clamp_min(self.levels - self.mins, 0.0)  # (F2)
-        logits = (
-            scale
-            * torch.einsum("nk,nsk->ns", q.reshape(-1, q.shape[2]).to(wide), self.keys.to(wide))
-            - depth
-        )  # (F3)
-        logits = logits.masked_fill(~self.live, -_INF)
+        content = torch.einsum(
+            "nk,nsk->ns", q.reshape(-1, q.shape[2]).to(wide), entries.keys.to(wide)
+        )
+        logits = (scale * content - entries.depth()).masked_fill(~entries.live, -_INF)  # (F3)
         p = torch.softmax(logits, dim=1)  # (F4)
-        return torch.einsum("ns,nsv->nv", p, self.values.to(wide))  # (F5)
-
-    def _compact(self) -> None:
-        """Drop evicted entries: live ones move to the front (in order), the tensors shrink."""
-        keep = int(self.live.sum(dim=1).max())
-        if keep == self.capacity:
-            return
-        order = torch.argsort((~self.live).to(torch.int8), dim=1, stable=True)[:, :keep]
-        for name in ("keys", "values"):
-            x = getattr(self, name)
-            setattr(self, name, torch.gather(x, 1, order[..., None].expand(-1, -1, x.shape[2])))
-        for name in ("levels", "mins", "live"):
-            setattr(self, name, torch.gather(getattr(self, name), 1, order))
+        return torch.einsum("ns,nsv->nv", p, entries.values.to(wide))  # (F5)
 
     def prefill(self, q: Tensor, k: Tensor, v: Tensor, field: Tensor, level: Tensor) -> Tensor:
         """Consume a whole prompt at once into an empty cache; equals T calls of :meth:`step`.
@@ -171,28 +193,26 @@ class FPADecodeCache:
         checks.finite("level", level)
         B, T, HQ, H, K, V = dims
         groups = HQ // H
-        wide = _compute_dtype(q, field)
-        fs, ls = _rows(field, wide), _rows(level, wide)
+        wide = compute_dtype(q, field)
+        fs, ls = to_rows(field, wide), to_rows(level, wide)
         evicting = EvictingPenalty(fs, ls, self.theta)
         o, _ = attend(
-            _rows(q, wide),
-            _rows(k, wide, groups),
-            _rows(v, wide, groups),
+            to_rows(q, wide),
+            to_rows(k, wide, groups),
+            to_rows(v, wide, groups),
             checks.scale(self.scale, K),
             evicting,
             eager_fpa.QUERY_BLOCK,
         )
         # the cache after the last token: m_j = min field over (j, T), kept if depth < theta
         after = torch.cat([fs[:, 1:], torch.full_like(fs[:, :1], _INF)], dim=1)
-        self.mins = torch.cummin(after.flip(1), dim=1).values.flip(1)
-        self.levels = ls
-        self.live = torch.clamp_min(ls - self.mins, 0.0) < self.theta
-        self.keys = _rows(k, k.dtype, groups)
-        self.values = _rows(v, v.dtype, groups)
-        self._dims = (B, HQ, H, K, V, q.dtype, q.device)
+        mins = torch.cummin(after.flip(1), dim=1).values.flip(1)
+        live = torch.clamp_min(ls - mins, 0.0) < self.theta
+        keys, values = to_rows(k, k.dtype, groups), to_rows(v, v.dtype, groups)
+        self.entries = CacheEntries(keys, values, ls, mins, live).compact()
+        self.dims = (B, HQ, H, K, V, q.dtype, q.device)
         self.steps, self.peak = T, evicting.counts.max(dim=1).values
-        self._compact()
-        return _unrows(o, B, q.dtype)
+        return from_rows(o, B, q.dtype)
 
 
 class EvictingPenalty:
@@ -203,7 +223,7 @@ class EvictingPenalty:
         self.penalty, self.theta = FPAPenalty(field, level, None), theta
         self.counts = torch.zeros(field.shape, dtype=torch.long, device=field.device)
 
-    def tiles(self, i0: int, i1: int):
+    def tiles(self, i0: int, i1: int) -> Iterator[Tile]:
         for tile in self.penalty.tiles(i0, i1):
             live = tile.penalty < self.theta  # +inf above the diagonal: never live
             self.counts[:, i0:i1] += live.sum(dim=2)
@@ -220,7 +240,15 @@ class S4DDecodeState:
         state: an initial state [B, H, M, C] complex (e.g. the final state of a prefill).
     """
 
-    def __init__(self, lam: Tensor, b: Tensor, c: Tensor, *, readout: str = "linear", state=None):
+    def __init__(
+        self,
+        lam: Tensor,
+        b: Tensor,
+        c: Tensor,
+        *,
+        readout: str = "linear",
+        state: Tensor | None = None,
+    ):
         checks.readout(readout)
         for name, x, ndim in (("lam", lam, 2), ("b", b, 2), ("c", c, 3)):
             checks.tensor(name, x, ndim, checks.COMPLEX_DTYPES, "complex")
@@ -268,7 +296,7 @@ class S4DDecodeState:
             o = o[..., :-1] / o[..., -1:]
         return o.to(fq.dtype)
 
-    def prefill(self, fq: Tensor, kt: Tensor, vt: Tensor, **kwargs) -> Tensor:
+    def prefill(self, fq: Tensor, kt: Tensor, vt: Tensor, impl: str | None = None) -> Tensor:
         """Consume [B, T, H, .] at once with the chunked op, continuing from the state."""
         o, self.state = interdomain_s4d(
             fq,
@@ -280,7 +308,7 @@ class S4DDecodeState:
             readout=self.readout,
             initial_state=self.state,
             output_final_state=True,
-            **kwargs,
+            impl=impl,
         )
         return o
 
@@ -292,7 +320,8 @@ class LegSDecodeState:
     def __init__(self, M: int):
         if isinstance(M, bool) or not isinstance(M, int) or M < 1:
             raise ValueError(f"M: expected an integer >= 1, got {M!r}")
-        self.M, self.n, self.coefficients = M, 0, None
+        self.M, self.n = M, 0
+        self.coefficients: Tensor | None = None  # [B, H, M, R + V]
 
     def step(self, fq: Tensor, fk: Tensor, v: Tensor) -> Tensor:
         """Consume token n: fq, fk [B, H, R], v [B, H, V]. Returns o [B, H, V] in fq's dtype."""
@@ -307,10 +336,11 @@ class LegSDecodeState:
         f = torch.cat([fk, v], dim=2).to(dtype)  # [B, H, R + V]
         self.n += 1
         E, F = (torch.from_numpy(x).to(f.device, dtype) for x in hippo.legs_step(self.n, self.M))
-        if self.coefficients is None:
-            self.coefficients = f.new_zeros(*f.shape[:2], self.M, f.shape[2])
-        self.coefficients = E @ self.coefficients + F[:, None] * f[:, :, None]  # (I5)
+        c = self.coefficients
+        if c is None:
+            c = f.new_zeros(*f.shape[:2], self.M, f.shape[2])
+        c = self.coefficients = E @ c + F[:, None] * f[:, :, None]  # (I5)
         R = fq.shape[2]
-        a = torch.einsum("bhmr,bhr->bhm", self.coefficients[..., :R], fq.to(dtype))
-        num = torch.einsum("bhm,bhmv->bhv", a, self.coefficients[..., R:])
+        a = torch.einsum("bhmr,bhr->bhm", c[..., :R], fq.to(dtype))
+        num = torch.einsum("bhm,bhmv->bhv", a, c[..., R:])
         return (num / a[..., :1]).to(fq.dtype)  # (I3), eta = e_0 (I6)

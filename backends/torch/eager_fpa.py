@@ -23,13 +23,14 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from . import dispatch
 
-QUERY_BLOCK = 128  # rows per query block; measured fastest on CPU at T = 2048 (bench/cpu_torch.py)
+QUERY_BLOCK = 128  # query rows per tile: memory O(T * QUERY_BLOCK), matmuls wide enough for BLAS
 KEY_BLOCK: int | None = None  # keys per block left of the diagonal; None: all of them at once
 
 _INF = float("inf")
@@ -39,7 +40,7 @@ _INF = float("inf")
 # Layout: [B, T, H, D] <-> one row per (batch, query head) sequence, [N, T, D]
 
 
-def _rows(x: Tensor, dtype: torch.dtype, groups: int = 1) -> Tensor:
+def to_rows(x: Tensor, dtype: torch.dtype, groups: int = 1) -> Tensor:
     """[B, T, H, D] -> [B*H*groups, T, D] (each head repeated for its query heads), or
     [B, T, H] -> [B*H, T], converted to ``dtype``."""
     if x.dim() == 3:
@@ -51,8 +52,8 @@ def _rows(x: Tensor, dtype: torch.dtype, groups: int = 1) -> Tensor:
     return x.reshape(B * H * groups, T, D)
 
 
-def _unrows(x: Tensor, B: int, dtype: torch.dtype, groups: int = 1) -> Tensor:
-    """Inverse of :func:`_rows`: [N, T, D] -> [B, T, N/B/groups, D] summed over each group
+def from_rows(x: Tensor, B: int, dtype: torch.dtype, groups: int = 1) -> Tensor:
+    """Inverse of :func:`to_rows`: [N, T, D] -> [B, T, N/B/groups, D] summed over each group
     (the dk, dv of GQA), or [N, T] -> [B, T, N/B]; contiguous, in ``dtype``."""
     if x.dim() == 2:
         return x.reshape(B, -1, x.shape[1]).permute(0, 2, 1).to(dtype).contiguous()
@@ -61,7 +62,7 @@ def _unrows(x: Tensor, B: int, dtype: torch.dtype, groups: int = 1) -> Tensor:
     return x.permute(0, 2, 1, 3).to(dtype).contiguous()
 
 
-def _segments(cu_seqlens: Tensor | None, T: int) -> list[tuple[int, int]]:
+def segments(cu_seqlens: Tensor | None, T: int) -> list[tuple[int, int]]:
     """The independent sequences along the time axis: [(bos, eos), ...]."""
     if cu_seqlens is None:
         return [(0, T)]
@@ -69,14 +70,14 @@ def _segments(cu_seqlens: Tensor | None, T: int) -> list[tuple[int, int]]:
     return list(itertools.pairwise(offsets))
 
 
-def _blocks(block: int | None, key_block: int | None) -> tuple[int, int | None]:
+def tile_sizes(block: int | None, key_block: int | None) -> tuple[int, int | None]:
     """The tile sizes of a call: the module's QUERY_BLOCK and KEY_BLOCK unless given."""
     return (QUERY_BLOCK if block is None else block), (
         KEY_BLOCK if key_block is None else key_block
     )
 
 
-def _compute_dtype(q: Tensor, wide: Tensor) -> torch.dtype:
+def compute_dtype(q: Tensor, wide: Tensor) -> torch.dtype:
     """float32 for 16-bit and float32 inputs, float64 when q or the field is float64."""
     return torch.promote_types(torch.promote_types(q.dtype, torch.float32), wide.dtype)
 
@@ -176,10 +177,14 @@ class FPAPenalty:
             S, argS = suffix_min(cols)
             A = torch.cat([S[:, 1:], torch.full_like(S[:, :1], _INF)], dim=1)  # min over (j, j1)
             argA = torch.cat([argS[:, 1:], torch.zeros_like(argS[:, :1])], dim=1) + j0
-            m = torch.minimum(torch.minimum(A[:, None, :], mid[:, None, None]), B[:, :, None])
-            penalty = torch.clamp_min(level[:, None, j0:j1] - m, 0.0)  # (F2)
+            A_mid = torch.minimum(A, mid[:, None])  # min over (j, i0): [N, BS]
+            m = torch.minimum(A_mid[:, None, :], B[:, :, None])  # (F1) min(A_j, mid, B_i)
+            penalty = torch.sub(level[:, None, j0:j1], m).clamp_min_(0.0)  # (F2)
             yield Tile(
-                j0, j1, penalty, self._off_diagonal(j0, j1, m, A, B, argA, argB + i0, mid, argmid)
+                j0,
+                j1,
+                penalty,
+                self._off_diagonal(j0, j1, m, A, A_mid, B, argA, argB + i0, mid, argmid),
             )
             # the gap of the next key block also covers this one; ties keep the later argmin
             newer = S[:, 0] < mid
@@ -203,7 +208,19 @@ class FPAPenalty:
 
         return Tile(i0, i1, penalty, backward)
 
-    def _off_diagonal(self, j0, j1, m, A, B, argA, argB, mid, argmid) -> Callable[[Tensor], None]:
+    def _off_diagonal(
+        self,
+        j0: int,
+        j1: int,
+        m: Tensor,
+        A: Tensor,
+        A_mid: Tensor,
+        B: Tensor,
+        argA: Tensor,
+        argB: Tensor,
+        mid: Tensor,
+        argmid: Tensor,
+    ) -> Callable[[Tensor], None]:
         level = self.level[:, None, j0:j1]
 
         def backward(G: Tensor) -> None:
@@ -211,8 +228,8 @@ class FPAPenalty:
             self.dlevel[:, j0:j1] -= W.sum(dim=1)  # (G2)
             # (G3) the latest argmin: in B (the query block) if B attains m, else in the gap,
             # else in A (the key block)
-            in_B = (B[:, :, None] <= A[:, None, :]) & (B[:, :, None] <= mid[:, None, None])
-            in_mid = ~in_B & (mid[:, None, None] <= A[:, None, :])
+            in_B = B[:, :, None] <= A_mid[:, None, :]
+            in_mid = ~in_B & (mid[:, None] <= A)[:, None, :]
             in_A = ~in_B & ~in_mid
             self.dfield.scatter_add_(1, argB, (W * in_B).sum(dim=2))  # row sums
             self.dfield.scatter_add_(1, argmid[:, None], (W * in_mid).sum(dim=(1, 2))[:, None])
@@ -265,8 +282,15 @@ class FoXBias:
 # Attention over the tiles of one sequence batch: (F3)-(F5) forward, (G1) and (G4) backward
 
 
+class Penalty(Protocol):
+    """What :func:`attend` needs of a penalty: its tiles for a query block, the diagonal
+    tile first, then the key blocks to its left."""
+
+    def tiles(self, i0: int, i1: int) -> Iterator[Tile]: ...
+
+
 def attend(
-    q: Tensor, k: Tensor, v: Tensor, scale: float, bias, block: int
+    q: Tensor, k: Tensor, v: Tensor, scale: float, bias: Penalty, block: int
 ) -> tuple[Tensor, Tensor]:
     """Causal softmax attention with a tiled additive penalty, online over the key tiles.
 
@@ -285,21 +309,22 @@ def attend(
     for i0 in range(0, T, block):
         i1 = min(T, i0 + block)
         qi = q[:, i0:i1]
-        top = total = acc = None
-        for tile in bias.tiles(i0, i1):
+        tiles = bias.tiles(i0, i1)
+        diagonal = next(tiles)  # every row has a finite logit there: the running max is finite
+        keys = slice(diagonal.j0, diagonal.j1)
+        s = torch.baddbmm(diagonal.penalty, qi, k[:, keys].transpose(1, 2), beta=-1, alpha=scale)
+        top = s.amax(dim=2)  # (F3), then (F4) online over the tiles
+        p = s.sub_(top[:, :, None]).exp_()
+        total, acc = p.sum(dim=2), torch.bmm(p, v[:, keys])
+        for tile in tiles:
             kj, vj = k[:, tile.j0 : tile.j1], v[:, tile.j0 : tile.j1]
-            s = torch.baddbmm(-tile.penalty, qi, kj.transpose(1, 2), alpha=scale)  # (F3)
-            if top is None:  # the diagonal tile comes first: every row has a finite logit
-                top = s.amax(dim=2)
-                p = torch.exp(s - top[:, :, None])
-                total, acc = p.sum(dim=2), torch.bmm(p, vj)
-            else:
-                new_top = torch.maximum(top, s.amax(dim=2))
-                rescale = torch.exp(top - new_top)
-                p = torch.exp(s - new_top[:, :, None])
-                total = total * rescale + p.sum(dim=2)
-                acc = torch.baddbmm(acc * rescale[:, :, None], p, vj)
-                top = new_top
+            s = torch.baddbmm(tile.penalty, qi, kj.transpose(1, 2), beta=-1, alpha=scale)
+            new_top = torch.maximum(top, s.amax(dim=2))
+            rescale = torch.exp(top - new_top)
+            p = s.sub_(new_top[:, :, None]).exp_()
+            total = total * rescale + p.sum(dim=2)
+            acc = torch.baddbmm(acc * rescale[:, :, None], p, vj)
+            top = new_top
         o[:, i0:i1] = acc / total[:, :, None]  # (F4)-(F5)
         lse[:, i0:i1] = top + torch.log(total)
     return o, lse
@@ -314,7 +339,7 @@ def attend_backward(
     do: Tensor,
     dlse: Tensor | None,
     scale: float,
-    bias,
+    bias: Penalty,
     block: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(G1) with (G4): dq, dk, dv of :func:`attend`; the tiles' ``backward`` receive
@@ -335,9 +360,9 @@ def attend_backward(
         for tile in bias.tiles(i0, i1):
             keys = slice(tile.j0, tile.j1)
             kj, vj = k[:, keys], v[:, keys]
-            s = torch.baddbmm(-tile.penalty, qi, kj.transpose(1, 2), alpha=scale)
-            p = torch.exp(s - lse_i)  # (F4)
-            G = p * (torch.bmm(doi, vj.transpose(1, 2)) - delta_i)  # G_ij
+            s = torch.baddbmm(tile.penalty, qi, kj.transpose(1, 2), beta=-1, alpha=scale)
+            p = s.sub_(lse_i).exp_()  # (F4)
+            G = torch.bmm(doi, vj.transpose(1, 2)).sub_(delta_i).mul_(p)  # G_ij
             dv[:, keys].baddbmm_(p.transpose(1, 2), doi)  # (G1)
             dk[:, keys].baddbmm_(G.transpose(1, 2), qi, alpha=scale)
             dq[:, i0:i1].baddbmm_(G, kj, alpha=scale)
@@ -366,18 +391,18 @@ def fpa_fwd(
 
     Time O(T^2 (K + V)) per sequence, memory O(T * block).
     """
-    block, key_block = _blocks(block, key_block)
+    block, key_block = tile_sizes(block, key_block)
     B, T, HQ, _ = q.shape
     groups = HQ // k.shape[2]
-    dtype = _compute_dtype(q, field)
-    qs, ks, vs = _rows(q, dtype), _rows(k, dtype, groups), _rows(v, dtype, groups)
-    fs, ls = _rows(field, dtype), _rows(level, dtype)
+    dtype = compute_dtype(q, field)
+    qs, ks, vs = to_rows(q, dtype), to_rows(k, dtype, groups), to_rows(v, dtype, groups)
+    fs, ls = to_rows(field, dtype), to_rows(level, dtype)
     o, lse = qs.new_empty(*qs.shape[:2], vs.shape[2]), qs.new_empty(qs.shape[:2])
-    for bos, eos in _segments(cu_seqlens, T):
+    for bos, eos in segments(cu_seqlens, T):
         seq = slice(bos, eos)
         bias = FPAPenalty(fs[:, seq], ls[:, seq], key_block)
         o[:, seq], lse[:, seq] = attend(qs[:, seq], ks[:, seq], vs[:, seq], scale, bias, block)
-    return _unrows(o, B, q.dtype), _unrows(lse, B, field.dtype)
+    return from_rows(o, B, q.dtype), from_rows(lse, B, field.dtype)
 
 
 @dispatch.register("fpa_bwd", "eager")
@@ -401,17 +426,17 @@ def fpa_bwd(
 
     Time O(T^2 (K + V)) per sequence, memory O(T * block).
     """
-    block, key_block = _blocks(block, key_block)
+    block, key_block = tile_sizes(block, key_block)
     B, T, HQ, _ = q.shape
     groups = HQ // k.shape[2]
-    dtype = _compute_dtype(q, field)
-    qs, ks, vs = _rows(q, dtype), _rows(k, dtype, groups), _rows(v, dtype, groups)
-    fs, ls = _rows(field, dtype), _rows(level, dtype)
-    os_, dos, lses = _rows(o, dtype), _rows(do, dtype), _rows(lse, dtype)
-    dlses = None if dlse is None else _rows(dlse, dtype)
+    dtype = compute_dtype(q, field)
+    qs, ks, vs = to_rows(q, dtype), to_rows(k, dtype, groups), to_rows(v, dtype, groups)
+    fs, ls = to_rows(field, dtype), to_rows(level, dtype)
+    os_, dos, lses = to_rows(o, dtype), to_rows(do, dtype), to_rows(lse, dtype)
+    dlses = None if dlse is None else to_rows(dlse, dtype)
     dq, dk, dv = torch.empty_like(qs), torch.empty_like(ks), torch.empty_like(vs)
     dfield, dlevel = torch.empty_like(fs), torch.empty_like(ls)
-    for bos, eos in _segments(cu_seqlens, T):
+    for bos, eos in segments(cu_seqlens, T):
         seq = slice(bos, eos)
         bias = FPAPenalty(fs[:, seq], ls[:, seq], key_block)
         dq[:, seq], dk[:, seq], dv[:, seq] = attend_backward(
@@ -428,11 +453,11 @@ def fpa_bwd(
         )
         dfield[:, seq], dlevel[:, seq] = bias.dfield, bias.dlevel
     return (
-        _unrows(dq, B, q.dtype),
-        _unrows(dk, B, k.dtype, groups),
-        _unrows(dv, B, v.dtype, groups),
-        _unrows(dfield, B, field.dtype),
-        _unrows(dlevel, B, level.dtype),
+        from_rows(dq, B, q.dtype),
+        from_rows(dk, B, k.dtype, groups),
+        from_rows(dv, B, v.dtype, groups),
+        from_rows(dfield, B, field.dtype),
+        from_rows(dlevel, B, level.dtype),
     )
 
 
@@ -450,18 +475,18 @@ def fox_fwd(
 ) -> tuple[Tensor, Tensor]:
     """(F6) FoX tiled, the decay from segment-local cumulative sums: o [B, T, HQ, V] in q's
     dtype, lse [B, T, HQ] in log_f's dtype. Time O(T^2 (K + V)), memory O(T * block)."""
-    block, key_block = _blocks(block, key_block)
+    block, key_block = tile_sizes(block, key_block)
     B, T, HQ, _ = q.shape
     groups = HQ // k.shape[2]
-    dtype = _compute_dtype(q, log_f)
-    qs, ks, vs = _rows(q, dtype), _rows(k, dtype, groups), _rows(v, dtype, groups)
-    gs = _rows(log_f, dtype)
+    dtype = compute_dtype(q, log_f)
+    qs, ks, vs = to_rows(q, dtype), to_rows(k, dtype, groups), to_rows(v, dtype, groups)
+    gs = to_rows(log_f, dtype)
     o, lse = qs.new_empty(*qs.shape[:2], vs.shape[2]), qs.new_empty(qs.shape[:2])
-    for bos, eos in _segments(cu_seqlens, T):
+    for bos, eos in segments(cu_seqlens, T):
         seq = slice(bos, eos)  # the cumulative sum restarts with each sequence
         bias = FoXBias(gs[:, seq], dtype, key_block)
         o[:, seq], lse[:, seq] = attend(qs[:, seq], ks[:, seq], vs[:, seq], scale, bias, block)
-    return _unrows(o, B, q.dtype), _unrows(lse, B, log_f.dtype)
+    return from_rows(o, B, q.dtype), from_rows(lse, B, log_f.dtype)
 
 
 @dispatch.register("fox_bwd", "eager")
@@ -482,17 +507,17 @@ def fox_bwd(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """FoX backward: dq, dk, dv by (G1), dlog_f as the reverse cumulative sum of
     dL/dc (row sums minus column sums of G). Time O(T^2 (K + V)), memory O(T * block)."""
-    block, key_block = _blocks(block, key_block)
+    block, key_block = tile_sizes(block, key_block)
     B, T, HQ, _ = q.shape
     groups = HQ // k.shape[2]
-    dtype = _compute_dtype(q, log_f)
-    qs, ks, vs = _rows(q, dtype), _rows(k, dtype, groups), _rows(v, dtype, groups)
-    gs = _rows(log_f, dtype)
-    os_, dos, lses = _rows(o, dtype), _rows(do, dtype), _rows(lse, dtype)
-    dlses = None if dlse is None else _rows(dlse, dtype)
+    dtype = compute_dtype(q, log_f)
+    qs, ks, vs = to_rows(q, dtype), to_rows(k, dtype, groups), to_rows(v, dtype, groups)
+    gs = to_rows(log_f, dtype)
+    os_, dos, lses = to_rows(o, dtype), to_rows(do, dtype), to_rows(lse, dtype)
+    dlses = None if dlse is None else to_rows(dlse, dtype)
     dq, dk, dv = torch.empty_like(qs), torch.empty_like(ks), torch.empty_like(vs)
     dlog_f = torch.empty_like(gs, dtype=torch.float64)
-    for bos, eos in _segments(cu_seqlens, T):
+    for bos, eos in segments(cu_seqlens, T):
         seq = slice(bos, eos)
         bias = FoXBias(gs[:, seq], dtype, key_block)
         dq[:, seq], dk[:, seq], dv[:, seq] = attend_backward(
@@ -509,8 +534,8 @@ def fox_bwd(
         )
         dlog_f[:, seq] = bias.dlog_f()
     return (
-        _unrows(dq, B, q.dtype),
-        _unrows(dk, B, k.dtype, groups),
-        _unrows(dv, B, v.dtype, groups),
-        _unrows(dlog_f, B, log_f.dtype),
+        from_rows(dq, B, q.dtype),
+        from_rows(dk, B, k.dtype, groups),
+        from_rows(dv, B, v.dtype, groups),
+        from_rows(dlog_f, B, log_f.dtype),
     )

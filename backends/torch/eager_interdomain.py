@@ -41,10 +41,23 @@ from torch import Tensor
 from attnspec.reference import hippo
 
 from . import dispatch
-from .eager_fpa import _segments
+from .eager_fpa import segments
 
 S4D_CHUNK = 64
 LEGS_CHUNK = 64
+
+
+def ratio(num: Tensor, den: Tensor, names: str, t0: int) -> Tensor:
+    """num / den [N, H, L, 1] row by row in a chunk starting at t0; an exactly zero denominator
+    is a ValueError, as in the reference (the ratio is undefined there)."""
+    zero = den == 0
+    if zero.any():
+        n, h, t, _ = (int(i) for i in zero.nonzero()[0])
+        raise ValueError(
+            f"{names}: the ratio readout's denominator is 0 at batch {n}, head {h}, token "
+            f"{t0 + t} of its sequence; use features that keep it away from 0 (e.g. positive)"
+        )
+    return num / den
 
 
 class ChunkedScan(Protocol):
@@ -52,24 +65,34 @@ class ChunkedScan(Protocol):
 
     size: int
 
-    def step(self, xs: list[Tensor], carry: list[Tensor], t0: int, want_output: bool):
-        """(output [N, H, L, V] or None, carry after the chunk)."""
+    def advance(self, xs: list[Tensor], carry: list[Tensor], t0: int) -> list[Tensor]:
+        """The carry after the chunk starting at t0."""
+        ...
 
-    def step_vjp(self, xs, carry, t0, d_out, d_carry) -> tuple[list, list, list]:
+    def step(self, xs: list[Tensor], carry: list[Tensor], t0: int) -> tuple[Tensor, list[Tensor]]:
+        """(output [N, H, L, V], carry after the chunk)."""
+        ...
+
+    def step_vjp(
+        self, xs: list[Tensor], carry: list[Tensor], t0: int, d_out: Tensor, d_carry: list[Tensor]
+    ) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
         """(d xs, d carry before the chunk, d parameters) of one chunk."""
+        ...
 
 
-def scan(model: ChunkedScan, xs: list[Tensor], carry: list[Tensor]):
+def scan(model: ChunkedScan, xs: list[Tensor], carry: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
     """Run ``model`` over the whole time axis; returns (outputs along T, final carry)."""
     T, size = xs[0].shape[2], model.size
     outputs = []
     for t0 in range(0, T, size):
-        out, carry = model.step([x[:, :, t0 : t0 + size] for x in xs], carry, t0, True)
+        out, carry = model.step([x[:, :, t0 : t0 + size] for x in xs], carry, t0)
         outputs.append(out)
     return torch.cat(outputs, dim=2), carry
 
 
-def scan_vjp(model: ChunkedScan, xs, carry, d_out: Tensor, d_carry: list[Tensor]):
+def scan_vjp(
+    model: ChunkedScan, xs: list[Tensor], carry: list[Tensor], d_out: Tensor, d_carry: list[Tensor]
+) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
     """Cotangents of :func:`scan` by reverse state passing.
 
     Returns:
@@ -79,15 +102,15 @@ def scan_vjp(model: ChunkedScan, xs, carry, d_out: Tensor, d_carry: list[Tensor]
     starts = list(range(0, T, size))
     carries = [carry]
     for t0 in starts[:-1]:
-        carries.append(model.step([x[:, :, t0 : t0 + size] for x in xs], carries[-1], t0, False)[1])
+        carries.append(model.advance([x[:, :, t0 : t0 + size] for x in xs], carries[-1], t0))
     d_xs = [torch.empty_like(x) for x in xs]
-    d_params = None
+    d_params: list[Tensor] = []
     for t0, start in zip(reversed(starts), reversed(carries), strict=True):
         part = [x[:, :, t0 : t0 + size] for x in xs]
         grads, d_carry, d_p = model.step_vjp(part, start, t0, d_out[:, :, t0 : t0 + size], d_carry)
         for d, g in zip(d_xs, grads, strict=True):
             d[:, :, t0 : t0 + size] = g
-        d_params = d_p if d_params is None else [a + b for a, b in zip(d_params, d_p, strict=True)]
+        d_params = [a + b for a, b in zip(d_params, d_p, strict=True)] if d_params else d_p
     return d_xs, d_carry, d_params
 
 
@@ -125,26 +148,30 @@ class S4DScan:
         ones = torch.ones(H, 1, M, dtype=lam.dtype, device=lam.device)
         self.powers = torch.cat([ones, lam[:, None].expand(H, size, M)], 1).cumprod(1)  # Lambda^p
 
-    def _decays(self, L: int):
+    def _decays(self, L: int) -> tuple[Tensor, Tensor, Tensor]:
         powers = self.powers[:, : L + 1]  # Lambda^p, p = 0..L: [H, L + 1, M]
         decay = powers[:, 1:]  # Lambda^(t+1): the carried state to token t
         back = powers[:, :L].flip(1)  # Lambda^(L-1-s): token s to the chunk's end
         return powers, decay, back
 
-    def step(self, xs, carry, t0, want_output):
+    def advance(self, xs: list[Tensor], carry: list[Tensor], t0: int) -> list[Tensor]:
+        _, kt, zv = xs
+        xK, xV = carry
+        L = kt.shape[2]
+        _, decay, back = self._decays(L)
+        inflow = back * self.b[:, None]  # Lambda^(t1-s) b: [H, L, M]
+        last = decay[None, :, L - 1, :, None]  # Lambda^L
+        xK_next = last * xK + torch.einsum("hsm,nhsr->nhmr", inflow, kt.to(inflow.dtype))  # (I11)
+        xV_next = last * xV + torch.einsum("hsm,nhsv->nhmv", inflow, zv.to(inflow.dtype))
+        return [xK_next, xV_next]
+
+    def step(self, xs: list[Tensor], carry: list[Tensor], t0: int) -> tuple[Tensor, list[Tensor]]:
         fq, kt, zv = xs
         xK, xV = carry
         b, W = self.b, self.W
         L = fq.shape[2]
-        powers, decay, back = self._decays(L)
+        powers, decay, _ = self._decays(L)
         cdtype = powers.dtype
-        inflow = back * b[:, None]  # [H, L, M]
-        last = decay[None, :, L - 1, :, None]  # Lambda^L
-        kt_c, zv_c = kt.to(cdtype), zv.to(cdtype)
-        xK_next = last * xK + torch.einsum("hsm,nhsr->nhmr", inflow, kt_c)  # (I11)
-        xV_next = last * xV + torch.einsum("hsm,nhsv->nhmv", inflow, zv_c)
-        if not want_output:
-            return None, [xK_next, xV_next]
         y = fq.to(cdtype) @ xK.transpose(-1, -2)  # carried keys read by xi(q_t): [N, H, L, M]
         scores = fq @ kt.transpose(-1, -2)  # xi(q_t) . k~_s
         Q = lag_major(scores).to(cdtype) @ powers[:, :L]  # the chunk's own keys
@@ -154,12 +181,13 @@ class S4DScan:
         num = ((beta_bar * decay) @ xV).real
         weights = lag_major(((beta_bar * b[:, None]) @ powers[:, :L].transpose(-1, -2)).real)
         num = num + weights @ zv
-        return self._readout(num), [xK_next, xV_next]
+        if self.readout == "ratio":
+            num = ratio(num[..., :-1], num[..., -1:], "fq, kt", t0)
+        return num, self.advance(xs, carry, t0)
 
-    def _readout(self, num):
-        return num if self.readout == "linear" else num[..., :-1] / num[..., -1:]
-
-    def step_vjp(self, xs, carry, t0, d_out, d_carry):
+    def step_vjp(
+        self, xs: list[Tensor], carry: list[Tensor], t0: int, d_out: Tensor, d_carry: list[Tensor]
+    ) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
         fq, kt, zv = xs
         xK, xV = carry
         gK_next, gV_next = d_carry
@@ -255,7 +283,9 @@ def _as_real(x: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.view_as_real(x.contiguous()).to(dtype).contiguous()
 
 
-def _s4d_inputs(fq, kt, vt, readout, dtype) -> list[Tensor]:
+def _s4d_inputs(
+    fq: Tensor, kt: Tensor, vt: Tensor, readout: str, dtype: torch.dtype
+) -> list[Tensor]:
     """fq, kt, and the value channels zv = [v~ (, 1)], all [B, H, T, .] in ``dtype``."""
     zv = _heads_first(vt, dtype)
     if readout == "ratio":
@@ -268,7 +298,14 @@ def _rows_of(cu_seqlens: Tensor | None) -> slice:
     return slice(None) if cu_seqlens is None else slice(0, 1)
 
 
-def _states(state, n: int, cu_seqlens, shape, R: int, like: Tensor) -> list[Tensor]:
+def _states(
+    state: Tensor | None,
+    n: int,
+    cu_seqlens: Tensor | None,
+    shape: tuple[int, int, int, int],
+    R: int,
+    like: Tensor,
+) -> list[Tensor]:
     """The carried (x^K, x^V) of sequence n, [rows, H, M, R] and [rows, H, M, C - R]: zeros
     (complex, on the device of ``like``), or split from ``state`` [N, H, M, C]."""
     if state is None:
@@ -278,7 +315,16 @@ def _states(state, n: int, cu_seqlens, shape, R: int, like: Tensor) -> list[Tens
     return [state[rows, ..., :R], state[rows, ..., R:]]
 
 
-def _s4d_setup(fq, kt, vt, lam, b, c, readout, chunk):
+def _s4d_setup(
+    fq: Tensor,
+    kt: Tensor,
+    vt: Tensor,
+    lam: Tensor,
+    b: Tensor,
+    c: Tensor,
+    readout: str,
+    chunk: int | None,
+) -> tuple[torch.dtype, Tensor, S4DScan, list[Tensor]]:
     chunk = S4D_CHUNK if chunk is None else chunk
     dtype = torch.promote_types(torch.promote_types(fq.dtype, torch.float32), lam.dtype)
     lam_c, b_c, c_c = (_as_complex(p, dtype) for p in (lam, b, c))
@@ -310,7 +356,7 @@ def s4d_fwd(
     state = None if initial_state is None else _as_complex(initial_state, dtype)
     o = xs[0].new_empty(B, H, T, V)
     finals = []
-    for n, (bos, eos) in enumerate(_segments(cu_seqlens, T)):
+    for n, (bos, eos) in enumerate(segments(cu_seqlens, T)):
         rows = _rows_of(cu_seqlens)
         part = [x[rows, :, bos:eos] for x in xs]
         shape = (part[0].shape[0], H, model.lam.shape[1], R + xs[2].shape[3])
@@ -348,7 +394,7 @@ def s4d_bwd(
     d_xs = [torch.empty_like(x) for x in xs]
     d_params = [torch.zeros_like(p) for p in (model.lam, model.b, model.W)]
     d_initial = []
-    for n, (bos, eos) in enumerate(_segments(cu_seqlens, T)):
+    for n, (bos, eos) in enumerate(segments(cu_seqlens, T)):
         rows = _rows_of(cu_seqlens)
         part = [x[rows, :, bos:eos] for x in xs]
         shape = (part[0].shape[0], H, model.lam.shape[1], R + xs[2].shape[3])
@@ -376,8 +422,7 @@ def s4d_bwd(
 # LegS
 
 
-_LEGS_PRODUCTS: dict[tuple[int, int], list[tuple[Tensor, Tensor]]] = {}
-_LEGS_CAST: dict[tuple, list[tuple[Tensor, Tensor]]] = {}
+_LEGS_CONSTANTS: dict[tuple, list[tuple[Tensor, Tensor]]] = {}
 
 
 def _legs_products(M: int, L: int, index: int) -> tuple[Tensor, Tensor]:
@@ -395,19 +440,18 @@ def _legs_products(M: int, L: int, index: int) -> tuple[Tensor, Tensor]:
     return P, K
 
 
-def legs_constants(M: int, L: int, index: int, dtype: torch.dtype, device) -> tuple[Tensor, Tensor]:
-    """(P, K) of chunk ``index`` in ``dtype`` on ``device``; built once, cached per (M, L).
+def legs_constants(
+    M: int, L: int, index: int, dtype: torch.dtype, device: torch.device | str
+) -> tuple[Tensor, Tensor]:
+    """(P, K) of chunk ``index`` in ``dtype`` on ``device``: built in float64 once and cached.
 
     The cache holds T (M^2 + L M) numbers per (M, L, dtype, device) for the longest T seen.
     """
-    master = _LEGS_PRODUCTS.setdefault((M, L), [])
-    while len(master) <= index:
-        master.append(_legs_products(M, L, len(master)))
-    cast = _LEGS_CAST.setdefault((M, L, dtype, torch.device(device)), [])
-    while len(cast) <= index:
-        P, K = master[len(cast)]
-        cast.append((P.to(device, dtype), K.to(device, dtype)))
-    return cast[index]
+    cached = _LEGS_CONSTANTS.setdefault((M, L, dtype, torch.device(device)), [])
+    while len(cached) <= index:
+        P, K = _legs_products(M, L, len(cached))
+        cached.append((P.to(device, dtype), K.to(device, dtype)))
+    return cached[index]
 
 
 class LegSScan:
@@ -421,15 +465,18 @@ class LegSScan:
         P, K = legs_constants(self.M, self.size, t0 // self.size, like.dtype, like.device)
         return P[:L], K[:L, :L]
 
-    def step(self, xs, carry, t0, want_output):
+    def advance(self, xs: list[Tensor], carry: list[Tensor], t0: int) -> list[Tensor]:
+        _, fk, v = xs
+        U, Gamma = carry
+        P, K = self._constants(t0, fk.shape[2], fk)
+        U_next = torch.einsum("mk,nhkr->nhmr", P[-1], U) + torch.einsum("sm,nhsr->nhmr", K[-1], fk)
+        Gamma_next = torch.einsum("mk,nhkv->nhmv", P[-1], Gamma)
+        return [U_next, Gamma_next + torch.einsum("sm,nhsv->nhmv", K[-1], v)]  # (I5)
+
+    def step(self, xs: list[Tensor], carry: list[Tensor], t0: int) -> tuple[Tensor, list[Tensor]]:
         fq, fk, v = xs
         U, Gamma = carry
         P, K = self._constants(t0, fq.shape[2], fq)
-        U_next = torch.einsum("mk,nhkr->nhmr", P[-1], U) + torch.einsum("sm,nhsr->nhmr", K[-1], fk)
-        Gamma_next = torch.einsum("mk,nhkv->nhmv", P[-1], Gamma)
-        Gamma_next = Gamma_next + torch.einsum("sm,nhsv->nhmv", K[-1], v)
-        if not want_output:
-            return None, [U_next, Gamma_next]
         # a_t = U_t xi(q_t): the carried coefficients, then the chunk's own keys
         y = torch.einsum("nhkr,nhtr->nhtk", U, fq)
         scores = torch.einsum("nhtr,nhsr->nhts", fq, fk)
@@ -440,9 +487,11 @@ class LegSScan:
         num = torch.einsum("nhtm,nhmv->nhtv", z, Gamma) + torch.einsum(
             "nhts,nhsv->nhtv", weights, v
         )
-        return num / a[..., :1], [U_next, Gamma_next]
+        return ratio(num, a[..., :1], "fq, fk", t0), self.advance(xs, carry, t0)
 
-    def step_vjp(self, xs, carry, t0, d_out, d_carry):
+    def step_vjp(
+        self, xs: list[Tensor], carry: list[Tensor], t0: int, d_out: Tensor, d_carry: list[Tensor]
+    ) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
         fq, fk, v = xs
         U, Gamma = carry
         gU_next, gGamma_next = d_carry
@@ -480,7 +529,9 @@ class LegSScan:
         return [g_fq, g_fk, g_v], [g_U, g_Gamma], []
 
 
-def _legs_setup(fq, fk, v, M, chunk):
+def _legs_setup(
+    fq: Tensor, fk: Tensor, v: Tensor, M: int, chunk: int | None
+) -> tuple[LegSScan, list[Tensor]]:
     chunk = LEGS_CHUNK if chunk is None else chunk
     dtype = torch.promote_types(fq.dtype, torch.float32)
     xs = [_heads_first(fq, dtype), _heads_first(fk, dtype), _heads_first(v, dtype)]
@@ -505,7 +556,7 @@ def legs_fwd(
     """(I2), (I3), (I5) in chunks: o [B, T, H, V] in fq's dtype."""
     model, xs = _legs_setup(fq, fk, v, M, chunk)
     o = torch.empty_like(xs[2])
-    for bos, eos in _segments(cu_seqlens, fq.shape[1]):
+    for bos, eos in segments(cu_seqlens, fq.shape[1]):
         rows = _rows_of(cu_seqlens)
         part = [x[rows, :, bos:eos] for x in xs]  # each sequence starts at n = 1
         o[rows, :, bos:eos], _ = scan(model, part, _legs_zeros(part, M))
@@ -527,11 +578,12 @@ def legs_bwd(
     model, xs = _legs_setup(fq, fk, v, M, chunk)
     d_out = _heads_first(do, xs[0].dtype)
     d_xs = [torch.empty_like(x) for x in xs]
-    for bos, eos in _segments(cu_seqlens, fq.shape[1]):
+    for bos, eos in segments(cu_seqlens, fq.shape[1]):
         rows = _rows_of(cu_seqlens)
         part = [x[rows, :, bos:eos] for x in xs]
         zeros = _legs_zeros(part, M)
         grads, _, _ = scan_vjp(model, part, zeros, d_out[rows, :, bos:eos], zeros)
         for d, g in zip(d_xs, grads, strict=True):
             d[rows, :, bos:eos] = g
-    return tuple(_time_second(d, x.dtype) for d, x in zip(d_xs, (fq, fk, v), strict=True))
+    d_fq, d_fk, d_v = (_time_second(d, x.dtype) for d, x in zip(d_xs, (fq, fk, v), strict=True))
+    return d_fq, d_fk, d_v

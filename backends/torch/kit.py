@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from attnspec.conformance.protocol import OPS, call_op
 
@@ -30,7 +31,7 @@ TORCH_DTYPES = {
 }
 
 
-def _time_second(x):
+def _time_second(x: Tensor) -> Tensor:
     """Canonical (B, H, T, ...) -> torch [B, T, H, ...] (a view)."""
     return x.transpose(1, 2)
 
@@ -42,7 +43,7 @@ class TorchBackend:
     """The PyTorch backend: every op on its eager kernels (``impl="eager"``)."""
 
     name = "torch"
-    dtypes = ("float64", "float32", "float16", "bfloat16")
+    dtypes: tuple[str, ...] = ("float64", "float32", "float16", "bfloat16")
     OPS = (
         "fpa_attention",
         "fox_attention",
@@ -79,15 +80,15 @@ class TorchBackend:
     def asarray(self, x: np.ndarray, dtype: str) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(x)).to(self.device, TORCH_DTYPES[dtype])
 
-    def to_numpy(self, x) -> np.ndarray:
-        if not isinstance(x, torch.Tensor):
+    def to_numpy(self, x: object) -> np.ndarray:
+        if not isinstance(x, Tensor):
             return np.asarray(x)
         x = x.detach()
         if x.dtype == torch.bfloat16:  # NumPy has no bfloat16: widened, exactly
             x = x.to(torch.float32)
         return x.cpu().numpy()
 
-    def dtype_name(self, x) -> str:
+    def dtype_name(self, x: Tensor) -> str:
         return str(x.dtype).removeprefix("torch.")
 
     def versions(self) -> dict[str, str]:
@@ -96,7 +97,7 @@ class TorchBackend:
             versions["gpu"] = torch.cuda.get_device_name(self.device)
         return versions
 
-    def _offsets(self, cu_seqlens):
+    def _offsets(self, cu_seqlens: tuple[int, ...] | None) -> Tensor | None:
         if cu_seqlens is None:
             return None
         return torch.tensor(cu_seqlens, dtype=torch.int32, device=self.device)
@@ -104,10 +105,23 @@ class TorchBackend:
     # ---------------------------------------------------------------- ops
 
     def fpa_attention(
-        self, q, k, v, field, level, *, scale=None, cu_seqlens=None, return_lse=False
-    ):
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        field: Tensor,
+        level: Tensor,
+        *,
+        scale: float | None = None,
+        cu_seqlens: tuple[int, ...] | None = None,
+        return_lse: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
         o, lse = ops.fpa_attention(
-            *(_time_second(x) for x in (q, k, v, field, level)),
+            _time_second(q),
+            _time_second(k),
+            _time_second(v),
+            _time_second(field),
+            _time_second(level),
             scale=scale,
             cu_seqlens=self._offsets(cu_seqlens),
             return_lse=True,
@@ -115,16 +129,38 @@ class TorchBackend:
         )
         return (_heads_second(o), _heads_second(lse)) if return_lse else _heads_second(o)
 
-    def fox_attention(self, q, k, v, log_f, *, scale=None, cu_seqlens=None):
+    def fox_attention(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        log_f: Tensor,
+        *,
+        scale: float | None = None,
+        cu_seqlens: tuple[int, ...] | None = None,
+    ) -> Tensor:
         o = ops.fox_attention(
-            *(_time_second(x) for x in (q, k, v, log_f)),
+            _time_second(q),
+            _time_second(k),
+            _time_second(v),
+            _time_second(log_f),
             scale=scale,
             cu_seqlens=self._offsets(cu_seqlens),
             impl=self._impl("fox_attention"),
         )
         return _heads_second(o)
 
-    def fpa_decode(self, q, k, v, field, level, *, theta, scale=None):
+    def fpa_decode(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        field: Tensor,
+        level: Tensor,
+        *,
+        theta: float,
+        scale: float | None = None,
+    ) -> tuple[Tensor, float]:
         cache = FPADecodeCache(theta=theta, scale=scale)
         outputs = [
             cache.step(q[:, :, t], k[:, :, t], v[:, :, t], field[:, :, t], level[:, :, t])
@@ -132,17 +168,35 @@ class TorchBackend:
         ]
         return torch.stack(outputs, dim=2), cache.kept_fraction
 
-    def interdomain_legs(self, fq, fk, v, *, M):
+    def interdomain_legs(self, fq: Tensor, fk: Tensor, v: Tensor, *, M: int) -> Tensor:
         o = ops.interdomain_legs(
-            *(_time_second(x) for x in (fq, fk, v)), M, impl=self._impl("interdomain_legs")
+            _time_second(fq),
+            _time_second(fk),
+            _time_second(v),
+            M,
+            impl=self._impl("interdomain_legs"),
         )
         return _heads_second(o)
 
     def interdomain_s4d(
-        self, fq, kt, vt, lam_re, lam_im, b_re, b_im, c_re, c_im, *, readout, cu_seqlens=None
-    ):
+        self,
+        fq: Tensor,
+        kt: Tensor,
+        vt: Tensor,
+        lam_re: Tensor,
+        lam_im: Tensor,
+        b_re: Tensor,
+        b_im: Tensor,
+        c_re: Tensor,
+        c_im: Tensor,
+        *,
+        readout: str,
+        cu_seqlens: tuple[int, ...] | None = None,
+    ) -> Tensor:
         o = ops.interdomain_s4d(
-            *(_time_second(x) for x in (fq, kt, vt)),
+            _time_second(fq),
+            _time_second(kt),
+            _time_second(vt),
             torch.complex(lam_re, lam_im),
             torch.complex(b_re, b_im),
             torch.complex(c_re, c_im),
@@ -152,17 +206,27 @@ class TorchBackend:
         )
         return _heads_second(o)
 
-    def fpa_layer(self, x, params):
+    def fpa_layer(self, x: Tensor, params: dict[str, Tensor]) -> Tensor:
         with torch.no_grad():
-            return FirstPassageAttention.from_reference_params(params)(x)
+            y: Tensor = FirstPassageAttention.from_reference_params(params)(x)
+        return y
 
-    def interdomain_layer(self, x, params, *, readout="linear"):
+    def interdomain_layer(
+        self, x: Tensor, params: dict[str, Tensor], *, readout: str = "linear"
+    ) -> Tensor:
         with torch.no_grad():
-            return InterdomainAttention.from_reference_params(params, readout=readout)(x)
+            y: Tensor = InterdomainAttention.from_reference_params(params, readout=readout)(x)
+        return y
 
     # ---------------------------------------------------------------- gradients
 
-    def vjp(self, op: str, inputs: dict, params: dict, cotangents: dict) -> dict:
+    def vjp(
+        self,
+        op: str,
+        inputs: dict[str, Tensor],
+        params: dict[str, Any],
+        cotangents: dict[str, Tensor],
+    ) -> dict[str, Tensor]:
         """Input cotangents of ``op`` by torch autograd through the public op."""
         if op not in self.VJPS:
             raise NotImplementedError(f"op: no VJP for {op!r} in the {self.name} backend")

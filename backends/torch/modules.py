@@ -11,6 +11,7 @@ token at a time with a cache (``new_cache``, ``step``, ``prefill``).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,17 +27,38 @@ from . import checks
 from .decode import FPADecodeCache, S4DDecodeState
 from .ops import fpa_attention, s4d_pairs
 
-
-def _param(x, shape: tuple[int, ...], name: str, device, dtype) -> nn.Parameter:
-    t = torch.as_tensor(np.asarray(x) if not isinstance(x, Tensor) else x)
-    if tuple(t.shape) != shape:
-        raise ValueError(f"params[{name!r}]: expected shape {shape}, got {tuple(t.shape)}")
-    if not (t.is_floating_point()):
-        raise ValueError(f"params[{name!r}]: expected a real floating array, got {t.dtype}")
-    return nn.Parameter(t.detach().to(device=device, dtype=dtype).clone())
+Device = torch.device | str | None
 
 
-def _positions(cu_seqlens: Tensor | None, T: int, device) -> Tensor:
+def _tensors(params: Mapping[str, object], names: Iterable[str]) -> dict[str, Tensor]:
+    """The named entries of a reference parameter dict (NumPy arrays or tensors) as tensors."""
+    out = {}
+    for name in names:
+        x = params[name]
+        t = x if isinstance(x, Tensor) else torch.as_tensor(np.asarray(x))
+        if not t.is_floating_point():
+            raise ValueError(f"params[{name!r}]: expected a real floating array, got {t.dtype}")
+        out[name] = t
+    return out
+
+
+def _load(
+    layer: nn.Module,
+    tensors: dict[str, Tensor],
+    shapes: dict[str, tuple[int, ...]],
+    device: Device,
+    dtype: torch.dtype | None,
+) -> None:
+    """Copy ``tensors`` into the layer's parameters, checking each shape against the schema."""
+    for name, shape in shapes.items():
+        t = tensors[name]
+        if tuple(t.shape) != shape:
+            raise ValueError(f"params[{name!r}]: expected shape {shape}, got {tuple(t.shape)}")
+        value = t.detach().to(device=device, dtype=dtype or t.dtype).clone()
+        setattr(layer, name, nn.Parameter(value))
+
+
+def _positions(cu_seqlens: Tensor | None, T: int, device: Device) -> Tensor:
     """Each token's position in its own sequence: [T] (packed sequences restart at 0)."""
     t = torch.arange(T, device=device)
     if cu_seqlens is None:
@@ -45,7 +67,7 @@ def _positions(cu_seqlens: Tensor | None, T: int, device) -> Tensor:
     return t - starts[torch.searchsorted(starts, t, right=True) - 1]
 
 
-def _check_x(x, d: int) -> Tensor:
+def _check_x(x: Tensor, d: int) -> Tensor:
     x = checks.tensor("x", x, 3, checks.QKV_DTYPES, "[B, T, d_model]")
     if x.shape[2] != d:
         raise ValueError(f"x: expected d_model = {d} features, got shape {tuple(x.shape)}")
@@ -80,6 +102,16 @@ class FirstPassageAttention(nn.Module):
         scale: softmax scale (default 1/sqrt(dk)).
     """
 
+    # the reference's parameters (FPA_PARAMETER_SCHEMA), registered in __init__
+    wq: nn.Parameter
+    wk: nn.Parameter
+    wv: nn.Parameter
+    wo: nn.Parameter
+    w_delta: nn.Parameter
+    b_delta: nn.Parameter
+    w_lam: nn.Parameter
+    b_lam: nn.Parameter
+
     def __init__(
         self,
         d_model: int,
@@ -89,8 +121,8 @@ class FirstPassageAttention(nn.Module):
         *,
         increments: str = "signed",
         scale: float | None = None,
-        device=None,
-        dtype=None,
+        device: Device = None,
+        dtype: torch.dtype | None = None,
     ):
         super().__init__()
         if increments not in ("signed", "logsigmoid"):
@@ -124,24 +156,26 @@ class FirstPassageAttention(nn.Module):
 
     @classmethod
     def from_reference_params(
-        cls, params: dict, *, increments: str = "signed", device=None, dtype=None
+        cls,
+        params: Mapping[str, object],
+        *,
+        increments: str = "signed",
+        device: Device = None,
+        dtype: torch.dtype | None = None,
     ) -> FirstPassageAttention:
         """A layer holding ``params`` (the dict of ``init_fpa_params``: NumPy arrays or tensors)."""
         missing = sorted(set(FPA_PARAMETER_SCHEMA) - set(params))
         if missing:
             raise ValueError(f"params: missing {missing}; see FPA_PARAMETER_SCHEMA")
-        H = int(np.shape(params["b_delta"])[0])
-        d, width = np.shape(params["wq"])
-        layer = cls(
-            d, H, width // H, np.shape(params["wv"])[1] // H, increments=increments,
-            device="meta",
-        )  # fmt: skip
-        for name, shape in layer.parameter_shapes().items():
-            dt = dtype or (params[name].dtype if isinstance(params[name], Tensor) else None)
-            setattr(layer, name, _param(params[name], shape, name, device, dt))
+        tensors = _tensors(params, FPA_PARAMETER_SCHEMA)
+        H = tensors["b_delta"].shape[0]
+        d, width = tensors["wq"].shape
+        dv = tensors["wv"].shape[1] // H
+        layer = cls(d, H, width // H, dv, increments=increments, device="meta")
+        _load(layer, tensors, layer.parameter_shapes(), device, dtype)
         return layer
 
-    def _projections(self, x: Tensor):
+    def _projections(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         B, T, _ = x.shape
         H, dk, dv = self.n_heads, self.head_dim, self.value_dim
         q = (x @ self.wq).view(B, T, H, dk)
@@ -154,7 +188,9 @@ class FirstPassageAttention(nn.Module):
         offset = (x @ self.w_lam + self.b_lam).to(wide)  # lam_j: levels relative to the field
         return q, k, v, delta, offset
 
-    def forward(self, x: Tensor, *, cu_seqlens: Tensor | None = None, impl=None) -> Tensor:
+    def forward(
+        self, x: Tensor, *, cu_seqlens: Tensor | None = None, impl: str | None = None
+    ) -> Tensor:
         """x [B, T, d] -> y [B, T, d]; packed sequences by ``cu_seqlens`` (B = 1).
 
         Time O(B H T^2 (dk + dv) + B T d H (dk + dv)); memory O(T * block) in the attention.
@@ -262,6 +298,26 @@ class InterdomainAttention(nn.Module):
         readout: "linear" (I13) or "ratio". gate: SiLU output gate. use_rope: RoPE on q, k.
     """
 
+    # the reference's parameters (PARAMETER_SCHEMA; wg only with the gate), registered in __init__
+    wq: nn.Parameter
+    wk: nn.Parameter
+    wv: nn.Parameter
+    wo: nn.Parameter
+    conv_q: nn.Parameter
+    conv_k: nn.Parameter
+    norm_k_g: nn.Parameter
+    norm_k_b: nn.Parameter
+    norm_v_g: nn.Parameter
+    norm_v_b: nn.Parameter
+    log_dt: nn.Parameter
+    a_log: nn.Parameter
+    a_im: nn.Parameter
+    b_re: nn.Parameter
+    b_im: nn.Parameter
+    c_re: nn.Parameter
+    c_im: nn.Parameter
+    wg: nn.Parameter
+
     def __init__(
         self,
         d_model: int,
@@ -273,8 +329,8 @@ class InterdomainAttention(nn.Module):
         readout: str = "linear",
         gate: bool = False,
         use_rope: bool = False,
-        device=None,
-        dtype=None,
+        device: Device = None,
+        dtype: torch.dtype | None = None,
     ):
         super().__init__()
         checks.readout(readout)
@@ -342,27 +398,33 @@ class InterdomainAttention(nn.Module):
     @classmethod
     def from_reference_params(
         cls,
-        params: dict,
+        params: Mapping[str, object],
         *,
         readout: str = "linear",
         use_rope: bool = False,
-        device=None,
-        dtype=None,
+        device: Device = None,
+        dtype: torch.dtype | None = None,
     ) -> InterdomainAttention:
         """A layer holding ``params`` (the dict of ``init_interdomain_params``; with "wg" the
         output gate is on)."""
         missing = sorted(set(INTERDOMAIN_PARAMETER_SCHEMA) - {"wg"} - set(params))
         if missing:
             raise ValueError(f"params: missing {missing}; see PARAMETER_SCHEMA")
-        H, R = np.shape(params["norm_k_g"])
+        tensors = _tensors(params, [n for n in INTERDOMAIN_PARAMETER_SCHEMA if n in params])
+        H, R = tensors["norm_k_g"].shape
+        dv, M = tensors["norm_v_g"].shape[1], tensors["a_log"].shape[1]
         layer = cls(
-            np.shape(params["wq"])[0], H, R, np.shape(params["norm_v_g"])[1],
-            np.shape(params["a_log"])[1], readout=readout, gate="wg" in params,
-            use_rope=use_rope, device="meta",
-        )  # fmt: skip
-        for name, shape in layer.parameter_shapes().items():
-            dt = dtype or (params[name].dtype if isinstance(params[name], Tensor) else None)
-            setattr(layer, name, _param(params[name], shape, name, device, dt))
+            tensors["wq"].shape[0],
+            H,
+            R,
+            dv,
+            M,
+            readout=readout,
+            gate="wg" in params,
+            use_rope=use_rope,
+            device="meta",
+        )
+        _load(layer, tensors, layer.parameter_shapes(), device, dtype)
         return layer
 
     def ssm_parameters(self) -> tuple[Tensor, Tensor, Tensor]:
@@ -377,7 +439,9 @@ class InterdomainAttention(nn.Module):
         c = torch.stack([self.c_re, self.c_im], dim=-1).to(wide)
         return lam, b, c
 
-    def _features(self, x: Tensor, q: Tensor, k: Tensor, positions: Tensor):
+    def _features(
+        self, x: Tensor, q: Tensor, k: Tensor, positions: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """(I9), (I10) from the convolved projections q, k [B, T, H R]: fq, kt, vt [B, T, H, .]."""
         B, T, _ = x.shape
         H, R, dv = self.n_heads, self.head_dim, self.value_dim
@@ -396,7 +460,9 @@ class InterdomainAttention(nn.Module):
             o = F.silu(x @ self.wg) * o
         return o @ self.wo
 
-    def forward(self, x: Tensor, *, cu_seqlens: Tensor | None = None, impl=None) -> Tensor:
+    def forward(
+        self, x: Tensor, *, cu_seqlens: Tensor | None = None, impl: str | None = None
+    ) -> Tensor:
         """x [B, T, d] -> y [B, T, d]; packed sequences by ``cu_seqlens`` (B = 1), each with
         its own conv window, positions and zero initial state. Time O(B T (d H (R + dv) +
         H (L M + M (R + dv + M)))) with S4D chunks of L; state size independent of T."""
@@ -406,9 +472,14 @@ class InterdomainAttention(nn.Module):
         k = short_conv(x @ self.wk, self.conv_k, positions)
         fq, kt, vt = self._features(x, q, k, positions)
         o, _ = s4d_pairs(
-            fq, kt, vt, *self.ssm_parameters(), readout=self.readout, cu_seqlens=cu_seqlens,
+            fq,
+            kt,
+            vt,
+            *self.ssm_parameters(),
+            readout=self.readout,
+            cu_seqlens=cu_seqlens,
             impl=impl,
-        )  # fmt: skip
+        )
         return self._output(x, o)
 
     def new_cache(self) -> InterdomainLayerState:
@@ -431,7 +502,7 @@ class InterdomainAttention(nn.Module):
             weights = getattr(self, f"conv_{name}").flip(0)  # w_s multiplies x_{t-s}
             qk.append((window * weights).sum(dim=1, keepdim=True))  # (I8)
             setattr(state, f"conv_{name}", window[:, 1:])
-        fq, kt, vt = self._features(x, *qk, positions)
+        fq, kt, vt = self._features(x, qk[0], qk[1], positions)
         o = state.ssm.step(fq[:, 0], kt[:, 0], vt[:, 0])
         state.position += 1
         return self._output(x[:, 0], o)

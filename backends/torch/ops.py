@@ -19,6 +19,7 @@ float32-or-wider dtype, and nothing inside the op is autocast again.
 """
 
 import importlib
+from typing import Any, Literal, overload
 
 import torch
 from torch import Tensor
@@ -91,7 +92,7 @@ def _autocast(*xs: Tensor) -> tuple[Tensor, ...]:
     return tuple(x if x.dtype == torch.float64 else x.to(dtype) for x in xs)
 
 
-def _no_autocast(x: Tensor):
+def _no_autocast(x: Tensor) -> torch.autocast:
     return torch.autocast(x.device.type, enabled=False)
 
 
@@ -109,7 +110,16 @@ def _empty(x: Tensor) -> Tensor:
     schema="(Tensor q, Tensor k, Tensor v, Tensor field, Tensor level, float scale, "
     "Tensor? cu_seqlens, str impl) -> (Tensor, Tensor)",
 )
-def _fpa_fwd(q, k, v, field, level, scale, cu_seqlens, impl):
+def _fpa_fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    field: Tensor,
+    level: Tensor,
+    scale: float,
+    cu_seqlens: Tensor | None,
+    impl: str,
+) -> tuple[Tensor, Tensor]:
     checks.finite("field", field)
     checks.finite("level", level)
     if cu_seqlens is not None:
@@ -119,7 +129,16 @@ def _fpa_fwd(q, k, v, field, level, scale, cu_seqlens, impl):
 
 
 @_fpa_fwd.register_fake
-def _(q, k, v, field, level, scale, cu_seqlens, impl):
+def _(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    field: Tensor,
+    level: Tensor,
+    scale: float,
+    cu_seqlens: Tensor | None,
+    impl: str,
+) -> tuple[Tensor, Tensor]:
     B, T, HQ, _ = q.shape
     return q.new_empty(B, T, HQ, v.shape[3]), field.new_empty(B, T, HQ)
 
@@ -131,24 +150,50 @@ def _(q, k, v, field, level, scale, cu_seqlens, impl):
     "Tensor do, Tensor? dlse, float scale, Tensor? cu_seqlens, str impl) "
     "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
 )
-def _fpa_bwd(q, k, v, field, level, o, lse, do, dlse, scale, cu_seqlens, impl):
+def _fpa_bwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    field: Tensor,
+    level: Tensor,
+    o: Tensor,
+    lse: Tensor,
+    do: Tensor,
+    dlse: Tensor | None,
+    scale: float,
+    cu_seqlens: Tensor | None,
+    impl: str,
+) -> tuple[Tensor, ...]:
     with _no_autocast(q):
         kernel = dispatch.lookup("fpa_bwd", impl)
         return tuple(kernel(q, k, v, field, level, o, lse, do, dlse, scale, cu_seqlens))
 
 
 @_fpa_bwd.register_fake
-def _(q, k, v, field, level, o, lse, do, dlse, scale, cu_seqlens, impl):
+def _(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    field: Tensor,
+    level: Tensor,
+    o: Tensor,
+    lse: Tensor,
+    do: Tensor,
+    dlse: Tensor | None,
+    scale: float,
+    cu_seqlens: Tensor | None,
+    impl: str,
+) -> tuple[Tensor, ...]:
     return _empty(q), _empty(k), _empty(v), _empty(field), _empty(level)
 
 
-def _fpa_setup(ctx, inputs, output):
+def _fpa_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
     q, k, v, field, level, scale, cu_seqlens, impl = inputs
     ctx.save_for_backward(q, k, v, field, level, *output, cu_seqlens)
     ctx.scale, ctx.impl = scale, impl
 
 
-def _fpa_backward(ctx, do, dlse):
+def _fpa_backward(ctx: Any, do: Tensor, dlse: Tensor) -> tuple[Tensor | None, ...]:
     q, k, v, field, level, o, lse, cu_seqlens = ctx.saved_tensors
     impl = _backward_impl("fpa_bwd", ctx.impl)
     grads = _fpa_bwd(
@@ -169,6 +214,36 @@ def _fpa_backward(ctx, do, dlse):
 
 
 _fpa_fwd.register_autograd(_fpa_backward, setup_context=_fpa_setup)
+
+
+@overload
+def fpa_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    field: Tensor,
+    level: Tensor,
+    *,
+    scale: float | None = ...,
+    cu_seqlens: Tensor | None = ...,
+    return_lse: Literal[False] = ...,
+    impl: str | None = ...,
+) -> Tensor: ...
+
+
+@overload
+def fpa_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    field: Tensor,
+    level: Tensor,
+    *,
+    scale: float | None = ...,
+    cu_seqlens: Tensor | None = ...,
+    return_lse: Literal[True],
+    impl: str | None = ...,
+) -> tuple[Tensor, Tensor]: ...
 
 
 def fpa_attention(
@@ -233,7 +308,15 @@ def fpa_attention(
     schema="(Tensor q, Tensor k, Tensor v, Tensor log_f, float scale, Tensor? cu_seqlens, "
     "str impl) -> (Tensor, Tensor)",
 )
-def _fox_fwd(q, k, v, log_f, scale, cu_seqlens, impl):
+def _fox_fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    log_f: Tensor,
+    scale: float,
+    cu_seqlens: Tensor | None,
+    impl: str,
+) -> tuple[Tensor, Tensor]:
     checks.log_gates(log_f)
     if cu_seqlens is not None:
         checks.cu_seqlens_values(cu_seqlens, q.shape[1])
@@ -242,7 +325,15 @@ def _fox_fwd(q, k, v, log_f, scale, cu_seqlens, impl):
 
 
 @_fox_fwd.register_fake
-def _(q, k, v, log_f, scale, cu_seqlens, impl):
+def _(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    log_f: Tensor,
+    scale: float,
+    cu_seqlens: Tensor | None,
+    impl: str,
+) -> tuple[Tensor, Tensor]:
     B, T, HQ, _ = q.shape
     return q.new_empty(B, T, HQ, v.shape[3]), log_f.new_empty(B, T, HQ)
 
@@ -253,24 +344,48 @@ def _(q, k, v, log_f, scale, cu_seqlens, impl):
     schema="(Tensor q, Tensor k, Tensor v, Tensor log_f, Tensor o, Tensor lse, Tensor do, "
     "Tensor? dlse, float scale, Tensor? cu_seqlens, str impl) -> (Tensor, Tensor, Tensor, Tensor)",
 )
-def _fox_bwd(q, k, v, log_f, o, lse, do, dlse, scale, cu_seqlens, impl):
+def _fox_bwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    log_f: Tensor,
+    o: Tensor,
+    lse: Tensor,
+    do: Tensor,
+    dlse: Tensor | None,
+    scale: float,
+    cu_seqlens: Tensor | None,
+    impl: str,
+) -> tuple[Tensor, ...]:
     with _no_autocast(q):
         kernel = dispatch.lookup("fox_bwd", impl)
         return tuple(kernel(q, k, v, log_f, o, lse, do, dlse, scale, cu_seqlens))
 
 
 @_fox_bwd.register_fake
-def _(q, k, v, log_f, o, lse, do, dlse, scale, cu_seqlens, impl):
+def _(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    log_f: Tensor,
+    o: Tensor,
+    lse: Tensor,
+    do: Tensor,
+    dlse: Tensor | None,
+    scale: float,
+    cu_seqlens: Tensor | None,
+    impl: str,
+) -> tuple[Tensor, ...]:
     return _empty(q), _empty(k), _empty(v), _empty(log_f)
 
 
-def _fox_setup(ctx, inputs, output):
+def _fox_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
     q, k, v, log_f, scale, cu_seqlens, impl = inputs
     ctx.save_for_backward(q, k, v, log_f, *output, cu_seqlens)
     ctx.scale, ctx.impl = scale, impl
 
 
-def _fox_backward(ctx, do, dlse):
+def _fox_backward(ctx: Any, do: Tensor, dlse: Tensor) -> tuple[Tensor | None, ...]:
     q, k, v, log_f, o, lse, cu_seqlens = ctx.saved_tensors
     impl = _backward_impl("fox_bwd", ctx.impl)
     grads = _fox_bwd(
@@ -333,7 +448,18 @@ def _s4d_state_channels(R: int, V: int, readout: str) -> int:
     schema="(Tensor fq, Tensor kt, Tensor vt, Tensor lam, Tensor b, Tensor c, str readout, "
     "Tensor? cu_seqlens, Tensor? initial_state, str impl) -> (Tensor, Tensor)",
 )
-def _s4d_fwd(fq, kt, vt, lam, b, c, readout, cu_seqlens, initial_state, impl):
+def _s4d_fwd(
+    fq: Tensor,
+    kt: Tensor,
+    vt: Tensor,
+    lam: Tensor,
+    b: Tensor,
+    c: Tensor,
+    readout: str,
+    cu_seqlens: Tensor | None,
+    initial_state: Tensor | None,
+    impl: str,
+) -> tuple[Tensor, Tensor]:
     for name, x in (("lam", lam), ("b", b), ("c", c)):
         checks.finite(name, x)
     checks.decays(lam)
@@ -345,7 +471,18 @@ def _s4d_fwd(fq, kt, vt, lam, b, c, readout, cu_seqlens, initial_state, impl):
 
 
 @_s4d_fwd.register_fake
-def _(fq, kt, vt, lam, b, c, readout, cu_seqlens, initial_state, impl):
+def _(
+    fq: Tensor,
+    kt: Tensor,
+    vt: Tensor,
+    lam: Tensor,
+    b: Tensor,
+    c: Tensor,
+    readout: str,
+    cu_seqlens: Tensor | None,
+    initial_state: Tensor | None,
+    impl: str,
+) -> tuple[Tensor, Tensor]:
     B, T, H, R = fq.shape
     V, M = vt.shape[3], lam.shape[1]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
@@ -360,7 +497,20 @@ def _(fq, kt, vt, lam, b, c, readout, cu_seqlens, initial_state, impl):
     "Tensor? cu_seqlens, Tensor? initial_state, Tensor do, Tensor? dfinal_state, str impl) "
     "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
 )
-def _s4d_bwd(fq, kt, vt, lam, b, c, readout, cu_seqlens, initial_state, do, dfinal_state, impl):
+def _s4d_bwd(
+    fq: Tensor,
+    kt: Tensor,
+    vt: Tensor,
+    lam: Tensor,
+    b: Tensor,
+    c: Tensor,
+    readout: str,
+    cu_seqlens: Tensor | None,
+    initial_state: Tensor | None,
+    do: Tensor,
+    dfinal_state: Tensor | None,
+    impl: str,
+) -> tuple[Tensor, ...]:
     with _no_autocast(fq):
         kernel = dispatch.lookup("s4d_bwd", impl)
         *grads, d_initial = kernel(
@@ -371,18 +521,31 @@ def _s4d_bwd(fq, kt, vt, lam, b, c, readout, cu_seqlens, initial_state, do, dfin
 
 
 @_s4d_bwd.register_fake
-def _(fq, kt, vt, lam, b, c, readout, cu_seqlens, initial_state, do, dfinal_state, impl):
+def _(
+    fq: Tensor,
+    kt: Tensor,
+    vt: Tensor,
+    lam: Tensor,
+    b: Tensor,
+    c: Tensor,
+    readout: str,
+    cu_seqlens: Tensor | None,
+    initial_state: Tensor | None,
+    do: Tensor,
+    dfinal_state: Tensor | None,
+    impl: str,
+) -> tuple[Tensor, ...]:
     d_initial = lam.new_empty(0) if initial_state is None else _empty(initial_state)
     return _empty(fq), _empty(kt), _empty(vt), _empty(lam), _empty(b), _empty(c), d_initial
 
 
-def _s4d_setup(ctx, inputs, output):
+def _s4d_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
     fq, kt, vt, lam, b, c, readout, cu_seqlens, initial_state, impl = inputs
     ctx.save_for_backward(fq, kt, vt, lam, b, c, cu_seqlens, initial_state)
     ctx.readout, ctx.impl = readout, impl
 
 
-def _s4d_backward(ctx, do, dfinal_state):
+def _s4d_backward(ctx: Any, do: Tensor, dfinal_state: Tensor) -> tuple[Tensor | None, ...]:
     fq, kt, vt, lam, b, c, cu_seqlens, initial_state = ctx.saved_tensors
     impl = _backward_impl("s4d_bwd", ctx.impl)
     *grads, d_initial = _s4d_bwd(
@@ -451,6 +614,40 @@ def s4d_pairs(
     )
 
 
+@overload
+def interdomain_s4d(
+    fq: Tensor,
+    kt: Tensor,
+    vt: Tensor,
+    lam: Tensor,
+    b: Tensor,
+    c: Tensor,
+    *,
+    readout: str = ...,
+    cu_seqlens: Tensor | None = ...,
+    initial_state: Tensor | None = ...,
+    output_final_state: Literal[False] = ...,
+    impl: str | None = ...,
+) -> Tensor: ...
+
+
+@overload
+def interdomain_s4d(
+    fq: Tensor,
+    kt: Tensor,
+    vt: Tensor,
+    lam: Tensor,
+    b: Tensor,
+    c: Tensor,
+    *,
+    readout: str = ...,
+    cu_seqlens: Tensor | None = ...,
+    initial_state: Tensor | None = ...,
+    output_final_state: Literal[True],
+    impl: str | None = ...,
+) -> tuple[Tensor, Tensor]: ...
+
+
 def interdomain_s4d(
     fq: Tensor,
     kt: Tensor,
@@ -471,7 +668,7 @@ def interdomain_s4d(
         fq: [B, T, H, R] query features xi(q); kt: [B, T, H, R] SSM key inputs k~;
             vt: [B, T, H, V] SSM value inputs v~. One float dtype of float64, float32, float16,
             bfloat16.
-        lam, b: [H, M] complex; c: [H, M, M] complex (complex64 or complex128; 0 < |lam| <= 1).
+        lam, b: [H, M] complex; c: [H, M, M] complex (complex64 or complex128; |lam| <= 1).
             Gradients are dL/dRe + i dL/dIm, the reference's convention.
         readout: "linear" (denominator-free, I13) or "ratio".
         cu_seqlens: int32/int64 offsets [N + 1] of N packed sequences (B = 1), each started
@@ -519,7 +716,9 @@ def interdomain_s4d(
     mutates_args=(),
     schema="(Tensor fq, Tensor fk, Tensor v, int M, Tensor? cu_seqlens, str impl) -> Tensor",
 )
-def _legs_fwd(fq, fk, v, M, cu_seqlens, impl):
+def _legs_fwd(
+    fq: Tensor, fk: Tensor, v: Tensor, M: int, cu_seqlens: Tensor | None, impl: str
+) -> Tensor:
     if cu_seqlens is not None:
         checks.cu_seqlens_values(cu_seqlens, fq.shape[1])
     with _no_autocast(fq):
@@ -527,7 +726,7 @@ def _legs_fwd(fq, fk, v, M, cu_seqlens, impl):
 
 
 @_legs_fwd.register_fake
-def _(fq, fk, v, M, cu_seqlens, impl):
+def _(fq: Tensor, fk: Tensor, v: Tensor, M: int, cu_seqlens: Tensor | None, impl: str) -> Tensor:
     return _empty(v)
 
 
@@ -537,23 +736,27 @@ def _(fq, fk, v, M, cu_seqlens, impl):
     schema="(Tensor fq, Tensor fk, Tensor v, int M, Tensor? cu_seqlens, Tensor do, str impl) "
     "-> (Tensor, Tensor, Tensor)",
 )
-def _legs_bwd(fq, fk, v, M, cu_seqlens, do, impl):
+def _legs_bwd(
+    fq: Tensor, fk: Tensor, v: Tensor, M: int, cu_seqlens: Tensor | None, do: Tensor, impl: str
+) -> tuple[Tensor, ...]:
     with _no_autocast(fq):
         return tuple(dispatch.lookup("legs_bwd", impl)(fq, fk, v, M, cu_seqlens, do))
 
 
 @_legs_bwd.register_fake
-def _(fq, fk, v, M, cu_seqlens, do, impl):
+def _(
+    fq: Tensor, fk: Tensor, v: Tensor, M: int, cu_seqlens: Tensor | None, do: Tensor, impl: str
+) -> tuple[Tensor, ...]:
     return _empty(fq), _empty(fk), _empty(v)
 
 
-def _legs_setup(ctx, inputs, output):
+def _legs_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
     fq, fk, v, M, cu_seqlens, impl = inputs
     ctx.save_for_backward(fq, fk, v, cu_seqlens)
     ctx.M, ctx.impl = M, impl
 
 
-def _legs_backward(ctx, do):
+def _legs_backward(ctx: Any, do: Tensor) -> tuple[Tensor | None, ...]:
     fq, fk, v, cu_seqlens = ctx.saved_tensors
     impl = _backward_impl("legs_bwd", ctx.impl)
     grads = _legs_bwd(fq, fk, v, ctx.M, cu_seqlens, do.contiguous(), impl)
