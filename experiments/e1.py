@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from attnspec.reference import fpa as reference
 
@@ -36,7 +38,7 @@ OPEN, CLOSE = 0, 1  # token ids; symbols are 2 .. 2 + S - 1
 MODELS = ("fpa", "fox", "softmax_alibi", "softmax_rope")
 SUCCESS_ACCURACY = 0.99
 
-SETTINGS = {
+SETTINGS: dict[str, dict[str, Any]] = {
     "full": {
         "T": 48,
         "n_symbols": 8,
@@ -140,8 +142,8 @@ def learned_live_sets(model: TinyModel, tokens: torch.Tensor, visible: np.ndarra
     an answer), and a row counts as separable when every visible key has a smaller depth than
     every hidden one.
     """
-    block = model.blocks[0]
-    layer = block.mixer
+    block = model.layers()[0]
+    layer = block.fpa()
     with torch.no_grad():
         h = block.norm1(model.embed.weight)  # every token type: [vocab, d]
         delta = (h @ layer.w_delta + layer.b_delta)[:, 0].double().numpy()  # head 0
@@ -168,8 +170,8 @@ def learned_live_sets(model: TinyModel, tokens: torch.Tensor, visible: np.ndarra
 def attention_map(model: TinyModel, tokens: torch.Tensor) -> np.ndarray:
     """FPA's attention weights p_ij (F4) for one sequence [1, T], from the reference op on the
     layer's own q, k, field and level (head 0): [T, T]."""
-    block = model.blocks[0]
-    layer = block.mixer
+    block = model.layers()[0]
+    layer = block.fpa()
     with torch.no_grad():
         h = block.norm1(model.embed(tokens))[0].double()  # [T, d]
         q = (h @ layer.wq.double())[:, : layer.head_dim].numpy()
@@ -214,7 +216,9 @@ def run(setting: str, progress: harness.Progress) -> dict:
                 readout_hidden=cfg["readout_hidden"],
             )
 
-            def batch_loss(model, step, data_rng=data_rng):
+            def batch_loss(
+                model: nn.Module, step: int, data_rng: np.random.Generator = data_rng
+            ) -> torch.Tensor:
                 tokens = bracket_sequences(data_rng, cfg["batch"], **data_cfg)
                 targets = visible_symbols(tokens, scope_sets(tokens), cfg["n_symbols"])
                 logits = model(torch.from_numpy(tokens))

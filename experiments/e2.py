@@ -19,10 +19,14 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+from attnspec.backends.torch import FPADecodeCache
 
 from . import harness
 from .models import TinyModel, parameter_count
@@ -31,7 +35,7 @@ from .training import seed_everything, train
 N_DIGITS_VOCAB = 10  # tokens 0..9 are digits
 MODELS = ("fpa", "fox", "softmax_rope")
 
-SETTINGS = {
+SETTINGS: dict[str, dict[str, Any]] = {
     "full": {
         "L": 64,
         "multiples": [1, 2, 4, 8],
@@ -77,7 +81,9 @@ def vocabulary(cfg: dict) -> dict[str, int]:
     return {"first_word": N_DIGITS_VOCAB, "key": words, "query": words + 1, "size": words + 2}
 
 
-def passkey_sequences(rng: np.random.Generator, n: int, length: int, cfg: dict):
+def passkey_sequences(
+    rng: np.random.Generator, n: int, length: int, cfg: dict[str, Any]
+) -> tuple[np.ndarray, np.ndarray]:
     """n sequences [n, length] and their passkeys [n, n_digits].
 
     Layout: filler with "KEY d_1 .. d_k" at a uniform random position, then "QUERY d_1 .. d_k"
@@ -112,6 +118,14 @@ def retrieval_accuracy(logits: torch.Tensor, passkeys: torch.Tensor) -> float:
     return float((predicted == passkeys).all(dim=1).float().mean())
 
 
+def kept_by_head(cache: FPADecodeCache, batch: int) -> list[float]:
+    """Each head's largest live-key count over the tokens, divided by the tokens, averaged over
+    the ``batch`` sequences of an (F7) cache: [heads]."""
+    if cache.peak is None:
+        raise ValueError("cache: expected a cache that has seen tokens, it is empty")
+    return (cache.peak.reshape(batch, -1).double().mean(0) / cache.steps).tolist()
+
+
 def evaluate(
     model: TinyModel, tokens: np.ndarray, passkeys: np.ndarray, theta: float | None, chunk: int = 64
 ) -> tuple[float, np.ndarray | None]:
@@ -128,13 +142,7 @@ def evaluate(
             correct.append(retrieval_accuracy(logits, torch.from_numpy(passkeys[i : i + chunk])))
             sizes.append(len(x))
             if caches is not None:
-                peaks = [c.attention.peak.reshape(len(x), -1).double() for c in caches]
-                kept.append(
-                    [
-                        (p.mean(0) / c.attention.steps).tolist()
-                        for p, c in zip(peaks, caches, strict=True)
-                    ]
-                )
+                kept.append([kept_by_head(c.attention, len(x)) for c in caches])
     accuracy = float(np.average(correct, weights=sizes))
     return accuracy, (np.average(kept, axis=0, weights=sizes) if kept else None)
 
@@ -170,7 +178,9 @@ def run(setting: str, progress: harness.Progress) -> dict:
                 mlp_hidden=cfg["mlp_hidden"],
             )
 
-            def batch_loss(model, step, data_rng=data_rng):
+            def batch_loss(
+                model: nn.Module, step: int, data_rng: np.random.Generator = data_rng
+            ) -> torch.Tensor:
                 tokens, passkeys = passkey_sequences(data_rng, cfg["batch"], cfg["L"], cfg)
                 logits = answer_logits(model(torch.from_numpy(tokens)), k)
                 return F.cross_entropy(
@@ -193,7 +203,8 @@ def run(setting: str, progress: harness.Progress) -> dict:
             kept: dict = {}
             for theta, n in evaluations:
                 key = "none" if theta is None else f"{theta:g}"
-                acc, by_head = evaluate(model, *tests[n], theta)
+                tokens, passkeys = tests[n]
+                acc, by_head = evaluate(model, tokens, passkeys, theta)
                 accuracy.setdefault(key, []).append(acc)
                 if by_head is not None:
                     kept.setdefault(key, []).append(by_head)

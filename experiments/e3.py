@@ -23,14 +23,19 @@ Run: ``python -m attnspec.experiments.e3 [--quick]``.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import sys
 import sysconfig
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+from attnspec.backends.torch import InterdomainAttention
 
 from . import harness
 from .models import TinyModel, matched_mlp_hidden, parameter_count
@@ -57,7 +62,7 @@ COMPARISONS = (
 )
 VALIDATION_HASH_BYTE = 26  # a file whose path hash starts below this validates: ~10%
 
-SETTINGS = {
+SETTINGS: dict[str, dict[str, Any]] = {
     "full": {
         "L": 128,
         "eval_multiple": 4,
@@ -220,8 +225,10 @@ def time_constants(model: TinyModel) -> list[list[list[float]]]:
     -1 / log|Lambda| = 1 / (dt exp(a_log)) (I11): [layers][heads][2]."""
     out = []
     with torch.no_grad():
-        for block in model.blocks:
+        for block in model.layers():
             mixer = block.mixer
+            if not isinstance(mixer, InterdomainAttention):
+                raise ValueError(f"model: expected Interdomain layers, got {type(mixer).__name__}")
             tau = 1.0 / (torch.exp(mixer.log_dt)[:, None] * torch.exp(mixer.a_log))  # [H, M]
             out.append([[round(float(t.min()), 1), round(float(t.max()), 1)] for t in tau])
     return out
@@ -258,8 +265,7 @@ def run(setting: str, progress: harness.Progress) -> dict:
     base = {name: parameter_count(model_for(name, cfg, cfg["mlp_hidden_base"])) for name in MODELS}
     target = max(base.values())
     hidden = {
-        name: matched_mlp_hidden(lambda h, name=name: model_for(name, cfg, h), target)
-        for name in MODELS
+        name: matched_mlp_hidden(functools.partial(model_for, name, cfg), target) for name in MODELS
     }
     results: dict = {
         "corpus": corpus,
@@ -274,7 +280,9 @@ def run(setting: str, progress: harness.Progress) -> dict:
             seed_everything(seed)
             model = model_for(name, cfg, hidden[name])
 
-            def batch_loss(model, step, data_rng=data_rng):
+            def batch_loss(
+                model: nn.Module, step: int, data_rng: np.random.Generator = data_rng
+            ) -> torch.Tensor:
                 starts = data_rng.integers(0, len(train_data) - L - 1, size=cfg["batch"])
                 x = windows(train_data, starts, L + 1)
                 logits = model(x[:, :-1])

@@ -20,6 +20,10 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, TextIO
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 # In a clone the committed full-setting results live beside the code and the figures in the docs.
@@ -47,7 +51,7 @@ class Progress:
     On a terminal it redraws in place; elsewhere (CI logs) it prints a line at every tenth.
     """
 
-    def __init__(self, stream=None, width: int = 24):
+    def __init__(self, stream: TextIO | None = None, width: int = 24):
         self.stream = stream or sys.stderr
         self.width = width
         self.tty = self.stream.isatty()
@@ -236,7 +240,7 @@ def main(
     return 0
 
 
-def pyplot():
+def pyplot() -> Any:
     """matplotlib's pyplot on the Agg backend (files only, no display)."""
     import matplotlib
 
@@ -246,7 +250,7 @@ def pyplot():
     return plt
 
 
-def save(fig, path: Path) -> None:
+def save(fig: Figure, path: Path) -> None:
     """Write ``fig`` as a PNG at ``path`` and close it."""
     import matplotlib.pyplot as plt
 

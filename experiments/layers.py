@@ -71,8 +71,13 @@ class QueryFreeInterdomain(InterdomainAttention):
             del self.wk, self.conv_k
             self.key = nn.Parameter(torch.randn(n_heads * head_dim))
 
-    def forward(self, x: Tensor) -> Tensor:
-        """x [B, T, d] -> y [B, T, d]."""
+    def forward(
+        self, x: Tensor, *, cu_seqlens: Tensor | None = None, impl: str | None = None
+    ) -> Tensor:
+        """x [B, T, d] -> y [B, T, d]; ``impl`` as the parent's (packed sequences are not
+        supported: ``cu_seqlens`` must be None)."""
+        if cu_seqlens is not None:
+            raise ValueError("cu_seqlens: expected None, the query-free layer has no packed form")
         B, T, _ = x.shape
         positions = torch.arange(T, device=x.device)
         q = self.query.expand(B, T, -1)  # the same "query" at every token
@@ -81,7 +86,8 @@ class QueryFreeInterdomain(InterdomainAttention):
         else:
             k = self.key.expand(B, T, -1)
         fq, kt, vt = self._features(x, q, k, positions)  # (I9), (I10)
-        o, _ = s4d_pairs(fq, kt, vt, *self.ssm_parameters(), readout=self.readout)  # (I11)-(I13)
+        lam, b, c = self.ssm_parameters()
+        o, _ = s4d_pairs(fq, kt, vt, lam, b, c, readout=self.readout, impl=impl)  # (I11)-(I13)
         return self._output(x, o)
 
 

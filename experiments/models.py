@@ -22,12 +22,14 @@ Mixers by name:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnspec.backends.torch import FirstPassageAttention, InterdomainAttention
-from attnspec.backends.torch.modules import rope
+from attnspec.backends.torch.modules import FPALayerCache, rope
 
 from .layers import ForgettingAttention, QueryFreeInterdomain, fox_initialised_fpa, projection
 
@@ -55,6 +57,8 @@ class SoftmaxAttention(nn.Module):
     ``position="alibi"`` adds -slope_h (i - j) to the logits; ``"rope"`` rotates q and k
     (halves rotated, base 10000). Time O(B H T^2 dk), memory O(B H T^2) for the ALiBi bias.
     """
+
+    slopes: Tensor
 
     def __init__(self, d_model: int, n_heads: int, head_dim: int, position: str):
         super().__init__()
@@ -116,7 +120,7 @@ class Block(nn.Module):
         super().__init__()
         self.mixer = mixer
         self.norm1 = nn.RMSNorm(d_model)
-        self.mlp = None
+        self.mlp: nn.Sequential | None = None
         if mlp_hidden > 0:
             self.norm2 = nn.RMSNorm(d_model)
             self.mlp = nn.Sequential(
@@ -125,13 +129,22 @@ class Block(nn.Module):
                 nn.Linear(mlp_hidden, d_model, bias=False),
             )
 
-    def forward(self, x: Tensor, cache=None) -> Tensor:
-        """x [B, T, d] -> [B, T, d]; with ``cache`` the mixer runs as a decode prefill."""
+    def forward(self, x: Tensor, cache: FPALayerCache | None = None) -> Tensor:
+        """x [B, T, d] -> [B, T, d]; with ``cache`` the (FPA) mixer runs as a decode prefill."""
         h = self.norm1(x)
-        x = x + (self.mixer(h) if cache is None else self.mixer.prefill(h, cache))
+        if cache is None:
+            x = x + self.mixer(h)
+        else:
+            x = x + self.fpa().prefill(h, cache)
         if self.mlp is not None:
             x = x + self.mlp(self.norm2(x))
         return x
+
+    def fpa(self) -> FirstPassageAttention:
+        """The mixer, which must be an FPA layer (ValueError otherwise)."""
+        if not isinstance(self.mixer, FirstPassageAttention):
+            raise ValueError(f"mixer: expected an FPA layer, got {type(self.mixer).__name__}")
+        return self.mixer
 
 
 class TinyModel(nn.Module):
@@ -163,6 +176,7 @@ class TinyModel(nn.Module):
             for _ in range(n_layers)
         )
         self.norm = nn.RMSNorm(d_model)
+        self.readout: nn.Module
         if readout_hidden > 0:
             self.readout = nn.Sequential(
                 nn.Linear(d_model, readout_hidden), nn.GELU(), nn.Linear(readout_hidden, n_out)
@@ -170,21 +184,25 @@ class TinyModel(nn.Module):
         else:
             self.readout = nn.Linear(d_model, n_out)
 
-    def forward(self, tokens: Tensor, caches: list | None = None) -> Tensor:
+    def layers(self) -> list[Block]:
+        """The blocks, typed."""
+        return [block for block in self.blocks if isinstance(block, Block)]
+
+    def forward(self, tokens: Tensor, caches: list[FPALayerCache] | None = None) -> Tensor:
         """With ``caches`` (from :meth:`new_caches`) each FPA layer runs as a decode prefill with
         its cache, evicting keys at depth >= theta (F7)."""
         x = self.embed(tokens)
-        for i, block in enumerate(self.blocks):
+        for i, block in enumerate(self.layers()):
             x = block(x, None if caches is None else caches[i])
         return self.readout(self.norm(x))
 
-    def new_caches(self, theta: float) -> list:
+    def new_caches(self, theta: float) -> list[FPALayerCache]:
         """One empty (F7) decode cache per FPA layer, evicting at depth >= ``theta``."""
         if not self.mixer_name.startswith("fpa"):
             raise ValueError(
                 f"mixer: decode caches need 'fpa' layers, this model has {self.mixer_name!r}"
             )
-        return [block.mixer.new_cache(theta=theta) for block in self.blocks]
+        return [block.fpa().new_cache(theta=theta) for block in self.layers()]
 
 
 def parameter_count(model: nn.Module) -> int:
@@ -192,7 +210,7 @@ def parameter_count(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def matched_mlp_hidden(build, target: int) -> int:
+def matched_mlp_hidden(build: Callable[[int], nn.Module], target: int) -> int:
     """The MLP width h that brings ``build(h)``'s parameter count nearest ``target`` (the count
     is linear in h: 2 d_model weights per unit and layer)."""
     one, two = parameter_count(build(1)), parameter_count(build(2))

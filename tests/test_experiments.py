@@ -142,8 +142,9 @@ def test_fox_initialised_fpa_starts_as_fox():
         layer.b_delta.copy_(torch.tensor([1.5, -0.5], dtype=torch.float64))
     x = torch.randn(B, T, d, dtype=torch.float64)
     X = _np(x)
-    q, k, v = (np.swapaxes((X @ _np(w)).reshape(B, T, H, dk), 1, 2) for w in
-               (layer.wq, layer.wk, layer.wv))  # fmt: skip
+    q, k, v = (
+        np.swapaxes((X @ _np(w)).reshape(B, T, H, dk), 1, 2) for w in (layer.wq, layer.wk, layer.wv)
+    )
     gate = X @ _np(layer.w_delta) + _np(layer.b_delta)  # (B, T, H)
     log_f = np.swapaxes(-np.logaddexp(0.0, -gate), 1, 2)  # logsigmoid, (B, H, T)
     o = ref_fpa.fox_attention_direct(q, k, v, log_f)
