@@ -26,7 +26,9 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 PACKAGE_DIR = Path(__file__).resolve().parent
-# In a clone the committed full-setting results live beside the code and the figures in the docs.
+# In a checkout the committed full-setting results live beside the code and the figures in the
+# docs; an installed package (no checkout around it) writes everything under the working folder.
+IN_CHECKOUT = (PACKAGE_DIR.parent / "pyproject.toml").is_file()
 RESULTS_DIR = PACKAGE_DIR / "results"
 FIGURES_DIR = PACKAGE_DIR.parent / "docs" / "figures" / "experiments"
 QUICK_DIR = Path("build") / "experiments"
@@ -151,19 +153,21 @@ def parse_args(name: str, description: str, argv: list[str] | None) -> argparse.
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="the CI smoke setting (about a minute); results go to build/experiments/ by default",
+        help="the CI smoke setting (under a minute); results go to build/experiments/ by default",
     )
     parser.add_argument(
         "--out",
         metavar="DIR",
         type=Path,
-        help=f"where the JSON goes (default: {RESULTS_DIR} for the full setting)",
+        help="where the JSON goes (default: experiments/results/ of the checkout for the full "
+        "setting, else build/experiments/)",
     )
     parser.add_argument(
         "--figures",
         metavar="DIR",
         type=Path,
-        help=f"where the PNG goes (default: {FIGURES_DIR} for the full setting, else --out)",
+        help="where the PNG goes (default: docs/figures/experiments/ of the checkout for the full "
+        "setting, else the JSON's folder)",
     )
     parser.add_argument(
         "--replot",
@@ -200,8 +204,9 @@ def main(
         raise SystemExit(f"--threads: expected an integer >= 1, got {args.threads}")
     torch.set_num_threads(args.threads)
     setting = "quick" if args.quick else "full"
-    out = args.out or (QUICK_DIR if args.quick else RESULTS_DIR)
-    figures = args.figures or (out if args.quick or args.out else FIGURES_DIR)
+    committed = not args.quick and IN_CHECKOUT  # the full setting in a checkout
+    out = args.out or (RESULTS_DIR if committed else QUICK_DIR)
+    figures = args.figures or (FIGURES_DIR if committed and not args.out else out)
     out.mkdir(parents=True, exist_ok=True)
     figures.mkdir(parents=True, exist_ok=True)
     if args.replot:
