@@ -95,16 +95,21 @@ class Progress:
         self.stream.flush()
 
 
+# the files runs write (a run before this one must not mark the code as changed)
+_OUTPUTS = (":(top,exclude)experiments/results", ":(top,exclude)docs/figures/experiments")
+
+
 def source_revision() -> str:
     """The git commit of the code that ran (``+dirty`` with uncommitted changes to tracked
-    files), or "unknown" outside a git checkout."""
+    files other than the experiments' own results and figures), or "unknown" outside a git
+    checkout."""
     try:
         git = ["git", "-C", str(PACKAGE_DIR)]
         head = subprocess.run(
             [*git, "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, check=True
         ).stdout.strip()
         dirty = subprocess.run(
-            [*git, "status", "--porcelain", "--untracked-files=no"],
+            [*git, "status", "--porcelain", "--untracked-files=no", "--", *_OUTPUTS],
             capture_output=True,
             text=True,
             check=True,
