@@ -129,7 +129,7 @@ def _bit(LOG: tl.constexpr, b: tl.constexpr):
     return tl.reshape(tl.arange(0, 2), [1] * (LOG - 1 - b) + [2] + [1] * b)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N_TOK"])
 def _block_minima_kernel(
     field,
     minima,
@@ -142,7 +142,7 @@ def _block_minima_kernel(
     LOG_BT: tl.constexpr,
     WITH_LINKS: tl.constexpr,
 ):
-    """Per position t of a BT tile, for k = 1..LOG_BT (aligned 2^k-blocks of in-tile offsets):
+    """Per position t of a BT tile, for k = 1..LOG_BT (aligned 2^k-minima of in-tile offsets):
     minima[k - 1] = Pre_k = min phi over [block start, t], minima[LOG_BT + k - 1] = Suf_k =
     min phi over (t, block end] (+inf if empty). With WITH_LINKS, for the backward:
     links[0] = last u < t in the tile with phi_u < phi_t (-1: none),
@@ -183,10 +183,36 @@ def _block_minima_kernel(
         tl.store(links + (HQ + hq) * N_TOK + tok, after, mask=ok)
 
 
+@triton.jit(do_not_specialize=["N_TOK"])
+def _block_sums_kernel(
+    log_f,
+    sums,
+    cu_seqlens,
+    tiles,
+    N_TOK,
+    HQ: tl.constexpr,
+    BT: tl.constexpr,
+):
+    """FoX: sums[t] = sum of log f over [start of t's BT tile, t], so that every bias is a
+    difference of sums over at most one tile plus a carried gap sum (float32 stays exact
+    enough at any T)."""
+    tile = tl.program_id(0)
+    hq = tl.program_id(1)
+    seq = tl.load(tiles + 2 * tile)
+    start = tl.load(tiles + 2 * tile + 1) * BT
+    bos = tl.load(cu_seqlens + seq)
+    T = (tl.load(cu_seqlens + seq + 1) - bos).to(tl.int32)
+    r = tl.arange(0, BT)
+    ok = start + r < T
+    tok = bos + start + r
+    g = tl.load(log_f + tok * HQ + hq, mask=ok, other=0.0)
+    tl.store(sums + hq * N_TOK + tok, tl.cumsum(g, 0), mask=ok)
+
+
 @triton.jit
 def _in_tile_segment_min(
     field,
-    minima,
+    blocks,
     tok_q,
     off_q,
     ok_q,
@@ -211,9 +237,9 @@ def _in_tile_segment_min(
     else:
         m = tl.where(off_k[:, None] != off_q[None, :], phi_q[None, :], float("inf"))
     for b in tl.static_range(1, LOG_BT):
-        pre = tl.load(minima + ((b - 1) * HQ + hq) * N_TOK + tok_q, mask=ok_q, other=float("inf"))
+        pre = tl.load(blocks + ((b - 1) * HQ + hq) * N_TOK + tok_q, mask=ok_q, other=float("inf"))
         suf = tl.load(
-            minima + ((LOG_BT + b - 1) * HQ + hq) * N_TOK + tok_k, mask=ok_k, other=float("inf")
+            blocks + ((LOG_BT + b - 1) * HQ + hq) * N_TOK + tok_k, mask=ok_k, other=float("inf")
         )
         if QUERY_AXIS == 0:
             split = (off_q >> b)[:, None] != (off_k >> b)[None, :]
@@ -236,14 +262,14 @@ def _softmax_step(s, v, m_i, l_i, acc, DOT: tl.constexpr, PRECISION: tl.constexp
     return m_new, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N_TOK", "NTILES"])
 def _fwd_kernel(
     q,
     k,
     v,
     field,
     level,
-    minima,
+    blocks,
     o,
     lse,
     consts,
@@ -252,7 +278,7 @@ def _fwd_kernel(
     N_TOK,
     NTILES,
     HQ: tl.constexpr,
-    G: tl.constexpr,
+    G,
     K: tl.constexpr,
     V: tl.constexpr,
     BT: tl.constexpr,
@@ -266,7 +292,7 @@ def _fwd_kernel(
     PRECISION: tl.constexpr,
 ):
     """(F1)-(F5) for one query tile and head; FOX: field holds log f and only the bias is used."""
-    H: tl.constexpr = HQ // G
+    H = HQ // G
     tile = NTILES - 1 - tl.program_id(0)  # the longest query tiles start first
     hq = tl.program_id(1)
     h = hq // G
@@ -286,11 +312,10 @@ def _fwd_kernel(
     b_q = tl.load(q + q_rows * K + dk[None, :], mask=q_ok[:, None] & (dk < K)[None, :], other=0.0)
     b_q = b_q.to(DOT)
     if FOX:
-        g_q = tl.load(field + (bos + iq) * HQ + hq, mask=q_ok, other=0.0)
-        c_q = tl.cumsum(g_q, 0)  # sum of log f over [qs, i]
+        c_q = tl.load(blocks + hq * N_TOK + bos + iq, mask=q_ok, other=0.0)  # log f over [qs, i]
     else:
         b_min = tl.load(  # B_i = Pre at the top level
-            minima + ((LOG_BT - 1) * HQ + hq) * N_TOK + bos + iq, mask=q_ok, other=float("inf")
+            blocks + ((LOG_BT - 1) * HQ + hq) * N_TOK + bos + iq, mask=q_ok, other=float("inf")
         )
     m_i = tl.full([BT], float("-inf"), s2.dtype)
     l_i = tl.zeros([BT], s2.dtype)
@@ -309,12 +334,11 @@ def _fwd_kernel(
         )
         b_s = tl.dot(b_q, b_k.to(DOT), input_precision=PRECISION).to(s2.dtype) * s2
         if FOX:
-            g_k = tl.load(field + (bos + ik) * HQ + hq, mask=k_ok, other=0.0)
-            c_k = tl.sum(tl.where(iq < s, g_q, 0.0), 0) + tl.cumsum(g_k, 0)  # over [qs, j]
+            c_k = tl.load(blocks + hq * N_TOK + bos + ik, mask=k_ok, other=0.0)  # over [qs, j]
             b_s += (c_q[:, None] - c_k[None, :]) * log2e  # (F6) sum of log f over (j, i]
         else:
             m = _in_tile_segment_min(
-                field, minima, bos + iq, r, q_ok, bos + ik, ik - qs, k_ok, hq, N_TOK, HQ, LOG_BT, 0
+                field, blocks, bos + iq, r, q_ok, bos + ik, ik - qs, k_ok, hq, N_TOK, HQ, LOG_BT, 0
             )
             lev = tl.load(level + (bos + ik) * HQ + hq, mask=k_ok, other=0.0)
             b_s -= tl.maximum(lev[None, :] - m, 0.0) * log2e  # (F2)-(F3)
@@ -332,16 +356,17 @@ def _fwd_kernel(
         s = qs - (n + 1) * BS
         ik = s + tl.arange(0, BS)
         if FOX:
-            g_k = tl.load(field + (bos + ik) * HQ + hq)
-            after = tl.sum(g_k, 0) - tl.cumsum(g_k, 0) + gap  # sum over (j, qs)
-            gap += tl.sum(g_k, 0)
+            end = tl.load(blocks + hq * N_TOK + bos + s + BS - 1)  # over [BT tile start, s + BS)
+            start = tl.load(blocks + hq * N_TOK + bos + s - 1, mask=s % BT != 0, other=0.0)
+            after = end - tl.load(blocks + hq * N_TOK + bos + ik) + gap  # sum over (j, qs)
+            gap += end - start
             live = True
         else:
             boundary = ((s + BS) % BT == 0) & (s + BS < qs)  # entering a farther BT key tile
             mid = tl.where(boundary, tl.minimum(mid, cur), mid)
             cur = tl.where(boundary, float("inf"), cur)
             lev = tl.load(level + (bos + ik) * HQ + hq)
-            a = tl.minimum(tl.load(minima + ((2 * LOG_BT - 1) * HQ + hq) * N_TOK + bos + ik), mid)
+            a = tl.minimum(tl.load(blocks + ((2 * LOG_BT - 1) * HQ + hq) * N_TOK + bos + ik), mid)
             live = True
             if SKIP:  # section 7: every pi_ij of the tile is >= theta, for this and later queries
                 live = tl.min(lev, 0) - tl.minimum(tl.minimum(mid, cur), phi_qs) < theta
@@ -366,7 +391,7 @@ def _fwd_kernel(
     tl.store(lse + (bos + iq) * HQ + hq, (m_i + tl.log2(l_safe)) * ln2, mask=q_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N_TOK"])
 def _delta_kernel(
     o,
     do,
@@ -394,14 +419,14 @@ def _delta_kernel(
     tl.store(delta + tok * HQ + hq, d, mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N_TOK", "NTILES", "NT_MAX"])
 def _bwd_dq_kernel(
     q,
     k,
     v,
     field,
     level,
-    minima,
+    blocks,
     links,
     do,
     lse,
@@ -416,7 +441,7 @@ def _bwd_dq_kernel(
     NTILES,
     NT_MAX,
     HQ: tl.constexpr,
-    G: tl.constexpr,
+    G,
     K: tl.constexpr,
     V: tl.constexpr,
     BT: tl.constexpr,
@@ -432,7 +457,7 @@ def _bwd_dq_kernel(
     """(G1) dq for one query tile; (G3) the dfield parts whose argmin lies in this tile (rows
     into B's argmin, the whole diagonal tile) into d_rows, and per gap tile one sum into
     mid_sums. FOX: d_rows = sum_j G_ij."""
-    H: tl.constexpr = HQ // G
+    H = HQ // G
     tile = NTILES - 1 - tl.program_id(0)
     hq = tl.program_id(1)
     h = hq // G
@@ -459,11 +484,10 @@ def _bwd_dq_kernel(
     dq_acc = tl.zeros([BT, BK], s2.dtype)
     d_row = tl.zeros([BT], s2.dtype)
     if FOX:
-        g_q = tl.load(field + tok_q * HQ + hq, mask=q_ok, other=0.0)
-        c_q = tl.cumsum(g_q, 0)
+        c_q = tl.load(blocks + hq * N_TOK + tok_q, mask=q_ok, other=0.0)
     else:
         b_min = tl.load(
-            minima + ((LOG_BT - 1) * HQ + hq) * N_TOK + tok_q, mask=q_ok, other=float("inf")
+            blocks + ((LOG_BT - 1) * HQ + hq) * N_TOK + tok_q, mask=q_ok, other=float("inf")
         )
         before = tl.load(links + hq * N_TOK + tok_q, mask=q_ok, other=-1)
         after = tl.load(links + (HQ + hq) * N_TOK + tok_q, mask=q_ok, other=0)
@@ -482,12 +506,11 @@ def _bwd_dq_kernel(
         )
         b_s = tl.dot(b_q, b_k, input_precision=PRECISION).to(s2.dtype) * s2
         if FOX:
-            g_k = tl.load(field + (bos + ik) * HQ + hq, mask=k_ok, other=0.0)
-            c_k = tl.sum(tl.where(iq < s, g_q, 0.0), 0) + tl.cumsum(g_k, 0)
+            c_k = tl.load(blocks + hq * N_TOK + bos + ik, mask=k_ok, other=0.0)
             b_s += (c_q[:, None] - c_k[None, :]) * log2e
         else:
             m = _in_tile_segment_min(
-                field, minima, tok_q, r, q_ok, bos + ik, ik - qs, k_ok, hq, N_TOK, HQ, LOG_BT, 0
+                field, blocks, tok_q, r, q_ok, bos + ik, ik - qs, k_ok, hq, N_TOK, HQ, LOG_BT, 0
             )
             lev = tl.load(level + (bos + ik) * HQ + hq, mask=k_ok, other=0.0)
             b_s -= tl.maximum(lev[None, :] - m, 0.0) * log2e
@@ -518,9 +541,10 @@ def _bwd_dq_kernel(
         s = qs - (n + 1) * BS
         ik = s + tl.arange(0, BS)
         if FOX:
-            g_k = tl.load(field + (bos + ik) * HQ + hq)
-            after_j = tl.sum(g_k, 0) - tl.cumsum(g_k, 0) + gap
-            gap += tl.sum(g_k, 0)
+            end = tl.load(blocks + hq * N_TOK + bos + s + BS - 1)
+            start = tl.load(blocks + hq * N_TOK + bos + s - 1, mask=s % BT != 0, other=0.0)
+            after_j = end - tl.load(blocks + hq * N_TOK + bos + ik) + gap
+            gap += end - start
         else:
             boundary = ((s + BS) % BT == 0) & (s + BS < qs)
             record = boundary & (cur < mid)  # strict: on ties the later tile keeps the argmin
@@ -530,7 +554,7 @@ def _bwd_dq_kernel(
             cur = tl.where(boundary, float("inf"), cur)
             cur = tl.minimum(cur, tl.min(tl.load(field + (bos + ik) * HQ + hq), 0))
             lev = tl.load(level + (bos + ik) * HQ + hq)
-            a_min = tl.load(minima + ((2 * LOG_BT - 1) * HQ + hq) * N_TOK + bos + ik)  # A_j
+            a_min = tl.load(blocks + ((2 * LOG_BT - 1) * HQ + hq) * N_TOK + bos + ik)  # A_j
             a = tl.minimum(a_min, mid)
         k_rows = (bos + ik) * H + h
         b_k = tl.load(k + k_rows[None, :] * K + dk[:, None], mask=(dk < K)[:, None], other=0.0)
@@ -568,14 +592,14 @@ def _bwd_dq_kernel(
     tl.store(d_rows + tok_q * HQ + hq, d_row, mask=q_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N_TOK"])
 def _bwd_dkv_kernel(
     q,
     k,
     v,
     field,
     level,
-    minima,
+    blocks,
     links,
     do,
     lse,
@@ -589,7 +613,7 @@ def _bwd_dkv_kernel(
     tiles,
     N_TOK,
     HQ: tl.constexpr,
-    G: tl.constexpr,
+    G,
     K: tl.constexpr,
     V: tl.constexpr,
     BT: tl.constexpr,
@@ -603,7 +627,7 @@ def _bwd_dkv_kernel(
 ):
     """(G1) dk, dv for one key tile and query head; (G2) dlevel; (G3) the dfield part whose
     argmin lies in A (columns into A's argmin) into d_cols. FOX: d_cols = sum_i G_ij."""
-    H: tl.constexpr = HQ // G
+    H = HQ // G
     tile = tl.program_id(0)  # the first key tiles have the most query tiles: they start first
     hq = tl.program_id(1)
     h = hq // G
@@ -629,12 +653,13 @@ def _bwd_dkv_kernel(
     dv_acc = tl.zeros([BT, BV], s2.dtype)
     d_col = tl.zeros([BT], s2.dtype)
     if FOX:
-        g_k = tl.load(field + tok_k * HQ + hq, mask=k_ok, other=0.0)
-        c_k = tl.cumsum(g_k, 0)  # sum of log f over [ks, j]
+        c_k = tl.load(blocks + hq * N_TOK + tok_k, mask=k_ok, other=0.0)  # log f over [ks, j]
+        last = bos + tl.minimum(ks + BT, T) - 1
+        after_k = tl.load(blocks + hq * N_TOK + last) - c_k  # over (j, end of the key tile]
     else:
         lev = tl.load(level + tok_k * HQ + hq, mask=k_ok, other=0.0)
         a_min = tl.load(
-            minima + ((2 * LOG_BT - 1) * HQ + hq) * N_TOK + tok_k, mask=k_ok, other=float("inf")
+            blocks + ((2 * LOG_BT - 1) * HQ + hq) * N_TOK + tok_k, mask=k_ok, other=float("inf")
         )
         before = tl.load(links + hq * N_TOK + tok_k, mask=k_ok, other=-1)
         after = tl.load(links + (HQ + hq) * N_TOK + tok_k, mask=k_ok, other=0)
@@ -656,12 +681,11 @@ def _bwd_dkv_kernel(
         b_delta = tl.load(delta + (bos + iq) * HQ + hq, mask=q_ok, other=0.0)
         b_s = tl.dot(b_k, tl.trans(b_q), input_precision=PRECISION).to(s2.dtype) * s2  # [BT, BS]
         if FOX:
-            g_q = tl.load(field + (bos + iq) * HQ + hq, mask=q_ok, other=0.0)
-            c_q = tl.sum(tl.where(ik < s, g_k, 0.0), 0) + tl.cumsum(g_q, 0)  # over [ks, i]
+            c_q = tl.load(blocks + hq * N_TOK + bos + iq, mask=q_ok, other=0.0)  # over [ks, i]
             b_s += (c_q[None, :] - c_k[:, None]) * log2e
         else:
             m = _in_tile_segment_min(
-                field, minima, bos + iq, iq - ks, q_ok, tok_k, r, k_ok, hq, N_TOK, HQ, LOG_BT, 1
+                field, blocks, bos + iq, iq - ks, q_ok, tok_k, r, k_ok, hq, N_TOK, HQ, LOG_BT, 1
             )
             b_s -= tl.maximum(lev[:, None] - m, 0.0) * log2e
         causal = (ik[:, None] <= iq[None, :]) & q_ok[None, :]
@@ -682,9 +706,10 @@ def _bwd_dkv_kernel(
         iq = s + tl.arange(0, BS)
         q_ok = iq < T
         if FOX:
-            g_q = tl.load(field + (bos + iq) * HQ + hq, mask=q_ok, other=0.0)
-            bias = (tl.sum(g_k, 0) - c_k + gap)[:, None] + tl.cumsum(g_q, 0)[None, :]
-            gap += tl.sum(g_q, 0)
+            boundary = (s % BT == 0) & (s > ks + BT)  # a whole query tile joins the gap
+            gap += tl.load(blocks + hq * N_TOK + bos + s - 1, mask=boundary, other=0.0)
+            c_q = tl.load(blocks + hq * N_TOK + bos + iq, mask=q_ok, other=0.0)
+            bias = (after_k + gap)[:, None] + c_q[None, :]  # log f over (j, i]
         else:
             boundary = (s % BT == 0) & (s > ks + BT)  # entering a farther BT query tile
             mid = tl.where(boundary, tl.minimum(mid, cur), mid)
@@ -692,7 +717,7 @@ def _bwd_dkv_kernel(
             phi_q = tl.load(field + (bos + iq) * HQ + hq, mask=q_ok, other=float("inf"))
             cur = tl.minimum(cur, tl.min(phi_q, 0))
             b_min = tl.load(
-                minima + ((LOG_BT - 1) * HQ + hq) * N_TOK + bos + iq, mask=q_ok, other=float("inf")
+                blocks + ((LOG_BT - 1) * HQ + hq) * N_TOK + bos + iq, mask=q_ok, other=float("inf")
             )
             m = tl.minimum(tl.minimum(a_min, mid)[:, None], b_min[None, :])
         q_rows = ((bos + iq) * HQ + hq)[:, None]
@@ -749,7 +774,7 @@ def _bwd_dkv_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N_TOK", "NTILES", "NT_MAX"])
 def _dfield_kernel(
     field,
     d_rows,
@@ -940,7 +965,7 @@ def _resolve_scale(scale, K: int) -> float:
     return float(scale)
 
 
-def _minima(field, cu, tiles, shape: _Layout, BT: int, with_links: bool):
+def _block_minima(field, cu, tiles, shape: _Layout, BT: int, with_links: bool):
     """Pre_k and Suf_k of every BT tile (and the backward's links), see _block_minima_kernel."""
     log_bt = BT.bit_length() - 1
     minima = torch.empty(2 * log_bt, shape.HQ, shape.n_tok, dtype=field.dtype, device=field.device)
@@ -949,6 +974,15 @@ def _minima(field, cu, tiles, shape: _Layout, BT: int, with_links: bool):
         field, minima, links, cu, tiles, shape.n_tok, shape.HQ, BT, log_bt, with_links
     )
     return minima, links
+
+
+def _block_sums(log_f, cu, tiles, shape: _Layout, BT: int):
+    """FoX: cumulative sums of log f local to each BT tile, see _block_sums_kernel."""
+    sums = torch.empty(1, shape.HQ, shape.n_tok, dtype=log_f.dtype, device=log_f.device)
+    _block_sums_kernel[(tiles.shape[0], shape.HQ)](
+        log_f, sums, cu, tiles, shape.n_tok, shape.HQ, BT
+    )
+    return sums
 
 
 def _forward(q, k, v, field, level, scale, cu_seqlens, theta, fox: bool):
@@ -961,14 +995,17 @@ def _forward(q, k, v, field, level, scale, cu_seqlens, theta, fox: bool):
     consts = _constants(scale, math.inf if theta is None else theta, field.dtype, q.device)
     o = torch.empty(shape.B, shape.T, shape.HQ, shape.V, dtype=q.dtype, device=q.device)
     lse = torch.empty(shape.B, shape.T, shape.HQ, dtype=field.dtype, device=q.device)
-    minima = None if fox else _minima(field, cu, tile_list, shape, BT, with_links=False)[0]
+    if fox:
+        blocks = _block_sums(field, cu, tile_list, shape, BT)
+    else:
+        blocks = _block_minima(field, cu, tile_list, shape, BT, with_links=False)[0]
     _fwd_kernel[(tile_list.shape[0], shape.HQ)](
         q,
         k,
         v,
         field,
         level,
-        minima,
+        blocks,
         o,
         lse,
         consts,
@@ -1015,9 +1052,9 @@ def _backward(q, k, v, field, level, o, lse, do, dlse, scale, cu_seqlens, fox: b
         o, do, dlse, delta, shape.n_tok, HQ, shape.V, 64, _block(shape.V), dlse is not None
     )
     if fox:
-        minima = links = None
+        blocks, links = _block_sums(field, cu, tile_list, shape, BT), None
     else:
-        minima, links = _minima(field, cu, tile_list, shape, BT, with_links=True)
+        blocks, links = _block_minima(field, cu, tile_list, shape, BT, with_links=True)
     dq = torch.empty_like(q)
     partial = acc if G > 1 else None  # GQA: dk, dv per query head, reduced below
     dk = torch.empty(B, T, HQ, shape.K, dtype=partial or k.dtype, device=q.device)
@@ -1041,7 +1078,7 @@ def _backward(q, k, v, field, level, o, lse, do, dlse, scale, cu_seqlens, fox: b
         PRECISION=_precision(q.dtype),
         num_warps=tiles.num_warps,
     )
-    common = (q, k, v, field, level, minima, links, do, lse, delta)
+    common = (q, k, v, field, level, blocks, links, do, lse, delta)
     _bwd_dq_kernel[(ntiles, HQ)](
         *common,
         dq,
