@@ -35,8 +35,8 @@ import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 
 GPU_SHAPES = {"B": 1, "H": 16, "Ts": (2048, 8192, 32768), "Ds": (64, 128)}
-DRY_SHAPES = {"B": 1, "H": 2, "Ts": (32, 64), "Ds": (16,)}
-CHECK_T = {False: 2048, True: 70}  # the long check's length (GPU, dry run)
+DRY_SHAPES = {"B": 1, "H": 2, "Ts": (48,), "Ds": (16,)}
+CHECK_T = {False: 2048, True: 40}  # the long check's length (GPU, dry run)
 IMPLS = ("FPA", "FoX", "fla", "SDPA")
 GOALS = {  # issue 10, ratios of times to fla's parallel_forgetting_attn
     ("FPA", "fwd"): 1.20,
