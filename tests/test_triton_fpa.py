@@ -20,7 +20,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
 
 from attnspec.backends.torch import dispatch  # noqa: E402
 from attnspec.backends.torch import triton_fpa as tf  # noqa: E402
@@ -259,6 +260,22 @@ def test_random_shapes_tiles_fields(T, tiles, heads, kinds, seed):
     )
 
 
+@triton.jit
+def _round_trip(x, y, N: tl.constexpr):
+    r = tl.arange(0, N)
+    tl.store(y + r, tf._bf16_nearest(tl.load(x + r)))
+
+
+def test_interpreter_rounds_bf16_operands_like_a_gpu():
+    """Under the interpreter the kernels round computed bf16 dot operands themselves (its own
+    conversion truncates): nearest, ties to even, as torch and the GPU do."""
+    x = torch.randn(256) * torch.logspace(-6, 6, 256)
+    x[:4] = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 2**-9])  # ties
+    y = torch.empty_like(x)
+    _round_trip[(1,)](x, y, N=256)
+    assert torch.equal(y, x.bfloat16().float())
+
+
 # ------------------------------------------------------------------------------ FoX
 
 
@@ -402,7 +419,7 @@ def build(kernel, constexprs):
     source = ASTSource(fn=kernel, signature=types, constexprs=constexprs)
     triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 sizes = dict(HQ=2, K=16, V=16, BT=32, BS=16, BK=16, BV=16, LOG_BT=5, DOT=tl.bfloat16,
-             PRECISION="tf32")
+             PRECISION="tf32", ROUND_BF16=False)
 for fox in (False, True):
     unused = dict(level=None, links=None) if fox else {}
     build(tf._fwd_kernel, sizes | dict(FOX=fox, SKIP=not fox) | ({"level": None} if fox else {}))

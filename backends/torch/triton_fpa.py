@@ -251,14 +251,27 @@ def _in_tile_segment_min(
 
 
 @triton.jit
-def _softmax_step(s, v, m_i, l_i, acc, DOT: tl.constexpr, PRECISION: tl.constexpr):
+def _bf16_nearest(x):
+    """float32 x rounded to the nearest bfloat16 (ties to even), kept in float32: what a GPU
+    makes of a bfloat16 tl.dot operand. Used only under the interpreter, whose bfloat16
+    arithmetic is wrong (so its dots run in float32) and whose conversion truncates."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _softmax_step(
+    s, v, m_i, l_i, acc, DOT: tl.constexpr, PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr
+):
     """FlashAttention-2 online softmax in log2 units: fold logits s [BT, BS] and values v."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no -inf - -inf in keyless rows
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = tl.dot(p.to(DOT), v, acc * alpha[:, None], input_precision=PRECISION)
+    p_op = _bf16_nearest(p) if ROUND_BF16 else p
+    acc = tl.dot(p_op.to(DOT), v, acc * alpha[:, None], input_precision=PRECISION)
     return m_new, l_i, acc
 
 
@@ -290,6 +303,7 @@ def _fwd_kernel(
     SKIP: tl.constexpr,
     DOT: tl.constexpr,
     PRECISION: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
 ):
     """(F1)-(F5) for one query tile and head; FOX: field holds log f and only the bias is used."""
     H = HQ // G
@@ -343,7 +357,7 @@ def _fwd_kernel(
             lev = tl.load(level + (bos + ik) * HQ + hq, mask=k_ok, other=0.0)
             b_s -= tl.maximum(lev[None, :] - m, 0.0) * log2e  # (F2)-(F3)
         b_s = tl.where((iq[:, None] >= ik[None, :]) & k_ok[None, :], b_s, float("-inf"))
-        m_i, l_i, acc = _softmax_step(b_s, b_v.to(DOT), m_i, l_i, acc, DOT, PRECISION)
+        m_i, l_i, acc = _softmax_step(b_s, b_v.to(DOT), m_i, l_i, acc, DOT, PRECISION, ROUND_BF16)
 
     # Key tiles before the diagonal, nearest first: mid and the FoX gap sum grow by one tile.
     mid = tl.full([], float("inf"), s2.dtype)  # min phi over the BT tiles strictly between
@@ -381,7 +395,9 @@ def _fwd_kernel(
             else:
                 m = tl.minimum(a[None, :], b_min[:, None])  # (F1) min(A_j, mid, B_i)
                 b_s -= tl.maximum(lev[None, :] - m, 0.0) * log2e
-            m_i, l_i, acc = _softmax_step(b_s, b_v.to(DOT), m_i, l_i, acc, DOT, PRECISION)
+            m_i, l_i, acc = _softmax_step(
+                b_s, b_v.to(DOT), m_i, l_i, acc, DOT, PRECISION, ROUND_BF16
+            )
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -452,6 +468,7 @@ def _bwd_dq_kernel(
     FOX: tl.constexpr,
     DOT: tl.constexpr,
     PRECISION: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
     SUM_PRECISION: tl.constexpr,
 ):
     """(G1) dq for one query tile; (G3) the dfield parts whose argmin lies in this tile (rows
@@ -515,10 +532,11 @@ def _bwd_dq_kernel(
             lev = tl.load(level + (bos + ik) * HQ + hq, mask=k_ok, other=0.0)
             b_s -= tl.maximum(lev[None, :] - m, 0.0) * log2e
         causal = (iq[:, None] >= ik[None, :]) & k_ok[None, :]
-        p = tl.where(causal, tl.exp2(b_s - lse2[:, None]), 0.0)
+        p = tl.exp2(tl.where(causal, b_s, float("-inf")) - lse2[:, None])  # mask first: no overflow
         dp = tl.dot(b_do, b_v.to(DOT), input_precision=PRECISION).to(s2.dtype)
         ds = p * (dp - b_delta[:, None])  # G_ij
-        dq_acc = tl.dot(ds.to(DOT), tl.trans(b_k), dq_acc, input_precision=PRECISION)
+        ds_op = _bf16_nearest(ds) if ROUND_BF16 else ds
+        dq_acc = tl.dot(ds_op.to(DOT), tl.trans(b_k), dq_acc, input_precision=PRECISION)
         if FOX:
             d_row += tl.sum(ds, 1)
         else:
@@ -570,7 +588,8 @@ def _bwd_dq_kernel(
         p = tl.exp2(b_s - lse2[:, None])
         dp = tl.dot(b_do, b_v, input_precision=PRECISION).to(s2.dtype)
         ds = p * (dp - b_delta[:, None])
-        dq_acc = tl.dot(ds.to(DOT), tl.trans(b_k), dq_acc, input_precision=PRECISION)
+        ds_op = _bf16_nearest(ds) if ROUND_BF16 else ds
+        dq_acc = tl.dot(ds_op.to(DOT), tl.trans(b_k), dq_acc, input_precision=PRECISION)
         if FOX:
             d_row += tl.sum(ds, 1)
         else:
@@ -624,6 +643,7 @@ def _bwd_dkv_kernel(
     FOX: tl.constexpr,
     DOT: tl.constexpr,
     PRECISION: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
 ):
     """(G1) dk, dv for one key tile and query head; (G2) dlevel; (G3) the dfield part whose
     argmin lies in A (columns into A's argmin) into d_cols. FOX: d_cols = sum_i G_ij."""
@@ -689,11 +709,13 @@ def _bwd_dkv_kernel(
             )
             b_s -= tl.maximum(lev[:, None] - m, 0.0) * log2e
         causal = (ik[:, None] <= iq[None, :]) & q_ok[None, :]
-        p = tl.where(causal, tl.exp2(b_s - lse2[None, :]), 0.0)
-        dv_acc = tl.dot(p.to(DOT), b_do, dv_acc, input_precision=PRECISION)
+        p = tl.exp2(tl.where(causal, b_s, float("-inf")) - lse2[None, :])
+        p_op = _bf16_nearest(p) if ROUND_BF16 else p
+        dv_acc = tl.dot(p_op.to(DOT), b_do, dv_acc, input_precision=PRECISION)
         dp = tl.dot(b_v, tl.trans(b_do), input_precision=PRECISION).to(s2.dtype)
         ds = p * (dp - b_delta[None, :])
-        dk_acc = tl.dot(ds.to(DOT), b_q, dk_acc, input_precision=PRECISION)
+        ds_op = _bf16_nearest(ds) if ROUND_BF16 else ds
+        dk_acc = tl.dot(ds_op.to(DOT), b_q, dk_acc, input_precision=PRECISION)
         if FOX:
             d_col += tl.sum(ds, 1)
         else:
@@ -737,10 +759,12 @@ def _bwd_dkv_kernel(
         else:
             b_s -= tl.maximum(lev[:, None] - m, 0.0) * log2e
         p = tl.exp2(b_s - lse2[None, :])
-        dv_acc = tl.dot(p.to(DOT), b_do, dv_acc, input_precision=PRECISION)
+        p_op = _bf16_nearest(p) if ROUND_BF16 else p
+        dv_acc = tl.dot(p_op.to(DOT), b_do, dv_acc, input_precision=PRECISION)
         dp = tl.dot(b_v, tl.trans(b_do), input_precision=PRECISION).to(s2.dtype)
         ds = p * (dp - b_delta[None, :])
-        dk_acc = tl.dot(ds.to(DOT), b_q, dk_acc, input_precision=PRECISION)
+        ds_op = _bf16_nearest(ds) if ROUND_BF16 else ds
+        dk_acc = tl.dot(ds_op.to(DOT), b_q, dk_acc, input_precision=PRECISION)
         if FOX:
             d_col += tl.sum(ds, 1)
         else:
@@ -935,7 +959,8 @@ def _constants(scale: float, theta: float, dtype: torch.dtype, device: torch.dev
 
 def _dot_dtype(dtype: torch.dtype):
     """Operand dtype of tl.dot: the input's, but float32 for bfloat16 under the interpreter,
-    which stores bfloat16 as raw integers (arithmetic on them is wrong)."""
+    which stores bfloat16 as raw integers (arithmetic on them is wrong); computed operands are
+    then rounded to bfloat16 first (ROUND_BF16), so the interpreter sees a GPU's rounding."""
     if dtype == torch.bfloat16:
         return tl.float32 if interpreting() else tl.bfloat16
     return {torch.float16: tl.float16, torch.float32: tl.float32, torch.float64: tl.float64}[dtype]
@@ -1026,6 +1051,7 @@ def _forward(q, k, v, field, level, scale, cu_seqlens, theta, fox: bool):
         SKIP=theta is not None,
         DOT=_dot_dtype(q.dtype),
         PRECISION=_precision(q.dtype),
+        ROUND_BF16=interpreting() and q.dtype == torch.bfloat16,
         num_warps=tiles.num_warps,
     )
     return o, lse
@@ -1076,6 +1102,7 @@ def _backward(q, k, v, field, level, o, lse, do, dlse, scale, cu_seqlens, fox: b
         FOX=fox,
         DOT=_dot_dtype(q.dtype),
         PRECISION=_precision(q.dtype),
+        ROUND_BF16=interpreting() and q.dtype == torch.bfloat16,
         num_warps=tiles.num_warps,
     )
     common = (q, k, v, field, level, blocks, links, do, lse, delta)
