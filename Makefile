@@ -26,7 +26,7 @@ test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m mkdocs build --strict --quiet
-	$(PY) -m pytest
+	$(PY) -m pytest -n auto
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

@@ -192,7 +192,7 @@ def conformance_main(argv: list[str] | None = None, prog: str = "attnspec confor
 
     from .cases import generate_cases
     from .report import format_report, write_json, write_junit
-    from .runner import run
+    from .runner import probe_dtypes, run
     from .skips import SkipList
 
     args = conformance_parser(prog).parse_args(argv)
@@ -251,6 +251,7 @@ def conformance_main(argv: list[str] | None = None, prog: str = "attnspec confor
             finite_differences=fd,
             skips=skips,
             progress=_progress(sys.stderr),
+            probes=[] if args.dtypes else probe_dtypes(backend),
         )
         print(format_report(report))
         several = len(names) > 1
