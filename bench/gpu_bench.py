@@ -2,10 +2,11 @@
 
 Steps, run by bench/gpu_check.sh as ``python -m bench.gpu_bench STEP [--dry-run]``:
 
-- ``precompile``: compile every kernel variant that the kit's FPA/FoX cases and the timings
-  launch, in parallel processes. A fresh GPU machine has an empty Triton cache, and compiled one
-  after the other the kit's head-dim x dtype menu would take minutes; the later sections then
-  load the kernels from the cache.
+- ``kit``: the conformance kit on the triton backend (every op and dtype it declares) in
+  parallel processes, merged into one report. A fresh GPU machine has an empty Triton cache and
+  compiled one after the other the kit's head-dim x dtype menu would take minutes, so cases that
+  launch the same compiled kernels (same op and shapes) share a process, and the same queue
+  compiles the kernels of the timings.
 - ``timings``: first a long-sequence check against the float64 reference (float32, T = 2048:
   many query tiles, key tiles and gap tiles; FPA with GQA and FoX, outputs and all gradients,
   the kit's tolerances), then bf16 timings with ``triton.testing.do_bench`` (warm-up 25 ms, the
@@ -32,10 +33,14 @@ import json
 import os
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
 
 GPU_SHAPES = {"B": 1, "H": 16, "Ts": (2048, 8192, 32768), "Ds": (64, 128)}
 DRY_SHAPES = {"B": 1, "H": 2, "Ts": (48,), "Ds": (16,)}
+DRY_KIT = {  # the kit's subset in a dry run
+    "ops": ["fpa_attention", "fox_attention"],
+    "cases": ["fpa/shapes/1", "fpa/ragged/0", "fox/shapes/1"],
+    "dtypes": ["float32"],
+}
 CHECK_T = {False: 2048, True: 40}  # the long check's length (GPU, dry run)
 IMPLS = ("FPA", "FoX", "fla", "SDPA")
 GOALS = {  # issue 10, ratios of times to fla's parallel_forgetting_attn
@@ -45,6 +50,14 @@ GOALS = {  # issue 10, ratios of times to fla's parallel_forgetting_attn
     ("FoX", "fwd+bwd"): 1.05,
 }
 PEAK_FRACTION = 0.30  # FPA forward vs the measured bf16 matmul peak, D = 128, T >= 8192
+# Candidate tiles (own, visit, warps), timed at one shape: the table in triton_fpa.py is
+# flash-linear-attention's choice for its FoX kernel, not yet measured for FPA.
+SWEEP = {
+    "forward": ((128, 64, 8), (128, 128, 8), (64, 64, 4), (128, 32, 4)),
+    "backward": ((128, 64, 8), (64, 64, 4), (128, 32, 8), (64, 32, 4)),
+}
+SWEEP_SHAPE = {False: (128, 8192), True: (16, 48)}  # (D, T) on the GPU, in a dry run
+DRY_SWEEP = ((32, 16, 4), (16, 16, 4))
 
 
 def _torch(dry: bool):
@@ -77,31 +90,32 @@ def _device_name(torch, dry: bool) -> str:
     return "CPU (Triton interpreter)" if dry else torch.cuda.get_device_name()
 
 
-# ------------------------------------------------------------------------------ precompile
+# ------------------------------------------------------------------------------ kit
 
 
-def kernel_variants() -> list[tuple]:
-    """(fox, dtype, HQ, H, K, V) of every FPA/FoX launch of the kit on a GPU and of the timings."""
-    from attnspec.conformance.cases import generate_cases
-
-    variants = set()
-    for case in generate_cases(ops=["fpa_attention", "fox_attention"]):
-        _, HQ, _, K = case.inputs["q"].shape
-        H, V = case.inputs["k"].shape[1], case.inputs["v"].shape[-1]
-        for dtype in ("float32", "float16", "bfloat16"):
-            variants.add((case.op == "fox_attention", dtype, HQ, H, K, V))
+def timing_variants() -> list[tuple]:
+    """(fox, dtype, HQ, H, K, V, tiles) of every launch of the timings and the tile sweep;
+    tiles (forward, backward) as (own, visit, warps), None for the device table."""
+    H, variants = GPU_SHAPES["H"], []
     for D in GPU_SHAPES["Ds"]:
-        for fox in (False, True):
-            variants.add((fox, "bfloat16", GPU_SHAPES["H"], GPU_SHAPES["H"], D, D))
-    return sorted(variants)
+        variants += [(fox, "bfloat16", H, H, D, D, None) for fox in (False, True)]
+    D = SWEEP_SHAPE[False][0]
+    for forward in SWEEP["forward"]:
+        backwards = SWEEP["backward"] if forward == SWEEP["forward"][0] else SWEEP["backward"][:1]
+        variants += [(False, "bfloat16", H, H, D, D, (forward, b)) for b in backwards]
+    return variants
 
 
-def _launch(variant: tuple) -> tuple:
-    """Run forward and backward (with and without an lse cotangent) of one variant once."""
+def compile_variant(variant: tuple) -> None:
+    """Run forward and backward (with and without an lse cotangent) of one variant once, which
+    compiles its kernels into the Triton cache."""
     torch = _torch(dry=False)
     from attnspec.backends.torch import triton_fpa as tf
 
-    fox, dtype, HQ, H, K, V = variant
+    fox, dtype, HQ, H, K, V, tiles = variant
+    if tiles is not None:
+        with tf.forced_tiles(*(tf.Tiles(*t) for t in tiles)):
+            return compile_variant((*variant[:-1], None))
     dt = getattr(torch, dtype)
     T = 3 * tf.tiles_for(torch.device("cuda"), backward=True).own  # crosses the gap tiles
     q = torch.randn(1, T, HQ, K, device="cuda", dtype=dt)
@@ -118,29 +132,111 @@ def _launch(variant: tuple) -> tuple:
             o, lse = tf.fpa_fwd(q, k, v, field, field, None, None)
             tf.fpa_bwd(q, k, v, field, field, o, lse, do, dlse, None, None)
     torch.cuda.synchronize()
-    return variant
 
 
-def precompile(dry: bool) -> int:
-    if dry:
-        print("precompile: nothing to compile under the interpreter")
-        return 0
-    variants = kernel_variants()
-    workers = max(1, min(len(variants), os.cpu_count() or 1, 16))
-    print(f"precompile: {len(variants)} FPA/FoX variants on {workers} processes")
+def kit_parts(cases, workers: int) -> list[list[str]]:
+    """Case ids in at most ``workers`` parts. Cases with the same op and shapes launch the same
+    compiled kernels, so each such group stays in one part (compiled once); the groups are
+    dealt largest first (cost ~ cases x T^2) to the least loaded part."""
+    groups: dict[tuple, list] = {}
+    for case in cases:
+        groups.setdefault((case.op, tuple(sorted(case.shapes().items()))), []).append(case)
+    parts, loads = [[] for _ in range(workers)], [0.0] * workers
+
+    def cost(group):
+        return sum(1 + max((s[-2] for s in c.shapes().values() if len(s) > 1), default=1) ** 2
+                   for c in group)  # fmt: skip
+
+    for group in sorted(groups.values(), key=cost, reverse=True):
+        lightest = loads.index(min(loads))
+        parts[lightest] += [c.id for c in group]
+        loads[lightest] += cost(group)
+    return [p for p in parts if p]
+
+
+def run_jobs(jobs: list[tuple[str, list[str]]], workers: int, folder: str) -> dict[str, int]:
+    """Run (name, command) jobs, at most ``workers`` at a time, output to folder/name.log;
+    return the exit status by name, printing one line per finished job."""
+    import subprocess
+
+    queue, running, status, start = list(jobs), {}, {}, time.perf_counter()
+    while queue or running:
+        while queue and len(running) < workers:
+            name, command = queue.pop(0)
+            log = open(os.path.join(folder, f"{name}.log"), "w")
+            running[name] = (subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT), log)
+        time.sleep(0.2)
+        for name, (proc, log) in list(running.items()):
+            if proc.poll() is not None:
+                log.close()
+                status[name] = proc.returncode
+                del running[name]
+                took = time.perf_counter() - start
+                print(f"  {name}: exit {proc.returncode} at {took:.0f} s", flush=True)
+    return status
+
+
+def kit(dry: bool, out: str, workers: int | None) -> int:
+    """The conformance kit on the triton backend in parallel processes (all ops and dtypes it
+    declares; a dry run: a small FPA/FoX subset in float32 on CPU), merged into one report;
+    on the GPU the same queue compiles the timings' kernels."""
+    import tempfile
+
+    from attnspec.conformance.cases import generate_cases
+    from attnspec.conformance.report import format_report, write_json
+    from attnspec.conformance.runner import CaseResult, RunReport
+
+    ops, prefixes = (DRY_KIT["ops"], DRY_KIT["cases"]) if dry else (None, None)
+    cases = generate_cases(ops, prefixes)
+    workers = workers or (2 if dry else max(1, min(16, os.cpu_count() or 1)))
+    parts = kit_parts(cases, workers)
+    folder = tempfile.mkdtemp(prefix="gpu_kit_")
+    common = [sys.executable, "-m", "attnspec.conformance", "--backend", "triton"]
+    common += ["--device", "cpu", "--dtypes", *DRY_KIT["dtypes"]] if dry else ["--device", "cuda"]
+    jobs = [
+        (f"kit-{n}", [*common, "--cases", *ids, "--json", os.path.join(folder, f"kit-{n}.json")])
+        for n, ids in enumerate(parts)
+    ]
+    if not dry:
+        for n, variant in enumerate(timing_variants()):
+            command = [sys.executable, "-m", "bench.gpu_bench", "compile", json.dumps(variant)]
+            jobs.append((f"compile-{n}", command))
+    print(f"kit: {len(cases)} cases in {len(parts)} parts, {len(jobs)} jobs on {workers} processes")
     start = time.perf_counter()
-    import multiprocessing
-
-    done = 0
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        for future in as_completed([pool.submit(_launch, v) for v in variants]):
-            future.result()
-            done += 1
-            if done % 8 == 0 or done == len(variants):
-                print(
-                    f"  {done}/{len(variants)} in {time.perf_counter() - start:.0f} s", flush=True
-                )
-    return 0
+    status = run_jobs(jobs, workers, folder)
+    results, seen, first = [], set(), None
+    for name, _ in jobs:
+        path = os.path.join(folder, f"{name}.json")
+        if status[name] not in (0, 1) or (name.startswith("kit") and not os.path.exists(path)):
+            with open(os.path.join(folder, f"{name}.log")) as fh:
+                print(f"{name} failed (exit {status[name]}):\n" + fh.read()[-3000:])
+            continue
+        if not name.startswith("kit"):
+            continue
+        with open(path) as fh:
+            part = json.load(fh)
+        first = first or part
+        for row in part["cases"]:
+            key = (row["case_id"], row["dtype"], row["kind"])  # prefixes may overlap
+            if key not in seen:
+                seen.add(key)
+                results.append(CaseResult(**row))
+    if first is None:
+        return 2
+    report = RunReport(
+        first["backend"],
+        first["device"],
+        results,
+        first["unmatched_skips"],
+        first["versions"],
+        time.perf_counter() - start,
+        first.get("notes", []),
+    )
+    print(format_report(report))
+    write_json(report, out)
+    if any(code not in (0, 1) for code in status.values()):
+        return 2
+    return 0 if report.ok else 1
 
 
 # ------------------------------------------------------------------------------ long check
@@ -308,6 +404,34 @@ def time_shape(torch, tf, bench, peer, B, H, T, D, dtype, device) -> dict:
     return {"times": times, "fox_vs_fla": agreement}
 
 
+def tile_sweep(torch, tf, bench, dtype, device, dry: bool) -> list[dict]:
+    """FPA forward per candidate forward tiles, forward+backward per candidate backward tiles
+    (forward on the table's), at one shape; the table in triton_fpa.py is retuned from this."""
+    D, T = SWEEP_SHAPE[dry]
+    B, H = (DRY_SHAPES if dry else GPU_SHAPES)["B"], (DRY_SHAPES if dry else GPU_SHAPES)["H"]
+    g = torch.Generator(device="cpu").manual_seed(0)
+    q, k, v, do = (torch.randn(B, T, H, D, generator=g).to(device, dtype) for _ in range(4))
+    field = torch.cumsum(torch.randn(B, T, H, generator=g), 1).to(device)
+    level = (field + 1.0).contiguous()
+    table = tf.tiles_for(torch.device(device), backward=False)
+    rows = []
+    for mode, candidates in (("fwd", SWEEP["forward"]), ("fwd+bwd", SWEEP["backward"])):
+        for own, visit, warps in DRY_SWEEP if dry else candidates:
+            tiles = tf.Tiles(own, visit, warps)
+            forced = (tiles, table) if mode == "fwd" else (table, tiles)
+
+            def run(mode=mode):
+                o, lse = tf.fpa_fwd(q, k, v, field, level, None, None)
+                if mode == "fwd+bwd":
+                    tf.fpa_bwd(q, k, v, field, level, o, lse, do, None, None, None)
+
+            with tf.forced_tiles(*forced):
+                ms = bench(run)
+            rows.append({"D": D, "T": T, "mode": mode, "tiles": [own, visit, warps], "ms": ms})
+            print(f"  sweep D={D} T={T} {mode:<8} tiles {own}x{visit}, {warps} warps: {ms:.3f} ms")
+    return rows
+
+
 def timings(dry: bool, out: str | None) -> int:
     torch = _torch(dry)
     from attnspec.backends.torch import triton_fpa as tf
@@ -344,6 +468,8 @@ def timings(dry: bool, out: str | None) -> int:
             agree = result["fox_vs_fla"]
             agree = "" if agree is None else f"; FoX vs fla output rel. diff {agree:.1e}"
             print(f"  D={D:>3} T={T:>6}: {shown} ms{agree} ({time.perf_counter() - start:.0f} s)")
+    print("tile sweep (FPA; the forward+backward rows vary the backward tiles):")
+    sweep = tile_sweep(torch, tf, bench, dtype, device, dry)
     report = {
         "section": "fpa",
         "device": _device_name(torch, dry),
@@ -356,6 +482,7 @@ def timings(dry: bool, out: str | None) -> int:
         "matmul_peak_tflops": peak,
         "long_check_passed": checked,
         "rows": rows,
+        "sweep": sweep,
     }
     print()
     print("\n".join(fpa_table(report)))
@@ -414,6 +541,16 @@ def fpa_table(report: dict) -> list[str]:
         goal = f"goal FPA fwd >= {PEAK_FRACTION:.0%} of the matmul peak (D=128, T>=8192)"
         lines.append(f"{goal}: {met} ({low:.0%})")
     lines += [f"  missed: {m}" for m in misses]
+    for mode in ("fwd", "fwd+bwd"):
+        runs = [r for r in report.get("sweep", []) if r["mode"] == mode]
+        if runs:
+            best = min(runs, key=lambda r: r["ms"])
+            own, visit, warps = best["tiles"]
+            what = "forward" if mode == "fwd" else "backward"
+            lines.append(
+                f"fastest {what} tiles at D={best['D']} T={best['T']}: {own}x{visit}, {warps} "
+                f"warps ({best['ms']:.3f} ms; table {runs[0]['ms']:.3f} ms)"
+            )
     return lines
 
 
@@ -469,15 +606,20 @@ def summary(folder: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("step", choices=("precompile", "timings", "summary"))
+    parser.add_argument("step", choices=("kit", "timings", "summary", "compile"))
+    parser.add_argument("variant", nargs="?", help="compile: a variant as JSON (internal)")
     parser.add_argument(
         "--dry-run", action="store_true", help="CPU, Triton interpreter, tiny shapes"
     )
-    parser.add_argument("--out", help="timings: write the rows to this JSON file")
+    parser.add_argument("--out", help="kit, timings: write the JSON report to this file")
+    parser.add_argument("--workers", type=int, help="kit: processes (default: cores, <= 16)")
     parser.add_argument("--results", help="summary: the folder of the check's result files")
     args = parser.parse_args(argv)
-    if args.step == "precompile":
-        return precompile(args.dry_run)
+    if args.step == "kit":
+        return kit(args.dry_run, args.out, args.workers)
+    if args.step == "compile":
+        compile_variant(tuple(json.loads(args.variant)))
+        return 0
     if args.step == "timings":
         return timings(args.dry_run, args.out)
     if not args.results:

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-SECTIONS = ("precompile", "kit", "fpa")
+SECTIONS = ("kit", "fpa")
 
 
 def test_gpu_check_dry_run(tmp_path):
