@@ -9,8 +9,10 @@
 #     bash bench/gpu_check.sh --dry-run    # the same steps on CPU: Triton interpreter, tiny
 #                                          # shapes, one timing repetition (CI runs this)
 #     bash bench/gpu_check.sh --sections "kit fpa"     # a subset, in this order
-# flash-linear-attention (fla-core, the timing peer) comes as a wheel carried in .whl/: it is
-# installed into a temporary target. attnspec is imported from the checkout (no install).
+# flash-linear-attention (fla-core, the timing peer) comes as wheels carried in .whl/, with what
+# it imports that the machine may lack; they are installed into a temporary target:
+#     pip download --no-deps -d .whl fla-core==0.6.0 einops packaging
+# attnspec is imported from the checkout (no install).
 # When $OUT is set, the results land there: kit.json, fpa.json, sections.txt and the summary as
 # gpu_check.json and gpu_check.md.
 #

@@ -320,6 +320,26 @@ def test_fox_matches_fla_naive():
     assert_close({n: got[n] for n in want}, want, "float32", "fox_attention")
 
 
+@pytest.mark.parametrize("op", ["fpa", "fox"])
+def test_matches_eager_twin(op):
+    """The eager torch twin (an independent blockwise implementation, the CPU path and the
+    fallback) on the same float64 inputs: GQA 4/2, varlen with a length-1 segment, ties."""
+    pytest.importorskip("attnspec.backends.torch.eager_fpa")  # registers impl "eager"
+    cu = [0, 15, 16, 100, 150]
+    extra = {"log_f": gates(0.01, 2.0, unit=0.3)} if op == "fox" else {"field": "brackets"}
+    x = draw(13, 1, 150, 4, 2, 16, 24, level="one_walk", **extra)
+    t = {n: torch.tensor(a) for n, a in x.items()}
+    mine = kernels(x, "float64", cu, scale=0.3, tiles=(SMALL, SMALL))
+    args = (t["q"], t["k"], t["v"], *((t["log_f"],) if op == "fox" else (t["field"], t["level"])))
+    cu_t = torch.tensor(cu)
+    o, lse = dispatch.lookup(f"{op}_fwd", "eager")(*args, 0.3, cu_t)
+    dlse = None if op == "fox" else t["dlse"]
+    grads = dispatch.lookup(f"{op}_bwd", "eager")(*args, o, lse, t["do"], dlse, 0.3, cu_t)
+    names = ("dq", "dk", "dv", "dlog_f") if op == "fox" else ("dq", "dk", "dv", "dfield", "dlevel")
+    twin = {"o": o, "lse": lse} | dict(zip(names, grads, strict=True))
+    assert_close(mine, {n: v.numpy() for n, v in twin.items()}, "float64", f"{op}_attention")
+
+
 # ------------------------------------------------------------------------------ theta
 
 
