@@ -27,8 +27,18 @@ diagonal tile), the dk/dv program sums columns into A's argmin, and the dq progr
 per (query tile, gap tile holding the gap's latest minimum) into a buffer that
 ``_dfield_kernel`` reduces in a second pass. No atomics: every output has one writer.
 
-The FoX fast path (F6) uses only the bias sum_{(j, i]} log f, built from cumulative sums local to
-each tile plus a carried gap sum, so long sequences keep float32 precision in the logits.
+The FoX fast path (F6) uses only the bias sum_{(j, i]} log f, the sum-analogue of the same
+split: cumulative sums local to each BT tile (``_block_sums_kernel``) plus a carried gap sum, so
+long sequences keep float32 precision in the logits. Its dlog_f is a reverse sum of row minus
+column sums of G per sequence, taken in float64.
+
+Precision. Penalties, logits, softmax statistics and accumulators are float32 (float64 with
+float64 inputs). tl.dot takes bf16/fp16 operands as they come; float32 and float64 operands use
+input_precision "ieee" (TF32 would miss the kit's float32 tolerance), except the diagonal's
+dfield rectangle sums, three TF32 passes. As in FlashAttention, delta_i = <dO_i, o_i> uses o as
+stored, in q's dtype: with bfloat16 and near one-hot rows (strong decay) this is the largest
+error of the gradients. Under the interpreter, whose bfloat16 arithmetic is wrong, bfloat16 dots
+run in float32 on operands rounded to bfloat16 first, so tests see a GPU's rounding.
 """
 
 from __future__ import annotations
@@ -142,7 +152,7 @@ def _block_minima_kernel(
     LOG_BT: tl.constexpr,
     WITH_LINKS: tl.constexpr,
 ):
-    """Per position t of a BT tile, for k = 1..LOG_BT (aligned 2^k-minima of in-tile offsets):
+    """Per position t of a BT tile, for k = 1..LOG_BT (aligned 2^k-blocks of in-tile offsets):
     minima[k - 1] = Pre_k = min phi over [block start, t], minima[LOG_BT + k - 1] = Suf_k =
     min phi over (t, block end] (+inf if empty). With WITH_LINKS, for the backward:
     links[0] = last u < t in the tile with phi_u < phi_t (-1: none),
@@ -305,7 +315,8 @@ def _fwd_kernel(
     PRECISION: tl.constexpr,
     ROUND_BF16: tl.constexpr,
 ):
-    """(F1)-(F5) for one query tile and head; FOX: field holds log f and only the bias is used."""
+    """(F1)-(F5) for one query tile and head. ``blocks``: the block minima of the field, or with
+    FOX the tile-local sums of log f (then ``field`` holds log f and only the bias is used)."""
     H = HQ // G
     tile = NTILES - 1 - tl.program_id(0)  # the longest query tiles start first
     hq = tl.program_id(1)
