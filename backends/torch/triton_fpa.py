@@ -76,7 +76,7 @@ class Tiles:
     visit: int
     num_warps: int = 4
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for name in ("own", "visit"):
             size = getattr(self, name)
             if size < 16 or size & (size - 1):
@@ -134,24 +134,24 @@ def tiles_for(device: torch.device, backward: bool) -> Tiles:
 
 
 @triton.jit
-def _bit(LOG: tl.constexpr, b: tl.constexpr):
+def _bit(LOG: tl.constexpr, b: tl.constexpr) -> tl.tensor:
     """0/1 along the axis of bit b of an in-tile offset, in ``reshape(x, [2] * LOG)``."""
     return tl.reshape(tl.arange(0, 2), [1] * (LOG - 1 - b) + [2] + [1] * b)
 
 
 @triton.jit(do_not_specialize=["N_TOK"])
 def _block_minima_kernel(
-    field,
-    minima,
-    links,
-    cu_seqlens,
-    tiles,
-    N_TOK,
+    field: tl.tensor,
+    minima: tl.tensor,
+    links: tl.tensor,
+    cu_seqlens: tl.tensor,
+    tiles: tl.tensor,
+    N_TOK: tl.tensor,
     HQ: tl.constexpr,
     BT: tl.constexpr,
     LOG_BT: tl.constexpr,
     WITH_LINKS: tl.constexpr,
-):
+) -> None:
     """Per position t of a BT tile, for k = 1..LOG_BT (aligned 2^k-blocks of in-tile offsets):
     minima[k - 1] = Pre_k = min phi over [block start, t], minima[LOG_BT + k - 1] = Suf_k =
     min phi over (t, block end] (+inf if empty). With WITH_LINKS, for the backward:
@@ -195,14 +195,14 @@ def _block_minima_kernel(
 
 @triton.jit(do_not_specialize=["N_TOK"])
 def _block_sums_kernel(
-    log_f,
-    sums,
-    cu_seqlens,
-    tiles,
-    N_TOK,
+    log_f: tl.tensor,
+    sums: tl.tensor,
+    cu_seqlens: tl.tensor,
+    tiles: tl.tensor,
+    N_TOK: tl.tensor,
     HQ: tl.constexpr,
     BT: tl.constexpr,
-):
+) -> None:
     """FoX: sums[t] = sum of log f over [start of t's BT tile, t], so that every bias is a
     difference of sums over at most one tile plus a carried gap sum (float32 stays exact
     enough at any T)."""
@@ -221,20 +221,20 @@ def _block_sums_kernel(
 
 @triton.jit
 def _in_tile_segment_min(
-    field,
-    blocks,
-    tok_q,
-    off_q,
-    ok_q,
-    tok_k,
-    off_k,
-    ok_k,
-    hq,
-    N_TOK,
+    field: tl.tensor,
+    blocks: tl.tensor,
+    tok_q: tl.tensor,
+    off_q: tl.tensor,
+    ok_q: tl.tensor,
+    tok_k: tl.tensor,
+    off_k: tl.tensor,
+    ok_k: tl.tensor,
+    hq: tl.tensor,
+    N_TOK: tl.tensor,
     HQ: tl.constexpr,
     LOG_BT: tl.constexpr,
     QUERY_AXIS: tl.constexpr,
-):
+) -> tl.tensor:
     """(F1) m_ij for queries i and keys j of one BT tile (``off_*``: in-tile offsets).
 
     m_ij = min(Suf_k[j], Pre_k[i]), k the highest bit in which off_q[i] and off_k[j] differ:
@@ -261,7 +261,7 @@ def _in_tile_segment_min(
 
 
 @triton.jit
-def _bf16_nearest(x):
+def _bf16_nearest(x: tl.tensor) -> tl.tensor:
     """float32 x rounded to the nearest bfloat16 (ties to even), kept in float32: what a GPU
     makes of a bfloat16 tl.dot operand. Used only under the interpreter, whose bfloat16
     arithmetic is wrong (so its dots run in float32) and whose conversion truncates."""
@@ -272,8 +272,15 @@ def _bf16_nearest(x):
 
 @triton.jit
 def _softmax_step(
-    s, v, m_i, l_i, acc, DOT: tl.constexpr, PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr
-):
+    s: tl.tensor,
+    v: tl.tensor,
+    m_i: tl.tensor,
+    l_i: tl.tensor,
+    acc: tl.tensor,
+    DOT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
     """FlashAttention-2 online softmax in log2 units: fold logits s [BT, BS] and values v."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no -inf - -inf in keyless rows
@@ -287,21 +294,21 @@ def _softmax_step(
 
 @triton.jit(do_not_specialize=["N_TOK", "NTILES"])
 def _fwd_kernel(
-    q,
-    k,
-    v,
-    field,
-    level,
-    blocks,
-    o,
-    lse,
-    consts,
-    cu_seqlens,
-    tiles,
-    N_TOK,
-    NTILES,
+    q: tl.tensor,
+    k: tl.tensor,
+    v: tl.tensor,
+    field: tl.tensor,
+    level: tl.tensor,
+    blocks: tl.tensor,
+    o: tl.tensor,
+    lse: tl.tensor,
+    consts: tl.tensor,
+    cu_seqlens: tl.tensor,
+    tiles: tl.tensor,
+    N_TOK: tl.tensor,
+    NTILES: tl.tensor,
     HQ: tl.constexpr,
-    G,
+    G: tl.tensor,
     K: tl.constexpr,
     V: tl.constexpr,
     BT: tl.constexpr,
@@ -314,7 +321,7 @@ def _fwd_kernel(
     DOT: tl.constexpr,
     PRECISION: tl.constexpr,
     ROUND_BF16: tl.constexpr,
-):
+) -> None:
     """(F1)-(F5) for one query tile and head. ``blocks``: the block minima of the field, or with
     FOX the tile-local sums of log f (then ``field`` holds log f and only the bias is used)."""
     H = HQ // G
@@ -420,17 +427,17 @@ def _fwd_kernel(
 
 @triton.jit(do_not_specialize=["N_TOK"])
 def _delta_kernel(
-    o,
-    do,
-    dlse,
-    delta,
-    N_TOK,
+    o: tl.tensor,
+    do: tl.tensor,
+    dlse: tl.tensor,
+    delta: tl.tensor,
+    N_TOK: tl.tensor,
     HQ: tl.constexpr,
     V: tl.constexpr,
     BLOCK: tl.constexpr,
     BV: tl.constexpr,
     HAS_DLSE: tl.constexpr,
-):
+) -> None:
     """delta_i = <dO_i, o_i> - dLSE_i, so that G_ij = p_ij (<dO_i, v_j> - delta_i) holds (G4)."""
     tok = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     hq = tl.program_id(1)
@@ -448,27 +455,27 @@ def _delta_kernel(
 
 @triton.jit(do_not_specialize=["N_TOK", "NTILES", "NT_MAX"])
 def _bwd_dq_kernel(
-    q,
-    k,
-    v,
-    field,
-    level,
-    blocks,
-    links,
-    do,
-    lse,
-    delta,
-    dq,
-    d_rows,
-    mid_sums,
-    consts,
-    cu_seqlens,
-    tiles,
-    N_TOK,
-    NTILES,
-    NT_MAX,
+    q: tl.tensor,
+    k: tl.tensor,
+    v: tl.tensor,
+    field: tl.tensor,
+    level: tl.tensor,
+    blocks: tl.tensor,
+    links: tl.tensor,
+    do: tl.tensor,
+    lse: tl.tensor,
+    delta: tl.tensor,
+    dq: tl.tensor,
+    d_rows: tl.tensor,
+    mid_sums: tl.tensor,
+    consts: tl.tensor,
+    cu_seqlens: tl.tensor,
+    tiles: tl.tensor,
+    N_TOK: tl.tensor,
+    NTILES: tl.tensor,
+    NT_MAX: tl.tensor,
     HQ: tl.constexpr,
-    G,
+    G: tl.tensor,
     K: tl.constexpr,
     V: tl.constexpr,
     BT: tl.constexpr,
@@ -481,7 +488,7 @@ def _bwd_dq_kernel(
     PRECISION: tl.constexpr,
     ROUND_BF16: tl.constexpr,
     SUM_PRECISION: tl.constexpr,
-):
+) -> None:
     """(G1) dq for one query tile; (G3) the dfield parts whose argmin lies in this tile (rows
     into B's argmin, the whole diagonal tile) into d_rows, and per gap tile one sum into
     mid_sums. FOX: d_rows = sum_j G_ij."""
@@ -624,26 +631,26 @@ def _bwd_dq_kernel(
 
 @triton.jit(do_not_specialize=["N_TOK"])
 def _bwd_dkv_kernel(
-    q,
-    k,
-    v,
-    field,
-    level,
-    blocks,
-    links,
-    do,
-    lse,
-    delta,
-    dk,
-    dv,
-    d_cols,
-    d_level,
-    consts,
-    cu_seqlens,
-    tiles,
-    N_TOK,
+    q: tl.tensor,
+    k: tl.tensor,
+    v: tl.tensor,
+    field: tl.tensor,
+    level: tl.tensor,
+    blocks: tl.tensor,
+    links: tl.tensor,
+    do: tl.tensor,
+    lse: tl.tensor,
+    delta: tl.tensor,
+    dk: tl.tensor,
+    dv: tl.tensor,
+    d_cols: tl.tensor,
+    d_level: tl.tensor,
+    consts: tl.tensor,
+    cu_seqlens: tl.tensor,
+    tiles: tl.tensor,
+    N_TOK: tl.tensor,
     HQ: tl.constexpr,
-    G,
+    G: tl.tensor,
     K: tl.constexpr,
     V: tl.constexpr,
     BT: tl.constexpr,
@@ -655,7 +662,7 @@ def _bwd_dkv_kernel(
     DOT: tl.constexpr,
     PRECISION: tl.constexpr,
     ROUND_BF16: tl.constexpr,
-):
+) -> None:
     """(G1) dk, dv for one key tile and query head; (G2) dlevel; (G3) the dfield part whose
     argmin lies in A (columns into A's argmin) into d_cols. FOX: d_cols = sum_i G_ij."""
     H = HQ // G
@@ -811,21 +818,21 @@ def _bwd_dkv_kernel(
 
 @triton.jit(do_not_specialize=["N_TOK", "NTILES", "NT_MAX"])
 def _dfield_kernel(
-    field,
-    d_rows,
-    d_cols,
-    mid_sums,
-    dfield,
-    cu_seqlens,
-    tiles,
-    tile_start,
-    N_TOK,
-    NTILES,
-    NT_MAX,
+    field: tl.tensor,
+    d_rows: tl.tensor,
+    d_cols: tl.tensor,
+    mid_sums: tl.tensor,
+    dfield: tl.tensor,
+    cu_seqlens: tl.tensor,
+    tiles: tl.tensor,
+    tile_start: tl.tensor,
+    N_TOK: tl.tensor,
+    NTILES: tl.tensor,
+    NT_MAX: tl.tensor,
     HQ: tl.constexpr,
     BT: tl.constexpr,
     BN: tl.constexpr,
-):
+) -> None:
     """(G3) second pass: dfield = d_rows + d_cols, plus, at the latest minimum of this BT tile,
     the gap sums of every later query tile whose gap had its latest minimum here."""
     tile = tl.program_id(0)
@@ -880,7 +887,13 @@ class _Layout:
         return self.B * self.T
 
 
-def _check_tensor(name: str, x, shape: tuple, dtypes: tuple, device: torch.device) -> None:
+def _check_tensor(
+    name: str,
+    x: object,
+    shape: tuple[int, ...],
+    dtypes: tuple[torch.dtype, ...],
+    device: torch.device,
+) -> None:
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
     if tuple(x.shape) != tuple(shape):
@@ -893,7 +906,13 @@ def _check_tensor(name: str, x, shape: tuple, dtypes: tuple, device: torch.devic
         raise ValueError(f"{name}: expected a contiguous tensor")
 
 
-def _layout(q, k, v, wide: dict, cu_seqlens) -> _Layout:
+def _layout(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    wide: dict[str, torch.Tensor],
+    cu_seqlens: torch.Tensor | None,
+) -> _Layout:
     """Validate q, k, v, the per-token scalars ``wide`` and cu_seqlens; return the shapes."""
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
         raise ValueError(f"q: expected a 4-D tensor [B, T, HQ, K], got {getattr(q, 'shape', q)}")
@@ -943,7 +962,9 @@ def _layout(q, k, v, wide: dict, cu_seqlens) -> _Layout:
 
 
 @functools.lru_cache(maxsize=64)
-def _sequences(lengths: tuple[int, ...], BT: int, device: torch.device):
+def _sequences(
+    lengths: tuple[int, ...], BT: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """(cu_seqlens, tiles, tile_start, NT_MAX): tiles lists (sequence, tile) pairs in order."""
     counts = [triton.cdiv(n, BT) for n in lengths]
     offsets = [0]
@@ -962,13 +983,15 @@ def _sequences(lengths: tuple[int, ...], BT: int, device: torch.device):
 
 
 @functools.lru_cache(maxsize=64)
-def _constants(scale: float, theta: float, dtype: torch.dtype, device: torch.device):
+def _constants(
+    scale: float, theta: float, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
     """[scale log2(e), log2(e), ln 2, theta, scale] in the dtype of the penalty arithmetic."""
     values = [scale * LOG2E, LOG2E, LN2, theta, scale]
     return torch.tensor(values, dtype=dtype, device=device)
 
 
-def _dot_dtype(dtype: torch.dtype):
+def _dot_dtype(dtype: torch.dtype) -> tl.dtype:
     """Operand dtype of tl.dot: the input's, but float32 for bfloat16 under the interpreter,
     which stores bfloat16 as raw integers (arithmetic on them is wrong); computed operands are
     then rounded to bfloat16 first (ROUND_BF16), so the interpreter sees a GPU's rounding."""
@@ -993,7 +1016,7 @@ def _block(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
 
-def _resolve_scale(scale, K: int) -> float:
+def _resolve_scale(scale: float | None, K: int) -> float:
     if scale is None:
         return K**-0.5
     if isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale):
@@ -1001,7 +1024,14 @@ def _resolve_scale(scale, K: int) -> float:
     return float(scale)
 
 
-def _block_minima(field, cu, tiles, shape: _Layout, BT: int, with_links: bool):
+def _block_minima(
+    field: torch.Tensor,
+    cu: torch.Tensor,
+    tiles: torch.Tensor,
+    shape: _Layout,
+    BT: int,
+    with_links: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Pre_k and Suf_k of every BT tile (and the backward's links), see _block_minima_kernel."""
     log_bt = BT.bit_length() - 1
     minima = torch.empty(2 * log_bt, shape.HQ, shape.n_tok, dtype=field.dtype, device=field.device)
@@ -1012,7 +1042,9 @@ def _block_minima(field, cu, tiles, shape: _Layout, BT: int, with_links: bool):
     return minima, links
 
 
-def _block_sums(log_f, cu, tiles, shape: _Layout, BT: int):
+def _block_sums(
+    log_f: torch.Tensor, cu: torch.Tensor, tiles: torch.Tensor, shape: _Layout, BT: int
+) -> torch.Tensor:
     """FoX: cumulative sums of log f local to each BT tile, see _block_sums_kernel."""
     sums = torch.empty(1, shape.HQ, shape.n_tok, dtype=log_f.dtype, device=log_f.device)
     _block_sums_kernel[(tiles.shape[0], shape.HQ)](
@@ -1021,8 +1053,29 @@ def _block_sums(log_f, cu, tiles, shape: _Layout, BT: int):
     return sums
 
 
-def _forward(q, k, v, field, level, scale, cu_seqlens, theta, fox: bool):
-    wide = {"log_f": field} if fox else {"field": field, "level": level}
+def _per_token_scalars(
+    field: torch.Tensor, level: torch.Tensor | None, fox: bool
+) -> dict[str, torch.Tensor]:
+    """The per-token scalars by the names the caller knows them: log_f, or field and level."""
+    if fox:
+        return {"log_f": field}
+    if level is None:
+        raise ValueError("level: expected a tensor [B, T, HQ], got None")
+    return {"field": field, "level": level}
+
+
+def _forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    field: torch.Tensor,
+    level: torch.Tensor | None,
+    scale: float | None,
+    cu_seqlens: torch.Tensor | None,
+    theta: float | None,
+    fox: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    wide = _per_token_scalars(field, level, fox)
     shape = _layout(q, k, v, wide, cu_seqlens)
     scale = _resolve_scale(scale, shape.K)
     tiles = tiles_for(q.device, backward=False)
@@ -1068,8 +1121,21 @@ def _forward(q, k, v, field, level, scale, cu_seqlens, theta, fox: bool):
     return o, lse
 
 
-def _backward(q, k, v, field, level, o, lse, do, dlse, scale, cu_seqlens, fox: bool):
-    wide = {"log_f": field} if fox else {"field": field, "level": level}
+def _backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    field: torch.Tensor,
+    level: torch.Tensor | None,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    do: torch.Tensor,
+    dlse: torch.Tensor | None,
+    scale: float | None,
+    cu_seqlens: torch.Tensor | None,
+    fox: bool,
+) -> tuple[torch.Tensor, ...]:
+    wide = _per_token_scalars(field, level, fox)
     shape = _layout(q, k, v, wide, cu_seqlens)
     B, T, HQ, H, G = shape.B, shape.T, shape.HQ, shape.H, shape.G
     _check_tensor("o", o, (B, T, HQ, shape.V), (q.dtype,), q.device)
@@ -1098,7 +1164,7 @@ def _backward(q, k, v, field, level, o, lse, do, dlse, scale, cu_seqlens, fox: b
     dv = torch.empty(B, T, HQ, shape.V, dtype=partial or v.dtype, device=q.device)
     d_rows = torch.empty(B, T, HQ, dtype=acc, device=q.device)
     d_cols = torch.empty(B, T, HQ, dtype=acc, device=q.device)
-    d_level = None if fox else torch.empty(B, T, HQ, dtype=acc, device=q.device)
+    d_level = torch.empty(B, T, HQ, dtype=acc, device=q.device)  # FoX: unused
     mid_sums = None if fox else torch.zeros(HQ, ntiles, nt_max, dtype=acc, device=q.device)
     sizes = dict(
         HQ=HQ,
@@ -1157,7 +1223,17 @@ def _reverse_segment_sums(x: torch.Tensor, cu: torch.Tensor, shape: _Layout) -> 
 
 
 @dispatch.register("fpa_fwd", "triton")
-def fpa_fwd(q, k, v, field, level, scale, cu_seqlens, *, theta: float | None = None):
+def fpa_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    field: torch.Tensor,
+    level: torch.Tensor,
+    scale: float | None,
+    cu_seqlens: torch.Tensor | None,
+    *,
+    theta: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """First Passage Attention forward, (F1)-(F5) tiled as in spec section 7.
 
     Args:
@@ -1179,7 +1255,19 @@ def fpa_fwd(q, k, v, field, level, scale, cu_seqlens, *, theta: float | None = N
 
 
 @dispatch.register("fpa_bwd", "triton")
-def fpa_bwd(q, k, v, field, level, o, lse, do, dlse, scale, cu_seqlens):
+def fpa_bwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    field: torch.Tensor,
+    level: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    do: torch.Tensor,
+    dlse: torch.Tensor | None,
+    scale: float | None,
+    cu_seqlens: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of :func:`fpa_fwd`, (G1)-(G4): derivative of max(0, x) at 0 is 1, argmin ties
     go to the latest position. Deterministic (no atomics).
 
@@ -1188,11 +1276,21 @@ def fpa_bwd(q, k, v, field, level, o, lse, do, dlse, scale, cu_seqlens):
         dlevel (like field). Time O(T^2 (K + V)) per head; memory O(T K HQ) for GQA partials
         and O(HQ (T / BT)^2) for the per-tile-pair gap sums.
     """
-    return _backward(q, k, v, field, level, o, lse, do, dlse, scale, cu_seqlens, fox=False)
+    dq, dk, dv, dfield, dlevel = _backward(
+        q, k, v, field, level, o, lse, do, dlse, scale, cu_seqlens, fox=False
+    )
+    return dq, dk, dv, dfield, dlevel
 
 
 @dispatch.register("fox_fwd", "triton")
-def fox_fwd(q, k, v, log_f, scale, cu_seqlens):
+def fox_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    log_f: torch.Tensor,
+    scale: float | None,
+    cu_seqlens: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Forgetting attention forward (F6) on the bias-only fast path.
 
     Args: as :func:`fpa_fwd` with log_f [B, T, HQ] (log forget gates <= 0) for field and level.
@@ -1203,7 +1301,21 @@ def fox_fwd(q, k, v, log_f, scale, cu_seqlens):
 
 
 @dispatch.register("fox_bwd", "triton")
-def fox_bwd(q, k, v, log_f, o, lse, do, dlse, scale, cu_seqlens):
+def fox_bwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    log_f: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    do: torch.Tensor,
+    dlse: torch.Tensor | None,
+    scale: float | None,
+    cu_seqlens: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of :func:`fox_fwd`: dq, dk, dv, dlog_f, dlog_f_l = sum over (i, j) with
     j < l <= i of G_ij. Deterministic. Time O(T^2 (K + V)) per head."""
-    return _backward(q, k, v, log_f, None, o, lse, do, dlse, scale, cu_seqlens, fox=True)
+    dq, dk, dv, dlog_f = _backward(
+        q, k, v, log_f, None, o, lse, do, dlse, scale, cu_seqlens, fox=True
+    )
+    return dq, dk, dv, dlog_f
