@@ -42,6 +42,7 @@ DRY_KIT = {  # the kit's subset in a dry run
     "dtypes": ["float32"],
 }
 CHECK_T = {False: 2048, True: 40}  # the long check's length (GPU, dry run)
+LONG_CHECK_HEADS = (2, 1, 64, 64)  # HQ, H (GQA), K, V
 IMPLS = ("FPA", "FoX", "fla", "SDPA")
 GOALS = {  # issue 10, ratios of times to fla's parallel_forgetting_attn
     ("FPA", "fwd"): 1.20,
@@ -94,9 +95,10 @@ def _device_name(torch, dry: bool) -> str:
 
 
 def timing_variants() -> list[tuple]:
-    """(fox, dtype, HQ, H, K, V, tiles) of every launch of the timings and the tile sweep;
-    tiles (forward, backward) as (own, visit, warps), None for the device table."""
-    H, variants = GPU_SHAPES["H"], []
+    """(fox, dtype, HQ, H, K, V, tiles) of every launch of the long check, the timings and the
+    tile sweep; tiles (forward, backward) as (own, visit, warps), None for the device table."""
+    variants = [(fox, "float32", *LONG_CHECK_HEADS, None) for fox in (False, True)]
+    H = GPU_SHAPES["H"]
     for D in GPU_SHAPES["Ds"]:
         variants += [(fox, "bfloat16", H, H, D, D, None) for fox in (False, True)]
     D = SWEEP_SHAPE[False][0]
@@ -252,7 +254,7 @@ def long_check(torch, device: str, T: int) -> bool:
     from attnspec.reference import fpa as ref
 
     rng = np.random.default_rng(0)
-    HQ, H, D = 2, 1, 64
+    HQ, H, D, _ = LONG_CHECK_HEADS
     x = {n: round_to(rng.standard_normal(s), "float32") for n, s in [
         ("q", (1, T, HQ, D)), ("k", (1, T, H, D)), ("v", (1, T, H, D)), ("do", (1, T, HQ, D))
     ]}  # fmt: skip
