@@ -36,11 +36,12 @@ def docs_pages():
 
 
 def python_blocks(path, title=None):
-    """Python code blocks of a page; with ``title``, only those whose fence carries it."""
+    """Python code blocks of a page; with ``title``, those whose fence carries it ("": no title)."""
     blocks = re.findall(r'```python( title="[^"]*")?\n(.*?)```', read(path), flags=re.S)
     if title is None:
         return [body for _, body in blocks]
-    return [body for fence, body in blocks if fence == f' title="{title}"']
+    want = f' title="{title}"' if title else ""
+    return [body for fence, body in blocks if fence == want]
 
 
 def spec_labels():
@@ -154,11 +155,30 @@ def test_labelled_equations_sit_beside_code_that_cites_them(page):
 
 
 def test_readme_example_runs():
-    (block,) = python_blocks("README.md")
+    (block,) = python_blocks("README.md", title="")
     namespace = {}
     exec(compile(block, "README.md", "exec"), namespace)
     assert namespace["o"].shape == (1, 2, 16, 8)
     assert namespace["live"].dtype == np.bool_
+
+
+def test_readme_torch_example_runs():
+    pytest.importorskip("torch")
+    (block,) = python_blocks("README.md", title="PyTorch")
+    namespace = {}
+    exec(compile(block, "README.md", "exec"), namespace)
+    assert namespace["o"].shape == (2, 64, 4, 32)
+    assert namespace["q"].grad.shape == (2, 64, 4, 32)
+    assert namespace["y"].shape == (2, 64, 128)
+
+
+def test_readme_jax_example_runs():
+    pytest.importorskip("jax")
+    (block,) = python_blocks("README.md", title="JAX")
+    namespace = {}
+    exec(compile(block, "README.md", "exec"), namespace)
+    assert namespace["o"].shape == (2, 64, 4, 32)
+    assert namespace["dq"].shape == (2, 64, 4, 32)
 
 
 def test_tutorial_python_runs(capsys):
