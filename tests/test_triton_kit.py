@@ -1,0 +1,40 @@
+"""The conformance kit on the ``triton`` backend (the Triton kernels, interpreted on CPU).
+
+CI budget [decision]: the first case of every family of every op the backend claims, outputs
+and VJPs, in float32 and bfloat16 (about a minute each under the interpreter on 2 cores); this
+reaches every family, op and check. The full run on every case and dtype is
+``attnspec conformance --backend triton`` (15 to 25 minutes under the interpreter, about a
+minute on a GPU with ``--device cuda``, the kit section of bench/gpu_check.sh).
+"""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+from attnspec.backends.registry import get_backend  # noqa: E402
+from attnspec.conformance import cases, runner  # noqa: E402
+from attnspec.conformance.skips import SkipList  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_kit_passes_the_first_case_of_every_family(dtype):
+    backend = get_backend("triton")
+    claimed = {c for c in backend.capabilities() if "." not in c}
+    assert {"fpa_attention", "fox_attention", "interdomain_s4d", "interdomain_legs"} <= claimed
+    ids = [i for i in cases.case_ids(sorted(claimed)) if i.endswith("/0")]
+    report = runner.run(
+        backend, [cases.build_case(i) for i in ids], [dtype], skips=SkipList.load("triton", [])
+    )
+    failed = [f"{r.case_id} {r.kind}: {r.message}" for r in report.results if r.verdict != "passed"]
+    assert not failed, "\n".join(failed[:20])
+    kinds = {(r.op, r.kind) for r in report.results}
+    assert {(op, "gradient") for op in claimed} <= kinds  # the Triton backward kernels ran
