@@ -1,0 +1,188 @@
+"""Spec section 7 in JAX: the tiled segment minimum and the per-tile math of FPA and FoX.
+
+The sequence is cut into nb blocks of ``bs`` positions. For a key block strictly before a query
+block, the segment minimum of (F1) splits into three pieces (spec/fpa.md section 7):
+
+    m_ij = min(A_j, mid, B_i),  A_j = min phi over (j, j1],  mid = min phi over (j1, i0),
+                                B_i = min phi over [i0, i]
+
+and FoX's decay D_ij = sum_{l in (j, i]} a_l (a = -log f >= 0) splits the same way into sums,
+S_j + gap + P_i. Everything that runs along the sequence (prefix/suffix minima with their latest
+argmins, the in-block segment minimum of the diagonal tiles, the argmin of each gap) is computed
+here once, in O(T * bs) memory, so that the XLA loop (``blockwise``) and the Pallas kernels
+(``fpa_pallas``) only do tile arithmetic. The per-tile functions below take arrays with any
+leading dims: rows are the second-to-last axis of a tile, keys the last.
+
+Argmin ties go to the latest position (G3): every (value, position) pair is ordered by value, then
+by position descending.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax.numpy as jnp
+from jax import lax
+
+
+def _latest_min(a, b):
+    """Combine two (value, position) pairs: the smaller value; on ties, the later position."""
+    a_val, a_pos = a
+    b_val, b_pos = b
+    take_a = (a_val < b_val) | ((a_val == b_val) & (a_pos > b_pos))
+    return jnp.where(take_a, a_val, b_val), jnp.where(take_a, a_pos, b_pos)
+
+
+class FieldTiles(NamedTuple):
+    """Per-position pieces of the tiled segment minimum of a field (..., nb, bs).
+
+    suffix_min (A_j), suffix_arg: min of phi over (j, j1] in j's block and its latest argmin,
+    +inf / -1 at the last position of a block. prefix_min (B_i), prefix_arg: min over [i0, i].
+    block_min, block_arg (..., nb): the minimum of each block and its latest argmin.
+    diag_min (..., nb, bs, bs): the in-block segment minimum m_ij over (j, i], +inf for j >= i;
+    diag_arg: its latest argmin. Positions are global indices into the padded sequence.
+    """
+
+    suffix_min: jnp.ndarray
+    suffix_arg: jnp.ndarray
+    prefix_min: jnp.ndarray
+    prefix_arg: jnp.ndarray
+    block_min: jnp.ndarray
+    block_arg: jnp.ndarray
+    diag_min: jnp.ndarray
+    diag_arg: jnp.ndarray
+
+
+def field_tiles(field: jnp.ndarray, bs: int) -> FieldTiles:
+    """Spec section 7 pieces of ``field`` (..., T), T a multiple of ``bs``; O(T bs) work.
+
+    One sequential scan over the positions of a block, vectorised over blocks and heads (it
+    compiles much faster than ``lax.associative_scan`` for the same O(bs) steps per lane).
+    """
+    *lead, T = field.shape
+    nb = T // bs
+    phi = field.reshape(*lead, nb, bs)
+    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32).reshape(nb, bs), phi.shape)
+    cols = jnp.arange(bs)
+
+    def step(carry, t):
+        prefix, suffix, diag = carry
+        here = (phi[..., t], pos[..., t])
+        prefix = _latest_min(prefix, here)  # B over [i0, t]
+        back = bs - 1 - t
+        suffix = _latest_min(suffix, (phi[..., back], pos[..., back]))  # over [back, j1]
+        # diagonal tile, row t: column j takes phi_t when j < t, so m_tj = min over (j, t]
+        later = cols < t
+        candidate = (
+            jnp.where(later, here[0][..., None], jnp.inf),
+            jnp.where(later, here[1][..., None], -1),
+        )
+        diag = _latest_min(diag, candidate)
+        return (prefix, suffix, diag), (prefix, suffix, diag)
+
+    none = (jnp.full_like(phi[..., 0], jnp.inf), jnp.full_like(pos[..., 0], -1))
+    wide = (jnp.full_like(phi, jnp.inf), jnp.full_like(pos, -1))
+    _, (prefix, suffix, diag) = lax.scan(step, (none, none, wide), jnp.arange(bs))
+    # scan outputs lead with the step axis: rows of the diagonal tiles, positions otherwise
+    prefix = [jnp.moveaxis(x, 0, -1) for x in prefix]
+    suffix = [jnp.flip(jnp.moveaxis(x, 0, -1), -1) for x in suffix]  # inclusive over [j, j1]
+    diag = [jnp.moveaxis(x, 0, -2) for x in diag]
+    # A_j over (j, j1]: the inclusive suffix shifted by one position.
+    a_min = jnp.concatenate([suffix[0][..., 1:], jnp.full_like(phi[..., :1], jnp.inf)], -1)
+    a_arg = jnp.concatenate([suffix[1][..., 1:], jnp.full_like(pos[..., :1], -1)], -1)
+    block_min, block_arg = block_minimum(phi, pos)
+    return FieldTiles(a_min, a_arg, *prefix, block_min, block_arg, *diag)
+
+
+def block_minimum(phi, pos):
+    """The minimum of each block (last axis) and its latest argmin."""
+    low = jnp.min(phi, axis=-1)
+    return low, jnp.max(jnp.where(phi == low[..., None], pos, -1), axis=-1)
+
+
+class DecayTiles(NamedTuple):
+    """Per-position pieces of FoX's decay D_ij = sum_{l in (j, i]} a_l, a = -log f (..., nb, bs).
+
+    suffix_sum (S_j): sum over (j, j1]; prefix_sum (P_i): sum over [i0, i]; block_sum (..., nb).
+    Sums stay local to a block (offsets carried across blocks), so long T costs no precision.
+    """
+
+    suffix_sum: jnp.ndarray
+    prefix_sum: jnp.ndarray
+    block_sum: jnp.ndarray
+
+
+def decay_tiles(log_f: jnp.ndarray, bs: int) -> DecayTiles:
+    """(F6) FoX's decay pieces for ``log_f`` (..., T), T a multiple of ``bs``."""
+    *lead, T = log_f.shape
+    a = -log_f.reshape(*lead, T // bs, bs)  # decay per token, >= 0
+    prefix = jnp.cumsum(a, axis=-1)
+    total = prefix[..., -1]
+    return DecayTiles(total[..., None] - prefix, prefix, total)
+
+
+# ---------------------------------------------------------------------------- per-tile math
+
+
+def diagonal_penalty(kind: str, level_cols, diag_min=None, prefix_rows=None, prefix_cols=None):
+    """Penalty of a diagonal tile (rows i, keys j of one block); garbage above the diagonal.
+
+    fpa: pi_ij = max(0, l_j - m_ij) with the in-block segment minimum (F2).
+    fox: D_ij = P_i - P_j, the decay over (j, i].
+    """
+    if kind == "fpa":
+        return jnp.maximum(0.0, level_cols[..., None, :] - diag_min)  # (F2)
+    return prefix_rows[..., :, None] - prefix_cols[..., None, :]
+
+
+def offdiagonal_min(prefix_rows, suffix_cols, mid):
+    """(F1) m_ij = min(A_j, mid, B_i) for a key block strictly before the query block."""
+    m = jnp.minimum(suffix_cols[..., None, :], jnp.asarray(mid)[..., None, None])
+    return jnp.minimum(m, prefix_rows[..., :, None])
+
+
+def offdiagonal_penalty(kind: str, rows, cols, gap):
+    """Penalty of a key block strictly before the query block.
+
+    fpa: rows = B_i, cols = (A_j, l_j), gap = mid; pi_ij = max(0, l_j - min(A_j, mid, B_i)).
+    fox: rows = P_i, cols = (S_j,), gap = the decay of the blocks in between; D = S_j + gap + P_i.
+    """
+    if kind == "fpa":
+        suffix, level = cols
+        return jnp.maximum(0.0, level[..., None, :] - offdiagonal_min(rows, suffix, gap))
+    (suffix,) = cols
+    return suffix[..., None, :] + jnp.asarray(gap)[..., None, None] + rows[..., :, None]
+
+
+def extend_gap(kind: str, gap, block_stat):
+    """Extend the gap by one more key block (visited from the diagonal outward); block_stat is
+    the block's minimum (fpa) or its decay sum (fox)."""
+    return jnp.minimum(gap, block_stat) if kind == "fpa" else gap + block_stat
+
+
+def block_stat(kind: str, block):
+    """The minimum (fpa) or the decay sum (fox) of one block of positions, last axis."""
+    return jnp.min(block, axis=-1) if kind == "fpa" else jnp.sum(block, axis=-1)
+
+
+def empty_gap(kind: str, like):
+    """The gap between adjacent blocks: +inf for a minimum, 0 for a sum."""
+    return jnp.full_like(like, jnp.inf if kind == "fpa" else 0.0)
+
+
+def offdiagonal_regions(prefix_rows, suffix_cols, mid):
+    """Where the latest argmin of (j, i] lies (G3): in [i0, i] (B), in the gap, or in (j, j1].
+
+    Ties go to the latest piece: B before the gap before A.
+    """
+    b = prefix_rows[..., :, None]
+    a = suffix_cols[..., None, :]
+    mid = jnp.asarray(mid)[..., None, None]
+    in_b = b <= jnp.minimum(a, mid)
+    in_mid = ~in_b & (mid <= a)
+    return in_b, in_mid
+
+
+def logit_cotangent(p, dp, delta):
+    """G_ij = p_ij (<dO_i, v_j> - delta_i), delta_i = <dO_i, o_i> - dLSE_i (G1, G4)."""
+    return p * (dp - delta[..., :, None])
