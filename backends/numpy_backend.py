@@ -1,16 +1,70 @@
 """The reference run as a backend: NumPy arrays in, NumPy arrays out.
 
 Inputs arrive rounded to the tested dtype; the reference computes in float64 and the outputs are
-cast back to the dtype of the inputs (lse and the kept fraction stay float64). Its gradients are
-the reference's hand-written VJPs; complex parameters travel as (re, im) pairs.
+cast back to the dtype of the inputs (lse and the kept fraction stay float64); each gradient is
+cast to the dtype of its input. Its gradients are the reference's hand-written VJPs; complex
+parameters travel as (re, im) pairs.
+
+The optional capabilities of the protocol are met the plain way: packed sequences
+(``cu_seqlens``) run the reference segment by segment, and grouped-query attention repeats each
+key/value head for its group of query heads (gradients summed over the group).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from itertools import pairwise
 
 import numpy as np
 
 from attnspec.reference import fpa
 from attnspec.reference import interdomain as idm
+
+
+def segments(cu_seqlens, T: int) -> list[slice]:
+    """The packed sequences named by FlashAttention-style offsets (0, ..., T) as slices of T."""
+    offsets = [int(x) for x in np.asarray(cu_seqlens).ravel()]
+    if len(offsets) < 2 or offsets[0] != 0 or offsets[-1] != T:
+        raise ValueError(f"cu_seqlens: expected offsets from 0 to T = {T}, got {offsets}")
+    if any(b <= a for a, b in pairwise(offsets)):
+        raise ValueError(f"cu_seqlens: expected strictly increasing offsets, got {offsets}")
+    return [slice(a, b) for a, b in pairwise(offsets)]
+
+
+def _per_segment(fn: Callable, arrays: dict, cu_seqlens, token_axis: dict) -> list:
+    """Run ``fn`` on each packed sequence; ``token_axis[name]`` is the T axis of each array."""
+    if cu_seqlens is None:
+        return [fn(**arrays)]
+    first = next(iter(arrays))
+    if arrays[first].shape[0] != 1:
+        raise ValueError(f"cu_seqlens: packed sequences need B = 1, got {arrays[first].shape}")
+    T = arrays[first].shape[token_axis[first]]
+    results = []
+    for part in segments(cu_seqlens, T):
+        sliced = {}
+        for name, x in arrays.items():
+            axis = token_axis.get(name)
+            sliced[name] = x if axis is None else np.take(x, np.arange(T)[part], axis=axis)
+        results.append(fn(**sliced))
+    return results
+
+
+def _heads_for_queries(x: np.ndarray, H: int, name: str) -> np.ndarray:
+    """GQA: repeat each of the H_kv heads of x (..., H_kv, T, D) for its H / H_kv query heads."""
+    H_kv = x.shape[-3]
+    if H % H_kv:
+        raise ValueError(f"{name}: {H_kv} heads do not divide the {H} query heads")
+    return np.repeat(x, H // H_kv, axis=-3)
+
+
+def _sum_groups(g: np.ndarray, H_kv: int) -> np.ndarray:
+    """The adjoint of :func:`_heads_for_queries`: sum the gradient over each group."""
+    *lead, H, T, D = g.shape
+    return g.reshape(*lead, H_kv, H // H_kv, T, D).sum(axis=-3)
+
+
+ATTENTION_AXES = {"q": -2, "k": -2, "v": -2, "field": -1, "level": -1, "log_f": -1, "d_out": -2}
+ATTENTION_AXES["d_lse"] = -1
 
 
 class NumpyBackend:
@@ -26,6 +80,13 @@ class NumpyBackend:
         "interdomain_layer",
     )
     VJPS = ("fpa_attention", "fox_attention", "interdomain_legs", "interdomain_s4d")
+    FEATURES = (
+        "fpa_attention.varlen",
+        "fox_attention.varlen",
+        "interdomain_s4d.varlen",
+        "fpa_attention.gqa",
+        "fox_attention.gqa",
+    )
 
     def __init__(self, device: str = "cpu"):
         if device != "cpu":
@@ -33,7 +94,7 @@ class NumpyBackend:
         self.device = device
 
     def capabilities(self) -> set[str]:
-        return set(self.OPS) | {f"{op}.vjp" for op in self.VJPS}
+        return set(self.OPS) | {f"{op}.vjp" for op in self.VJPS} | set(self.FEATURES)
 
     def asarray(self, x: np.ndarray, dtype: str) -> np.ndarray:
         return np.asarray(x, dtype=dtype)
@@ -46,12 +107,31 @@ class NumpyBackend:
 
     # ---------------------------------------------------------------- ops
 
-    def fpa_attention(self, q, k, v, field, level, *, scale=None, return_lse=False):
-        o, lse = fpa.fpa_attention(q, k, v, field, level, scale=scale, return_lse=True)
-        return (o.astype(q.dtype), lse) if return_lse else o.astype(q.dtype)
+    def fpa_attention(
+        self, q, k, v, field, level, *, scale=None, cu_seqlens=None, return_lse=False
+    ):
+        H = q.shape[-3]
+        k, v = _heads_for_queries(k, H, "k"), _heads_for_queries(v, H, "v")
+        parts = _per_segment(
+            lambda **a: fpa.fpa_attention(**a, scale=scale, return_lse=True),
+            {"q": q, "k": k, "v": v, "field": field, "level": level},
+            cu_seqlens,
+            ATTENTION_AXES,
+        )
+        o = np.concatenate([p[0] for p in parts], axis=-2).astype(q.dtype)
+        lse = np.concatenate([p[1] for p in parts], axis=-1)
+        return (o, lse) if return_lse else o
 
-    def fox_attention(self, q, k, v, log_f, *, scale=None):
-        return fpa.fox_attention(q, k, v, log_f, scale=scale).astype(q.dtype)
+    def fox_attention(self, q, k, v, log_f, *, scale=None, cu_seqlens=None):
+        H = q.shape[-3]
+        k, v = _heads_for_queries(k, H, "k"), _heads_for_queries(v, H, "v")
+        parts = _per_segment(
+            lambda **a: fpa.fox_attention(**a, scale=scale),
+            {"q": q, "k": k, "v": v, "log_f": log_f},
+            cu_seqlens,
+            ATTENTION_AXES,
+        )
+        return np.concatenate(parts, axis=-2).astype(q.dtype)
 
     def fpa_decode(self, q, k, v, field, level, *, theta, scale=None):
         res = fpa.fpa_decode(q, k, v, field, level, theta=theta, scale=scale)
@@ -60,9 +140,17 @@ class NumpyBackend:
     def interdomain_legs(self, fq, fk, v, *, M):
         return idm.interdomain_legs(fq, fk, v, M).astype(fq.dtype)
 
-    def interdomain_s4d(self, fq, kt, vt, lam_re, lam_im, b_re, b_im, c_re, c_im, *, readout):
+    def interdomain_s4d(
+        self, fq, kt, vt, lam_re, lam_im, b_re, b_im, c_re, c_im, *, readout, cu_seqlens=None
+    ):
         lam, b, c = lam_re + 1j * lam_im, b_re + 1j * b_im, c_re + 1j * c_im
-        return idm.interdomain_s4d(fq, kt, vt, lam, b, c, readout=readout).astype(fq.dtype)
+        parts = _per_segment(
+            lambda **a: idm.interdomain_s4d(**a, lam=lam, b=b, c=c, readout=readout),
+            {"fq": fq, "kt": kt, "vt": vt},
+            cu_seqlens,
+            {"fq": -2, "kt": -2, "vt": -2},
+        )
+        return np.concatenate(parts, axis=-2).astype(fq.dtype)
 
     def fpa_layer(self, x, params):
         return fpa.fpa_layer(x, params).astype(x.dtype)
@@ -73,42 +161,63 @@ class NumpyBackend:
     # ---------------------------------------------------------------- gradients
 
     def vjp(self, op: str, inputs: dict, params: dict, cotangents: dict) -> dict:
-        """Input cotangents of ``op`` for its differentiable inputs, by name."""
-        if op == "fpa_attention":
-            g = fpa.fpa_attention_vjp(
-                **inputs,
-                d_out=cotangents["o"],
-                d_lse=cotangents.get("lse"),
-                scale=params.get("scale"),
-            )
-            return {"q": g.dq, "k": g.dk, "v": g.dv, "field": g.dfield, "level": g.dlevel}
-        if op == "fox_attention":
-            g = fpa.fox_attention_vjp(**inputs, d_out=cotangents["o"], scale=params.get("scale"))
-            return {"q": g.dq, "k": g.dk, "v": g.dv, "log_f": g.dlog_f}
+        """Input cotangents of ``op`` for its differentiable inputs, by name, each in the dtype
+        of its input."""
+        grads = self._vjp(op, inputs, params, cotangents)
+        return {name: g.astype(inputs[name].dtype) for name, g in grads.items()}
+
+    def _vjp(self, op, inputs, params, cotangents):
+        cu_seqlens = params.get("cu_seqlens")
+        if op in ("fpa_attention", "fox_attention"):
+            H, H_kv = inputs["q"].shape[-3], inputs["k"].shape[-3]
+            arrays = dict(inputs)
+            arrays["k"] = _heads_for_queries(inputs["k"], H, "k")
+            arrays["v"] = _heads_for_queries(inputs["v"], H, "v")
+            arrays["d_out"] = cotangents["o"]
+            if op == "fpa_attention":
+                arrays["d_lse"] = cotangents.get("lse")
+
+                def backward(**a):
+                    return fpa.fpa_attention_vjp(**a, scale=params.get("scale"))._asdict()
+
+            else:
+
+                def backward(**a):
+                    return fpa.fox_attention_vjp(**a, scale=params.get("scale"))._asdict()
+
+            if arrays.get("d_lse") is None:
+                arrays.pop("d_lse", None)
+            parts = _per_segment(backward, arrays, cu_seqlens, ATTENTION_AXES)
+            names = {"dq": "q", "dk": "k", "dv": "v", "dfield": "field", "dlevel": "level"}
+            names["dlog_f"] = "log_f"
+            grads = {}
+            for key, name in names.items():
+                if key in parts[0]:
+                    axis = ATTENTION_AXES[name]
+                    grads[name] = np.concatenate([p[key] for p in parts], axis=axis)
+            grads["k"], grads["v"] = _sum_groups(grads["k"], H_kv), _sum_groups(grads["v"], H_kv)
+            return grads
         if op == "interdomain_legs":
             g = idm.interdomain_legs_vjp(**inputs, M=params["M"], d_out=cotangents["o"])
             return {"fq": g.dfq, "fk": g.dfk, "v": g.dv}
         if op == "interdomain_s4d":
             x = inputs
-            g = idm.interdomain_s4d_vjp(
-                x["fq"],
-                x["kt"],
-                x["vt"],
-                x["lam_re"] + 1j * x["lam_im"],
-                x["b_re"] + 1j * x["b_im"],
-                x["c_re"] + 1j * x["c_im"],
-                cotangents["o"],
-                readout=params["readout"],
+            lam = x["lam_re"] + 1j * x["lam_im"]
+            b, c = x["b_re"] + 1j * x["b_im"], x["c_re"] + 1j * x["c_im"]
+            parts = _per_segment(
+                lambda **a: idm.interdomain_s4d_vjp(
+                    **a, lam=lam, b=b, c=c, readout=params["readout"]
+                ),
+                {"fq": x["fq"], "kt": x["kt"], "vt": x["vt"], "d_out": cotangents["o"]},
+                cu_seqlens,
+                {"fq": -2, "kt": -2, "vt": -2, "d_out": -2},
             )
-            return {
-                "fq": g.dfq,
-                "kt": g.dkt,
-                "vt": g.dvt,
-                "lam_re": g.dlam.real,
-                "lam_im": g.dlam.imag,
-                "b_re": g.db.real,
-                "b_im": g.db.imag,
-                "c_re": g.dc.real,
-                "c_im": g.dc.imag,
+            grads = {
+                name: np.concatenate([getattr(p, f"d{name}") for p in parts], axis=-2)
+                for name in ("fq", "kt", "vt")
             }
+            for name in ("lam", "b", "c"):
+                total = sum(getattr(p, f"d{name}") for p in parts)  # shared parameters
+                grads[f"{name}_re"], grads[f"{name}_im"] = total.real, total.imag
+            return grads
         raise NotImplementedError(f"op: no VJP for {op!r} in the numpy backend")

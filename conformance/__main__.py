@@ -2,7 +2,7 @@
 
 import sys
 
-from .cli import conformance_main
+from .cli import conformance_main, quiet_on_broken_pipe
 
 if __name__ == "__main__":
-    sys.exit(conformance_main(prog="python -m attnspec.conformance"))
+    sys.exit(quiet_on_broken_pipe(lambda: conformance_main(prog="python -m attnspec.conformance")))

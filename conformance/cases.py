@@ -26,6 +26,7 @@ class Case:
     gradient: in the gradient suite (backend VJP vs reference VJP).
     finite_difference: the reference VJP is also checked by central differences (inputs are
     away from kinks); False for tie cases, which check the conventions of spec/fpa.md sec. 6.
+    requires: optional capabilities beyond the op ("fpa_attention.varlen", ...).
     """
 
     id: str
@@ -36,6 +37,7 @@ class Case:
     gradient: bool = False
     finite_difference: bool = False
     note: str = ""
+    requires: tuple[str, ...] = ()
 
     @property
     def family(self) -> str:
@@ -54,6 +56,7 @@ class Family:
     note: str
     gradient: bool = False
     finite_difference: bool = False
+    requires: tuple[str, ...] = ()
 
 
 def case_seed(case_id: str) -> int:
@@ -211,6 +214,138 @@ FPA_FAMILIES = {
 }
 
 
+# Families that reach a tiled kernel's borders, precision limits and parameters. Block sizes of
+# 16-128 are crossed at least three times by the longest cases, with B*H > 1 and distinct
+# per-head fields.
+TILE_LENGTHS = (127, 128, 129, 255, 256, 257, 300)
+TILE_FIELDS = (("walk", "offset"), ("brackets", "one_walk"), ("walk", "one_walk"))
+
+
+def _fpa_tiles(rng, n):
+    field_kind, level_kind = TILE_FIELDS[n % 3]
+    B, H = (2, 2) if n % 2 else (1, 3)
+    shape = (B, H, TILE_LENGTHS[n], 16, 16)
+    return _fpa_inputs(rng, shape, field_kind=field_kind, level_kind=level_kind), {}
+
+
+# Every head-dim pair meets every length: (dk, dv) x T.
+HEADDIM_LENGTHS = [
+    (dk, dv, T) for T in (65, 130, 257) for dk, dv in ((64, 64), (128, 128), (128, 64), (96, 96))
+]
+
+
+def _fpa_headdim_long(rng, n):
+    dk, dv, T = HEADDIM_LENGTHS[n]
+    return _fpa_inputs(rng, (1, 2, T, dk, dv)), {}
+
+
+TIE_TILES = [(kind, T) for T in (65, 130, 257) for kind in ("brackets", "constant")]
+
+
+def _fpa_ties_tiles(rng, n):
+    kind, T = TIE_TILES[n]
+    level_kind = "one_walk" if kind == "brackets" else "offset"
+    return _fpa_inputs(rng, (1, 2, T, 16, 16), field_kind=kind, level_kind=level_kind), {}
+
+
+def _fpa_scale(rng, n):
+    scale, T = [(0.3, 65), (2.5, 33)][n]
+    return _fpa_inputs(rng, (1, 2, T, 16, 16), margin=1e-4), {"scale": scale}
+
+
+def _fpa_large_logits(rng, n):
+    # s <q, k> ~ N(0, 300^2): logits in the hundreds, far beyond exp's float32 range.
+    return _fpa_inputs(rng, (1, 2, [65, 130][n], 16, 16), logit=300.0, margin=1e-4), {}
+
+
+def _fpa_low_rows(rng, n):
+    """Some rows have every logit near -200 (exp underflows in float32 without a row max)."""
+    B, H, T, dk, dv = (1, 2, [65, 130][n], 16, 16)
+    inputs = _fpa_inputs(rng, (B, H, T, dk, dv), margin=1e-4)
+    u = rng.standard_normal(dk)
+    u /= np.linalg.norm(u)
+    k = 8.0 * u + 0.3 * rng.standard_normal((B, H, T, dk))  # <u, k_j> ~ 8 for every key
+    q = inputs["q"]
+    low = rng.random((B, H, T)) < 0.3
+    q[low] = -200.0 / (8.0 / np.sqrt(dk)) * u  # s <q_i, k_j> ~ -200 +- 8 for every j
+    inputs["k"] = k
+    return inputs, {}
+
+
+def _fpa_long_uniform(rng, n):
+    """Near-uniform weights over T = 2304 keys: a float16 softmax sum stalls at 2048 (the
+    spacing of float16 there is 2), so half-precision accumulation is visibly wrong."""
+    B, H, T, dk, dv = (1, 1, 2304, 16, 16)
+    q = 1e-3 * rng.standard_normal((B, H, T, dk))
+    k = rng.standard_normal((B, H, T, dk))
+    v = rng.standard_normal((B, H, T, dv))
+    f = 1e-3 * np.cumsum(rng.standard_normal((B, H, T)), axis=-1)
+    return {"q": q, "k": k, "v": v, "field": f, "level": f - 10.0}, {}  # every key live
+
+
+def _fpa_large_field(rng, n):
+    """Fields near +-1e4 plus an O(1) walk: O(1) penalties as differences of large numbers."""
+    inputs = _fpa_inputs(rng, FPA_FIELD_SHAPE, margin=1e-4)
+    centre = np.array([1e4, -1e4])[:, None]  # one head near +1e4, one near -1e4
+    inputs["field"] = inputs["field"] + centre
+    inputs["level"] = inputs["level"] + centre
+    return inputs, {}
+
+
+# Packed sequences: FlashAttention's cu_seqlens with B = 1; a length-1 segment in the second.
+VARLEN_OFFSETS = [(0, 15, 100, 300), (0, 1, 40, 41, 130)]
+# GQA: (B, H of q, H of k and v, T).
+GQA_SHAPES = [(1, 8, 2, 65), (2, 4, 1, 130), (1, 6, 3, 33)]
+
+
+def _fpa_varlen(rng, n):
+    offsets = VARLEN_OFFSETS[n % 2]
+    inputs = _fpa_inputs(rng, (1, 2, offsets[-1], 16, 16))
+    return inputs, {"cu_seqlens": offsets}
+
+
+def _fpa_gqa(rng, n):
+    B, H, H_kv, T = GQA_SHAPES[n]
+    inputs = _fpa_inputs(rng, (B, H, T, 16, 16), margin=1e-4)
+    inputs["k"] = inputs["k"][:, :H_kv]
+    inputs["v"] = inputs["v"][:, :H_kv]
+    return inputs, {}
+
+
+VARLEN = "packed sequences (cu_seqlens), each checked against the reference on its own"
+GQA = "fewer key/value heads than query heads; per-token scalars per query head"
+FPA_FAMILIES.update(
+    {
+        "tiles": Family(
+            7,
+            _fpa_tiles,
+            "T across tile borders (127-129, 255-257, 300), B*H > 1; walk, bracket and one-walk "
+            "fields (brackets are tie cases)",
+            True,
+        ),
+        "headdim_long": Family(
+            12, _fpa_headdim_long, "dk/dv 64/64, 128/128, 128/64, 96/96 at T 65, 130, 257", True
+        ),
+        "ties_tiles": Family(6, _fpa_ties_tiles, "ties across tile borders; " + TIES, True),
+        "scale": Family(2, _fpa_scale, "non-default softmax scale; " + SMOOTH, True, True),
+        "large_logits": Family(
+            2, _fpa_large_logits, "logits in the hundreds; " + SMOOTH, True, True
+        ),
+        "low_rows": Family(
+            2, _fpa_low_rows, "30% of rows have every logit near -200; " + SMOOTH, True, True
+        ),
+        "long_uniform": Family(
+            1, _fpa_long_uniform, "T = 2304, near-uniform weights, every key live"
+        ),
+        "large_field": Family(
+            2, _fpa_large_field, "fields near +-1e4 with O(1) penalties; " + SMOOTH, True, True
+        ),
+        "varlen": Family(2, _fpa_varlen, VARLEN, True, requires=("fpa_attention.varlen",)),
+        "gqa": Family(3, _fpa_gqa, GQA + "; " + SMOOTH, True, True, ("fpa_attention.gqa",)),
+    }
+)
+
+
 def _fox_family(unit_gates: float, decay: float):
     def build(rng, n):
         B, H, T, dk, dv = [(1, 1, 1, 8, 8), (2, 3, 17, 16, 8), (1, 2, 65, 8, 16)][n % 3]
@@ -228,6 +363,49 @@ FOX_FAMILIES = {
     "unit_gates": Family(3, _fox_family(0.4, 0.5), "40% of gates exactly 1; " + TIES, True),
     "strong_decay": Family(2, _fox_family(0.0, 5.0), "log f ~ -5", True, True),
 }
+
+
+def _fox_inputs(rng, B, H, T, dk=16, dv=16, decay=0.5, H_kv=None):
+    q = rng.standard_normal((B, H, T, dk))
+    k, v = rng.standard_normal((B, H_kv or H, T, dk)), rng.standard_normal((B, H_kv or H, T, dv))
+    log_f = -rng.exponential(decay, (B, H, T)) - 1e-2
+    return {"q": q, "k": k, "v": v, "log_f": log_f}
+
+
+FOX_FAMILIES.update(
+    {
+        "long": Family(
+            2,
+            lambda rng, n: (_fox_inputs(rng, 2, 2, [257, 300][n], decay=0.05), {}),
+            "T >= 257 across tile borders, weak decay, B*H > 1",
+            True,
+        ),
+        "scale": Family(
+            1, lambda rng, n: (_fox_inputs(rng, 1, 2, 65), {"scale": 0.3}), "scale 0.3", True, True
+        ),
+        "varlen": Family(
+            2,
+            lambda rng, n: (
+                _fox_inputs(rng, 1, 2, VARLEN_OFFSETS[n][-1], decay=0.05),
+                {"cu_seqlens": VARLEN_OFFSETS[n]},
+            ),
+            VARLEN,
+            True,
+            requires=("fox_attention.varlen",),
+        ),
+        "gqa": Family(
+            3,
+            lambda rng, n: (
+                _fox_inputs(rng, *GQA_SHAPES[n][:2], GQA_SHAPES[n][3], H_kv=GQA_SHAPES[n][2]),
+                {},
+            ),
+            GQA,
+            True,
+            True,
+            ("fox_attention.gqa",),
+        ),
+    }
+)
 
 
 def threshold_in_widest_gap(depths: np.ndarray, low: float = 1.0, high: float = 8.0) -> float:
@@ -273,6 +451,51 @@ DECODE_FAMILIES = {
 }
 
 
+def _decode_boundary(rng, n):
+    """Integer field and levels, so every depth is an exact integer; theta is one of them."""
+    B, H, T, dk, dv = [(1, 2, 65, 8, 8), (2, 2, 130, 8, 8)][n]
+    f = _bracket_walk(rng, (B, H, T))
+    level = f + rng.choice([-1.0, 0.0, 0.0, 1.0], size=f.shape)
+    depths = fpa.descent_depth(f, level)
+    theta = 2.0 if (depths == 2.0).any() else float(depths[depths > 0].min())
+    q, k = rng.standard_normal((2, B, H, T, dk))
+    v = rng.standard_normal((B, H, T, dv))
+    return {"q": q, "k": k, "v": v, "field": f, "level": level}, {"theta": theta}
+
+
+def _decode_long(rng, n):
+    """T >= 257 with B > 1 and H > 1; n = 2 keeps all 200 keys live (a cache beyond 128)."""
+    B, H, dk, dv = 2, 2, 8, 8
+    T = [257, 300, 200][n]
+    if n == 2:
+        f = np.cumsum(np.abs(rng.standard_normal((B, H, T))), axis=-1)  # non-decreasing
+        level, theta = f.copy(), 3.0  # every depth is 0: nothing is ever evicted
+    else:
+        f = 2.0 * np.cumsum(rng.standard_normal((B, H, T)), axis=-1)
+        level = f + 0.5 * rng.standard_normal((B, H, T))
+        theta = np.inf if n == 0 else threshold_in_widest_gap(fpa.descent_depth(f, level).ravel())
+    q, k = rng.standard_normal((2, B, H, T, dk))
+    v = rng.standard_normal((B, H, T, dv))
+    return {"q": q, "k": k, "v": v, "field": f, "level": level}, {"theta": theta}
+
+
+DECODE_FAMILIES.update(
+    {
+        "boundary": Family(
+            2,
+            _decode_boundary,
+            "integer depths, theta equal to an occurring depth: evicted at pi >= theta (F7)",
+        ),
+        "long": Family(
+            3,
+            _decode_long,
+            "T = 257 (theta = inf), 300 (theta in the widest gap), 200 with every key live "
+            "(a cache of more than 128 keys); B = H = 2",
+        ),
+    }
+)
+
+
 def _positive(rng, shape):
     return np.exp(0.5 * rng.standard_normal(shape))  # ratio readouts need fq . u_0 > 0
 
@@ -306,10 +529,17 @@ LEGS_FAMILIES = {
         True,
     ),
     "long": Family(1, _legs_family([(1, 1, 300, 4, 4, 16)]), "T = 300, M = 16", True),
+    "tiles": Family(
+        3,
+        _legs_family([(1, 2, 127, 4, 4, 16), (1, 2, 129, 4, 4, 64), (2, 1, 257, 4, 8, 16)]),
+        "T across chunk borders (127, 129, 257), M = 16 and 64",
+        True,
+        True,
+    ),
 }
 
 
-def _s4d_family(menu, *, dt_range=(0.01, 0.3), readout="linear"):
+def _s4d_family(menu, *, dt_range=(0.01, 0.3), readout="linear", offsets=None):
     def build(rng, n):
         B, H, T, R, dv, M = menu[n % len(menu)]
         a_log, a_im = hippo.s4d_init(M)
@@ -333,6 +563,8 @@ def _s4d_family(menu, *, dt_range=(0.01, 0.3), readout="linear"):
             "c_re": c.real,
             "c_im": c.imag,
         }
+        if offsets is not None:
+            return inputs, {"readout": readout, "cu_seqlens": offsets[n % len(offsets)]}
         return inputs, {"readout": readout}
 
     return build
@@ -371,6 +603,27 @@ S4D_FAMILIES = {
         "B*H > 1, odd sizes",
         True,
         True,
+    ),
+    "long": Family(
+        2,
+        _s4d_family([(2, 2, 300, 4, 4, 16), (1, 2, 257, 8, 4, 64)]),
+        "T >= 257 across chunk borders, M = 16 and 64",
+        True,
+        True,
+    ),
+    "long_ratio": Family(
+        1,
+        _s4d_family([(1, 1, 2048, 4, 4, 8)], dt_range=(1e-3, 2e-3), readout="ratio"),
+        "long memory (|Lambda| near 1) with the ratio readout at T = 2048",
+        True,
+        True,
+    ),
+    "varlen": Family(
+        2,
+        _s4d_family([(1, 2, 300, 4, 4, 8), (1, 2, 130, 4, 8, 4)], offsets=VARLEN_OFFSETS),
+        VARLEN + "; the state resets at each boundary",
+        True,
+        requires=("interdomain_s4d.varlen",),
     ),
 }
 
@@ -437,7 +690,7 @@ def build_case(case_id: str, seed: int | None = None) -> Case:
     if gradient and _vanishing_gradients(op, inputs, params):
         gradient, fd = False, False
         note += "; output only: " + VANISHING
-    return Case(case_id, op, seed, inputs, params, gradient, fd, note)
+    return Case(case_id, op, seed, inputs, params, gradient, fd, note, fam.requires)
 
 
 VANISHING = (

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import pytest
 
 from .cases import build_case, generate_cases
-from .runner import run_case
+from .runner import probe_dtypes, run_case
 from .skips import SkipList
 
 
@@ -37,6 +37,7 @@ class Item:
     case_id: str
     dtype: str
     kind: str
+    probe: bool = False
 
     @property
     def id(self) -> str:
@@ -81,15 +82,17 @@ def selected_items(config) -> list:
         ]
     session = _session(config)
     dtypes = config.getoption("--conformance-dtypes")
+    probes = [] if dtypes else probe_dtypes(session.backend)
     dtypes = dtypes.split(",") if dtypes else list(getattr(session.backend, "dtypes", ("float64",)))
     prefixes = config.getoption("--conformance-cases")
     items = []
     for case in generate_cases(None, prefixes.split(",") if prefixes else None):
         session.cases[case.id] = case
-        for dtype in dtypes:
-            items.append(Item(case.id, dtype, "output"))
+        for dtype in [*dtypes, *probes]:
+            probe = dtype in probes
+            items.append(Item(case.id, dtype, "output", probe))
             if case.gradient:
-                items.append(Item(case.id, dtype, "gradient"))
+                items.append(Item(case.id, dtype, "gradient", probe))
     return [pytest.param(item, id=item.id) for item in items]
 
 
@@ -105,6 +108,7 @@ def run_item(config, item: Item) -> None:
         item.kind,
         backend_name=session.name,
         device=session.device,
+        probe=item.probe,
     )
     if result.verdict == "not implemented":
         pytest.skip(f"not implemented: {result.message}")

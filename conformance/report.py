@@ -71,6 +71,8 @@ def format_report(report: RunReport, *, max_failures: int = 30) -> str:
             lines.append(f"  ... and {len(failures) - max_failures} more (see --json)")
     for warning in report.unmatched_skips:
         lines.append(f"warning: skip entry {warning}")
+    for note in report.notes:
+        lines.append(f"note: {note}")
     lines += ["", "tolerances (normwise relative error):", tolerance_table(), ""]
     counts = {v: sum(r.verdict == v for r in report.results) for v in VERDICTS}
     lines.append(
@@ -89,6 +91,7 @@ def write_json(report: RunReport, path: str) -> None:
         "seconds": report.seconds,
         "summary": summary_rows(report),
         "unmatched_skips": report.unmatched_skips,
+        "notes": report.notes,
         "cases": [r.as_dict() for r in report.results],
     }
     with open(path, "w") as fh:

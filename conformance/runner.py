@@ -11,6 +11,7 @@ import platform
 import sys
 import time
 import traceback
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 
@@ -20,7 +21,7 @@ from attnspec.backends.numpy_backend import NumpyBackend
 
 from .cases import Case
 from .gradcheck import directional_check
-from .metrics import Comparison, compare
+from .metrics import Comparison, compare, compare_count, gradient_floors, row_ndim
 from .protocol import OPS, call_op
 from .skips import SkipList
 from .tolerances import round_to, tolerance, wide_dtype
@@ -67,9 +68,11 @@ def rounded_inputs(case: Case, dtype: str) -> dict[str, np.ndarray]:
 
 
 def native_inputs(backend, case: Case, inputs: dict[str, np.ndarray], dtype: str) -> dict:
+    """The backend's arrays; each made from a copy, so nothing the backend does reaches the
+    kit's own arrays."""
     spec = OPS[case.op]
     return {
-        name: backend.asarray(x, wide_dtype(dtype) if name in spec.wide else dtype)
+        name: backend.asarray(x.copy(), wide_dtype(dtype) if name in spec.wide else dtype)
         for name, x in inputs.items()
     }
 
@@ -80,6 +83,50 @@ def cotangents(case: Case, outputs: dict[str, np.ndarray], dtype: str) -> dict[s
     rng = np.random.default_rng(case.seed + 1)
     names = ["o", "lse"] if case.op == "fpa_attention" else ["o"]
     return {n: round_to(rng.standard_normal(outputs[n].shape), dtype) for n in names}
+
+
+class _ReferenceCache:
+    """The reference's outputs and gradients per (case, seed, dtype), reused across backends run
+    in one process (the mutant self-test runs the same cases many times). Bounded; the arrays
+    handed out are never given to a backend (see :func:`native_inputs`)."""
+
+    def __init__(self, size: int = 4096):
+        self.size = size
+        self.entries: OrderedDict[tuple, tuple] = OrderedDict()
+
+    def get(self, key: tuple, compute: Callable[[], tuple]) -> tuple:
+        if key in self.entries:
+            self.entries.move_to_end(key)
+            return self.entries[key]
+        value = compute()
+        self.entries[key] = value
+        if len(self.entries) > self.size:
+            self.entries.popitem(last=False)
+        return value
+
+
+_CACHE = _ReferenceCache()
+
+
+def reference_for(case: Case, dtype: str) -> tuple[dict, dict]:
+    """(rounded inputs, reference outputs) of ``case`` at ``dtype``."""
+
+    def compute():
+        inputs = rounded_inputs(case, dtype)
+        return inputs, reference_outputs(case, inputs)
+
+    return _CACHE.get((case.id, case.seed, dtype, "output"), compute)
+
+
+def reference_vjp_for(case: Case, dtype: str) -> tuple[dict, dict]:
+    """(cotangents, reference input cotangents) of ``case`` at ``dtype``."""
+
+    def compute():
+        inputs, outputs = reference_for(case, dtype)
+        cot = cotangents(case, outputs, dtype)
+        return cot, REFERENCE.vjp(case.op, inputs, case.params, cot)
+
+    return _CACHE.get((case.id, case.seed, dtype, "gradient"), compute)
 
 
 def _summarise(result: CaseResult, comparisons: dict) -> CaseResult:
@@ -97,39 +144,107 @@ def _summarise(result: CaseResult, comparisons: dict) -> CaseResult:
     return result
 
 
+def storage_dtype(dtype: str) -> str:
+    """The dtype an array of the tested ``dtype`` is stored in (tf32 is float32 storage)."""
+    return "float32" if dtype == "tf32" else dtype
+
+
+def returned_dtype(backend, x) -> str:
+    """The dtype of a returned array in the kit's names: ``backend.dtype_name`` if it has one."""
+    namer = getattr(backend, "dtype_name", None)
+    if namer is not None:
+        return str(namer(x))
+    return np.asarray(backend.to_numpy(x)).dtype.name
+
+
+def _dtype_problem(backend, x, allowed: tuple[str, ...]) -> str:
+    got = returned_dtype(backend, x)
+    if got in allowed:
+        return ""
+    if got == "float32" and "bfloat16" in allowed and not hasattr(backend, "dtype_name"):
+        return ""  # widened by to_numpy; without dtype_name the kit cannot tell
+    return f"wrong dtype {got}, expected {' or '.join(allowed)}"
+
+
+def _snapshot(backend, arrays: dict) -> dict[str, np.ndarray]:
+    return {n: np.array(backend.to_numpy(x), copy=True) for n, x in arrays.items()}
+
+
+def _mutated(backend, arrays: dict, before: dict[str, np.ndarray]) -> list[str]:
+    """Names of the arrays whose values changed since the snapshot ``before``."""
+    changed = []
+    for name, x in arrays.items():
+        after = np.asarray(backend.to_numpy(x))
+        if after.shape != before[name].shape or not np.array_equal(
+            after, before[name], equal_nan=True
+        ):
+            changed.append(name)
+    return changed
+
+
+def _mutation_comparison(what: str, names: list[str]) -> Comparison:
+    return Comparison(
+        np.inf, 0.0, np.inf, (), f"the backend modified its {what} {', '.join(names)} in place"
+    )
+
+
 def _run_output(backend, case: Case, dtype: str, result: CaseResult) -> CaseResult:
-    inputs = rounded_inputs(case, dtype)
-    ref = reference_outputs(case, inputs)
-    outs = call_op(backend, case.op, native_inputs(backend, case, inputs, dtype), case.params)
+    inputs, ref = reference_for(case, dtype)
+    native = native_inputs(backend, case, inputs, dtype)
+    before = _snapshot(backend, native)
+    outs = call_op(backend, case.op, native, case.params)
     comparisons = {}
     for name, quantity in OPS[case.op].outputs:
-        got = backend.to_numpy(outs[name]) if name != "kept_fraction" else np.asarray(outs[name])
-        comparisons[name] = compare(got, ref[name], tolerance(case.op, dtype, quantity))
-        # NumPy has float64/32/16; a bfloat16 or tf32 result may arrive widened to float32.
-        if name in ("o", "y") and dtype in ("float64", "float32", "float16"):
-            if np.asarray(got).dtype != np.dtype(dtype):
-                problem = f"wrong dtype {np.asarray(got).dtype}, expected {dtype}"
-                comparisons[name] = Comparison(
-                    np.inf, comparisons[name].tolerance, np.inf, (), problem
-                )
+        tol = tolerance(case.op, dtype, quantity)
+        if name == "kept_fraction":
+            q = case.inputs["q"]
+            total = q.shape[-2] * int(np.prod(q.shape[:-2]))
+            comparisons[name] = compare_count(backend.to_numpy(outs[name]), ref[name], total, tol)
+            continue
+        comparisons[name] = compare(
+            backend.to_numpy(outs[name]), ref[name], tol, row_ndim=row_ndim(name)
+        )
+        allowed = (storage_dtype(dtype),) if name != "lse" else ("float32", "float64")
+        problem = _dtype_problem(backend, outs[name], allowed)
+        if problem and comparisons[name].passed:
+            comparisons[name] = comparisons[name].failed_with(problem)
+    changed = _mutated(backend, native, before)
+    if changed:
+        comparisons["inputs"] = _mutation_comparison("inputs", changed)
     return _summarise(result, comparisons)
 
 
 def _run_gradient(backend, case: Case, dtype: str, result: CaseResult) -> CaseResult:
-    inputs = rounded_inputs(case, dtype)
-    cot = cotangents(case, reference_outputs(case, inputs), dtype)
-    ref = REFERENCE.vjp(case.op, inputs, case.params, cot)
-    native_cot = {n: backend.asarray(c, dtype) for n, c in cot.items()}
-    got = backend.vjp(case.op, native_inputs(backend, case, inputs, dtype), case.params, native_cot)
+    spec = OPS[case.op]
+    inputs, _ = reference_for(case, dtype)
+    cot, ref = reference_vjp_for(case, dtype)
+    native = native_inputs(backend, case, inputs, dtype)
+    native_cot = {n: backend.asarray(c.copy(), dtype) for n, c in cot.items()}
+    before = _snapshot(backend, native)
+    before_cot = _snapshot(backend, native_cot)
+    got = backend.vjp(case.op, native, case.params, native_cot)
     tol = tolerance(case.op, dtype, "gradient")
+    floors = gradient_floors({n: ref[n] for n in spec.differentiable}, tol)
     comparisons = {}
-    for name in OPS[case.op].differentiable:
+    for name in spec.differentiable:
         if name not in got:
             comparisons[name] = Comparison(
                 np.inf, tol, np.inf, (), "missing from the backend's vjp"
             )
-        else:
-            comparisons[name] = compare(backend.to_numpy(got[name]), ref[name], tol)
+            continue
+        comparisons[name] = compare(
+            backend.to_numpy(got[name]), ref[name], tol, row_ndim=row_ndim(name), floor=floors[name]
+        )
+        expected = wide_dtype(dtype) if name in spec.wide else storage_dtype(dtype)
+        problem = _dtype_problem(backend, got[name], (expected,))
+        if problem and comparisons[name].passed:
+            comparisons[name] = comparisons[name].failed_with(problem)
+    changed = _mutated(backend, native, before)
+    if changed:
+        comparisons["inputs"] = _mutation_comparison("inputs", changed)
+    changed = _mutated(backend, native_cot, before_cot)
+    if changed:
+        comparisons["cotangents"] = _mutation_comparison("cotangents", changed)
     return _summarise(result, comparisons)
 
 
@@ -182,8 +297,14 @@ def run_case(
     *,
     backend_name: str | None = None,
     device: str = "cpu",
+    probe: bool = False,
 ) -> CaseResult:
-    """Run one (case, dtype, kind) and return its verdict; never raises for backend faults."""
+    """Run one (case, dtype, kind) and return its verdict; never raises for backend faults.
+
+    ``probe``: the dtype is not one the backend declares, but the kit tries it anyway (the
+    float32 rows for a backend that declares only half precisions): a backend that refuses it
+    (raises) is "not implemented"; one that accepts it is judged as usual.
+    """
     name = backend_name or getattr(backend, "name", "?")
     result = CaseResult(
         case.id,
@@ -198,11 +319,14 @@ def run_case(
     try:
         caps = set(backend.capabilities())
         needed = case.op if kind == "output" else f"{case.op}.vjp"
-        if kind != "finite_difference" and needed not in caps:
-            result.verdict = "not implemented"
-            result.message = f"{needed} is not in the backend's capabilities()"
-            return result
-        if kind != "finite_difference" and dtype not in tuple(getattr(backend, "dtypes", ())):
+        if kind != "finite_difference":
+            missing = [c for c in (needed, *case.requires) if c not in caps]
+            if missing:
+                result.verdict = "not implemented"
+                result.message = f"{', '.join(missing)} not in the backend's capabilities()"
+                return result
+        declared = dtype in tuple(getattr(backend, "dtypes", ()))
+        if kind != "finite_difference" and not (declared or probe):
             result.verdict = "not implemented"
             result.message = f"dtype {dtype} is not in the backend's dtypes"
             return result
@@ -213,8 +337,9 @@ def run_case(
         return _run_finite_difference(case, result)
     except Exception as exc:  # a fault of the backend under test, reported per case
         frame = traceback.extract_tb(exc.__traceback__)[-1]
-        result.verdict = "failed"
+        result.verdict = "not implemented" if probe else "failed"
         result.message = (
+            f"{'probe of an undeclared dtype: ' if probe else ''}"
             f"{type(exc).__name__} raised: {exc} "
             f"({frame.filename.rsplit('/', 1)[-1]}:{frame.lineno})"
         )
@@ -255,6 +380,7 @@ class RunReport:
     unmatched_skips: list[str]
     versions: dict
     seconds: float
+    notes: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -272,10 +398,21 @@ def run(
     finite_differences: bool = False,
     skips: SkipList | None = None,
     progress: Callable[[int, int, CaseResult], None] | None = None,
+    probes: Iterable[str] = (),
 ) -> RunReport:
-    """Run every planned item; skip-list entries turn matching items into 'skipped'."""
+    """Run every planned item; skip-list entries turn matching items into 'skipped'.
+
+    ``probes``: dtypes the backend does not declare but that are run anyway (see
+    :func:`run_case`); :func:`probe_dtypes` says which are worth it.
+    """
     name = backend_name or getattr(backend, "name", "?")
-    work = plan(cases, dtypes, gradients=gradients, finite_differences=finite_differences)
+    probes = [d for d in probes if d not in dtypes]
+    work = plan(
+        cases,
+        [*dtypes, *probes],
+        gradients=gradients,
+        finite_differences=finite_differences,
+    )
     skips = skips or SkipList([])
     start = time.perf_counter()
     results = []
@@ -293,7 +430,15 @@ def run(
                 shapes=case.shapes(),
             )
         else:
-            result = run_case(backend, case, dtype, kind, backend_name=name, device=device)
+            result = run_case(
+                backend,
+                case,
+                dtype,
+                kind,
+                backend_name=name,
+                device=device,
+                probe=dtype in probes,
+            )
         results.append(result)
         if progress:
             progress(n, len(work.items), result)
@@ -306,6 +451,20 @@ def run(
         versions.update(backend.versions())
     except Exception:  # versions() is optional
         pass
+    notes = []
+    if probes:
+        notes.append(
+            f"{name} declares only {', '.join(getattr(backend, 'dtypes', ()))}: the "
+            f"{', '.join(probes)} rows are the strongest check of the math (half-precision "
+            "tolerances hide small errors), so the kit ran them as a probe; a backend that "
+            "refuses them is reported as not implemented there"
+        )
     return RunReport(
-        name, device, results, skips.unmatched(), versions, time.perf_counter() - start
+        name, device, results, skips.unmatched(), versions, time.perf_counter() - start, notes
     )
+
+
+def probe_dtypes(backend) -> list[str]:
+    """["float32"] for a backend that declares only float16 / bfloat16 (or tf32), else []."""
+    declared = set(getattr(backend, "dtypes", ()))
+    return [] if declared & {"float32", "float64"} else ["float32"]

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .cases import GENERATOR_VERSION, Case, generate_cases
-from .metrics import Comparison, compare
+from .metrics import Comparison, compare, compare_count, gradient_floors, row_ndim
 from .protocol import OPS
 from .runner import REFERENCE, cotangents, reference_outputs, rounded_inputs
 from .tolerances import tolerance, wide_dtype
@@ -33,12 +33,16 @@ FORMAT_VERSION = 1
 
 
 def _json_param(value):
+    if isinstance(value, tuple):
+        return list(value)
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)  # "inf" / "-inf": JSON has no infinities
     return value
 
 
 def _param_from_json(value):
+    if isinstance(value, list):
+        return tuple(value)  # cu_seqlens
     return float(value) if value in ("inf", "-inf") else value
 
 
@@ -148,7 +152,10 @@ def check(directory: str, results: str) -> list[VectorResult]:
 
 
 def _score(entry: dict, vector, result) -> VectorResult:
+    """The runner's comparisons: rows, gradient floors and the kept fraction as a count."""
     comparisons: dict[str, Comparison] = {}
+    grads = {k[5:]: vector[k] for k in vector.files if k.startswith("grad.")}
+    floors = gradient_floors(grads, entry["tolerances"].get("gradient", 0.0)) if grads else {}
     for key in vector.files:
         kind, _, name = key.partition(".")
         if kind not in ("out", "grad"):
@@ -158,8 +165,18 @@ def _score(entry: dict, vector, result) -> VectorResult:
             if kind == "grad":
                 continue  # gradients are optional in results
             comparisons[key] = Comparison(math.inf, tol, math.inf, (), "missing from results")
+        elif name == "kept_fraction":
+            q = vector["in.q"]
+            total = q.shape[-2] * int(np.prod(q.shape[:-2]))
+            comparisons[key] = compare_count(result[key], float(vector[key]), total, tol)
         else:
-            comparisons[key] = compare(result[key], vector[key], tol)
+            comparisons[key] = compare(
+                result[key],
+                vector[key],
+                tol,
+                row_ndim=row_ndim(name),
+                floor=floors.get(name, 0.0) if kind == "grad" else 0.0,
+            )
     failed = {k: c for k, c in comparisons.items() if not c.passed}
     worst = max((c.ratio for c in comparisons.values()), default=0.0)
     if failed:
@@ -185,10 +202,7 @@ def write_results_from_backend(directory: str, results: str, backend) -> None:
             for n, x in inputs.items()
         }
         outs = call_op(backend, entry["op"], native, params)
-        arrays = {
-            f"out.{n}": np.asarray(backend.to_numpy(v) if n != "kept_fraction" else v)
-            for n, v in outs.items()
-        }
+        arrays = {f"out.{n}": np.asarray(backend.to_numpy(v)) for n, v in outs.items()}
         cots = {k[4:]: backend.asarray(data[k], dtype) for k in data.files if k.startswith("cot.")}
         if cots:
             grads = backend.vjp(entry["op"], native, params, cots)

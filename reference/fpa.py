@@ -4,7 +4,11 @@ The executable statement of ``shared/spec/fpa.md``; labels in comments (``# (F3)
 Everything is float64; positions are 0-based: the spec's segment (j, i] is ``range(j + 1, i + 1)``.
 
 Shapes: q, k (..., T, dk); v (..., T, dv); field, level (..., T). Any leading batch dims are allowed
-and must agree exactly across arguments; nothing is broadcast.
+and must agree exactly across arguments; nothing is broadcast. No axis may be empty.
+
+Costs are stated per function with n = the product of the leading dims; the parallel forms hold a
+few (n, T, T) float64 arrays at once (8 n T^2 bytes each), e.g. about 1.1 GB for
+:func:`fpa_attention` at T = 4096.
 """
 
 from __future__ import annotations
@@ -14,7 +18,14 @@ from typing import NamedTuple
 import numpy as np
 from scipy.special import logsumexp
 
-from .validation import check_length, check_shape, real_array, scalar
+from .validation import (
+    check_shape,
+    finite_result,
+    nonnegative_int,
+    positive_int,
+    real_array,
+    scalar,
+)
 
 # --------------------------------------------------------------------------------------------
 # Validation
@@ -23,7 +34,6 @@ from .validation import check_length, check_shape, real_array, scalar
 def _check_qkv(q, k, v, *, scale) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
     q = real_array("q", q, min_ndim=2)
     *lead, T, dk = q.shape
-    check_length("q", T)
     k = real_array("k", k, min_ndim=2)
     check_shape("k", k, (*lead, T, dk), "leading dims and T of q, then dk of q")
     v = real_array("v", v, min_ndim=2)
@@ -32,7 +42,36 @@ def _check_qkv(q, k, v, *, scale) -> tuple[np.ndarray, np.ndarray, np.ndarray, f
             f"v: expected shape {(*lead, T)} + (dv,) (leading dims and T of q), got {v.shape}"
         )
     s = 1.0 / np.sqrt(dk) if scale is None else scalar("scale", scale)
+    _check_logit_bound(q, k, s)
     return q, k, v, s
+
+
+# Half the float64 maximum: headroom for the rounding of the sums in <q_i, k_j>.
+LOGIT_LIMIT = float(np.finfo(np.float64).max) / 2
+OUTPUT_OVERFLOW = "v: the output sum_j p_ij v_j overflows float64; rescale v"
+GRADIENT_OVERFLOW = "q, k, v, d_out: the gradients overflow float64; rescale the inputs"
+
+
+def _log_max_norm(x: np.ndarray) -> float:
+    """log max_i ||x_i|| over the last axis, without overflowing on the squares."""
+    top = np.abs(x).max()
+    if top == 0:
+        return -np.inf
+    return float(np.log(top) + 0.5 * np.log(np.max(np.sum((x / top) ** 2, axis=-1))))
+
+
+def _check_logit_bound(q: np.ndarray, k: np.ndarray, s: float) -> None:
+    """Require |s| max ||q_i|| max ||k_j|| < LOGIT_LIMIT, which bounds every |s <q_i, k_j>| and
+    its partial sums (Cauchy-Schwarz): past it the logits overflow to inf and then NaN."""
+    if s == 0:
+        return
+    log_bound = np.log(abs(s)) + _log_max_norm(q) + _log_max_norm(k)
+    if log_bound >= np.log(LOGIT_LIMIT):
+        raise ValueError(
+            f"q, k, scale: expected |s| max_i ||q_i|| max_j ||k_j|| < {LOGIT_LIMIT:.3g}, so "
+            f"that the logits s <q_i, k_j> cannot overflow float64; got about "
+            f"1e{log_bound / np.log(10):.0f}"
+        )
 
 
 def _check_per_token(name: str, x, q: np.ndarray) -> np.ndarray:
@@ -55,6 +94,14 @@ def _check_log_f(log_f, q: np.ndarray) -> np.ndarray:
         raise ValueError(
             f"log_f: expected log forget gates <= 0, got {log_f[index]:.6g} at index {index}"
         )
+    # Every gate is <= 0, so the walk cumsum(log_f) of (F6) stays finite iff its end does.
+    with np.errstate(over="ignore"):
+        total = log_f.sum(axis=-1)
+    if not np.isfinite(total).all():
+        raise ValueError(
+            "log_f: expected a sum along T above -1.8e308 (cumsum(log_f) is the "
+            "field of (F6)), got one that overflows float64"
+        )
     return log_f
 
 
@@ -75,14 +122,18 @@ def segment_min(field: np.ndarray) -> np.ndarray:
 
     Returns:
         (..., T, T) float64; +inf where the segment is empty (j >= i), so m_ii = +inf.
+
+    Cost: O(n T^2) time and memory.
     """
     field = real_array("field", field, min_ndim=1)
     T = field.shape[-1]
     i = np.arange(T)[:, None]
     j = np.arange(T)[None, :]
+    # --8<-- [start:f1]
     # X[i, j] = phi_i if j < i else +inf; a running min down the rows gives min over (j, i].
     X = np.where(j < i, field[..., :, None], np.inf)  # (..., T, T)
     return np.minimum.accumulate(X, axis=-2)
+    # --8<-- [end:f1]
 
 
 def descent_depth(field: np.ndarray, level: np.ndarray) -> np.ndarray:
@@ -93,41 +144,56 @@ def descent_depth(field: np.ndarray, level: np.ndarray) -> np.ndarray:
 
     Returns:
         (..., T, T) float64, non-negative.
+
+    Cost: O(n T^2) time and memory.
     """
     field = real_array("field", field, min_ndim=1)
     level = real_array("level", level, min_ndim=1)
     check_shape("level", level, field.shape, "same as field")
+    # --8<-- [start:f2]
     m = segment_min(field)  # (..., T, T)
     return np.maximum(0.0, level[..., None, :] - m)  # (F2)
+    # --8<-- [end:f2]
 
 
 def _attend(logits: np.ndarray, v: np.ndarray):
     """(F4)-(F5) causal softmax of ``logits`` (..., T, T) and the weighted sum of v (..., T, dv)."""
     T = logits.shape[-1]
+    # --8<-- [start:f4]
     a = np.where(_causal(T), logits, -np.inf)  # (F3) a_ij = -inf for j > i
     lse = logsumexp(a, axis=-1)  # (..., T); finite since a_ii is finite
     p = np.exp(a - lse[..., None])  # (F4)
-    o = p @ v  # (F5) (..., T, dv)
-    return p, lse, o
+    with np.errstate(over="ignore", invalid="ignore"):
+        o = p @ v  # (F5) (..., T, dv)
+    # --8<-- [end:f4]
+    return p, lse, finite_result(o, OUTPUT_OVERFLOW)
 
 
 def fpa_attention(q, k, v, field, level, *, scale: float | None = None, return_lse: bool = False):
     """First Passage Attention, (F1)-(F5).
 
     Args:
-        q, k: (..., T, dk) queries and keys.
+        q, k: (..., T, dk) queries and keys, real floating (any width; computed in float64).
         v: (..., T, dv) values.
         field: (..., T) the scalar field phi.
         level: (..., T) the key levels l.
-        scale: softmax scale s; default 1/sqrt(dk).
+        scale: softmax scale s, a real number; default 1/sqrt(dk).
         return_lse: also return lse (..., T) of (F4).
 
     Returns:
         o (..., T, dv) float64, or (o, lse) when ``return_lse``.
+
+    Cost: O(n T^2 (dk + dv)) time, O(n T^2) memory (a few (T, T) float64 arrays per sequence:
+    1.1 GB peak at n = 1, T = 4096).
+
+    Inputs whose logits could overflow float64 (|s| max ||q_i|| max ||k_j|| >= 9e307) are a
+    ValueError, not NaN.
     """
     q, k, v, field, level, s = _check_fpa(q, k, v, field, level, scale)
+    # --8<-- [start:f3]
     pi = descent_depth(field, level)  # (F2) (..., T, T)
     logits = s * (q @ np.swapaxes(k, -1, -2)) - pi  # (F3)
+    # --8<-- [end:f3]
     _, lse, o = _attend(logits, v)
     return (o, lse) if return_lse else o
 
@@ -137,12 +203,14 @@ def fpa_attention_loops(
 ):
     """The definition read aloud: (F1)-(F5) as nested loops, one scalar at a time.
 
-    Same contract as :func:`fpa_attention`; O(T^3) and slow, for checking only.
+    Same contract as :func:`fpa_attention`. Cost: O(n T^3 + n T^2 (dk + dv)) time in Python
+    loops, O(n T (dk + dv)) memory; slow, for checking only.
     """
     q, k, v, field, level, s = _check_fpa(q, k, v, field, level, scale)
     *lead, T, _ = q.shape
     o = np.zeros((*lead, T, v.shape[-1]))
     lse = np.zeros((*lead, T))
+    # --8<-- [start:loops]
     for b in np.ndindex(*lead):
         for i in range(T):
             logits = np.empty(i + 1)
@@ -156,6 +224,7 @@ def fpa_attention_loops(
             lse[b][i] = top + np.log(np.sum(np.exp(logits - top)))  # (F4)
             weights = np.exp(logits - lse[b][i])
             o[b][i] = weights @ v[b][: i + 1]  # (F5)
+    # --8<-- [end:loops]
     return (o, lse) if return_lse else o
 
 
@@ -172,30 +241,37 @@ def fox_attention(q, k, v, log_f, *, scale: float | None = None, return_lse: boo
 
     Returns:
         o (..., T, dv), or (o, lse) when ``return_lse``.
+
+    Cost: that of :func:`fpa_attention`, O(n T^2 (dk + dv)) time and O(n T^2) memory.
     """
     q, k, v, s = _check_qkv(q, k, v, scale=scale)
     log_f = _check_log_f(log_f, q)
+    # --8<-- [start:f6]
     c = np.cumsum(log_f, axis=-1)  # (F6) one walk, non-increasing
     return fpa_attention(q, k, v, c, c, scale=s, return_lse=return_lse)
-
-
-def _fox_masks(T: int) -> tuple[np.ndarray, np.ndarray]:
-    """A[i, l] = [l <= i] and B[l, j] = [l > j], so that D = A diag(log f) B."""
-    upto_i = np.tril(np.ones((T, T)))
-    after_j = np.tril(np.ones((T, T)), k=-1)
-    return upto_i, after_j
+    # --8<-- [end:f6]
 
 
 def _fox_decay(log_f: np.ndarray) -> np.ndarray:
-    """FoX decay bias D_ij = sum_{l=j+1..i} log f_l, written as A diag(log f) B with masks."""
-    upto_i, after_j = _fox_masks(log_f.shape[-1])
-    return np.einsum("il,...l,lj->...ij", upto_i, log_f, after_j)
+    """FoX decay bias D_ij = sum_{l=j+1..i} log f_l (0 for j >= i), summed term by term.
+
+    Row i holds log f_l for l <= i; summing it from the right gives every D_ij of the row, so
+    each D_ij adds exactly the gates of its segment (no difference of two long prefix sums).
+    """
+    # --8<-- [start:fox-decay]
+    T = log_f.shape[-1]
+    gates = np.where(_causal(T), log_f[..., None, :], 0.0)  # (..., T, T) [l <= i] log f_l
+    from_l = np.cumsum(gates[..., ::-1], axis=-1)[..., ::-1]  # sum over l' >= l of row i
+    return np.concatenate([from_l[..., 1:], np.zeros((*log_f.shape, 1))], axis=-1)  # l > j
+    # --8<-- [end:fox-decay]
 
 
 def fox_attention_direct(q, k, v, log_f, *, scale: float | None = None, return_lse=False):
     """FoX written from its own formula: a_ij = s <q_i, k_j> + sum_{l=j+1..i} log f_l.
 
-    Independent of (F1)-(F2); :func:`fox_attention` must agree with it to rounding.
+    Independent of (F1)-(F2); :func:`fox_attention` must agree with it to rounding. Same
+    contract as :func:`fox_attention`. Cost: O(n T^2 (dk + dv)) time, O(n T^2) memory (0.96 GB
+    peak at n = 1, T = 4096).
     """
     q, k, v, s = _check_qkv(q, k, v, scale=scale)
     log_f = _check_log_f(log_f, q)
@@ -235,25 +311,35 @@ def segment_argmin(field: np.ndarray) -> np.ndarray:
 
     Returns:
         (..., T, T) int64.
+
+    Cost: O(n T^2) time and memory (T vectorised steps of the (T2) recursion).
     """
     field = real_array("field", field, min_ndim=1)
     T = field.shape[-1]
     m = segment_min(field)
     tstar = np.full(m.shape, -1, dtype=np.int64)
+    # --8<-- [start:g3-ties]
     for i in range(1, T):
         # (T2) m_{j,i} = min(m_{j,i-1}, phi_i); "<=" sends ties to the latest position.
         newest = field[..., i, None] <= m[..., i - 1, :i]
         tstar[..., i, :i] = np.where(newest, i, tstar[..., i - 1, :i])
+    # --8<-- [end:g3-ties]
     return tstar
 
 
 def _logit_cotangent(p, o, v, d_out, d_lse):
     """G_ij = p_ij (<dO_i, v_j> - <dO_i, o_i>) (+ p_ij dLSE_i by (G4))."""
+    # --8<-- [start:g4]
     delta = np.sum(d_out * o, axis=-1)  # (..., T)
     G = p * (d_out @ np.swapaxes(v, -1, -2) - delta[..., None])  # (..., T, T)
     if d_lse is not None:
         G = G + p * d_lse[..., None]  # (G4)
+    # --8<-- [end:g4]
     return G
+
+
+def _finite_grads(*grads: np.ndarray) -> tuple[np.ndarray, ...]:
+    return tuple(finite_result(g, GRADIENT_OVERFLOW) for g in grads)
 
 
 def _check_cotangents(d_out, d_lse, o_shape, lse_shape):
@@ -279,6 +365,8 @@ def fpa_attention_vjp(
         :class:`FPAGrads` (dq, dk, dv, dfield, dlevel), float64, shaped like the inputs.
 
     Conventions (spec section 6): d max(0, x)/dx = 1 at x = 0, and argmin ties go to the latest t.
+
+    Cost: O(n T^2 (dk + dv)) time, O(n T^2) memory (1.2 GB peak at n = 1, T = 4096).
     """
     q, k, v, field, level, s = _check_fpa(q, k, v, field, level, scale)
     T = q.shape[-2]
@@ -287,23 +375,30 @@ def fpa_attention_vjp(
     p, lse, o = _attend(s * (q @ np.swapaxes(k, -1, -2)) - pi, v)
     d_out, d_lse = _check_cotangents(d_out, d_lse, o.shape, lse.shape)
 
+    # --8<-- [start:g1]
     G = _logit_cotangent(p, o, v, d_out, d_lse)  # (..., T, T)
-    dq = s * G @ k  # (G1)
-    dk = s * np.swapaxes(G, -1, -2) @ q
-    dv = np.swapaxes(p, -1, -2) @ d_out
+    with np.errstate(over="ignore", invalid="ignore"):  # overflow is reported on return
+        dq = s * G @ k  # (G1)
+        dk = s * np.swapaxes(G, -1, -2) @ q
+        dv = np.swapaxes(p, -1, -2) @ d_out
+    # --8<-- [end:g1]
 
+    # --8<-- [start:g2]
     strictly_lower = np.tril(np.ones((T, T), dtype=bool), k=-1)
     active = (level[..., None, :] >= m) & strictly_lower  # active_ij = [l_j >= m_ij], j < i
     W = G * active  # dL/d(l_j - m_ij) = -G_ij on active pairs
     dlevel = -W.sum(axis=-2)  # (G2)
+    # --8<-- [end:g2]
 
+    # --8<-- [start:g3]
     tstar = segment_argmin(field)  # (G3) scatter G_ij to the latest argmin of the segment
     n_seq = W[..., 0, 0].size
     rows = np.broadcast_to(np.arange(n_seq).reshape(*W.shape[:-2], 1, 1), W.shape)
     flat = np.zeros((n_seq, T))
     np.add.at(flat, (rows[active], tstar[active]), W[active])
     dfield = flat.reshape(field.shape)
-    return FPAGrads(dq, dk, dv, dfield, dlevel)
+    # --8<-- [end:g3]
+    return FPAGrads(*_finite_grads(dq, dk, dv, dfield, dlevel))
 
 
 def fox_attention_vjp(q, k, v, log_f, d_out, *, scale: float | None = None) -> FoXGrads:
@@ -311,19 +406,32 @@ def fox_attention_vjp(q, k, v, log_f, d_out, *, scale: float | None = None) -> F
 
     An independent witness for the tie conventions: FPA gradients chained through (F6) must equal
     these exactly, also with gates f = 1 (log_f = 0).
+
+    Args:
+        q, k, v, log_f, scale: as for :func:`fox_attention`.
+        d_out: (..., T, dv) cotangent of o.
+
+    Returns:
+        :class:`FoXGrads` (dq, dk, dv, dlog_f), float64, shaped like the inputs.
+
+    Cost: O(n T^2 (dk + dv)) time, O(n T^2) memory (0.96 GB peak at n = 1, T = 4096).
     """
     q, k, v, s = _check_qkv(q, k, v, scale=scale)
     log_f = _check_log_f(log_f, q)
     T = q.shape[-2]
     p, lse, o = _attend(s * (q @ np.swapaxes(k, -1, -2)) + _fox_decay(log_f), v)
     d_out, _ = _check_cotangents(d_out, None, o.shape, lse.shape)
-    G = _logit_cotangent(p, o, v, d_out, None)
-    upto_i, after_j = _fox_masks(T)
-    dlog_f = np.einsum("il,...ij,lj->...l", upto_i, G, after_j)  # D = A diag(log f) B
-    dq = s * G @ k
-    dk = s * np.swapaxes(G, -1, -2) @ q
-    dv = np.swapaxes(p, -1, -2) @ d_out
-    return FoXGrads(dq, dk, dv, dlog_f)
+    G = _logit_cotangent(p, o, v, d_out, None)  # (..., T, T), zero above the diagonal
+    # Pairs with j < l <= i: row sums over j < l (an exclusive prefix sum along j), then the
+    # column sum over i >= l.
+    none_before = np.zeros((*G.shape[:-1], 1))
+    before_l = np.concatenate([none_before, np.cumsum(G[..., :-1], axis=-1)], axis=-1)  # j < l
+    dlog_f = np.where(_causal(T), before_l, 0.0).sum(axis=-2)  # sum over i >= l
+    with np.errstate(over="ignore", invalid="ignore"):  # overflow is reported on return
+        dq = s * G @ k  # (G1)
+        dk = s * np.swapaxes(G, -1, -2) @ q
+        dv = np.swapaxes(p, -1, -2) @ d_out
+    return FoXGrads(*_finite_grads(dq, dk, dv, dlog_f))
 
 
 # --------------------------------------------------------------------------------------------
@@ -338,6 +446,8 @@ def live_keys(field, level) -> np.ndarray:
 
     Returns:
         (..., T, T) bool, live[..., i, j].
+
+    Cost: O(n T^2) time and memory.
     """
     pi = descent_depth(field, level)
     T = pi.shape[-1]
@@ -355,10 +465,14 @@ def stack_live_keys(field) -> np.ndarray:
 
     Returns:
         (..., T, T) bool, live[..., i, j].
+
+    Cost: amortised O(1) stack operations per token, O(n T^2) time and memory to write the
+    (T, T) answer.
     """
     field = real_array("field", field, min_ndim=1)
     *lead, T = field.shape
     live = np.zeros((*lead, T, T), dtype=bool)
+    # --8<-- [start:t1]
     for b in np.ndindex(*lead):
         stack: list[int] = []
         for i in range(T):
@@ -366,6 +480,7 @@ def stack_live_keys(field) -> np.ndarray:
                 stack.pop()
             stack.append(i)
             live[b][i, stack] = True
+    # --8<-- [end:t1]
     return live
 
 
@@ -378,6 +493,13 @@ class FPADecoder:
 
     Each cache entry holds (k_j, v_j, l_j, m_j), m_j the running minimum of the field since j.
     With ``theta = inf`` nothing is evicted and the outputs equal :func:`fpa_attention`.
+
+    Args:
+        scale: the softmax scale s (a real number; no default, since dk is not known yet).
+        theta: eviction threshold > 0; ``inf`` keeps every key.
+
+    Cost per step: O(C (dk + dv)) time for a cache of C keys (C <= steps so far), O(C (dk + dv))
+    memory held.
     """
 
     def __init__(self, *, scale: float, theta: float = np.inf):
@@ -401,17 +523,28 @@ class FPADecoder:
         return self.peak_cache_size / max(self.steps, 1)
 
     def step(self, q, k, v, field: float, level: float) -> np.ndarray:
-        """Consume token t = ``self.steps`` and return its output o_t, shape (dv,)."""
+        """Consume token t = ``self.steps`` and return its output o_t, shape (dv,).
+
+        Args:
+            q, k: (dk,) this token's query and key; v: (dv,) its value (one head, no batch).
+            field, level: real numbers phi_t and l_t.
+        """
         q = real_array("q", q, min_ndim=1)
+        if q.ndim != 1:
+            raise ValueError(f"q: expected one token's query, shape (dk,), got shape {q.shape}")
         k = real_array("k", k, min_ndim=1)
         v = real_array("v", v, min_ndim=1)
         check_shape("k", k, q.shape, "same as q: (dk,)")
+        if v.ndim != 1:
+            raise ValueError(f"v: expected one token's value, shape (dv,), got shape {v.shape}")
         if self.keys:
-            check_shape("k", k, self.keys[0].shape, "dk of the cached keys")
+            check_shape("q", q, self.keys[0].shape, "dk of the cached keys")
             check_shape("v", v, self.values[0].shape, "dv of the cached values")
         field = scalar("field", field)
         level = scalar("level", level)
+        _check_logit_bound(q, np.stack([*self.keys, k]), self.scale)
 
+        # --8<-- [start:f7]
         kept = []
         for n in range(self.cache_size):
             self.mins[n] = min(self.mins[n], field)  # (F7) m_j <- min(m_j, phi_t)
@@ -425,6 +558,7 @@ class FPADecoder:
         self.values.append(v)
         self.levels.append(level)
         self.mins.append(np.inf)  # empty segment: pi_tt = 0
+        # --8<-- [end:f7]
         self.positions.append(self.steps)
         self.steps += 1
         self.peak_cache_size = max(self.peak_cache_size, self.cache_size)
@@ -433,7 +567,9 @@ class FPADecoder:
         depth = np.maximum(0.0, np.array(self.levels) - np.array(self.mins))  # (F2)
         logits = self.scale * (K @ q) - depth  # (F3)
         weights = np.exp(logits - logsumexp(logits))  # (F4)
-        return weights @ np.stack(self.values)  # (F5)
+        with np.errstate(over="ignore", invalid="ignore"):
+            o = weights @ np.stack(self.values)  # (F5)
+        return finite_result(o, OUTPUT_OVERFLOW)
 
 
 class DecodeResult(NamedTuple):
@@ -455,6 +591,12 @@ def fpa_decode(
     """(F7) streaming decode of every (batch, head) sequence with :class:`FPADecoder`.
 
     Same inputs as :func:`fpa_attention` plus the eviction threshold ``theta`` > 0.
+
+    Returns:
+        :class:`DecodeResult` (o (..., T, dv), cache_sizes (..., T) int64, kept_fraction).
+
+    Cost: O(n T C (dk + dv)) time in Python steps, C the peak cache size (C = T without
+    eviction: O(n T^2 (dk + dv))); O(n T dv + C (dk + dv)) memory.
     """
     q, k, v, field, level, s = _check_fpa(q, k, v, field, level, scale)
     theta = scalar("theta", theta, positive=True, allow_inf=True)
@@ -472,8 +614,28 @@ def fpa_decode(
 
 
 def eviction_threshold(bound_logit: float, n_keys: int, eps: float) -> float:
-    """(T3) theta = 2U + log N - log eps, with U >= s * max |<q_i, k_j>|."""
-    return 2.0 * bound_logit + np.log(n_keys) - np.log(eps)
+    """(T3) theta = 2U + log N - log eps, with U >= s * max |<q_i, k_j>|.
+
+    Args:
+        bound_logit: U, a finite number >= 0.
+        n_keys: N, the number of keys a row may attend to, an integer >= 1.
+        eps: the budget, 0 < eps < 1 [decision: with eps >= 1 the bound 2 eps max ||v|| says
+            nothing (two convex combinations of the values never differ by more than
+            2 max ||v||), and theta could be <= 0, which no decoder accepts].
+
+    Returns:
+        theta > 0, a float. Cost: O(1).
+    """
+    U = scalar("bound_logit", bound_logit)
+    if U < 0:
+        raise ValueError(f"bound_logit: expected U >= 0 (a bound on |logits|), got {U}")
+    N = positive_int("n_keys", n_keys)
+    eps = scalar("eps", eps, positive=True)
+    if not eps < 1:
+        raise ValueError(f"eps: expected 0 < eps < 1, got {eps}")
+    # --8<-- [start:t3]
+    return 2.0 * U + float(np.log(N)) - float(np.log(eps))
+    # --8<-- [end:t3]
 
 
 # --------------------------------------------------------------------------------------------
@@ -489,15 +651,15 @@ def segment_min_tiled(field, block: int) -> np.ndarray:
     query block). Diagonal blocks use the direct in-block segment minimum.
 
     Args:
-        field: (..., T); block: tile size >= 1.
+        field: (..., T); block: tile size, an integer >= 1.
 
     Returns:
         (..., T, T) float64, +inf where j >= i.
+
+    Cost: O(n T^2) time in (T / block)^2 tiles, O(n T^2) memory.
     """
     field = real_array("field", field, min_ndim=1)
-    block = int(block)
-    if block < 1:
-        raise ValueError(f"block: expected a tile size >= 1, got {block}")
+    block = positive_int("block", block)
     T = field.shape[-1]
     m = np.full((*field.shape, T), np.inf)
     starts = range(0, T, block)
@@ -510,6 +672,7 @@ def segment_min_tiled(field, block: int) -> np.ndarray:
             j1 = min(j0 + block, T) - 1
             if j1 >= i0:
                 break
+            # --8<-- [start:tiled]
             cols = field[..., j0 : j1 + 1]
             # A_j = min over (j, j1]: a reversed running min, shifted by one, +inf at j = j1.
             suffix = np.minimum.accumulate(cols[..., ::-1], axis=-1)[..., ::-1]
@@ -518,6 +681,7 @@ def segment_min_tiled(field, block: int) -> np.ndarray:
             mid = gap.min(axis=-1) if gap.shape[-1] else np.full(field.shape[:-1], np.inf)
             tile = np.minimum(np.minimum(A[..., None, :], mid[..., None, None]), B[..., :, None])
             m[..., i0 : i1 + 1, j0 : j1 + 1] = tile
+            # --8<-- [end:tiled]
     return m
 
 
@@ -526,17 +690,32 @@ def tile_skippable(field, level, keys: tuple[int, int], query_start: int, theta:
 
     True when min_j l_j - min phi over (j1, i0] >= theta: then pi_ij >= theta for every key of
     the block and every i >= i0, and by (T2) for every later query block too.
+
+    Args:
+        field, level: (..., T); with leading dims the answer is True only if the block is
+            skippable in every sequence.
+        keys: (j0, j1) integers, the key block; query_start: i0, with j0 <= j1 < i0 < T.
+        theta: the eviction threshold > 0.
+
+    Returns:
+        bool. Cost: O(n T) time, O(n T) memory.
     """
     field = real_array("field", field, min_ndim=1)
     level = real_array("level", level, min_ndim=1)
     check_shape("level", level, field.shape, "same as field")
-    j0, j1 = keys
-    if not 0 <= j0 <= j1 < query_start <= field.shape[-1] - 1:
+    theta = scalar("theta", theta, positive=True, allow_inf=True)
+    if not (isinstance(keys, tuple | list) and len(keys) == 2):
+        raise ValueError(f"keys: expected a pair (j0, j1), got {keys!r}")
+    j0, j1 = (nonnegative_int("keys", j) for j in keys)
+    i0 = nonnegative_int("query_start", query_start)
+    if not j0 <= j1 < i0 <= field.shape[-1] - 1:
         raise ValueError(
-            f"keys, query_start: expected j0 <= j1 < i0 < T, got {keys}, {query_start}"
+            f"keys, query_start: expected j0 <= j1 < i0 < T = {field.shape[-1]}, "
+            f"got {tuple(keys)}, {query_start}"
         )
-    lowest_level = level[..., j0 : j1 + 1].min()
-    return bool(lowest_level - field[..., j1 + 1 : query_start + 1].min() >= theta)
+    lowest_level = level[..., j0 : j1 + 1].min(axis=-1)  # per sequence
+    lowest_field = field[..., j1 + 1 : i0 + 1].min(axis=-1)  # over (j1, i0]
+    return bool(np.all(lowest_level - lowest_field >= theta))
 
 
 # --------------------------------------------------------------------------------------------
@@ -555,7 +734,13 @@ FPA_PARAMETER_SCHEMA = {
 
 
 def init_fpa_params(d: int, H: int, dk: int, dv: int, seed: int = 0) -> dict[str, np.ndarray]:
-    """Parameters of :func:`fpa_layer` (:data:`FPA_PARAMETER_SCHEMA`), normal / sqrt(fan-in)."""
+    """Parameters of :func:`fpa_layer` (:data:`FPA_PARAMETER_SCHEMA`), normal / sqrt(fan-in).
+
+    d, H, dk, dv: integers >= 1. Returns float64 arrays shaped as the schema says.
+    Cost: O(d H (dk + dv)) time and memory.
+    """
+    for name, val in dict(d=d, H=H, dk=dk, dv=dv).items():
+        positive_int(name, val)
     rng = np.random.default_rng(seed)
     return {
         "wq": rng.standard_normal((d, H * dk)) / np.sqrt(d),
@@ -575,6 +760,13 @@ def fpa_layer(x, params: dict, *, increments: str = "signed") -> np.ndarray:
     Per head: delta_t = x_t . w_delta + b_delta (signed; ``increments="logsigmoid"`` gives the
     FoX-initialised layer, with lam = 0 when w_lam = b_lam = 0), phi = cumsum(delta),
     lam_j = x_j . w_lam + b_lam, l_j = phi_j + lam_j [decision: levels relative to the field].
+
+    Args:
+        x: (B, T, d) hidden states (any leading dims before T).
+        params: the arrays of :data:`FPA_PARAMETER_SCHEMA`; H from b_delta, dk and dv from wq, wv.
+
+    Cost: O(B T d H (dk + dv) + B H T^2 (dk + dv)) time, O(B H T^2) memory (that of
+    :func:`fpa_attention`).
     """
     x = real_array("x", x, min_ndim=3)
     missing = sorted(set(FPA_PARAMETER_SCHEMA) - set(params))
@@ -584,6 +776,11 @@ def fpa_layer(x, params: dict, *, increments: str = "signed") -> np.ndarray:
     if increments not in ("signed", "logsigmoid"):
         raise ValueError(f"increments: expected 'signed' or 'logsigmoid', got {increments!r}")
     d = x.shape[-1]
+    if P["b_delta"].ndim != 1 or P["wq"].ndim != 2 or P["wv"].ndim != 2:
+        raise ValueError(
+            "params: expected b_delta (H,), wq (d, H*dk), wv (d, H*dv), got shapes "
+            f"{P['b_delta'].shape}, {P['wq'].shape}, {P['wv'].shape}"
+        )
     H = P["b_delta"].shape[0]
     dk = P["wq"].shape[1] // H
     dv = P["wv"].shape[1] // H
@@ -611,4 +808,4 @@ def fpa_layer(x, params: dict, *, increments: str = "signed") -> np.ndarray:
         heads(x @ P["wq"], dk), heads(x @ P["wk"], dk), heads(x @ P["wv"], dv), field, level
     )
     o = np.swapaxes(o, -2, -3).reshape(*x.shape[:-1], H * dv)  # concatenate heads
-    return o @ P["wo"]
+    return finite_result(o @ P["wo"], "x, params: the output overflows float64")

@@ -14,7 +14,7 @@ import numpy as np
 from numpy.polynomial import legendre
 from scipy.linalg import expm, solve_triangular
 
-from .validation import check_length, positive_int, real_array, scalar
+from .validation import check_shape, finite_result, positive_int, real_array, scalar
 
 
 def legs_transition(M: int) -> tuple[np.ndarray, np.ndarray]:
@@ -23,11 +23,13 @@ def legs_transition(M: int) -> tuple[np.ndarray, np.ndarray]:
     A_nk = sqrt(2n+1) sqrt(2k+1) if n > k; n + 1 if n = k; 0 if n < k.  B_n = sqrt(2n+1).
 
     Returns:
-        A (M, M) lower triangular, B (M,), float64.
+        A (M, M) lower triangular, B (M,), float64. Cost: O(M^2) time and memory.
     """
     M = positive_int("M", M)
+    # --8<-- [start:i4]
     r = np.sqrt(2 * np.arange(M) + 1.0)
     A = np.tril(np.outer(r, r), k=-1) + np.diag(np.arange(1.0, M + 1))
+    # --8<-- [end:i4]
     return A, r.copy()
 
 
@@ -37,6 +39,12 @@ def legt_transition(M: int, theta: float = 1.0) -> tuple[np.ndarray, np.ndarray]
     A_nk = (2n+1)/theta * ((-1)^(n-k) if n >= k else 1),  B_n = (2n+1) (-1)^n / theta.
     The coefficients are those of f on the window in the shifted Legendre basis P_n(2r - 1),
     normalised so that a constant input has steady state e_0.
+
+    Args:
+        M: integer >= 1; theta: window length > 0.
+
+    Returns:
+        A (M, M), B (M,), float64. Cost: O(M^2) time and memory.
     """
     M = positive_int("M", M)
     theta = scalar("theta", theta, positive=True)
@@ -50,11 +58,13 @@ def legt_transition(M: int, theta: float = 1.0) -> tuple[np.ndarray, np.ndarray]
 @lru_cache(maxsize=4096)
 def _legs_step_cached(n: int, M: int) -> tuple[np.ndarray, np.ndarray]:
     A, B = legs_transition(M)
+    # --8<-- [start:i5]
     A_inv_B = solve_triangular(A, B, lower=True)
     if n == 1:
         return np.zeros((M, M)), A_inv_B  # (I5) c_1 = A^{-1} B f_1: the history starts at t = 0
     E = expm(-A * np.log(n / (n - 1)))  # (I5) E_n, exact over log time [log(n-1), log n]
     F = solve_triangular(A, (np.eye(M) - E) @ B, lower=True)  # A^{-1} (I - E_n) B
+    # --8<-- [end:i5]
     return E, F
 
 
@@ -66,6 +76,8 @@ def legs_step(n: int, M: int) -> tuple[np.ndarray, np.ndarray]:
 
     Returns:
         E_n (M, M), F_n (M,) float64 (fresh copies; callers may modify them).
+
+    Cost: O(M^3) time (one expm, cached per (n, M)), O(M^2) memory.
     """
     n = positive_int("n", n)
     M = positive_int("M", M)
@@ -82,17 +94,20 @@ def legs_project(f, M: int) -> np.ndarray:
 
     Returns:
         c (T, M) or (T, M, C): row n-1 holds the coefficients of the history [0, n].
+
+    Cost: O(T M^3) for the steps (cached) plus O(T M^2 C) time, O(T M C) memory.
     """
     f = real_array("f", f, min_ndim=1)
     M = positive_int("M", M)
-    check_length("f", f.shape[0])
     channels = f.reshape(f.shape[0], -1)  # (T, C)
     c = np.zeros((f.shape[0], M, channels.shape[1]))
     state = np.zeros((M, channels.shape[1]))
+    # --8<-- [start:i5-scan]
     for n in range(1, f.shape[0] + 1):
         E, F = _legs_step_cached(n, M)
         state = E @ state + np.outer(F, channels[n - 1])  # (I5)
         c[n - 1] = state
+    # --8<-- [end:i5-scan]
     return c.reshape(f.shape[0], M, *f.shape[1:])
 
 
@@ -104,11 +119,14 @@ def legs_project_vjp(f_shape: tuple[int, ...], dc) -> np.ndarray:
         dc: cotangent shaped like the output of :func:`legs_project`.
 
     Returns:
-        df shaped ``f_shape``.
+        df shaped ``f_shape``. Cost: O(T M^2 C) time (steps cached), O(T M C) memory.
     """
-    T = f_shape[0]
+    f_shape = tuple(positive_int("f_shape", n) for n in f_shape)
+    if len(f_shape) not in (1, 2):
+        raise ValueError(f"f_shape: expected (T,) or (T, C), got {f_shape}")
     dc = real_array("dc", dc, min_ndim=2)
-    M = dc.shape[1]
+    T, M = dc.shape[:2]
+    check_shape("dc", dc, (f_shape[0], M, *f_shape[1:]), "(T, M) + the channels of f_shape")
     flat = dc.reshape(T, M, -1)  # (T, M, C)
     df = np.zeros((T, flat.shape[2]))
     g = np.zeros((M, flat.shape[2]))
@@ -128,12 +146,11 @@ def legs_project_closed_form(f, M: int) -> np.ndarray:
     c_m(N) = (sqrt(2m+1)/N) sum_n f_n int_{n-1}^{n} P_m(2s/N - 1) ds
            = (sqrt(2m+1)/2) sum_n f_n [Q_m(x_n) - Q_m(x_{n-1})],  x_n = 2n/N - 1, Q_m' = P_m.
 
-    Same contract as :func:`legs_project`.
+    Same contract as :func:`legs_project`. Cost: O(T^2 M C + T M^3) time, O(T M C) memory.
     """
     f = real_array("f", f, min_ndim=1)
     M = positive_int("M", M)
     T = f.shape[0]
-    check_length("f", T)
     channels = f.reshape(T, -1)
     out = np.zeros((T, M, channels.shape[1]))
     for N in range(1, T + 1):
@@ -152,8 +169,13 @@ def legs_reconstruct(c, t: float, x) -> np.ndarray:
         c: (M,) coefficients of the history [0, t].
         t: the current time.
         x: points (P,).
+
+    Returns:
+        (P,) float64. Cost: O(P M) time, O(P + M) memory.
     """
     c = real_array("c", c, min_ndim=1)
+    if c.ndim != 1:
+        raise ValueError(f"c: expected shape (M,), got {c.shape}")
     x = real_array("x", x, min_ndim=1)
     t = scalar("t", t, positive=True)
     scale = np.sqrt(2 * np.arange(c.shape[0]) + 1.0)
@@ -171,7 +193,7 @@ def discretize(A, B, dt: float, method: str = "zoh") -> tuple[np.ndarray, np.nda
         A: (N, N); B: (N,) or (N, P).
 
     Returns:
-        Ad (N, N), Bd shaped like B.
+        Ad (N, N), Bd shaped like B. Cost: O((N + P)^3) time, O((N + P)^2) memory.
     """
     A = real_array("A", A, min_ndim=2)
     B = real_array("B", B, min_ndim=1)
@@ -179,23 +201,31 @@ def discretize(A, B, dt: float, method: str = "zoh") -> tuple[np.ndarray, np.nda
     N = A.shape[0]
     if A.shape != (N, N):
         raise ValueError(f"A: expected a square matrix, got shape {A.shape}")
-    if B.shape[0] != N:
-        raise ValueError(f"B: expected {N} rows (the size of A), got shape {B.shape}")
+    if B.shape[0] != N or B.ndim > 2:
+        raise ValueError(f"B: expected ({N},) or ({N}, P) (N from A), got shape {B.shape}")
     B2 = B.reshape(N, -1)
-    if method == "zoh":
-        P = B2.shape[1]
-        block = np.zeros((N + P, N + P))
-        block[:N, :N] = A
-        block[:N, N:] = B2
-        E = expm(block * dt)
-        Ad, Bd = E[:N, :N], E[:N, N:]
-    elif method == "bilinear":
-        left = np.eye(N) - dt / 2 * A
-        Ad = np.linalg.solve(left, np.eye(N) + dt / 2 * A)
-        Bd = np.linalg.solve(left, dt * B2)
-    else:
+    if method not in ("zoh", "bilinear"):
         raise ValueError(f"method: expected 'zoh' or 'bilinear', got {method!r}")
-    return Ad, Bd.reshape(B.shape)
+    with np.errstate(over="ignore", invalid="ignore"):  # overflow is reported below
+        if method == "zoh":
+            P = B2.shape[1]
+            block = np.zeros((N + P, N + P))
+            block[:N, :N] = A
+            block[:N, N:] = B2
+            E = expm(block * dt)
+            Ad, Bd = E[:N, :N], E[:N, N:]
+        else:
+            left = np.eye(N) - dt / 2 * A
+            try:
+                Ad = np.linalg.solve(left, np.eye(N) + dt / 2 * A)
+            except np.linalg.LinAlgError:
+                raise ValueError(
+                    "A, dt: I - dt/2 A is singular (dt/2 times an eigenvalue of A is 1); "
+                    "the bilinear transform is undefined there"
+                ) from None
+            Bd = np.linalg.solve(left, dt * B2)
+    overflow = "A, B, dt: the discretised system overflows float64 (A dt too large)"
+    return finite_result(Ad, overflow), finite_result(Bd, overflow).reshape(B.shape)
 
 
 def discrete_orthonormal_basis(T: int, M: int) -> np.ndarray:
@@ -204,14 +234,18 @@ def discrete_orthonormal_basis(T: int, M: int) -> np.ndarray:
     Column m spans the polynomials of degree <= m in x_t = 2t/T - 1 (t = 1..T). The QR is taken
     of the Legendre-Vandermonde matrix, which spans the same space as the monomial one but is
     far better conditioned [decision]. Requires M <= T.
+
+    Cost: O(T M^2) time (one QR), O(T M) memory.
     """
     T = positive_int("T", T)
     M = positive_int("M", M)
     if M > T:
         raise ValueError(f"M: expected M <= T = {T} (at most T orthonormal columns), got {M}")
+    # --8<-- [start:i7]
     x = 2.0 * np.arange(1, T + 1) / T - 1.0
     Q, R = np.linalg.qr(legendre.legvander(x, M - 1))
     return np.sqrt(T) * Q * np.sign(np.diag(R))  # G^T G / T = I, G[:, 0] = +1
+    # --8<-- [end:i7]
 
 
 def s4d_init(M: int, kind: str = "inv") -> tuple[np.ndarray, np.ndarray]:
@@ -221,7 +255,7 @@ def s4d_init(M: int, kind: str = "inv") -> tuple[np.ndarray, np.ndarray]:
     lin: a_im[n] = pi n.
 
     Returns:
-        a_log (M,), a_im (M,).
+        a_log (M,), a_im (M,). Cost: O(M).
     """
     M = positive_int("M", M)
     n = np.arange(M)

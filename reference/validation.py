@@ -2,7 +2,9 @@
 
 Every public function of the reference converts its inputs with :func:`real_array` and checks
 their agreement with :func:`check_shape`. Errors are ``ValueError`` naming the argument, what was
-expected and what arrived; nothing is broadcast silently and NaN/Inf never enters a computation.
+expected and what arrived; nothing is broadcast silently, no axis is empty, and NaN/Inf never
+enters a computation. Overflow inside a computation is caught by :func:`finite_result` and
+reported against the arguments that caused it, so NaN never leaves one either.
 """
 
 from __future__ import annotations
@@ -10,17 +12,26 @@ from __future__ import annotations
 import numpy as np
 
 
+def _check_rank_and_size(name: str, arr: np.ndarray, min_ndim: int) -> None:
+    if arr.ndim < min_ndim:
+        raise ValueError(f"{name}: expected at least {min_ndim} dimensions, got shape {arr.shape}")
+    if arr.size == 0:
+        # An empty axis (T = 0, dk = 0, M = 0, ...) has no meaning in the spec; 1/sqrt(dk) and
+        # empty softmax rows would turn it into NaN.
+        raise ValueError(f"{name}: expected every axis to have length >= 1, got shape {arr.shape}")
+
+
 def real_array(name: str, x, *, min_ndim: int = 0, allow_inf: bool = False) -> np.ndarray:
-    """Return ``x`` as a float64 array after checking dtype, rank and finiteness.
+    """Return ``x`` as a float64 array after checking dtype, rank, size and finiteness.
 
     Accepted dtypes are real floating types (float16/32/64); integers, booleans and complex
-    numbers are rejected because they usually mean a wrong argument was passed.
+    numbers are rejected because they usually mean a wrong argument was passed. Arrays with an
+    axis of length 0 are rejected.
     """
     arr = np.asarray(x)
     if not np.issubdtype(arr.dtype, np.floating):
         raise ValueError(f"{name}: expected a real floating-point array, got dtype {arr.dtype}")
-    if arr.ndim < min_ndim:
-        raise ValueError(f"{name}: expected at least {min_ndim} dimensions, got shape {arr.shape}")
+    _check_rank_and_size(name, arr, min_ndim)
     arr = arr.astype(np.float64)
     bad = np.isnan(arr) if allow_inf else ~np.isfinite(arr)
     if bad.any():
@@ -35,8 +46,7 @@ def complex_array(name: str, x, *, min_ndim: int = 0) -> np.ndarray:
     arr = np.asarray(x)
     if not (np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.complexfloating)):
         raise ValueError(f"{name}: expected a floating or complex array, got dtype {arr.dtype}")
-    if arr.ndim < min_ndim:
-        raise ValueError(f"{name}: expected at least {min_ndim} dimensions, got shape {arr.shape}")
+    _check_rank_and_size(name, arr, min_ndim)
     arr = arr.astype(np.complex128)
     if not np.isfinite(arr).all():
         index = tuple(int(i) for i in np.argwhere(~np.isfinite(arr))[0])
@@ -50,18 +60,18 @@ def check_shape(name: str, arr: np.ndarray, expected: tuple[int, ...], meaning: 
         raise ValueError(f"{name}: expected shape {tuple(expected)} ({meaning}), got {arr.shape}")
 
 
-def check_length(name: str, T: int) -> None:
-    """Require a non-empty sequence axis."""
-    if T < 1:
-        raise ValueError(f"{name}: expected a sequence of length T >= 1, got T = {T}")
-
-
 def scalar(name: str, x, *, positive: bool = False, allow_inf: bool = False) -> float:
-    """Return ``x`` as a Python float, rejecting NaN, Inf (unless allowed) and non-numbers."""
-    try:
-        value = float(x)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name}: expected a real number, got {x!r}") from None
+    """Return ``x`` as a Python float, rejecting NaN, Inf (unless allowed) and non-numbers.
+
+    Strings, booleans and arrays of any rank but 0 are rejected although ``float`` would take
+    them: ``scale="0.5"`` or ``scale=np.array([0.5])`` is a wrong argument, not a number.
+    """
+    is_number = isinstance(x, int | float | np.integer | np.floating) or (
+        isinstance(x, np.ndarray) and x.ndim == 0 and x.dtype.kind in "iuf"
+    )
+    if isinstance(x, bool | np.bool_) or not is_number:
+        raise ValueError(f"{name}: expected a real number, got {x!r}")
+    value = float(x)
     if np.isnan(value) or (np.isinf(value) and not allow_inf):
         raise ValueError(f"{name}: expected a finite number, got {value}")
     if positive and not value > 0:
@@ -71,6 +81,28 @@ def scalar(name: str, x, *, positive: bool = False, allow_inf: bool = False) -> 
 
 def positive_int(name: str, x) -> int:
     """Return ``x`` as an int >= 1."""
-    if isinstance(x, bool) or not isinstance(x, int | np.integer) or int(x) < 1:
-        raise ValueError(f"{name}: expected an integer >= 1, got {x!r}")
+    return _int_at_least(name, x, 1)
+
+
+def nonnegative_int(name: str, x) -> int:
+    """Return ``x`` as an int >= 0 (a position)."""
+    return _int_at_least(name, x, 0)
+
+
+def _int_at_least(name: str, x, minimum: int) -> int:
+    if isinstance(x, bool) or not isinstance(x, int | np.integer) or int(x) < minimum:
+        raise ValueError(f"{name}: expected an integer >= {minimum}, got {x!r}")
     return int(x)
+
+
+def finite_result(arr: np.ndarray, cause: str) -> np.ndarray:
+    """Return ``arr`` if every entry is finite; otherwise raise a ValueError naming ``cause``.
+
+    ``cause`` says which arguments overflowed float64 and how (for example ``"q, k: the
+    logits s <q_i, k_j> overflow float64"``); the first offending index is appended.
+    """
+    bad = ~np.isfinite(arr)
+    if bad.any():
+        index = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"{cause} (first non-finite value at index {index})")
+    return arr

@@ -1,29 +1,156 @@
-"""The docs stay true to the code: excerpts appear verbatim, and the README example runs."""
+"""The docs stay true to the code: includes resolve, every spec label is cited in the code and
+shown beside it, the README and tutorial examples run, the citation metadata agree."""
 
+import ast
 import os
 import re
+import tomllib
 
 import numpy as np
 import pytest
 
+from attnspec.conformance.cli import main
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PAGES = ["docs/fpa.md", "docs/interdomain.md"]
+DOCS = os.path.join(ROOT, "docs")
+EQUATION_PAGES = ["docs/fpa.md", "docs/interdomain.md"]
+SPECS = ["docs/spec/fpa.md", "docs/spec/interdomain.md"]
+INCLUDE = re.compile(r'^\s*-+8<-+\s+"([^"]+)"\s*$', re.M)
+SECTION = re.compile(r"--8<-- \[(start|end):([a-z][-_0-9a-z]*)\]")
 
 
-def python_blocks(path):
+def read(path):
     with open(os.path.join(ROOT, path)) as fh:
-        return re.findall(r"```python\n(.*?)```", fh.read(), flags=re.S)
+        return fh.read()
 
 
-@pytest.mark.parametrize("page", PAGES)
+def docs_pages():
+    """Every Markdown page of the site, except the verbatim spec copy."""
+    pages = []
+    for folder, _, names in os.walk(DOCS):
+        rel = os.path.relpath(folder, ROOT)
+        if rel.startswith(os.path.join("docs", "spec")):
+            continue
+        pages += [os.path.join(rel, n) for n in sorted(names) if n.endswith(".md")]
+    return sorted(pages)
+
+
+def python_blocks(path, title=None):
+    """Python code blocks of a page; with ``title``, only those whose fence carries it."""
+    blocks = re.findall(r'```python( title="[^"]*")?\n(.*?)```', read(path), flags=re.S)
+    if title is None:
+        return [body for _, body in blocks]
+    return [body for fence, body in blocks if fence == f' title="{title}"']
+
+
+def spec_labels():
+    """The labels the spec defines: (F1)-(F7), (G1)-(G4), T1-T6, (I1)-(I13), H1-H11."""
+    labels = set()
+    for spec in SPECS:
+        text = read(spec)
+        labels |= set(re.findall(r"\(([FGI]\d+)\)", text))
+        labels |= set(re.findall(r"\((T\d+)\b", text))
+        labels |= set(re.findall(r"\b(H\d+)\b", text))
+    return labels
+
+
+def section_lines(path):
+    """{name: (first, last)} 1-based lines of each snippet section of a source file."""
+    spans, starts = {}, {}
+    for n, line in enumerate(read(path).splitlines(), 1):
+        match = SECTION.search(line)
+        if match and match.group(1) == "start":
+            assert match.group(2) not in starts, f"{path}: section {match.group(2)} twice"
+            starts[match.group(2)] = n
+        elif match:
+            spans[match.group(2)] = (starts.pop(match.group(2)), n)
+    assert not starts, f"{path}: sections never ended: {sorted(starts)}"
+    return spans
+
+
+def cited_text(path, name):
+    """What the code beside an equation says: the section's lines, and the docstring of the
+    function (or class) that holds them, where the label of a whole function is cited."""
+    first, last = section_lines(path)[name]
+    lines = read(path).splitlines()
+    text = "\n".join(lines[first : last - 1])
+    tree = ast.parse(read(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.ClassDef):
+            if node.lineno <= first <= node.end_lineno:
+                text += "\n" + (ast.get_docstring(node) or "")
+    return text
+
+
+def test_spec_defines_the_labels_we_expect():
+    expected = (
+        {f"F{i}" for i in range(1, 8)}
+        | {f"G{i}" for i in range(1, 5)}
+        | {f"T{i}" for i in range(1, 7)}
+        | {f"I{i}" for i in range(1, 14)}
+        | {f"H{i}" for i in range(1, 12)}
+    )
+    assert spec_labels() == expected
+
+
+@pytest.mark.parametrize("page", docs_pages())
+def test_snippet_includes_resolve(page):
+    for target in INCLUDE.findall(read(page)):
+        path, _, section = target.partition(":")
+        assert os.path.isfile(os.path.join(ROOT, path)), f"{page}: no file {path}"
+        if section:
+            assert section in section_lines(path), f"{page}: no section {section} in {path}"
+
+
+@pytest.mark.parametrize("page", docs_pages())
+def test_no_mangled_snippet_markers(page):
+    for line in read(page).splitlines():
+        if re.search(r"-\s*8\s*<\s*-", line):
+            assert INCLUDE.match(line), f"{page}: a snippet marker that will not resolve: {line}"
+
+
+@pytest.mark.parametrize("page", docs_pages())
 def test_code_excerpts_appear_verbatim_in_their_source(page):
-    blocks = [b for b in python_blocks(page) if b.startswith("# ")]
-    assert blocks
-    for block in blocks:
+    """A hand-copied excerpt (a block whose first line names a source file) must match it;
+    the equation pages copy nothing by hand: their code comes from snippet sections."""
+    for block in python_blocks(page):
         source, *lines = block.rstrip("\n").split("\n")
-        with open(os.path.join(ROOT, source[2:])) as fh:
-            text = fh.read()
-        assert "\n".join(lines) in text, f"{page}: excerpt not found in {source[2:]}:\n{block}"
+        path = source[2:].strip()
+        if not source.startswith("# ") or not os.path.isfile(os.path.join(ROOT, path)):
+            continue
+        assert page not in EQUATION_PAGES, f"{page}: use a snippet section, not a copy"
+        assert "\n".join(lines) in read(path), f"{page}: excerpt not found in {path}:\n{block}"
+
+
+def test_every_spec_label_is_cited_in_the_code_and_shown_on_a_page():
+    code = ""
+    for package in ("reference", "theory"):
+        for name in sorted(os.listdir(os.path.join(ROOT, package))):
+            if name.endswith(".py"):
+                code += read(os.path.join(package, name))
+    shown = "".join(read(page) for page in docs_pages())
+    for label in sorted(spec_labels()):
+        assert re.search(rf"\b{label}\b", code), f"{label} is not cited in reference/ or theory/"
+        assert f"\\tag{{{label}}}" in shown, f"{label} is not shown as a labelled equation"
+
+
+@pytest.mark.parametrize("page", EQUATION_PAGES)
+def test_labelled_equations_sit_beside_code_that_cites_them(page):
+    """Each equation block holds a tagged equation and code from the source that cites it."""
+    # An eq-code block: the equation's div, then the code fence, closed by the outer div.
+    blocks = re.findall(r'<div class="eq-code" markdown>(.*?)```\n\n</div>', read(page), re.S)
+    tagged = set()
+    for block in blocks:
+        labels = re.findall(r"\\tag\{([A-Z]\d+)\}", block)
+        includes = INCLUDE.findall(block)
+        assert labels and includes, f"{page}: an eq-code block without a label or code"
+        cited = "".join(cited_text(*target.split(":")) for target in includes)
+        for label in labels:
+            assert re.search(rf"\b{label}\b", cited), f"{page}: code beside {label} cites it not"
+        tagged |= set(labels)
+    kinds = "FG" if page.endswith("fpa.md") else "I"
+    expected = {label for label in spec_labels() if label[0] in kinds}
+    assert expected <= tagged, f"{page}: not beside code: {sorted(expected - tagged)}"
 
 
 def test_readme_example_runs():
@@ -32,6 +159,42 @@ def test_readme_example_runs():
     exec(compile(block, "README.md", "exec"), namespace)
     assert namespace["o"].shape == (1, 2, 16, 8)
     assert namespace["live"].dtype == np.bool_
+
+
+def test_tutorial_python_runs(capsys):
+    (block,) = python_blocks("docs/tutorial.md", title="Python")
+    namespace = {}
+    exec(compile(block, "docs/tutorial.md", "exec"), namespace)
+    assert namespace["case"].op == "fpa_attention"
+    assert set(namespace["expected"]) == {"o", "lse"}
+    assert "largest field step" in capsys.readouterr().out
+
+
+def test_tutorial_empty_backend_is_accepted_and_implements_nothing(tmp_path, capsys):
+    (block,) = python_blocks("docs/tutorial.md", title="my_backend.py")
+    path = tmp_path / "my_backend.py"
+    path.write_text(block)
+    cases = ["--cases", "fox/shapes/0", "fpa/walk/0"]
+    assert main(["conformance", "--backend", f"{path}:MyBackend", *cases]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"\n0 passed, 0 failed, [1-9]\d* not implemented, 0 skipped", out), out
+
+
+def test_citation_metadata_agree():
+    yaml = pytest.importorskip("yaml", reason="PyYAML comes with the docs extra")
+    cff = yaml.safe_load(read("CITATION.cff"))
+    assert cff["cff-version"] == "1.2.0"
+    for key in ("message", "title", "authors", "version"):
+        assert cff[key], f"CITATION.cff: {key} is empty"
+    for author in cff["authors"] + [a for r in cff["references"] for a in r["authors"]]:
+        assert author.get("name") or author.get("family-names"), author
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as fh:
+        assert cff["version"] == tomllib.load(fh)["project"]["version"]
+    bibtex = read("docs/citing.md")
+    assert f"title   = {{{cff['title']}}}" in bibtex
+    assert f"version = {{{cff['version']}}}" in bibtex
+    for reference in cff["references"]:
+        assert reference["title"] in bibtex, f"citing.md lacks {reference['title']!r}"
 
 
 def test_spec_copies_match_the_shared_spec():

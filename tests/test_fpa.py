@@ -143,6 +143,65 @@ def test_fox_with_unit_gates_is_causal_softmax():
     assert rel_err(fpa.fox_attention(q, k, v, np.zeros(7)), expected) < 1e-14
 
 
+def fox_by_masks(q, k, v, log_f, d_out):
+    """FoX and its backward with the decay written as masks, D = A diag(log f) B: the O(T^3)
+    form the reference used before, kept as an independent witness at small T."""
+    T, dk = q.shape[-2:]
+    upto_i = np.tril(np.ones((T, T)))  # A[i, l] = [l <= i]
+    after_j = np.tril(np.ones((T, T)), k=-1)  # B[l, j] = [l > j]
+    decay = np.einsum("il,...l,lj->...ij", upto_i, log_f, after_j)
+    logits = q @ np.swapaxes(k, -1, -2) / np.sqrt(dk) + decay
+    logits = np.where(np.tril(np.ones((T, T), dtype=bool)), logits, -np.inf)
+    top = logits.max(axis=-1, keepdims=True)
+    lse = top[..., 0] + np.log(np.exp(logits - top).sum(axis=-1))
+    p = np.exp(logits - lse[..., None])
+    o = p @ v
+    G = p * (d_out @ np.swapaxes(v, -1, -2) - np.sum(d_out * o, axis=-1)[..., None])
+    dlog_f = np.einsum("il,...ij,lj->...l", upto_i, G, after_j)
+    dq = G @ k / np.sqrt(dk)
+    dk_ = np.swapaxes(G, -1, -2) @ q / np.sqrt(dk)
+    return o, lse, (dq, dk_, np.swapaxes(p, -1, -2) @ d_out, dlog_f)
+
+
+@pytest.mark.parametrize(("lead", "T"), [((), 1), ((2,), 2), ((2, 3), 7), ((1,), 33), ((2,), 130)])
+@pytest.mark.parametrize("unit_gates", [0.0, 0.5])
+def test_quadratic_fox_forms_equal_the_cubic_mask_form(lead, T, unit_gates):
+    rng = np.random.default_rng(T)
+    q, k, v, _, _ = random_inputs(rng, lead, T, 4, 3)
+    log_f = -rng.exponential(0.3, size=(*lead, T))
+    log_f[rng.random(log_f.shape) < unit_gates] = 0.0
+    d_out = rng.standard_normal(v.shape)
+    o_want, lse_want, grads_want = fox_by_masks(q, k, v, log_f, d_out)
+    o, lse = fpa.fox_attention_direct(q, k, v, log_f, return_lse=True)
+    assert rel_err(o, o_want) < 1e-13
+    assert rel_err(lse, lse_want) < 1e-13
+    for got, want in zip(fpa.fox_attention_vjp(q, k, v, log_f, d_out), grads_want, strict=True):
+        assert rel_err(got, want) < 1e-12
+
+
+@pytest.mark.parametrize("op", ["fox_attention", "fox_attention_direct", "fox_attention_vjp"])
+def test_fox_gates_whose_sum_overflows(op):
+    # The field cumsum(log f) of (F6) reached -inf, and -inf - (-inf) made NaN.
+    args = good(T=3)
+    args["field"] = np.broadcast_to([0.0, -1e308, -1e308], args["field"].shape)
+    with pytest.raises(ValueError, match=r"log_f: expected a sum along T above -1.8e308"):
+        OPS[op](args)
+
+
+def test_fox_direct_sums_each_segment_on_its_own():
+    # A gate of -1e8 at l = 1 enters no D_ij with j >= 1. Summing each segment's own gates keeps
+    # those logits exact; a difference of two prefix sums would lose about 8 digits.
+    rng = np.random.default_rng(14)
+    q, k, v, _, _ = random_inputs(rng, (2,), 40, 4, 3)
+    log_f = -rng.uniform(0.0, 0.1, size=(2, 40))
+    log_f[:, 1] = -1e8
+    d_out = rng.standard_normal(v.shape)
+    o_want, _, grads_want = fox_by_masks(q, k, v, log_f, d_out)
+    assert rel_err(fpa.fox_attention_direct(q, k, v, log_f), o_want) < 1e-14
+    got = fpa.fox_attention_vjp(q, k, v, log_f, d_out)
+    assert rel_err(got.dlog_f, grads_want[3]) < 1e-13
+
+
 # ------------------------------------------------------------------------- (G1)-(G4) gradients
 
 
@@ -334,11 +393,83 @@ def test_bad_input_names_the_argument(name, corrupt, message):
         fpa.fpa_attention(**args)
 
 
-def test_empty_sequence_rejected():
+# Every public op of the FPA reference, called on the arrays of good() (log_f from the field).
+OPS = {
+    "fpa_attention": lambda a: fpa.fpa_attention(**a),
+    "fpa_attention_loops": lambda a: fpa.fpa_attention_loops(**a),
+    "fpa_attention_vjp": lambda a: fpa.fpa_attention_vjp(**a, d_out=np.ones_like(a["v"])),
+    "fox_attention": lambda a: fpa.fox_attention(a["q"], a["k"], a["v"], -abs(a["field"])),
+    "fox_attention_direct": lambda a: fpa.fox_attention_direct(
+        a["q"], a["k"], a["v"], -abs(a["field"])
+    ),
+    "fox_attention_vjp": lambda a: fpa.fox_attention_vjp(
+        a["q"], a["k"], a["v"], -abs(a["field"]), np.ones_like(a["v"])
+    ),
+    "fpa_decode": lambda a: fpa.fpa_decode(**a, theta=1.0),
+}
+FIELD_OPS = {
+    "segment_min": lambda f: fpa.segment_min(f),
+    "segment_argmin": lambda f: fpa.segment_argmin(f),
+    "descent_depth": lambda f: fpa.descent_depth(f, f),
+    "live_keys": lambda f: fpa.live_keys(f, f),
+    "stack_live_keys": lambda f: fpa.stack_live_keys(f),
+    "segment_min_tiled": lambda f: fpa.segment_min_tiled(f, 2),
+}
+EMPTY = {
+    "T = 0": lambda a: {n: x[..., :0, :] if x.ndim == 4 else x[..., :0] for n, x in a.items()},
+    "dk = 0": lambda a: {**a, "q": a["q"][..., :0], "k": a["k"][..., :0]},
+    "dv = 0": lambda a: {**a, "v": a["v"][..., :0]},
+    "B = 0": lambda a: {n: x[:0] for n, x in a.items()},
+}
+
+
+@pytest.mark.parametrize("op", sorted(OPS))
+@pytest.mark.parametrize("empty", sorted(EMPTY))
+def test_empty_axes_rejected(op, empty):
+    # Before: dk = 0 gave scale 1/sqrt(0) and NaN; T = 0 or dv = 0 an empty answer.
+    with pytest.raises(ValueError, match="expected every axis to have length >= 1, got shape"):
+        OPS[op](EMPTY[empty](good()))
+
+
+@pytest.mark.parametrize("op", sorted(FIELD_OPS))
+def test_empty_field_rejected(op):
+    with pytest.raises(ValueError, match=r"field: expected every axis .*got shape \(2, 0\)"):
+        FIELD_OPS[op](np.zeros((2, 0)))
+
+
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_logits_that_would_overflow_are_rejected(op):
+    # |q| |k| ~ 1e320 made the logits inf and the output NaN.
     args = good()
-    args = {n: x[..., :0, :] if x.ndim == 4 else x[..., :0] for n, x in args.items()}
-    with pytest.raises(ValueError, match="T >= 1, got T = 0"):
-        fpa.fpa_attention(**args)
+    args["q"], args["k"] = args["q"] * 1e160, args["k"] * 1e160
+    with pytest.raises(ValueError, match=r"q, k, scale: expected \|s\| max_i \|\|q_i\|\|"):
+        OPS[op](args)
+
+
+def test_logit_bound_is_on_the_product():
+    args = good()
+    o = fpa.fpa_attention(**args)
+    # Huge q against tiny k: the logits, hence the outputs, are those of the unscaled inputs.
+    big_small = {**args, "q": args["q"] * 1e200, "k": args["k"] * 1e-200}
+    assert rel_err(fpa.fpa_attention(**big_small), o) < 1e-13
+    # Just inside the bound (|s| |q| |k| ~ 1e306): finite, with one-hot rows.
+    near = fpa.fpa_attention(**{**args, "q": args["q"] * 1e153, "k": args["k"] * 1e153})
+    assert np.isfinite(near).all()
+    with pytest.raises(ValueError, match="q, k, scale"):
+        fpa.fpa_attention(**args, scale=1e308)
+
+
+@pytest.mark.parametrize("scale", ["0.5", b"1", True, np.array([0.5]), 1j, [0.5], None])
+def test_scale_must_be_a_real_number(scale):
+    args = good()
+    if scale is None:  # the default is allowed; the others are rejected
+        assert rel_err(fpa.fpa_attention(**args, scale=None), fpa.fpa_attention(**args)) == 0
+        return
+    with pytest.raises(ValueError, match="scale: expected a real number, got"):
+        fpa.fpa_attention(**args, scale=scale)
+    with pytest.raises(ValueError, match="scale: expected a real number, got"):
+        fpa.FPADecoder(scale=scale)
+    assert fpa.fpa_attention(**args, scale=np.float32(0.5)).shape == args["v"].shape
 
 
 def test_positive_log_f_rejected():
@@ -359,6 +490,82 @@ def test_bad_scale_theta_and_cotangent():
         fpa.fpa_attention_vjp(**a, d_out=np.zeros((2, 3, 4, 4)))
 
 
+@pytest.mark.parametrize(
+    ("bound_logit", "n_keys", "eps", "message"),
+    [
+        (1.0, 10, 0.0, "eps: expected a positive number, got 0.0"),
+        (1.0, 10, -0.1, "eps: expected a positive number, got -0.1"),
+        (1.0, 10, 1.0, "eps: expected 0 < eps < 1, got 1.0"),
+        (1.0, 10, np.nan, "eps: expected a finite number, got nan"),
+        (1.0, 10, "0.1", "eps: expected a real number, got '0.1'"),
+        (1.0, 0, 0.1, "n_keys: expected an integer >= 1, got 0"),
+        (1.0, 2.5, 0.1, "n_keys: expected an integer >= 1, got 2.5"),
+        (1.0, True, 0.1, "n_keys: expected an integer >= 1, got True"),
+        (-1.0, 10, 0.1, "bound_logit: expected U >= 0 (a bound on |logits|), got -1.0"),
+        (np.inf, 10, 0.1, "bound_logit: expected a finite number, got inf"),
+    ],
+)
+def test_eviction_threshold_bad_arguments(bound_logit, n_keys, eps, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        fpa.eviction_threshold(bound_logit, n_keys, eps)
+
+
+def test_eviction_threshold_is_t3_and_positive():
+    assert fpa.eviction_threshold(1.5, 10, 0.01) == 3.0 + np.log(10) - np.log(0.01)
+    assert fpa.eviction_threshold(0.0, 1, 0.999) > 0  # the smallest theta is still accepted
+    assert fpa.eviction_threshold(0.0, np.int64(1), np.float32(0.5)) == pytest.approx(np.log(2))
+
+
+def test_decoder_step_names_bad_arguments_and_keeps_its_cache():
+    dec = fpa.FPADecoder(scale=0.5)
+    with pytest.raises(ValueError, match=re.escape("q: expected one token's query, shape (dk,)")):
+        dec.step(np.ones((2, 3)), np.ones((2, 3)), np.ones(3), 0.0, 0.0)
+    with pytest.raises(ValueError, match=re.escape("v: expected one token's value, shape (dv,)")):
+        dec.step(np.ones(3), np.ones(3), np.ones((1, 2)), 0.0, 0.0)
+    dec.step(np.ones(3), np.ones(3), np.ones(2), 0.0, 0.0)
+    bad_steps = [
+        ((np.ones(4), np.ones(4), np.ones(2), 0.0, 0.0), "q: expected shape (3,)"),
+        ((np.ones(3), np.ones(3), np.ones(5), 0.0, 0.0), "v: expected shape (2,)"),
+        ((np.ones(3), np.ones(3), np.ones(2), np.nan, 0.0), "field: expected a finite number"),
+        ((np.ones(3), np.ones(3), np.ones(2), 0.0, "0"), "level: expected a real number"),
+        ((np.full(3, 1e308), np.ones(3), np.ones(2), 0.0, 0.0), "q, k, scale: expected"),
+        ((np.ones(3), np.full(3, 1e308), np.ones(2), 0.0, 0.0), "q, k, scale: expected"),
+    ]
+    for args, message in bad_steps:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            dec.step(*args)
+        assert (dec.steps, dec.cache_size, dec.mins) == (1, 1, [np.inf])
+
+
+def test_skippable_needs_every_sequence_of_a_batch():
+    # Sequence 0 descends 10 below the key's level, sequence 1 descends 200: with theta = 50 the
+    # key is live in sequence 0, so the block cannot be skipped for the batch.
+    field = np.array([[0.0, 0.0, -10.0, 0.0], [0.0, 0.0, -100.0, 0.0]])
+    level = np.array([[0.0, 0.0, 0.0, 0.0], [100.0, 0.0, 0.0, 0.0]])
+    pi = fpa.descent_depth(field, level)
+    assert pi[0, 2, 0] == 10.0 and pi[1, 2, 0] == 200.0
+    assert not fpa.tile_skippable(field, level, (0, 0), 2, 50.0)
+    assert fpa.tile_skippable(field[1], level[1], (0, 0), 2, 50.0)
+    assert fpa.tile_skippable(field, level, (0, 0), 2, 10.0)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda f: fpa.tile_skippable(f, f, (0.5, 1), 2, 1.0), "keys: expected an integer >= 0"),
+        (lambda f: fpa.tile_skippable(f, f, (0,), 2, 1.0), "keys: expected a pair (j0, j1)"),
+        (lambda f: fpa.tile_skippable(f, f, (0, 1), 2, -1.0), "theta: expected a positive"),
+        (lambda f: fpa.tile_skippable(f, f, (0, 1), 9, 1.0), "expected j0 <= j1 < i0 < T = 5"),
+        (lambda f: fpa.segment_min_tiled(f, "4"), "block: expected an integer >= 1, got '4'"),
+        (lambda f: fpa.segment_min_tiled(f, 2.5), "block: expected an integer >= 1, got 2.5"),
+        (lambda f: fpa.segment_min_tiled(f, 0), "block: expected an integer >= 1, got 0"),
+    ],
+)
+def test_tile_helpers_name_bad_arguments(call, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        call(np.arange(5.0))
+
+
 # ------------------------------------------------------------------------- the layer (section 3)
 
 
@@ -377,6 +584,15 @@ def test_layer_equals_per_head_fpa():
         v = x @ p["wv"][:, 2 * h : 2 * h + 2]
         outs.append(fpa.fpa_attention_loops(q, k, v, phi, level))
     np.testing.assert_allclose(y, np.concatenate(outs, axis=-1) @ p["wo"], rtol=1e-12)
+
+
+def test_layer_names_bad_parameters():
+    with pytest.raises(ValueError, match=r"d: expected an integer >= 1, got 0"):
+        fpa.init_fpa_params(d=0, H=1, dk=2, dv=2)
+    p = fpa.init_fpa_params(d=4, H=2, dk=2, dv=2)
+    p["b_delta"] = np.float64(0.0)
+    with pytest.raises(ValueError, match=re.escape("params: expected b_delta (H,)")):
+        fpa.fpa_layer(np.zeros((1, 3, 4)), p)
 
 
 def test_fox_initialised_layer_is_fox():

@@ -108,6 +108,16 @@ def test_discretize_matches_scipy(method, which):
     np.testing.assert_allclose(Bd, sc[1][:, 0], rtol=1e-12, atol=1e-14)
 
 
+def test_discretize_names_overflow_and_a_singular_bilinear_transform():
+    A, B = hippo.legt_transition(3)
+    with pytest.raises(ValueError, match=re.escape("A, B, dt: the discretised system overflows")):
+        hippo.discretize(1e3 * A, B, 10.0)  # expm of eigenvalues ~1e4
+    with pytest.raises(ValueError, match=re.escape("A, dt: I - dt/2 A is singular")):
+        hippo.discretize(np.eye(2), np.ones(2), 2.0, "bilinear")
+    with pytest.raises(ValueError, match=re.escape("B: expected (2,) or (2, P)")):
+        hippo.discretize(np.eye(2), np.ones((2, 1, 1)), 0.1)
+
+
 def test_discretize_zoh_handles_singular_a():
     Ad, Bd = hippo.discretize(np.zeros((2, 2)), np.array([1.0, 2.0]), 0.5, "zoh")
     np.testing.assert_allclose(Ad, np.eye(2))
@@ -231,6 +241,23 @@ def test_rms_norm_unit_rms():
     x = np.random.default_rng(11).standard_normal((5, 16)) * 4
     out = I.rms_norm(x, np.ones(16), eps=0.0)
     np.testing.assert_allclose(np.sqrt(np.mean(out**2, axis=-1)), 1.0, rtol=1e-14)
+
+
+def test_norms_reject_overflow_and_division_by_zero():
+    y = np.ones((2, 4))
+    # |y| ~ 1e200: ||y||^2 is inf, and dividing by it returned 0 instead of about SiLU(y)/||y||.
+    with pytest.raises(ValueError, match=re.escape("y: y^2 overflows float64")):
+        I.feature_map(y * 1e200)
+    with pytest.raises(ValueError, match=re.escape("x: x^2 overflows float64")):
+        I.rms_norm(y * 1e200, np.ones(4))
+    zero_row = np.array([[1.0, 2.0], [0.0, 0.0]])
+    with pytest.raises(ValueError, match=re.escape("x: a row of zeros at index (1,) with eps = 0")):
+        I.rms_norm(zero_row, np.ones(2), eps=0.0)
+    with pytest.raises(ValueError, match=re.escape("y: a row of zeros at index (1,) with eps = 0")):
+        I.feature_map(zero_row, eps=0.0)
+    np.testing.assert_array_equal(I.feature_map(zero_row)[1], 0.0)  # eps > 0: a zero row is 0
+    with pytest.raises(ValueError, match="eps: expected a number >= 0, got -1e-06"):
+        I.rms_norm(y, np.ones(4), eps=-1e-6)
 
 
 def test_rope_preserves_norms_and_relative_positions():
@@ -457,7 +484,7 @@ def test_bad_inputs_name_the_argument():
         I.interdomain_s4d(**base, readout="softmax")
     with pytest.raises(ValueError, match=r"M: expected an integer >= 1, got 0"):
         I.interdomain_legs(fq[0], kt[0], vt[0], 0)
-    with pytest.raises(ValueError, match=r"fk: expected a sequence of length T >= 1, got T = 0"):
+    with pytest.raises(ValueError, match=r"fk: expected every axis to have length >= 1"):
         I.basis_coefficients(np.zeros((0, 3)), np.zeros((0, 2)), 4)
     with pytest.raises(ValueError, match=r"M: expected M <= T = 3"):
         hippo.discrete_orthonormal_basis(3, 5)
@@ -466,4 +493,145 @@ def test_bad_inputs_name_the_argument():
     with pytest.raises(ValueError, match=r"params: missing \['wo'\]"):
         p = I.init_interdomain_params(4, 1, 2, 2, 2)
         del p["wo"]
+        I.interdomain_layer(np.zeros((1, 3, 4)), p)
+
+
+def test_decoder_names_mismatched_heads_and_changed_shapes():
+    rng = np.random.default_rng(25)
+    fq, kt, vt, lam, b, c = s4d_inputs(rng)  # H = 2 heads
+    dec = I.InterdomainDecoder(lam, b, c)
+    with pytest.raises(ValueError, match=re.escape("fq: expected shape (..., 2, R) (H = 2 heads")):
+        dec.step(np.ones((3, 3)), np.ones((3, 3)), np.ones((3, 2)))
+    with pytest.raises(ValueError, match=re.escape("fq: expected at least 2 dimensions")):
+        dec.step(np.ones(3), np.ones(3), np.ones(2))
+    with pytest.raises(ValueError, match=re.escape("kt: expected shape (2, 2, 3)")):
+        dec.step(fq[..., 0, :], kt[..., 0, :2], vt[..., 0, :])
+    dec.step(fq[..., 0, :], kt[..., 0, :], vt[..., 0, :])
+    state = dec.state.copy()
+    with pytest.raises(ValueError, match=re.escape("fq, vt: expected the shapes of the first")):
+        dec.step(fq[0, :, 1, :], kt[0, :, 1, :], vt[0, :, 1, :])
+    np.testing.assert_array_equal(dec.state, state)
+
+
+def unstable(lam):
+    lam = lam.copy()
+    lam[1, 2] *= 1.01 / abs(lam[1, 2])
+    return lam
+
+
+S4D_OPS = {
+    "interdomain_s4d": lambda a: I.interdomain_s4d(**a),
+    "interdomain_s4d_oracle": lambda a: I.interdomain_s4d_oracle(**a),
+    "interdomain_s4d_vjp": lambda a: I.interdomain_s4d_vjp(**a, d_out=np.ones_like(a["vt"])),
+    "InterdomainDecoder": lambda a: I.InterdomainDecoder(a["lam"], a["b"], a["c"]),
+    "s4d_states": lambda a: I.s4d_states(a["kt"], a["lam"], a["b"]),
+    "s4d_states_chunked": lambda a: I.s4d_states_chunked(a["kt"], a["lam"], a["b"], 4),
+    "s4d_states_fft": lambda a: I.s4d_states_fft(a["kt"], a["lam"], a["b"]),
+}
+
+
+@pytest.mark.parametrize("op", sorted(S4D_OPS))
+def test_unstable_lambda_rejected(op):
+    # |Lambda| > 1 is outside (I11) and grows like |Lambda|^T: at T = 9 nothing overflows yet,
+    # so only the check can tell.
+    rng = np.random.default_rng(26)
+    fq, kt, vt, lam, b, c = s4d_inputs(rng)
+    args = dict(fq=fq, kt=kt, vt=vt, lam=unstable(lam), b=b, c=c)
+    with pytest.raises(ValueError, match=r"lam: expected \|lam\| <= 1 .*got \|lam\| = 1.01"):
+        S4D_OPS[op](args)
+
+
+def test_unit_modulus_lambda_is_accepted():
+    rng = np.random.default_rng(27)
+    fq, kt, vt, lam, b, c = s4d_inputs(rng)
+    lam = lam / np.abs(lam)  # |Lambda| = 1 up to rounding: the states grow at most linearly
+    assert np.abs(lam).max() > 1  # rounding pushed a modulus above 1, which is allowed
+    o = I.interdomain_s4d(fq, kt, vt, lam, b, c)
+    assert rel_err(o, I.interdomain_s4d_oracle(fq, kt, vt, lam, b, c)) < 1e-12
+
+
+def test_lambda_overflow_rejected():
+    # dt a_im = 1e304 * 1e300 is inf: exp(i inf) is NaN. (dt Re(a) -> -inf alone gives the
+    # right limit, Lambda = 0.)
+    with pytest.raises(ValueError, match=re.escape("log_dt, a_log, a_im: dt * a overflows")):
+        I.s4d_lambda(np.array([700.0]), np.zeros((1, 2)), np.full((1, 2), 1e300))
+    assert I.s4d_lambda(np.array([1000.0]), np.zeros((1, 2)), np.ones((1, 2))).tolist() == [[0, 0]]
+
+
+def zero_denominator_inputs():
+    """Ratio-readout inputs whose query features vanish at (batch 0, head 1, t = 3)."""
+    rng = np.random.default_rng(28)
+    fq, kt, vt, lam, b, c = s4d_inputs(rng)
+    fq, kt, b = positive_features(rng, fq.shape), positive_features(rng, kt.shape), np.abs(b)
+    fq[0, 1, 3] = 0.0
+    return fq, kt, vt, lam, b, np.eye(4) + 0.1 * c
+
+
+ZERO_DENOMINATOR = {
+    "linear_attention": lambda fq, kt, vt, *_: I.linear_attention(fq, kt, vt),
+    "interdomain_legs": lambda fq, kt, vt, *_: I.interdomain_legs(fq, kt, vt, 4),
+    "interdomain_discrete": lambda fq, kt, vt, *_: I.interdomain_discrete(fq, kt, vt, 4),
+    "interdomain_legs_vjp": lambda fq, kt, vt, *_: I.interdomain_legs_vjp(fq, kt, vt, 4, vt),
+    "ratio_readout": lambda fq, kt, vt, *_: I.ratio_readout(fq, I.basis_coefficients(kt, vt, 4)),
+    "interdomain_s4d": lambda *a: I.interdomain_s4d(*a, readout="ratio"),
+    "interdomain_s4d_oracle": lambda *a: I.interdomain_s4d_oracle(*a, readout="ratio"),
+    "interdomain_s4d_vjp": lambda *a: I.interdomain_s4d_vjp(*a, a[2], readout="ratio"),
+}
+
+
+@pytest.mark.parametrize("op", sorted(ZERO_DENOMINATOR))
+def test_zero_ratio_denominator_is_a_value_error(op):
+    # [decision] 0 / 0 or x / 0 in (I1), (I3), (I13)-ratio is undefined: a ValueError naming the
+    # row, not NaN or inf. Every other row is fine, so the error is specific to that row.
+    args = zero_denominator_inputs()
+    with pytest.raises(ValueError, match=re.escape("denominator is 0 at row (0, 1, 3)")):
+        ZERO_DENOMINATOR[op](*args)
+    fq = args[0].copy()
+    fq[0, 1, 3] = 1.0
+    assert np.isfinite(ZERO_DENOMINATOR[op](fq, *args[1:])[0]).all()
+
+
+def test_decoder_zero_denominator_keeps_the_state():
+    fq, kt, vt, lam, b, c = zero_denominator_inputs()
+    dec = I.InterdomainDecoder(lam, b, c, readout="ratio")
+    for t in range(3):
+        dec.step(fq[..., t, :], kt[..., t, :], vt[..., t, :])
+    state = dec.state.copy()
+    with pytest.raises(ValueError, match=re.escape("fq, kt: the ratio readout's denominator is 0")):
+        dec.step(fq[..., 3, :], kt[..., 3, :], vt[..., 3, :])
+    np.testing.assert_array_equal(dec.state, state)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda x: I.linear_attention(x[..., :0], x[..., :0], x), "fq: expected every axis"),
+        (lambda x: I.interdomain_legs(x, x, x[..., :0], 2), "v: expected every axis"),
+        (lambda x: I.interdomain_legs(x[:, :0], x[:, :0], x[:, :0], 2), "fq: expected every"),
+        (lambda x: I.short_conv(x, np.ones((0, 3))), "w: expected every axis"),
+        (lambda x: I.rms_norm(x[..., :0], np.ones(0)), "x: expected every axis"),
+        (lambda x: I.feature_map(x[..., :0]), "y: expected every axis"),
+        (lambda x: I.rope(x[..., :0, :]), "x: expected every axis"),
+        (lambda x: I.rope(x[..., :2] * 1.5e308), "x: the output overflows float64"),
+        (lambda x: I.s4d_lambda(np.zeros(1), np.zeros((1, 0)), np.zeros((1, 0))), "a_log: exp"),
+        (lambda x: I.InterdomainDecoder(np.zeros((1, 0)), 0, 0), "lam: expected every axis"),
+        (lambda x: hippo.legs_project(x[:0], 2), "f: expected every axis"),
+        (lambda x: hippo.legs_project_vjp((3, 2), np.ones((3, 2, 5))), "dc: expected shape"),
+        (lambda x: hippo.legs_project_vjp((3, 0), np.ones((3, 2, 0))), "f_shape: expected an"),
+        (lambda x: hippo.discretize(np.zeros((0, 0)), np.zeros(0), 0.1), "A: expected every"),
+    ],
+)
+def test_empty_axes_and_bad_shapes_rejected(call, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        call(np.ones((2, 4, 3)))
+
+
+def test_layer_parameters_of_the_wrong_rank_are_named():
+    p = I.init_interdomain_params(4, 2, 2, 2, 3)
+    p["norm_k_g"] = np.ones(4)
+    with pytest.raises(ValueError, match=re.escape("params['norm_k_g']: expected (H, R) RMSNorm")):
+        I.interdomain_layer(np.zeros((1, 3, 4)), p)
+    p = I.init_interdomain_params(4, 2, 2, 2, 3)
+    p["norm_v_g"] = np.ones((3, 2))
+    with pytest.raises(ValueError, match=re.escape("params['norm_v_g']: expected shape (2, 2)")):
         I.interdomain_layer(np.zeros((1, 3, 4)), p)

@@ -1,4 +1,7 @@
-"""Teaching figures (matplotlib, PNG): the live-key stack, FPA vs FoX maps, LegS, eviction."""
+"""Teaching figures (matplotlib, PNG): the live-key stack, FPA vs FoX maps, LegS, eviction.
+
+Labels are matplotlib mathtext (``$\\phi_t$``), so the symbols match the spec and the site.
+"""
 
 from __future__ import annotations
 
@@ -46,14 +49,14 @@ def plot_stack(path: str) -> None:
         2, 1, figsize=(9, 7), sharex=True, gridspec_kw={"height_ratios": [1, 2]}
     )
     top.step(range(T), field, where="mid", color="C0")
-    top.set_ylabel("field phi_t (depth)")
-    top.set_title("Brackets: delta = +1 on '(', -1 on ')'; level = field (one walk)")
+    top.set_ylabel(r"field $\phi_t$ (depth)")
+    top.set_title(r"Brackets: $\delta_t = +1$ on '(', $-1$ on ')'; level $l = \phi$ (one walk)")
     bottom.imshow(live.T, origin="lower", cmap="Greens", aspect="auto", interpolation="nearest")
     bottom.set_xticks(range(T), [f"{i}\n{t}" for i, t in enumerate(tokens)])
     bottom.set_yticks(range(T), [f"{t} {j}" for j, t in enumerate(tokens)])
-    bottom.set_xlabel("query position i (token)")
-    bottom.set_ylabel("key j (token)")
-    bottom.set_title("Live keys (green) at each step: a stack; a closed block is forgotten")
+    bottom.set_xlabel(r"query position $i$ (token)")
+    bottom.set_ylabel(r"key $j$ (token)")
+    bottom.set_title(r"Live keys ($\pi_{ij} = 0$, green): a stack (T1); closed blocks forgotten")
     _save(fig, path)
 
 
@@ -68,15 +71,15 @@ def plot_attention_maps(path: str) -> None:
     walk = 1.5 * np.cumsum(rng.choice([1.0, -1.0, 0.0], size=T, p=[0.35, 0.35, 0.3]))
     maps = [
         (
-            "FoX (log f = logsigmoid)",
+            r"FoX, $\log f_t = \log \sigma(\cdot)$",
             attention_weights(fpa.fox_attention_direct, q, k, log_f=log_f),
         ),
         (
-            "FPA, field = level = cumsum(log f)  (F6)",
+            r"FPA, $\phi = l = \mathrm{cumsum}(\log f)$  (F6)",
             attention_weights(fpa.fpa_attention, q, k, field=c, level=c),
         ),
         (
-            "FPA, signed walk field, level = field",
+            r"FPA, signed walk $\phi$, $l = \phi$",
             attention_weights(fpa.fpa_attention, q, k, field=walk, level=walk),
         ),
     ]
@@ -84,10 +87,10 @@ def plot_attention_maps(path: str) -> None:
     for ax, (title, p) in zip(axes, maps, strict=True):
         im = ax.imshow(p, cmap="viridis", vmin=0, vmax=1)
         ax.set_title(title, fontsize=10)
-        ax.set_xlabel("key j")
-        ax.set_ylabel("query i")
-    fig.colorbar(im, ax=axes, label="attention weight p_ij", shrink=0.8)
-    fig.suptitle("Same q, k: FoX equals FPA on its monotone field; a signed field forgets blocks")
+        ax.set_xlabel(r"key $j$")
+        ax.set_ylabel(r"query $i$")
+    fig.colorbar(im, ax=axes, label=r"attention weight $p_{ij}$", shrink=0.8)
+    fig.suptitle(r"Same $q, k$: FoX = FPA on its monotone field; a signed field forgets blocks")
     _save(fig, path, tight=False)
 
 
@@ -105,20 +108,20 @@ def plot_legs(path: str) -> None:
         where="post",
         color="k",
         lw=1,
-        label="tokens f_n on [n-1, n)",
+        label=r"tokens $f_n$ on $[n-1, n)$",
     )
     for M in (4, 16, 64):
         c = hippo.legs_project(f, M)[-1]
-        left.plot(x, hippo.legs_reconstruct(c, T, x), label=f"LegS, M = {M}")
-    left.set_xlabel("time t")
+        left.plot(x, hippo.legs_reconstruct(c, T, x), label=rf"LegS, $M = {M}$")
+    left.set_xlabel(r"time $t$")
     left.set_ylabel("value")
-    left.set_title(f"Reconstruction from the LegS coefficients at t = {T}")
+    left.set_title(rf"Reconstruction from the LegS coefficients at $t = {T}$")
     left.legend(fontsize=8)
     curve = legs_error_curve()
     right.loglog([m for m, _ in curve], [e for _, e in curve], "o-", label="LegS ratio readout")
-    right.set_xlabel("basis size M")
-    right.set_ylabel("relative error vs linear attention (I1)")
-    right.set_title("Interdomain readout error falls with M (H4), T = 64")
+    right.set_xlabel(r"basis size $M$")
+    right.set_ylabel(r"$\Vert \tilde O_M - O \Vert \,/\, \Vert O \Vert$ vs linear attention (I1)")
+    right.set_title(rf"Interdomain readout error falls with $M$ (H4), $T = {T}$")
     right.legend()
     _save(fig, path)
 
@@ -139,11 +142,12 @@ def plot_eviction(path: str) -> None:
     for eps in (1e-2, 1e-8):
         theta = fpa.eviction_threshold(U, T, eps)
         ax.axvline(theta, color="gray", ls="--", lw=1)
-        ax.text(theta, 0.05, f" safe for eps={eps:g}", rotation=90, fontsize=8, color="gray")
-    ax.set_xlabel("eviction threshold theta")
-    ax.set_ylabel("kept fraction (peak cache / T)")
+        label = rf" safe for $\varepsilon = 10^{{{np.log10(eps):.0f}}}$"
+        ax.text(theta, 0.05, label, rotation=90, fontsize=8, color="gray")
+    ax.set_xlabel(r"eviction threshold $\theta$")
+    ax.set_ylabel(r"kept fraction (peak cache / $T$)")
     ax.set_ylim(0, 1.05)
-    ax.set_title(f"FPA decoding with eviction, T = {T}, level = field")
+    ax.set_title(rf"FPA decoding with eviction (F7, T3), $T = {T}$, $l = \phi$")
     ax.legend()
     _save(fig, path)
 

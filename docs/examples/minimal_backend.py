@@ -53,9 +53,11 @@ class MinimalFoX:
         # dD_ij / dlog f_l = [j < l <= i]: column sums of G minus row sums, accumulated.
         dc = G.sum(axis=-1) - G.sum(axis=-2)
         dlog_f = np.cumsum(dc[..., ::-1], axis=-1)[..., ::-1]
-        return {
+        grads = {
             "q": s * G @ k,
             "k": s * np.swapaxes(G, -1, -2) @ q,
             "v": np.swapaxes(p, -1, -2) @ d_out,
             "log_f": dlog_f,
         }
+        # Each gradient in the dtype of its input (NumPy scalars may have widened them).
+        return {n: g.astype(inputs[n].dtype) for n, g in grads.items()}
