@@ -50,9 +50,8 @@ def _diagonal_tile(kind, pen: Penalties, i):
     """(penalty, m) of the diagonal tile of block i; m is the segment minimum (fpa only)."""
     if kind == "fpa":
         m = _at(pen.field.diag_min, i)
-        return tiles.diagonal_penalty("fpa", _at(pen.level, i), diag_min=m), m
-    prefix = _at(pen.decay.prefix_sum, i)
-    return tiles.diagonal_penalty("fox", None, prefix_rows=prefix, prefix_cols=prefix), None
+        return tiles.diagonal_penalty("fpa", m, _at(pen.level, i)), m
+    return tiles.diagonal_penalty("fox", _at(pen.decay.diag_sum, i)), None
 
 
 def _offdiagonal_tile(kind, pen: Penalties, i, j, gap):

@@ -111,6 +111,7 @@ def _penalty_arrays(layout: _Layout, kind: str, pen: Penalties, backward: bool, 
         rows("prefix_sum", _flat(pen.decay.prefix_sum))
         layout.full_head("suffix_sum", _flat(pen.decay.suffix_sum))
         layout.full_head("prefix_sum_all", _flat(pen.decay.prefix_sum))
+        layout.tile("diag_sum", pen.decay.diag_sum)
 
 
 def _call(kernel, layout: _Layout, grid, out_shape, out_specs, interpret: bool, name: str):
@@ -163,13 +164,12 @@ def _segment_mask(r: _Refs, i, j):
     return rows[:, None] == cols[None, :]
 
 
-def _diag_penalty(kind, r: _Refs, n, rows_prefix):
+def _diag_penalty(kind, r: _Refs, n):
     """Penalty (and the segment minimum m for fpa) of the diagonal tile of block n."""
     if kind == "fpa":
         m = r.all("diag_min")
-        return tiles.diagonal_penalty("fpa", r.block("level", n), diag_min=m), m
-    cols = r.block("prefix_sum_all", n)
-    return tiles.diagonal_penalty("fox", None, prefix_rows=rows_prefix, prefix_cols=cols), None
+        return tiles.diagonal_penalty("fpa", m, r.block("level", n)), m
+    return tiles.diagonal_penalty("fox", r.all("diag_sum")), None
 
 
 def _offdiag_penalty(kind, r: _Refs, rows_prefix, j, gap):
@@ -205,7 +205,7 @@ def _forward_kernel(*refs, names, kind, scale, bs, ct):
     i = pl.program_id(2)
     q = r.all("q")  # (bs, dk)
     prefix = r.all("prefix_min" if kind == "fpa" else "prefix_sum")
-    penalty, _ = _diag_penalty(kind, r, i, prefix)
+    penalty, _ = _diag_penalty(kind, r, i)
     mask = _causal(bs, _segment_mask(r, i, i))
     logits = _masked(scale * _dot(q, r.block("k", i)) - penalty, mask)  # (F3)
     m = jnp.max(logits, axis=1)
@@ -303,7 +303,7 @@ def _dq_kernel(*refs, names, kind, scale, bs, nbp, ct):
     i = pl.program_id(2)
     q, do, lse, delta = r.all("q"), r.all("do"), r.all("lse"), r.all("delta")
     prefix = r.all("prefix_min" if kind == "fpa" else "prefix_sum")
-    penalty, m = _diag_penalty(kind, r, i, prefix)
+    penalty, m = _diag_penalty(kind, r, i)
     mask = _causal(bs, _segment_mask(r, i, i))
     _, g, dq = _tile_grads(
         r, q, do, lse, delta, i, lambda k_j: _masked(scale * _dot(q, k_j) - penalty, mask)
@@ -377,7 +377,7 @@ def _dkv_kernel(*refs, names, kind, scale, bs, nb, ct):
         g = tiles.logit_cotangent(p, _dot(do, v), r.block("delta", i))  # (G1), (G4)
         return g, _dot_tn(g, q), _dot_tn(p, do)
 
-    penalty, m = _diag_penalty(kind, r, j, r.block(prefix_name, j))
+    penalty, m = _diag_penalty(kind, r, j)
     g, dk, dv = tile(j, penalty, _causal(bs, _segment_mask(r, j, j)))
     if kind == "fpa":
         below = jnp.arange(bs)[None, :] < jnp.arange(bs)[:, None]

@@ -28,13 +28,30 @@ from attnspec.conformance.protocol import S4D_PARAMS
 
 from . import decode, fpa, interdomain, layers
 
-T_LEAST, D_LEAST = 16, 8
 ATTENTION = ("fpa_attention", "fox_attention")
 
 
-def _bucket(n: int, least: int) -> int:
-    """The next power of two >= max(n, least)."""
-    return 1 << (max(n, least) - 1).bit_length()
+def _pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def time_bucket(T: int) -> int:
+    """T padded: a power of two >= 64 up to 512, then a multiple of 512 (quadratic cost)."""
+    return _pow2(max(T, 64)) if T <= 512 else -(-T // 512) * 512
+
+
+def _small(T: int) -> bool:
+    return time_bucket(T) <= 256
+
+
+def rows_bucket(Z: int, T: int) -> int:
+    """Batch rows padded to a power of two, at least 8 for short sequences."""
+    return _pow2(max(Z, 8 if _small(T) else 1))
+
+
+def width_bucket(d: int, T: int) -> int:
+    """Head dims padded to a power of two, at least 64 for short sequences (16 otherwise)."""
+    return _pow2(max(d, 64 if _small(T) else 16))
 
 
 class _Fold:
@@ -47,8 +64,8 @@ class _Fold:
     def __init__(self, B: int, H: int, T: int, group: int, pad: bool, pad_time: bool):
         self.B, self.H, self.T = B, H, T
         self.Z = B * H // group
-        self.rows = _bucket(self.Z, 1) if pad else self.Z
-        self.time = _bucket(T, T_LEAST) if pad and pad_time else T
+        self.rows = rows_bucket(self.Z, T) if pad else self.Z
+        self.time = time_bucket(T) if pad and pad_time else T
 
     def fold(self, x, width: int | None = None, fill: float = 0.0):
         """(B, heads, T, ...) -> [Z', T', heads / (H / group), ...]; width pads the last axis
@@ -86,7 +103,7 @@ FILL_ONE = ("fq", "fk")  # LegS features: positive padding keeps xi(q)^T u_0 > 0
 
 
 def _widths(inputs: dict) -> dict:
-    return {n: _bucket(x.shape[-1], D_LEAST) for n, x in inputs.items() if x.ndim == 4}
+    return {n: width_bucket(x.shape[-1], x.shape[2]) for n, x in inputs.items() if x.ndim == 4}
 
 
 def _fold_inputs(fold: _Fold, inputs: dict) -> dict:
@@ -132,20 +149,38 @@ def _call(op: str, impl: str, static: tuple, folded: dict) -> dict:
     return {"o": o}
 
 
-_forward = jax.jit(_call, static_argnums=(0, 1, 2))
-
-
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _vjp(op: str, impl: str, static: tuple, folded: dict, cotangents: dict) -> dict:
+def _joint(op: str, impl: str, static: tuple, folded: dict, cotangents: dict):
+    """Outputs and input cotangents in one compiled call: the kit asks for the outputs and then
+    the gradients of the same shapes, so one compilation serves both (zero cotangents when
+    only the outputs are wanted)."""
     outputs, pullback = jax.vjp(lambda x: _call(op, impl, static, x), folded)
-    return pullback({n: cotangents[n].astype(outputs[n].dtype) for n in outputs})[0]
+    return outputs, pullback({n: cotangents[n].astype(outputs[n].dtype) for n in outputs})[0]
+
+
+def _zero_cotangents(op: str, folded: dict, device) -> dict:
+    """Zeros shaped like the folded outputs, typed and placed as the kit's cotangents arrive
+    (committed to the device: committed and uncommitted arrays compile separately)."""
+    first = folded["q" if "q" in folded else "fq"]
+    width = folded["v" if "v" in folded else "vt"].shape[-1]
+    zeros = {"o": jnp.zeros((*first.shape[:-1], width), first.dtype)}
+    if op == "fpa_attention":
+        zeros["lse"] = jnp.zeros(first.shape[:-1], first.dtype)
+    return jax.device_put(zeros, device)
 
 
 def _static(op: str, inputs: dict, params: dict) -> tuple:
-    params = dict(params)
-    if op in ATTENTION and params.get("scale") is None:
-        params["scale"] = 1.0 / float(np.sqrt(inputs["q"].shape[-1]))  # of the unpadded dk
-    return tuple(sorted(params.items()))
+    """The static parameters of a call, spelled the same way for the outputs and the VJP so
+    that both hit one compilation."""
+    static = {"cu_seqlens": params.get("cu_seqlens")}
+    if op in ATTENTION:
+        scale = params.get("scale")
+        static["scale"] = 1.0 / float(np.sqrt(inputs["q"].shape[-1])) if scale is None else scale
+    elif op == "interdomain_legs":
+        static = {"M": params["M"]}
+    else:
+        static["readout"] = params["readout"]
+    return tuple(sorted(static.items()))
 
 
 class JaxBackend:
@@ -209,9 +244,18 @@ class JaxBackend:
     def _run(self, op: str, inputs: dict, params: dict) -> dict:
         with jax.enable_x64(True):
             fold = _fold_for(op, inputs, params)
-            outputs = _forward(
-                op, self.implementation, _static(op, inputs, params), _fold_inputs(fold, inputs)
-            )
+            folded = _fold_inputs(fold, inputs)
+            static = _static(op, inputs, params)
+            if op in self.VJPS:
+                outputs, _ = _joint(
+                    op,
+                    self.implementation,
+                    static,
+                    folded,
+                    _zero_cotangents(op, folded, self._device),
+                )
+            else:
+                outputs = _call(op, self.implementation, static, folded)
             width = inputs["v" if "v" in inputs else "vt"].shape[-1]
             return {n: fold.unfold(y, width) for n, y in outputs.items()}
 
@@ -275,13 +319,8 @@ class JaxBackend:
             widths = _widths(inputs)
             width = widths["v" if "v" in inputs else "vt"]
             cts = {n: fold.fold(c, width) for n, c in cotangents.items()}
-            grads = _vjp(
-                op,
-                self.implementation,
-                _static(op, inputs, params),
-                _fold_inputs(fold, inputs),
-                cts,
-            )
+            static = _static(op, inputs, params)
+            _, grads = _joint(op, self.implementation, static, _fold_inputs(fold, inputs), cts)
             return {
                 n: fold.unfold(g, inputs[n].shape[-1], inputs[n].shape[1])
                 if n not in S4D_PARAMS

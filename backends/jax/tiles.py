@@ -103,36 +103,48 @@ def block_minimum(phi, pos):
 class DecayTiles(NamedTuple):
     """Per-position pieces of FoX's decay D_ij = sum_{l in (j, i]} a_l, a = -log f (..., nb, bs).
 
-    suffix_sum (S_j): sum over (j, j1]; prefix_sum (P_i): sum over [i0, i]; block_sum (..., nb).
-    Sums stay local to a block (offsets carried across blocks), so long T costs no precision.
+    suffix_sum (S_j): sum over (j, j1]; prefix_sum (P_i): sum over [i0, i]; block_sum (..., nb);
+    diag_sum (..., nb, bs, bs): D_ij inside a block (0 for j >= i). Every piece sums only tokens
+    of its own segment (j, i], all a_l >= 0: no difference of large partial sums, so float32
+    keeps D to its own relative precision however large the decay before j.
     """
 
     suffix_sum: jnp.ndarray
     prefix_sum: jnp.ndarray
     block_sum: jnp.ndarray
+    diag_sum: jnp.ndarray
 
 
 def decay_tiles(log_f: jnp.ndarray, bs: int) -> DecayTiles:
-    """(F6) FoX's decay pieces for ``log_f`` (..., T), T a multiple of ``bs``."""
+    """(F6) FoX's decay pieces for ``log_f`` (..., T), T a multiple of ``bs``; O(T bs) work."""
     *lead, T = log_f.shape
     a = -log_f.reshape(*lead, T // bs, bs)  # decay per token, >= 0
     prefix = jnp.cumsum(a, axis=-1)
     total = prefix[..., -1]
-    return DecayTiles(total[..., None] - prefix, prefix, total)
+    suffix = jnp.flip(jnp.cumsum(jnp.flip(a, -1), axis=-1), -1)  # over [j, j1]
+    suffix = jnp.concatenate([suffix[..., 1:], jnp.zeros_like(a[..., :1])], axis=-1)
+    cols = jnp.arange(bs)
+
+    def row(diag, t):  # diagonal tile, row t: D_tj = D_{t-1,j} + a_t for j < t
+        diag = diag + jnp.where(cols < t, a[..., t, None], 0.0)
+        return diag, diag
+
+    _, diag = lax.scan(row, jnp.zeros_like(a), jnp.arange(bs))
+    return DecayTiles(suffix, prefix, total, jnp.moveaxis(diag, 0, -2))
 
 
 # ---------------------------------------------------------------------------- per-tile math
 
 
-def diagonal_penalty(kind: str, level_cols, diag_min=None, prefix_rows=None, prefix_cols=None):
-    """Penalty of a diagonal tile (rows i, keys j of one block); garbage above the diagonal.
+def diagonal_penalty(kind: str, diag, level_cols=None):
+    """Penalty of a diagonal tile (rows i, keys j of one block); masked above the diagonal.
 
-    fpa: pi_ij = max(0, l_j - m_ij) with the in-block segment minimum (F2).
-    fox: D_ij = P_i - P_j, the decay over (j, i].
+    fpa: pi_ij = max(0, l_j - m_ij), ``diag`` the in-block segment minimum (F2).
+    fox: ``diag`` is D_ij, the decay over (j, i].
     """
     if kind == "fpa":
-        return jnp.maximum(0.0, level_cols[..., None, :] - diag_min)  # (F2)
-    return prefix_rows[..., :, None] - prefix_cols[..., None, :]
+        return jnp.maximum(0.0, level_cols[..., None, :] - diag)  # (F2)
+    return diag
 
 
 def offdiagonal_min(prefix_rows, suffix_cols, mid):
