@@ -1,0 +1,78 @@
+"""The conformance kit on the ``jax`` and ``pallas`` backends, through its command line.
+
+CI budget [decision]: the full kit for float32 and float64 on ``jax`` and for float32 on
+``pallas``; for the other (backend, dtype) pairs the first case of every family, which still
+reaches every family, op and check. Every run is a subprocess with XLA:CPU's quick compilation
+settings (each kit case is a new shape, so compilation dominates). The full runs on all four
+dtypes are ``attnspec conformance --backend jax`` and ``--backend pallas``.
+"""
+
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from attnspec.backends.registry import get_backend
+from attnspec.conformance import cases
+
+QUICK_COMPILE = "--xla_cpu_use_fusion_emitters=false --xla_backend_optimization_level=0"
+FIRST_OF_EACH_FAMILY = [i for i in cases.case_ids() if i.endswith("/0")]
+RUNS = [
+    ("jax", "float32", False),
+    ("jax", "float64", False),
+    ("jax", "float16", True),
+    ("jax", "bfloat16", True),
+    ("pallas", "float32", False),
+    ("pallas", "float64", True),
+    ("pallas", "float16", True),
+    ("pallas", "bfloat16", True),
+]
+
+
+@pytest.mark.parametrize("backend, dtype, subset", RUNS)
+def test_kit_passes(backend, dtype, subset):
+    command = [sys.executable, "-m", "attnspec.conformance", "--backend", backend]
+    command += ["--dtypes", dtype]
+    if subset:
+        command += ["--cases", *FIRST_OF_EACH_FAMILY]
+    env = {**os.environ, "XLA_FLAGS": QUICK_COMPILE, "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert " 0 failed" in summary, summary
+
+
+def test_adapter_keeps_dtypes_and_the_process_settings():
+    """bfloat16 results are named bfloat16 and widen exactly; float64 works inside the adapter
+    while the process-wide x64 setting stays as it was."""
+    backend = get_backend("jax")
+    before = jax.config.jax_enable_x64
+    rng = np.random.default_rng(0)
+    q, k, v = rng.standard_normal((3, 1, 2, 5, 4))
+    field = np.cumsum(rng.standard_normal((1, 2, 5)), axis=-1)
+    for dtype in ("float64", "bfloat16"):
+        wide = "float64" if dtype == "float64" else "float32"
+        x = [backend.asarray(a, dtype) for a in (q, k, v)]
+        o, lse = backend.fpa_attention(
+            *x, *(backend.asarray(field, wide) for _ in range(2)), return_lse=True
+        )
+        assert backend.dtype_name(o) == dtype
+        assert backend.dtype_name(lse) == wide
+        widened = backend.to_numpy(o)
+        assert widened.dtype == (np.float64 if dtype == "float64" else np.float32)
+        np.testing.assert_array_equal(widened, np.asarray(o.astype("float32"), widened.dtype))
+    assert jax.config.jax_enable_x64 == before
+    assert backend.capabilities() >= {
+        "fpa_attention.gqa",
+        "interdomain_s4d.varlen",
+        "fpa_layer",
+        "fpa_decode",
+    }
+    assert get_backend("pallas").capabilities() == {
+        f"{op}{suffix}"
+        for op in ("fpa_attention", "fox_attention")
+        for suffix in ("", ".vjp", ".varlen", ".gqa")
+    }
