@@ -44,13 +44,13 @@ def _pad_last(x, width: int):
 
 
 def _dot(a, b):
-    """a (m, k) @ b (n, k)^T in the dtype of a."""
-    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=HIGHEST)
+    """a (m, k) @ b (n, k)^T, written as the transposed-operand matmul Triton lowers."""
+    return jnp.dot(a, b.T, precision=HIGHEST)
 
 
 def _dot_tn(a, b):
     """a (m, n)^T @ b (m, k)."""
-    return lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=HIGHEST)
+    return jnp.dot(a.T, b, precision=HIGHEST)
 
 
 def _last(x):
