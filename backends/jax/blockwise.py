@@ -2,7 +2,8 @@
 diagonal outward, carrying the running minimum (FoX: sum) of the gap (spec/fpa.md section 7).
 
 Memory is O(T * bs): one (bs, bs) tile per head at a time, plus the per-position pieces of
-``tiles``. Work is causal: query block i visits key blocks i, i-1, ..., 0 only. This is the CPU
+``tiles``. Work is causal: query block i visits key blocks i, i-1, ..., 0 only (and the
+backward's key sweep, key block j the query blocks j, ..., nb - 1). This is the CPU
 path, the fallback of the Pallas kernels, and their twin in the tests.
 
 Layout (blocked, internal): q (Z, G, nb, bs, dk) with Z = batch * kv heads and G query heads per
@@ -33,10 +34,6 @@ class Penalties(NamedTuple):
 
 def _at(x, j, axis=2):
     return lax.dynamic_index_in_dim(x, j, axis, keepdims=False)
-
-
-def _add_at(x, j, value, axis):
-    return lax.dynamic_update_index_in_dim(x, _at(x, j, axis) + value, j, axis)
 
 
 def _segment_mask(seg, i, j):
@@ -147,99 +144,151 @@ def extend_gap_argmin(gap, gap_arg, block_min, block_arg):
 
 
 def backward(kind: str, q, k, v, pen: Penalties, seg, scale: float, lse, do, delta) -> Partials:
-    """One sweep over the tiles in the forward's order, recomputing p from lse (G1)-(G4).
+    """Two sweeps that recompute p from lse (G1)-(G4), FlashAttention-2 style: one over query
+    blocks (dq and the query side of the field cotangent), one over key blocks (dk, dv and the
+    key side). Each sweep accumulates into its own block only: no carried (T, d) arrays.
 
     lse, delta (Z, G, nb, bs) with delta_i = <dO_i, o_i> - dLSE_i; do (Z, G, nb, bs, dv).
     """
+    dq, row, gap_sums, gap_args, diag_w = _query_sweep(
+        kind, q, k, v, pen, seg, scale, lse, do, delta
+    )
+    dk, dv, col, col_w = _key_sweep(kind, q, k, v, pen, seg, scale, lse, do, delta)
+    return Partials(dq, dk, dv, row, col, col_w, gap_sums, gap_args, diag_w)
+
+
+def _tile_cotangent(q_i, k_j, v_j, do_i, lse_i, delta_i, scale, penalty, mask):
+    """p_ij and G_ij of one tile, p recomputed from lse (F4), G by (G1) and (G4)."""
+    p = jnp.exp(_logits(q_i, k_j, scale, penalty, mask) - lse_i[..., None])  # 0 where masked
+    dp = jnp.einsum("zgid,zjd->zgij", do_i, v_j, precision=HIGHEST)
+    return p, tiles.logit_cotangent(p, dp, delta_i)
+
+
+def _active(level_j, m, below=None):
+    """active_ij = [l_j >= m_ij] (G2), on the diagonal tile only for j < i."""
+    active = level_j[..., None, :] >= m
+    return active if below is None else active & below
+
+
+def _query_sweep(kind, q, k, v, pen, seg, scale, lse, do, delta):
+    """dq (Z, G, nb, bs, dk); fpa: row sums of W in region B, gap sums and argmins per tile,
+    W of the diagonal tiles; fox: row sums of G."""
     Z, G, nb, bs, _ = q.shape
     fpa = kind == "fpa"
     below = jnp.arange(bs)[None, :] < jnp.arange(bs)[:, None]
 
-    def tile(q_i, do_i, lse_i, delta_i, j, penalty, mask):
-        logits = _logits(q_i, _at(k, j, 1), scale, penalty, mask)
-        p = jnp.exp(logits - lse_i[..., None])  # (F4), 0 where masked
-        dp = jnp.einsum("zgid,zjd->zgij", do_i, _at(v, j, 1), precision=HIGHEST)
-        g = tiles.logit_cotangent(p, dp, delta_i)  # (G1), (G4)
-        dq = scale * jnp.einsum("zgij,zjd->zgid", g, _at(k, j, 1), precision=HIGHEST)
-        dk = scale * jnp.einsum("zgij,zgid->zjd", g, q_i, precision=HIGHEST)
-        dv = jnp.einsum("zgij,zgid->zjd", p, do_i, precision=HIGHEST)
-        return g, dq, dk, dv
-
-    def query_block(carry, i):
-        dk, dv, col, col_a, col_w = carry
+    def query_block(i):
         q_i, do_i, lse_i, delta_i = _at(q, i), _at(do, i), _at(lse, i), _at(delta, i)
         penalty, m = _diagonal_tile(kind, pen, i)
         mask = _causal(bs, _segment_mask(seg, i, i))
-        g, dq_i, dk_i, dv_i = tile(q_i, do_i, lse_i, delta_i, i, penalty, mask)
-        dk, dv = _add_at(dk, i, dk_i, 1), _add_at(dv, i, dv_i, 1)
+        _, g = _tile_cotangent(
+            q_i, _at(k, i, 1), _at(v, i, 1), do_i, lse_i, delta_i, scale, penalty, mask
+        )
+        dq = jnp.einsum("zgij,zjd->zgid", g, _at(k, i, 1), precision=HIGHEST)
         if fpa:
-            w = g * ((_at(pen.level, i)[..., None, :] >= m) & below)  # active_ij, j < i
-            col_w = _add_at(col_w, i, jnp.sum(w, axis=-2), 2)
-            row, diag_w = jnp.zeros_like(lse_i), w
+            diag_w = jnp.where(_active(_at(pen.level, i), m, below), g, 0.0)
+            row = jnp.zeros_like(lse_i)
         else:
-            row, diag_w = jnp.sum(g, axis=-1), None
-            col = _add_at(col, i, jnp.sum(g, axis=-2), 2)
+            diag_w, row = None, jnp.sum(g, axis=-1)
         gap_sums = jnp.zeros((Z, G, nb), q.dtype) if fpa else None
         gap_args = jnp.zeros((Z, G, nb), jnp.int32) if fpa else None
 
-        def key_block(t, inner):
-            dq_i, row, gap_sums, gap_args, dk, dv, col, col_a, col_w, gap, gap_arg = inner
+        def key_block(t, carry):
+            dq, row, gap_sums, gap_args, gap, gap_arg = carry
             j = i - 1 - t
             penalty, m = _offdiagonal_tile(kind, pen, i, j, gap)
-            mask = _segment_mask(seg, i, j)
-            g, dq_ij, dk_j, dv_j = tile(q_i, do_i, lse_i, delta_i, j, penalty, mask)
-            dq_i = dq_i + dq_ij
-            dk, dv = _add_at(dk, j, dk_j, 1), _add_at(dv, j, dv_j, 1)
+            _, g = _tile_cotangent(
+                q_i,
+                _at(k, j, 1),
+                _at(v, j, 1),
+                do_i,
+                lse_i,
+                delta_i,
+                scale,
+                penalty,
+                _segment_mask(seg, i, j),
+            )
+            dq = dq + jnp.einsum("zgij,zjd->zgid", g, _at(k, j, 1), precision=HIGHEST)
+            if not fpa:
+                return (
+                    dq,
+                    row + jnp.sum(g, axis=-1),
+                    gap_sums,
+                    gap_args,
+                    tiles.extend_gap(kind, gap, _block_stat(kind, pen, j)),
+                    gap_arg,
+                )
+            w = jnp.where(_active(_at(pen.level, j), m), g, 0.0)  # W_ij (G2)
+            in_b, in_gap = tiles.offdiagonal_regions(
+                _at(pen.field.prefix_min, i), _at(pen.field.suffix_min, j), gap
+            )
+            row = row + jnp.sum(jnp.where(in_b, w, 0.0), axis=-1)  # (G3) argmin in [i0, i]
+            gap_sum = jnp.sum(jnp.where(in_gap, w, 0.0), axis=(-2, -1))  # argmin in the gap
+            gap_sums = lax.dynamic_update_index_in_dim(gap_sums, gap_sum, j, 2)
+            gap_args = lax.dynamic_update_index_in_dim(gap_args, gap_arg, j, 2)
+            gap, gap_arg = extend_gap_argmin(
+                gap, gap_arg, _at(pen.field.block_min, j), _at(pen.field.block_arg, j)
+            )
+            return dq, row, gap_sums, gap_args, gap, gap_arg
+
+        gap = tiles.empty_gap(kind, lse_i[..., 0])
+        carry = (dq, row, gap_sums, gap_args, gap, jnp.zeros(gap.shape, jnp.int32))
+        dq, row, gap_sums, gap_args, _, _ = lax.fori_loop(0, i, key_block, carry)
+        return scale * dq, row, gap_sums, gap_args, diag_w
+
+    out = lax.map(query_block, jnp.arange(nb))
+    return tuple(None if x is None else jnp.moveaxis(x, 0, 2) for x in out)
+
+
+def _key_sweep(kind, q, k, v, pen, seg, scale, lse, do, delta):
+    """dk, dv (Z, nb, bs, d) summed over each GQA group; fpa: column sums of W in region A
+    and of all W (for dlevel); fox: column sums of G."""
+    nb, bs = q.shape[2], q.shape[3]
+    fpa = kind == "fpa"
+    below = jnp.arange(bs)[None, :] < jnp.arange(bs)[:, None]
+
+    def key_block(j):
+        k_j, v_j = _at(k, j, 1), _at(v, j, 1)
+
+        def tile(i, penalty, mask):
+            q_i, do_i = _at(q, i), _at(do, i)
+            p, g = _tile_cotangent(
+                q_i, k_j, v_j, do_i, _at(lse, i), _at(delta, i), scale, penalty, mask
+            )
+            dk = jnp.einsum("zgij,zgid->zjd", g, q_i, precision=HIGHEST)
+            dv = jnp.einsum("zgij,zgid->zjd", p, do_i, precision=HIGHEST)
+            return g, dk, dv
+
+        penalty, m = _diagonal_tile(kind, pen, j)
+        g, dk, dv = tile(j, penalty, _causal(bs, _segment_mask(seg, j, j)))
+        if fpa:
+            col_w = jnp.sum(jnp.where(_active(_at(pen.level, j), m, below), g, 0.0), axis=-2)
+            col = jnp.zeros_like(col_w)
+        else:
+            col = jnp.sum(g, axis=-2)
+            col_w = None
+
+        def query_block(i, carry):
+            dk, dv, col, col_w, gap = carry
+            penalty, m = _offdiagonal_tile(kind, pen, i, j, gap)
+            g, dk_i, dv_i = tile(i, penalty, _segment_mask(seg, i, j))
             if fpa:
-                w = g * (_at(pen.level, j)[..., None, :] >= m)  # active_ij (G2)
-                col_w = _add_at(col_w, j, jnp.sum(w, axis=-2), 2)
+                w = jnp.where(_active(_at(pen.level, j), m), g, 0.0)  # W_ij (G2)
+                col_w = col_w + jnp.sum(w, axis=-2)
                 in_b, in_gap = tiles.offdiagonal_regions(
                     _at(pen.field.prefix_min, i), _at(pen.field.suffix_min, j), gap
                 )
-                row = row + jnp.sum(jnp.where(in_b, w, 0.0), axis=-1)  # (G3) argmin in B
-                in_a = ~(in_b | in_gap)
-                col_a = _add_at(col_a, j, jnp.sum(jnp.where(in_a, w, 0.0), axis=-2), 2)
-                gap_sum = jnp.sum(jnp.where(in_gap, w, 0.0), axis=(-2, -1))
-                gap_sums = lax.dynamic_update_index_in_dim(gap_sums, gap_sum, j, 2)
-                gap_args = lax.dynamic_update_index_in_dim(gap_args, gap_arg, j, 2)
-                gap, gap_arg = extend_gap_argmin(
-                    gap, gap_arg, _at(pen.field.block_min, j), _at(pen.field.block_arg, j)
-                )
+                col = col + jnp.sum(jnp.where(in_b | in_gap, 0.0, w), axis=-2)  # argmin in A
             else:
-                row = row + jnp.sum(g, axis=-1)
-                col = _add_at(col, j, jnp.sum(g, axis=-2), 2)
-                gap = tiles.extend_gap(kind, gap, _block_stat(kind, pen, j))
-            return dq_i, row, gap_sums, gap_args, dk, dv, col, col_a, col_w, gap, gap_arg
+                col = col + jnp.sum(g, axis=-2)
+            gap = tiles.extend_gap(kind, gap, _block_stat(kind, pen, i))
+            return dk + dk_i, dv + dv_i, col, col_w, gap
 
-        gap = tiles.empty_gap(kind, lse_i[..., 0])
-        gap_arg = jnp.zeros(gap.shape, jnp.int32)
-        inner = (dq_i, row, gap_sums, gap_args, dk, dv, col, col_a, col_w, gap, gap_arg)
-        inner = lax.fori_loop(0, i, key_block, inner)
-        dq_i, row, gap_sums, gap_args, dk, dv, col, col_a, col_w, _, _ = inner
-        return (dk, dv, col, col_a, col_w), (dq_i, row, gap_sums, gap_args, diag_w)
+        gap = tiles.empty_gap(kind, col[..., 0])
+        carry = (dk, dv, col, col_w, gap)
+        dk, dv, col, col_w, _ = lax.fori_loop(j + 1, nb, query_block, carry)
+        return scale * dk, dv, col, col_w
 
-    zeros_rows = jnp.zeros(lse.shape, q.dtype)  # (Z, G, nb, bs)
-    carry = (
-        jnp.zeros(k.shape, q.dtype),
-        jnp.zeros((*k.shape[:-1], v.shape[-1]), q.dtype),
-        zeros_rows,
-        zeros_rows if fpa else None,
-        zeros_rows if fpa else None,
-    )
-    (dk, dv, col, col_a, col_w), (dq, row, gap_sums, gap_args, diag_w) = lax.scan(
-        query_block, carry, jnp.arange(nb)
-    )
-    dq, row = jnp.moveaxis(dq, 0, 2), jnp.moveaxis(row, 0, 2)
-    if fpa:
-        return Partials(
-            dq,
-            dk,
-            dv,
-            row,
-            col_a,
-            col_w,
-            jnp.moveaxis(gap_sums, 0, 2),
-            jnp.moveaxis(gap_args, 0, 2),
-            jnp.moveaxis(diag_w, 0, 2),
-        )
-    return Partials(dq, dk, dv, row, col)
+    dk, dv, col, col_w = lax.map(key_block, jnp.arange(nb))
+    dk, dv = jnp.moveaxis(dk, 0, 1), jnp.moveaxis(dv, 0, 1)
+    return dk, dv, jnp.moveaxis(col, 0, 2), None if col_w is None else jnp.moveaxis(col_w, 0, 2)

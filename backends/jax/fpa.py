@@ -78,7 +78,7 @@ def _segments(cu_seqlens, T: int, Tp: int, bs: int):
 class _Blocked:
     """The inputs of one call padded to whole tiles and blocked (see ``blockwise``)."""
 
-    def __init__(self, cfg: AttentionConfig, q, k, v, scalars):
+    def __init__(self, cfg: AttentionConfig, q, k, v, scalars, backward: bool = False):
         Z, G, T, dk = q.shape
         self.shape = (Z, G, T)
         self.bs = bs = tile_size(cfg.block, T)
@@ -94,7 +94,8 @@ class _Blocked:
         if cfg.kind == "fpa":
             field, level = wide
             self.pen = blockwise.Penalties(
-                level=level.reshape(Z, G, nb, bs), field=tiles.field_tiles(field, bs)
+                level=level.reshape(Z, G, nb, bs),
+                field=tiles.field_tiles(field, bs, argmins=backward),  # argmins for (G3)
             )
         else:
             (log_f,) = wide
@@ -149,7 +150,7 @@ def _field_cotangent(parts: blockwise.Partials, field: tiles.FieldTiles):
 
 
 def _backward(cfg: AttentionConfig, q, k, v, scalars, o, lse, do, dlse):
-    x = _Blocked(cfg, q, k, v, scalars)
+    x = _Blocked(cfg, q, k, v, scalars, backward=True)
     delta = jnp.sum(do.astype(x.ct) * o, axis=-1) - dlse.astype(x.ct)  # (Z, G, T)
     parts = _engine(cfg).backward(
         cfg.kind,

@@ -53,11 +53,12 @@ class FieldTiles(NamedTuple):
     diag_arg: jnp.ndarray
 
 
-def field_tiles(field: jnp.ndarray, bs: int) -> FieldTiles:
+def field_tiles(field: jnp.ndarray, bs: int, argmins: bool = True) -> FieldTiles:
     """Spec section 7 pieces of ``field`` (..., T), T a multiple of ``bs``; O(T bs) work.
 
     One sequential scan over the positions of a block, vectorised over blocks and heads (it
     compiles much faster than ``lax.associative_scan`` for the same O(bs) steps per lane).
+    Without ``argmins`` (the forward pass) the ``*_arg`` fields are None.
     """
     *lead, T = field.shape
     nb = T // bs
@@ -65,23 +66,28 @@ def field_tiles(field: jnp.ndarray, bs: int) -> FieldTiles:
     pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32).reshape(nb, bs), phi.shape)
     cols = jnp.arange(bs)
 
+    def pair(value, position):
+        return (value, position) if argmins else (value,)
+
+    def least(a, b):
+        return _latest_min(a, b) if argmins else (jnp.minimum(a[0], b[0]),)
+
     def step(carry, t):
         prefix, suffix, diag = carry
-        here = (phi[..., t], pos[..., t])
-        prefix = _latest_min(prefix, here)  # B over [i0, t]
+        prefix = least(prefix, pair(phi[..., t], pos[..., t]))  # B over [i0, t]
         back = bs - 1 - t
-        suffix = _latest_min(suffix, (phi[..., back], pos[..., back]))  # over [back, j1]
+        suffix = least(suffix, pair(phi[..., back], pos[..., back]))  # over [back, j1]
         # diagonal tile, row t: column j takes phi_t when j < t, so m_tj = min over (j, t]
         later = cols < t
-        candidate = (
-            jnp.where(later, here[0][..., None], jnp.inf),
-            jnp.where(later, here[1][..., None], -1),
+        candidate = pair(
+            jnp.where(later, phi[..., t, None], jnp.inf),
+            jnp.where(later, pos[..., t, None], -1),
         )
-        diag = _latest_min(diag, candidate)
+        diag = least(diag, candidate)
         return (prefix, suffix, diag), (prefix, suffix, diag)
 
-    none = (jnp.full_like(phi[..., 0], jnp.inf), jnp.full_like(pos[..., 0], -1))
-    wide = (jnp.full_like(phi, jnp.inf), jnp.full_like(pos, -1))
+    none = pair(jnp.full_like(phi[..., 0], jnp.inf), jnp.full_like(pos[..., 0], -1))
+    wide = pair(jnp.full_like(phi, jnp.inf), jnp.full_like(pos, -1))
     _, (prefix, suffix, diag) = lax.scan(step, (none, none, wide), jnp.arange(bs))
     # scan outputs lead with the step axis: rows of the diagonal tiles, positions otherwise
     prefix = [jnp.moveaxis(x, 0, -1) for x in prefix]
@@ -89,8 +95,10 @@ def field_tiles(field: jnp.ndarray, bs: int) -> FieldTiles:
     diag = [jnp.moveaxis(x, 0, -2) for x in diag]
     # A_j over (j, j1]: the inclusive suffix shifted by one position.
     a_min = jnp.concatenate([suffix[0][..., 1:], jnp.full_like(phi[..., :1], jnp.inf)], -1)
-    a_arg = jnp.concatenate([suffix[1][..., 1:], jnp.full_like(pos[..., :1], -1)], -1)
     block_min, block_arg = block_minimum(phi, pos)
+    if not argmins:
+        return FieldTiles(a_min, None, prefix[0], None, block_min, None, diag[0], None)
+    a_arg = jnp.concatenate([suffix[1][..., 1:], jnp.full_like(pos[..., :1], -1)], -1)
     return FieldTiles(a_min, a_arg, *prefix, block_min, block_arg, *diag)
 
 
