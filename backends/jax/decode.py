@@ -20,6 +20,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.typing import ArrayLike
 
 from . import validation as check
 from .fpa import _check_qkv, _check_scalar, compute_dtype
@@ -48,9 +49,11 @@ class FPACache(NamedTuple):
         return self.peak / jnp.maximum(self.steps, 1)
 
 
-def fpa_cache(batch: int, heads: int, capacity: int, H: int, Hv: int, *, dtype=jnp.float32):
+def fpa_cache(
+    batch: int, heads: int, capacity: int, H: int, Hv: int, *, dtype=jnp.float32
+) -> FPACache:
     """An empty cache of ``capacity`` slots per query head; ``dtype`` float32 or float64 (the
-    compute dtype: half-precision keys are stored widened)."""
+    compute dtype: half-precision keys are stored widened). Memory O(B N S (H + Hv))."""
     for name, value in dict(batch=batch, heads=heads, capacity=capacity, H=H, Hv=Hv).items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}: expected a positive int, got {value!r}")
@@ -115,7 +118,17 @@ def _decode_step(cache, q, k, v, field, level, theta, scale):
     return _step(cache, q, _expand_kv(k, N), _expand_kv(v, N), field, level, theta, scale)
 
 
-def fpa_decode_step(cache: FPACache, q, k, v, field, level, *, theta=jnp.inf, scale=None):
+def fpa_decode_step(
+    cache: FPACache,
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    field: ArrayLike,
+    level: ArrayLike,
+    *,
+    theta: ArrayLike = jnp.inf,
+    scale: float | None = None,
+) -> tuple[jax.Array, FPACache]:
     """Consume one token (F7): q [B, N, H], k [B, K, H], v [B, K, Hv], field, level [B, N].
 
     Returns (o [B, N, Hv] in q's dtype, the next cache). ``theta`` may be traced. Time and
@@ -165,8 +178,16 @@ def _decode_all(q, k, v, field, level, theta, scale, capacity):
 
 
 def fpa_decode(
-    q, k, v, field, level, *, theta=jnp.inf, scale=None, capacity: int | None = None
-) -> tuple[jnp.ndarray, FPACache]:
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    field: ArrayLike,
+    level: ArrayLike,
+    *,
+    theta: ArrayLike = jnp.inf,
+    scale: float | None = None,
+    capacity: int | None = None,
+) -> tuple[jax.Array, FPACache]:
     """Decode a whole sequence token by token (F7), by a scan of :func:`fpa_decode_step`.
 
     Args: as :func:`attnspec.backends.jax.fpa_attention` (q [B, T, N, H], k [B, T, K, H],

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from . import blockwise, tiles
 from . import validation as check
@@ -309,11 +310,11 @@ def _config(kind, q, scale, cu_seqlens, implementation, block_size, interpret):
 
 
 def fpa_attention(
-    q,
-    k,
-    v,
-    field,
-    level,
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    field: ArrayLike,
+    level: ArrayLike,
     *,
     scale: float | None = None,
     cu_seqlens=None,
@@ -322,7 +323,7 @@ def fpa_attention(
     block_size: int | None = None,
     interpret: bool | None = None,
     validate: bool = True,
-):
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """First Passage Attention, (F1)-(F5), blockwise; gradients by (G1)-(G4).
 
     Args:
@@ -352,10 +353,10 @@ def fpa_attention(
 
 
 def fox_attention(
-    q,
-    k,
-    v,
-    log_f,
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    log_f: ArrayLike,
     *,
     scale: float | None = None,
     cu_seqlens=None,
@@ -364,7 +365,7 @@ def fox_attention(
     block_size: int | None = None,
     interpret: bool | None = None,
     validate: bool = True,
-):
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Forgetting Transformer attention (F6): a_ij = s <q_i, k_j> + sum_{l in (j, i]} log f_l.
 
     The call shape of flash-linear-attention's ``parallel_forgetting_attn(q, k, v, g, scale,

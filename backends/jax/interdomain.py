@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.typing import ArrayLike
 
 from attnspec.reference import hippo
 
@@ -202,18 +203,18 @@ def _check_ssm(lam, b, c, heads: int, validate: bool):
 
 
 def interdomain_s4d(
-    fq,
-    kt,
-    vt,
-    lam,
-    b,
-    c,
+    fq: ArrayLike,
+    kt: ArrayLike,
+    vt: ArrayLike,
+    lam: ArrayLike,
+    b: ArrayLike,
+    c: ArrayLike,
     *,
     readout: str = "linear",
     cu_seqlens=None,
     chunk: int = 64,
     validate: bool = True,
-):
+) -> jax.Array:
     """The S4D core of the Interdomain layer, (I11)-(I13), chunked.
 
     Args:
@@ -250,17 +251,31 @@ class S4DState(NamedTuple):
     x: jnp.ndarray
 
 
-def s4d_state(batch: int, heads: int, M: int, R: int, Hv: int, *, readout="linear", dtype=None):
-    """The zero state before the first token; dtype complex64 (default) or complex128."""
+def s4d_state(
+    batch: int, heads: int, M: int, R: int, Hv: int, *, readout: str = "linear", dtype=None
+) -> S4DState:
+    """The zero state before the first token [B, N, M, C]; dtype complex64 (default) or
+    complex128. Memory O(B N M (R + Hv))."""
     if readout not in READOUTS:
         raise ValueError(f"readout: expected one of {READOUTS}, got {readout!r}")
     C = R + Hv + (readout == "ratio")
     return S4DState(jnp.zeros((batch, heads, M, C), dtype or jnp.complex64))
 
 
-def interdomain_s4d_step(state: S4DState, fq, kt, vt, lam, b, c, *, readout: str = "linear"):
-    """One token of :func:`interdomain_s4d`: fq, kt [B, N, R], vt [B, N, Hv] -> (o [B, N, Hv],
-    the next state). Equals the parallel op token by token (H6). Time O(B N M (M + R + Hv))."""
+def interdomain_s4d_step(
+    state: S4DState,
+    fq: ArrayLike,
+    kt: ArrayLike,
+    vt: ArrayLike,
+    lam: ArrayLike,
+    b: ArrayLike,
+    c: ArrayLike,
+    *,
+    readout: str = "linear",
+) -> tuple[jax.Array, S4DState]:
+    """One token of :func:`interdomain_s4d`, (I11)-(I13): fq, kt [B, N, R], vt [B, N, Hv] ->
+    (o [B, N, Hv] in fq's dtype, the next state). Equals the parallel op token by token (H6).
+    Time O(B N M (M + R + Hv)); memory O(B N M (R + Hv)), independent of T."""
     if readout not in READOUTS:
         raise ValueError(f"readout: expected one of {READOUTS}, got {readout!r}")
     fq = check.array("fq", fq, 3, meaning="[B, N, R]")
@@ -362,7 +377,9 @@ def _legs_public(fq, fk, v, entry, inject, dtype_name):
     return o.transpose(0, 2, 1, 3).astype(fq.dtype)
 
 
-def interdomain_legs(fq, fk, v, M: int, *, chunk: int = 32):
+def interdomain_legs(
+    fq: ArrayLike, fk: ArrayLike, v: ArrayLike, M: int, *, chunk: int = 32
+) -> jax.Array:
     """Interdomain attention with the HiPPO-LegS basis: (I2)/(I5) coefficients, (I3) readout.
 
     Args:

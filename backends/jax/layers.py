@@ -16,6 +16,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.typing import ArrayLike
 
 from attnspec.reference.fpa import FPA_PARAMETER_SCHEMA
 from attnspec.reference.interdomain import PARAMETER_SCHEMA
@@ -49,13 +50,16 @@ def _project(x, w, ct):
     return jnp.matmul(x.astype(ct), w.astype(ct), precision=HIGHEST)
 
 
-def fpa_layer(x, params: dict, *, increments: str = "signed", implementation: str = "xla"):
+def fpa_layer(
+    x: ArrayLike, params: dict, *, increments: str = "signed", implementation: str = "xla"
+) -> jax.Array:
     """Multi-head FPA layer (spec section 3): x [B, T, d] -> y [B, T, d] in x's dtype.
 
     Per head: delta_t = x_t . w_delta + b_delta (``increments="logsigmoid"``: the FoX-initialised
     layer), phi = cumsum(delta) in float32 or wider, l_j = phi_j + x_j . w_lam + b_lam; then
     :func:`attnspec.backends.jax.fpa_attention` and the output projection. Matches
-    ``attnspec.reference.fpa.fpa_layer``. Time O(B T (d H (dk + dv) + H T (dk + dv))).
+    ``attnspec.reference.fpa.fpa_layer``. Time O(B T H (d + T) (dk + dv)); memory
+    O(B T (d + H (dk + dv))) plus the op's O(B H T block).
     """
     x = check.array("x", x, 3, meaning="[B, T, d]")
     P = _params("FPA_PARAMETER_SCHEMA", params, FPA_PARAMETER_SCHEMA)
@@ -94,8 +98,9 @@ def _fpa_layer(x, P, increments, implementation):
     return _project(o.reshape(B, T, -1), P["wo"], ct).astype(x.dtype)
 
 
-def short_conv(x, w):
-    """(I8) causal depthwise convolution: x [B, T, C], w [K, C] -> [B, T, C], zero-padded."""
+def short_conv(x: jax.Array, w: jax.Array) -> jax.Array:
+    """(I8) causal depthwise convolution: x [B, T, C], w [K, C] -> [B, T, C], zero-padded.
+    Time O(B T C K)."""
     T = x.shape[1]
     out = jnp.zeros_like(x)
     for s in range(min(w.shape[0], T)):
@@ -103,18 +108,19 @@ def short_conv(x, w):
     return out
 
 
-def feature_map(y, eps: float = 1e-6):
-    """(I9) xi(y) = SiLU(y) / sqrt(||y||^2 + eps) over the last axis."""
+def feature_map(y: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """(I9) xi(y) = SiLU(y) / sqrt(||y||^2 + eps) over the last axis; same shape, O(size)."""
     return jax.nn.silu(y) / jnp.sqrt(jnp.sum(y * y, axis=-1, keepdims=True) + eps)
 
 
-def rms_norm(x, g, eps: float = 1e-6):
-    """RMSNorm(x) = x / sqrt(mean(x^2) + eps) * g over the last axis (I10)."""
+def rms_norm(x: jax.Array, g, eps: float = 1e-6) -> jax.Array:
+    """RMSNorm(x) = x / sqrt(mean(x^2) + eps) * g over the last axis (I10); O(size)."""
     return x / jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * g
 
 
-def rope(x):
-    """Rotary position embedding on the last axis of x [B, T, N, R], R even; base 10000."""
+def rope(x: jax.Array) -> jax.Array:
+    """Rotary position embedding on the last axis of x [B, T, N, R], R even; base 10000.
+    O(size)."""
     T, R = x.shape[1], x.shape[-1]
     freq = 10000.0 ** (-jnp.arange(R // 2) / (R // 2))
     angle = jnp.arange(T)[:, None] * freq  # (T, R/2)
@@ -124,13 +130,19 @@ def rope(x):
 
 
 def interdomain_layer(
-    x, params: dict, *, readout: str = "linear", use_rope: bool = False, gate: bool = False
-):
+    x: ArrayLike,
+    params: dict,
+    *,
+    readout: str = "linear",
+    use_rope: bool = False,
+    gate: bool = False,
+) -> jax.Array:
     """The Interdomain layer (I8)-(I13): x [B, T, d] -> y [B, T, d] in x's dtype.
 
     Projections, short conv on q and k (I8), optional RoPE, feature map (I9), norms and biases
     (I10), :func:`attnspec.backends.jax.interdomain_s4d`, optional output gate, output
-    projection. Matches ``attnspec.reference.interdomain.interdomain_layer``.
+    projection. Matches ``attnspec.reference.interdomain.interdomain_layer``. Time
+    O(B T (d H (R + dv) + H M (M + R + dv + L))) for S4D chunks of L; memory O(B T H (R + dv + M)).
     """
     x = check.array("x", x, 3, meaning="[B, T, d]")
     P = _params("PARAMETER_SCHEMA", params, PARAMETER_SCHEMA, optional=() if gate else ("wg",))

@@ -180,11 +180,6 @@ def extend_gap(kind: str, gap, block_stat):
     return jnp.minimum(gap, block_stat) if kind == "fpa" else gap + block_stat
 
 
-def block_stat(kind: str, block):
-    """The minimum (fpa) or the decay sum (fox) of one block of positions, last axis."""
-    return jnp.min(block, axis=-1) if kind == "fpa" else jnp.sum(block, axis=-1)
-
-
 def empty_gap(kind: str, like):
     """The gap between adjacent blocks: +inf for a minimum, 0 for a sum."""
     return jnp.full_like(like, jnp.inf if kind == "fpa" else 0.0)
