@@ -129,3 +129,23 @@ def test_kernels_equal_their_xla_twin_in_low_precision(dtype):
         assert got.dtype == twin.dtype == x.dtype
     for got, twin in zip(results["pallas"], results["xla"], strict=True):
         assert rel(got, np.asarray(twin, np.float64)) <= 1e-5
+
+
+def test_vmap_of_grad_through_the_kernels():
+    """The kernels batch under vmap (the pallas_call batching rule) inside the custom VJP."""
+    E, T, N, H = 2, 20, 2, 8
+    args = inputs(E, T, N, N, H, H, seed=4)
+    args = [a[:, None] for a in args]  # an extra leading axis over examples, B = 1
+    w = np.random.default_rng(5).standard_normal((E, 1, T, N, H))
+
+    def loss(q, k, v, field, level, w):
+        o = fpa_attention(q, k, v, field, level, implementation="pallas", block_size=16)
+        return jnp.vdot(o, w)
+
+    grads = jax.vmap(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(*map(jnp.asarray, (*args, w)))
+    for e in range(E):
+        x = [canonical(a[e]) for a in args[:3]] + [np.swapaxes(a[e], 1, 2) for a in args[3:]]
+        expected = ref.fpa_attention_vjp(*x, canonical(w[e]))
+        for got, want in zip(grads, expected, strict=True):
+            got = np.asarray(got[e])
+            assert rel(canonical(got) if got.ndim == 4 else np.swapaxes(got, 1, 2), want) < 1e-12
