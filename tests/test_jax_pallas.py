@@ -149,3 +149,23 @@ def test_vmap_of_grad_through_the_kernels():
         for got, want in zip(grads, expected, strict=True):
             got = np.asarray(got[e])
             assert rel(canonical(got) if got.ndim == 4 else np.swapaxes(got, 1, 2), want) < 1e-12
+
+
+@pytest.mark.parametrize("kind", ["fpa", "fox"])
+def test_kernels_lower_through_the_gpu_triton_path(kind):
+    """Cross-platform lowering for CUDA on this CPU machine: the three kernels (forward, dq, dkv)
+    pass Pallas' Triton lowering (supported ops, block shapes) for bfloat16 inputs, GQA,
+    packed sequences and a ragged T. Compiling and running them needs the GPU check."""
+    q = jax.ShapeDtypeStruct((1, 300, 4, 96), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 300, 2, 96), jnp.bfloat16)
+    s = jax.ShapeDtypeStruct((1, 300, 4), jnp.float32)
+    op = fpa_attention if kind == "fpa" else fox_attention
+    scalars = (s, s) if kind == "fpa" else (s,)
+
+    def loss(*a):
+        o = op(*a, implementation="pallas", interpret=False, cu_seqlens=(0, 100, 300))
+        return jnp.sum(o.astype(jnp.float32))
+
+    step = jax.grad(loss, argnums=tuple(range(3 + len(scalars))))
+    lowered = jax.jit(step).trace(q, kv, kv, *scalars).lower(lowering_platforms=("cuda",))
+    assert lowered.as_text().count("xla.gpu.triton") == 3
