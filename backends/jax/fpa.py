@@ -66,7 +66,7 @@ def _pad(x, Tp: int, axis: int):
     return jnp.pad(x, widths)
 
 
-def _segments(cu_seqlens, T: int, Tp: int, bs: int):
+def _segments(cu_seqlens, Tp: int, bs: int):
     """Segment ids (nb, bs) of the packed sequences, padding in a segment of its own."""
     if cu_seqlens is None:
         return None
@@ -101,7 +101,7 @@ class _Blocked:
         else:
             (log_f,) = wide
             self.pen = blockwise.Penalties(decay=tiles.decay_tiles(log_f, bs))
-        self.seg = _segments(cfg.cu_seqlens, T, Tp, bs)
+        self.seg = _segments(cfg.cu_seqlens, Tp, bs)
 
     def rows(self, x, dtype=None):
         """(Z, G, T, ...) -> padded and blocked (Z, G, nb, bs, ...)."""
