@@ -3,7 +3,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.attnspec-installed
 
-.PHONY: verify test lint format docs docs-check clean
+.PHONY: verify install test lint typecheck format docs docs-check clean FORCE
 
 EXTRAS ?= test,torch,jax,bench,docs
 # Triton kernels run under its interpreter on machines without a GPU (set before triton loads).
@@ -11,20 +11,37 @@ export TRITON_INTERPRET ?= $(shell nvidia-smi -L >/dev/null 2>&1 || echo 1)
 # Material for MkDocs prints a banner about its successor on every build unless this is set.
 export NO_MKDOCS_2_WARNING ?= 1
 
+# The code folders (each holds a py.typed) and the list of their files. Strict editable mode
+# links each file into build/__editable__.*/attnspec/, a plain tree that type checkers and IDEs
+# follow; a file added or removed later needs a re-install, so the list is a prerequisite of the
+# install and is rewritten only when it changes (editing a file re-installs nothing), or when the
+# links are gone (rm -rf build).
+PACKAGE_DIRS := $(patsubst %/py.typed,%,$(wildcard */py.typed))
+FILE_LIST    := $(VENV)/.attnspec-files
+
+$(FILE_LIST): FORCE
+	@mkdir -p $(VENV)
+	@ls -d build/__editable__.* >/dev/null 2>&1 || rm -f $@
+	@find $(PACKAGE_DIRS) -name __pycache__ -prune -o -type f -print | LC_ALL=C sort > $@.new
+	@if cmp -s $@.new $@; then rm $@.new; else mv $@.new $@; fi
+
+FORCE:
+
 # Create the virtual environment and install the package with its extras (exact CI pins).
-$(STAMP): pyproject.toml requirements-ci.txt
+$(STAMP): pyproject.toml requirements-ci.txt $(FILE_LIST)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet -c requirements-ci.txt -e ".[$(EXTRAS)]"
+	$(PY) -m pip install --quiet -c requirements-ci.txt -e ".[$(EXTRAS)]" \
+		--config-settings editable_mode=strict
 	touch $(STAMP)
+
+install: $(STAMP)
 
 # The main job: theorem checks, then the conformance report of every backend available here.
 verify: $(STAMP)
 	$(PY) -m attnspec.theory
 	$(PY) -m attnspec.conformance --backend available
 
-test: $(STAMP)
-	$(PY) -m ruff check .
-	$(PY) -m ruff format --check .
+test: lint typecheck
 	$(PY) -m mkdocs build --strict --quiet
 	$(PY) -m pytest -n auto
 
@@ -32,12 +49,20 @@ lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
+# mypy over the code folders (configuration in pyproject.toml; incremental cache in .mypy_cache).
+# It names files by their links in build/__editable__.*/attnspec/<package>/; sed names them by
+# the folder each link points to (every subpackage's folder carries its name).
+typecheck: $(STAMP)
+	@echo "$(PY) -m mypy"
+	@$(PY) -m mypy > $(VENV)/.mypy-report; status=$$?; \
+		sed 's|^build/__editable__[^/]*/attnspec/||' $(VENV)/.mypy-report; exit $$status
+
 format: $(STAMP)
 	$(PY) -m ruff format .
 	$(PY) -m ruff check --fix .
 
 clean:
-	rm -rf $(VENV) build site *.egg-info .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) build site *.egg-info .pytest_cache .ruff_cache .hypothesis .mypy_cache
 
 # The documentation site, into site/ (open site/index.html; no network needed to read it).
 # The first build fetches the pinned KaTeX package with npm into build/katex/.

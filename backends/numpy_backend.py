@@ -12,16 +12,22 @@ key/value head for its group of query heads (gradients summed over the group).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from itertools import pairwise
+from typing import Any, ClassVar, Literal, TypeVar, overload
 
 import numpy as np
+from numpy.typing import ArrayLike, NDArray
 
 from attnspec.reference import fpa
 from attnspec.reference import interdomain as idm
 
+# An array in the tested dtype (float16, float32 or float64), as the kit's adapter delivers it.
+FloatArray = NDArray[np.floating]
+Result = TypeVar("Result")
 
-def segments(cu_seqlens, T: int) -> list[slice]:
+
+def segments(cu_seqlens: ArrayLike, T: int) -> list[slice]:
     """The packed sequences named by FlashAttention-style offsets (0, ..., T) as slices of T."""
     offsets = [int(x) for x in np.asarray(cu_seqlens).ravel()]
     if len(offsets) < 2 or offsets[0] != 0 or offsets[-1] != T:
@@ -31,7 +37,12 @@ def segments(cu_seqlens, T: int) -> list[slice]:
     return [slice(a, b) for a, b in pairwise(offsets)]
 
 
-def _per_segment(fn: Callable, arrays: dict, cu_seqlens, token_axis: dict) -> list:
+def _per_segment(
+    fn: Callable[..., Result],
+    arrays: Mapping[str, FloatArray],
+    cu_seqlens: ArrayLike | None,
+    token_axis: Mapping[str, int],
+) -> list[Result]:
     """Run ``fn`` on each packed sequence; ``token_axis[name]`` is the T axis of each array."""
     if cu_seqlens is None:
         return [fn(**arrays)]
@@ -49,7 +60,7 @@ def _per_segment(fn: Callable, arrays: dict, cu_seqlens, token_axis: dict) -> li
     return results
 
 
-def _heads_for_queries(x: np.ndarray, H: int, name: str) -> np.ndarray:
+def _heads_for_queries(x: FloatArray, H: int, name: str) -> FloatArray:
     """GQA: repeat each of the H_kv heads of x (..., H_kv, T, D) for its H / H_kv query heads."""
     H_kv = x.shape[-3]
     if H % H_kv:
@@ -57,7 +68,7 @@ def _heads_for_queries(x: np.ndarray, H: int, name: str) -> np.ndarray:
     return np.repeat(x, H // H_kv, axis=-3)
 
 
-def _sum_groups(g: np.ndarray, H_kv: int) -> np.ndarray:
+def _sum_groups(g: NDArray[np.float64], H_kv: int) -> NDArray[np.float64]:
     """The adjoint of :func:`_heads_for_queries`: sum the gradient over each group."""
     *lead, H, T, D = g.shape
     return g.reshape(*lead, H_kv, H // H_kv, T, D).sum(axis=-3)
@@ -68,9 +79,9 @@ ATTENTION_AXES["d_lse"] = -1
 
 
 class NumpyBackend:
-    name = "numpy"
-    dtypes = ("float64", "float32", "float16")
-    OPS = (
+    name: str = "numpy"
+    dtypes: tuple[str, ...] = ("float64", "float32", "float16")
+    OPS: ClassVar[tuple[str, ...]] = (
         "fpa_attention",
         "fox_attention",
         "fpa_decode",
@@ -79,8 +90,13 @@ class NumpyBackend:
         "fpa_layer",
         "interdomain_layer",
     )
-    VJPS = ("fpa_attention", "fox_attention", "interdomain_legs", "interdomain_s4d")
-    FEATURES = (
+    VJPS: ClassVar[tuple[str, ...]] = (
+        "fpa_attention",
+        "fox_attention",
+        "interdomain_legs",
+        "interdomain_s4d",
+    )
+    FEATURES: ClassVar[tuple[str, ...]] = (
         "fpa_attention.varlen",
         "fox_attention.varlen",
         "interdomain_s4d.varlen",
@@ -88,7 +104,7 @@ class NumpyBackend:
         "fox_attention.gqa",
     )
 
-    def __init__(self, device: str = "cpu"):
+    def __init__(self, device: str = "cpu") -> None:
         if device != "cpu":
             raise ValueError(f"device: the numpy backend runs on 'cpu' only, got {device!r}")
         self.device = device
@@ -96,10 +112,10 @@ class NumpyBackend:
     def capabilities(self) -> set[str]:
         return set(self.OPS) | {f"{op}.vjp" for op in self.VJPS} | set(self.FEATURES)
 
-    def asarray(self, x: np.ndarray, dtype: str) -> np.ndarray:
+    def asarray(self, x: NDArray[Any], dtype: str) -> NDArray[Any]:
         return np.asarray(x, dtype=dtype)
 
-    def to_numpy(self, x) -> np.ndarray:
+    def to_numpy(self, x: ArrayLike) -> NDArray[Any]:
         return np.asarray(x)
 
     def versions(self) -> dict[str, str]:
@@ -107,9 +123,57 @@ class NumpyBackend:
 
     # ---------------------------------------------------------------- ops
 
+    @overload
     def fpa_attention(
-        self, q, k, v, field, level, *, scale=None, cu_seqlens=None, return_lse=False
-    ):
+        self,
+        q: FloatArray,
+        k: FloatArray,
+        v: FloatArray,
+        field: FloatArray,
+        level: FloatArray,
+        *,
+        scale: float | None = None,
+        cu_seqlens: ArrayLike | None = None,
+        return_lse: Literal[False] = False,
+    ) -> FloatArray: ...
+    @overload
+    def fpa_attention(
+        self,
+        q: FloatArray,
+        k: FloatArray,
+        v: FloatArray,
+        field: FloatArray,
+        level: FloatArray,
+        *,
+        scale: float | None = None,
+        cu_seqlens: ArrayLike | None = None,
+        return_lse: Literal[True],
+    ) -> tuple[FloatArray, NDArray[np.float64]]: ...
+    @overload
+    def fpa_attention(
+        self,
+        q: FloatArray,
+        k: FloatArray,
+        v: FloatArray,
+        field: FloatArray,
+        level: FloatArray,
+        *,
+        scale: float | None = None,
+        cu_seqlens: ArrayLike | None = None,
+        return_lse: bool = False,
+    ) -> FloatArray | tuple[FloatArray, NDArray[np.float64]]: ...
+    def fpa_attention(
+        self,
+        q: FloatArray,
+        k: FloatArray,
+        v: FloatArray,
+        field: FloatArray,
+        level: FloatArray,
+        *,
+        scale: float | None = None,
+        cu_seqlens: ArrayLike | None = None,
+        return_lse: bool = False,
+    ) -> FloatArray | tuple[FloatArray, NDArray[np.float64]]:
         H = q.shape[-3]
         k, v = _heads_for_queries(k, H, "k"), _heads_for_queries(v, H, "v")
         parts = _per_segment(
@@ -122,7 +186,16 @@ class NumpyBackend:
         lse = np.concatenate([p[1] for p in parts], axis=-1)
         return (o, lse) if return_lse else o
 
-    def fox_attention(self, q, k, v, log_f, *, scale=None, cu_seqlens=None):
+    def fox_attention(
+        self,
+        q: FloatArray,
+        k: FloatArray,
+        v: FloatArray,
+        log_f: FloatArray,
+        *,
+        scale: float | None = None,
+        cu_seqlens: ArrayLike | None = None,
+    ) -> FloatArray:
         H = q.shape[-3]
         k, v = _heads_for_queries(k, H, "k"), _heads_for_queries(v, H, "v")
         parts = _per_segment(
@@ -133,16 +206,40 @@ class NumpyBackend:
         )
         return np.concatenate(parts, axis=-2).astype(q.dtype)
 
-    def fpa_decode(self, q, k, v, field, level, *, theta, scale=None):
+    def fpa_decode(
+        self,
+        q: FloatArray,
+        k: FloatArray,
+        v: FloatArray,
+        field: FloatArray,
+        level: FloatArray,
+        *,
+        theta: float,
+        scale: float | None = None,
+    ) -> tuple[FloatArray, float]:
         res = fpa.fpa_decode(q, k, v, field, level, theta=theta, scale=scale)
         return res.o.astype(q.dtype), res.kept_fraction
 
-    def interdomain_legs(self, fq, fk, v, *, M):
+    def interdomain_legs(
+        self, fq: FloatArray, fk: FloatArray, v: FloatArray, *, M: int
+    ) -> FloatArray:
         return idm.interdomain_legs(fq, fk, v, M).astype(fq.dtype)
 
     def interdomain_s4d(
-        self, fq, kt, vt, lam_re, lam_im, b_re, b_im, c_re, c_im, *, readout, cu_seqlens=None
-    ):
+        self,
+        fq: FloatArray,
+        kt: FloatArray,
+        vt: FloatArray,
+        lam_re: FloatArray,
+        lam_im: FloatArray,
+        b_re: FloatArray,
+        b_im: FloatArray,
+        c_re: FloatArray,
+        c_im: FloatArray,
+        *,
+        readout: str,
+        cu_seqlens: ArrayLike | None = None,
+    ) -> FloatArray:
         lam, b, c = lam_re + 1j * lam_im, b_re + 1j * b_im, c_re + 1j * c_im
         parts = _per_segment(
             lambda **a: idm.interdomain_s4d(**a, lam=lam, b=b, c=c, readout=readout),
@@ -152,21 +249,35 @@ class NumpyBackend:
         )
         return np.concatenate(parts, axis=-2).astype(fq.dtype)
 
-    def fpa_layer(self, x, params):
+    def fpa_layer(self, x: FloatArray, params: Mapping[str, FloatArray]) -> FloatArray:
         return fpa.fpa_layer(x, params).astype(x.dtype)
 
-    def interdomain_layer(self, x, params, *, readout="linear"):
+    def interdomain_layer(
+        self, x: FloatArray, params: Mapping[str, FloatArray], *, readout: str = "linear"
+    ) -> FloatArray:
         return idm.interdomain_layer(x, params, readout=readout).astype(x.dtype)
 
     # ---------------------------------------------------------------- gradients
 
-    def vjp(self, op: str, inputs: dict, params: dict, cotangents: dict) -> dict:
+    def vjp(
+        self,
+        op: str,
+        inputs: Mapping[str, FloatArray],
+        params: Mapping[str, Any],
+        cotangents: Mapping[str, FloatArray],
+    ) -> dict[str, FloatArray]:
         """Input cotangents of ``op`` for its differentiable inputs, by name, each in the dtype
         of its input."""
         grads = self._vjp(op, inputs, params, cotangents)
         return {name: g.astype(inputs[name].dtype) for name, g in grads.items()}
 
-    def _vjp(self, op, inputs, params, cotangents):
+    def _vjp(
+        self,
+        op: str,
+        inputs: Mapping[str, FloatArray],
+        params: Mapping[str, Any],
+        cotangents: Mapping[str, FloatArray],
+    ) -> dict[str, NDArray[np.float64]]:
         cu_seqlens = params.get("cu_seqlens")
         if op in ("fpa_attention", "fox_attention"):
             H, H_kv = inputs["q"].shape[-3], inputs["k"].shape[-3]
@@ -175,18 +286,17 @@ class NumpyBackend:
             arrays["v"] = _heads_for_queries(inputs["v"], H, "v")
             arrays["d_out"] = cotangents["o"]
             if op == "fpa_attention":
-                arrays["d_lse"] = cotangents.get("lse")
+                if "lse" in cotangents:
+                    arrays["d_lse"] = cotangents["lse"]
 
-                def backward(**a):
+                def backward(**a: FloatArray) -> dict[str, NDArray[np.float64]]:
                     return fpa.fpa_attention_vjp(**a, scale=params.get("scale"))._asdict()
 
             else:
 
-                def backward(**a):
+                def backward(**a: FloatArray) -> dict[str, NDArray[np.float64]]:
                     return fpa.fox_attention_vjp(**a, scale=params.get("scale"))._asdict()
 
-            if arrays.get("d_lse") is None:
-                arrays.pop("d_lse", None)
             parts = _per_segment(backward, arrays, cu_seqlens, ATTENTION_AXES)
             names = {"dq": "q", "dk": "k", "dv": "v", "dfield": "field", "dlevel": "level"}
             names["dlog_f"] = "log_f"
@@ -204,7 +314,7 @@ class NumpyBackend:
             x = inputs
             lam = x["lam_re"] + 1j * x["lam_im"]
             b, c = x["b_re"] + 1j * x["b_im"], x["c_re"] + 1j * x["c_im"]
-            parts = _per_segment(
+            s4d_parts = _per_segment(
                 lambda **a: idm.interdomain_s4d_vjp(
                     **a, lam=lam, b=b, c=c, readout=params["readout"]
                 ),
@@ -213,11 +323,11 @@ class NumpyBackend:
                 {"fq": -2, "kt": -2, "vt": -2, "d_out": -2},
             )
             grads = {
-                name: np.concatenate([getattr(p, f"d{name}") for p in parts], axis=-2)
+                name: np.concatenate([getattr(p, f"d{name}") for p in s4d_parts], axis=-2)
                 for name in ("fq", "kt", "vt")
             }
             for name in ("lam", "b", "c"):
-                total = sum(getattr(p, f"d{name}") for p in parts)  # shared parameters
+                total = sum(getattr(p, f"d{name}") for p in s4d_parts)  # shared parameters
                 grads[f"{name}_re"], grads[f"{name}_im"] = total.real, total.imag
             return grads
         raise NotImplementedError(f"op: no VJP for {op!r} in the numpy backend")

@@ -10,6 +10,8 @@ import importlib
 import importlib.util
 import os
 import sys
+from types import ModuleType
+from typing import Any
 
 BUILTIN = {
     "numpy": "attnspec.backends.numpy_backend:NumpyBackend",
@@ -23,19 +25,24 @@ BUILTIN = {
 EXTRAS = {"torch": "torch", "triton": "torch", "jax": "jax", "pallas": "jax"}
 
 
-def _import_file(path: str):
+def _import_file(path: str) -> ModuleType:
     if not os.path.isfile(path):
         raise ValueError(f"backend: no such file {path!r}")
     name = "attnspec_user_backend_" + os.path.splitext(os.path.basename(path))[0]
     spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"backend: cannot load {path!r} as a Python module")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
 
 
-def load_object(spec: str):
-    """Import ``module:attribute`` (or ``path/to/file.py:attribute``) and return the attribute."""
+def load_object(spec: str) -> Any:
+    """Import ``module:attribute`` (or ``path/to/file.py:attribute``) and return the attribute.
+
+    The attribute is whatever the module holds (a class, a factory, a backend object): ``Any``.
+    """
     module_name, _, attribute = spec.rpartition(":")
     if not module_name or not attribute:
         raise ValueError(f"backend: expected 'module:attribute', got {spec!r}")
@@ -63,10 +70,12 @@ def _require_extra(name: str) -> None:
         )
 
 
-def get_backend(name: str, device: str = "cpu"):
+def get_backend(name: str, device: str = "cpu") -> Any:
     """Instantiate a backend by registered name or ``module:attribute``.
 
     ``module:attribute`` may name a class or factory (called with ``device=``) or a ready object.
+    Returns the backend object (the protocol of :mod:`attnspec.conformance.protocol`, whose ops
+    are looked up by name, so ``Any``).
     """
     if name in BUILTIN:
         if name in EXTRAS:

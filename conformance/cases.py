@@ -8,15 +8,22 @@ recompile per case. Assumptions that keep a case well conditioned are stated in 
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 
 from attnspec.reference import fpa, hippo
 from attnspec.reference import interdomain as idm
 
 GENERATOR_VERSION = "1"
+
+# A family's builder draws a case's float64 inputs and its static params from (rng, n).
+Inputs = dict[str, NDArray[np.float64]]
+Built = tuple[Inputs, dict[str, Any]]
+Builder = Callable[[np.random.Generator, int], Built]
 
 
 @dataclass(frozen=True)
@@ -32,8 +39,8 @@ class Case:
     id: str
     op: str
     seed: int
-    inputs: dict[str, np.ndarray]
-    params: dict = field(default_factory=dict)
+    inputs: Inputs
+    params: dict[str, Any] = field(default_factory=dict)
     gradient: bool = False
     finite_difference: bool = False
     note: str = ""
@@ -52,7 +59,7 @@ class Family:
     """count cases built by ``build(rng, n) -> (inputs, params)``; flags as on :class:`Case`."""
 
     count: int
-    build: Callable
+    build: Builder
     note: str
     gradient: bool = False
     finite_difference: bool = False
@@ -66,7 +73,7 @@ def case_seed(case_id: str) -> int:
 # ------------------------------------------------------------------------------------- FPA
 
 
-def fpa_kink_margin(field_: np.ndarray, level: np.ndarray) -> float:
+def fpa_kink_margin(field_: NDArray[np.float64], level: NDArray[np.float64]) -> float:
     """Distance of the inputs from the kinks of FPA.
 
     The smaller of: |l_j - m_ij| over j < i (the clamp of (F2)), and the gap between the
@@ -90,12 +97,14 @@ def fpa_kink_margin(field_: np.ndarray, level: np.ndarray) -> float:
     return float(margin)
 
 
-def _bracket_walk(rng, shape, step=1.0):
+def _bracket_walk(
+    rng: np.random.Generator, shape: tuple[int, ...], step: float = 1.0
+) -> NDArray[np.float64]:
     steps = rng.choice([step, -step, 0.0], size=shape, p=[0.35, 0.35, 0.3])
     return np.cumsum(steps, axis=-1)
 
 
-def _fields(rng, kind: str, shape) -> np.ndarray:
+def _fields(rng: np.random.Generator, kind: str, shape: tuple[int, ...]) -> NDArray[np.float64]:
     if kind == "walk":
         return np.cumsum(rng.standard_normal(shape), axis=-1)
     if kind == "monotone":  # FoX-like, strictly decreasing
@@ -113,7 +122,9 @@ def _fields(rng, kind: str, shape) -> np.ndarray:
     raise ValueError(kind)
 
 
-def _levels(rng, kind: str, field_: np.ndarray) -> np.ndarray:
+def _levels(
+    rng: np.random.Generator, kind: str, field_: NDArray[np.float64]
+) -> NDArray[np.float64]:
     if kind == "one_walk":
         return field_.copy()
     if kind == "offset":
@@ -123,7 +134,15 @@ def _levels(rng, kind: str, field_: np.ndarray) -> np.ndarray:
     raise ValueError(kind)
 
 
-def _fpa_inputs(rng, shape, *, field_kind="walk", level_kind="offset", logit=1.0, margin=0.0):
+def _fpa_inputs(
+    rng: np.random.Generator,
+    shape: tuple[int, int, int, int, int],
+    *,
+    field_kind: str = "walk",
+    level_kind: str = "offset",
+    logit: float = 1.0,
+    margin: float = 0.0,
+) -> Inputs:
     (B, H, T, dk, dv) = shape
     for _ in range(50):
         q = logit * rng.standard_normal((B, H, T, dk))
@@ -144,8 +163,8 @@ FPA_FIELD_SHAPE = (1, 2, 33, 8, 8)
 SMOOTH = "inputs at least 1e-4 away from clamp zeros and segment-minimum ties"
 
 
-def _fpa_family(shape_list, **kw):
-    def build(rng, n):
+def _fpa_family(shape_list: Sequence[tuple[int, int, int, int, int]], **kw: Any) -> Builder:
+    def build(rng: np.random.Generator, n: int) -> Built:
         return _fpa_inputs(rng, shape_list[n % len(shape_list)], **kw), {}
 
     return build
@@ -221,7 +240,7 @@ TILE_LENGTHS = (127, 128, 129, 255, 256, 257, 300)
 TILE_FIELDS = (("walk", "offset"), ("brackets", "one_walk"), ("walk", "one_walk"))
 
 
-def _fpa_tiles(rng, n):
+def _fpa_tiles(rng: np.random.Generator, n: int) -> Built:
     field_kind, level_kind = TILE_FIELDS[n % 3]
     B, H = (2, 2) if n % 2 else (1, 3)
     shape = (B, H, TILE_LENGTHS[n], 16, 16)
@@ -234,7 +253,7 @@ HEADDIM_LENGTHS = [
 ]
 
 
-def _fpa_headdim_long(rng, n):
+def _fpa_headdim_long(rng: np.random.Generator, n: int) -> Built:
     dk, dv, T = HEADDIM_LENGTHS[n]
     return _fpa_inputs(rng, (1, 2, T, dk, dv)), {}
 
@@ -242,23 +261,23 @@ def _fpa_headdim_long(rng, n):
 TIE_TILES = [(kind, T) for T in (65, 130, 257) for kind in ("brackets", "constant")]
 
 
-def _fpa_ties_tiles(rng, n):
+def _fpa_ties_tiles(rng: np.random.Generator, n: int) -> Built:
     kind, T = TIE_TILES[n]
     level_kind = "one_walk" if kind == "brackets" else "offset"
     return _fpa_inputs(rng, (1, 2, T, 16, 16), field_kind=kind, level_kind=level_kind), {}
 
 
-def _fpa_scale(rng, n):
+def _fpa_scale(rng: np.random.Generator, n: int) -> Built:
     scale, T = [(0.3, 65), (2.5, 33)][n]
     return _fpa_inputs(rng, (1, 2, T, 16, 16), margin=1e-4), {"scale": scale}
 
 
-def _fpa_large_logits(rng, n):
+def _fpa_large_logits(rng: np.random.Generator, n: int) -> Built:
     # s <q, k> ~ N(0, 300^2): logits in the hundreds, far beyond exp's float32 range.
     return _fpa_inputs(rng, (1, 2, [65, 130][n], 16, 16), logit=300.0, margin=1e-4), {}
 
 
-def _fpa_low_rows(rng, n):
+def _fpa_low_rows(rng: np.random.Generator, n: int) -> Built:
     """Some rows have every logit near -200 (exp underflows in float32 without a row max)."""
     B, H, T, dk, dv = (1, 2, [65, 130][n], 16, 16)
     inputs = _fpa_inputs(rng, (B, H, T, dk, dv), margin=1e-4)
@@ -272,7 +291,7 @@ def _fpa_low_rows(rng, n):
     return inputs, {}
 
 
-def _fpa_long_uniform(rng, n):
+def _fpa_long_uniform(rng: np.random.Generator, n: int) -> Built:
     """Near-uniform weights over T = 2304 keys: a float16 softmax sum stalls at 2048 (the
     spacing of float16 there is 2), so half-precision accumulation is visibly wrong."""
     B, H, T, dk, dv = (1, 1, 2304, 16, 16)
@@ -283,7 +302,7 @@ def _fpa_long_uniform(rng, n):
     return {"q": q, "k": k, "v": v, "field": f, "level": f - 10.0}, {}  # every key live
 
 
-def _fpa_large_field(rng, n):
+def _fpa_large_field(rng: np.random.Generator, n: int) -> Built:
     """Fields near +-1e4 plus an O(1) walk: O(1) penalties as differences of large numbers."""
     inputs = _fpa_inputs(rng, FPA_FIELD_SHAPE, margin=1e-4)
     centre = np.array([1e4, -1e4])[:, None]  # one head near +1e4, one near -1e4
@@ -298,13 +317,13 @@ VARLEN_OFFSETS = [(0, 15, 100, 300), (0, 1, 40, 41, 130)]
 GQA_SHAPES = [(1, 8, 2, 65), (2, 4, 1, 130), (1, 6, 3, 33)]
 
 
-def _fpa_varlen(rng, n):
+def _fpa_varlen(rng: np.random.Generator, n: int) -> Built:
     offsets = VARLEN_OFFSETS[n % 2]
     inputs = _fpa_inputs(rng, (1, 2, offsets[-1], 16, 16))
     return inputs, {"cu_seqlens": offsets}
 
 
-def _fpa_gqa(rng, n):
+def _fpa_gqa(rng: np.random.Generator, n: int) -> Built:
     B, H, H_kv, T = GQA_SHAPES[n]
     inputs = _fpa_inputs(rng, (B, H, T, 16, 16), margin=1e-4)
     inputs["k"] = inputs["k"][:, :H_kv]
@@ -346,8 +365,8 @@ FPA_FAMILIES.update(
 )
 
 
-def _fox_family(unit_gates: float, decay: float):
-    def build(rng, n):
+def _fox_family(unit_gates: float, decay: float) -> Builder:
+    def build(rng: np.random.Generator, n: int) -> Built:
         B, H, T, dk, dv = [(1, 1, 1, 8, 8), (2, 3, 17, 16, 8), (1, 2, 65, 8, 16)][n % 3]
         q, k = rng.standard_normal((2, B, H, T, dk))
         v = rng.standard_normal((B, H, T, dv))
@@ -365,7 +384,16 @@ FOX_FAMILIES = {
 }
 
 
-def _fox_inputs(rng, B, H, T, dk=16, dv=16, decay=0.5, H_kv=None):
+def _fox_inputs(
+    rng: np.random.Generator,
+    B: int,
+    H: int,
+    T: int,
+    dk: int = 16,
+    dv: int = 16,
+    decay: float = 0.5,
+    H_kv: int | None = None,
+) -> Inputs:
     q = rng.standard_normal((B, H, T, dk))
     k, v = rng.standard_normal((B, H_kv or H, T, dk)), rng.standard_normal((B, H_kv or H, T, dv))
     log_f = -rng.exponential(decay, (B, H, T)) - 1e-2
@@ -408,7 +436,9 @@ FOX_FAMILIES.update(
 )
 
 
-def threshold_in_widest_gap(depths: np.ndarray, low: float = 1.0, high: float = 8.0) -> float:
+def threshold_in_widest_gap(
+    depths: NDArray[np.float64], low: float = 1.0, high: float = 8.0
+) -> float:
     """The midpoint of the widest gap between the distinct depths in [low, high] (and its ends),
     so that no key's depth lies near the eviction threshold."""
     points = np.unique(np.concatenate([[low, high], depths[(depths > low) & (depths < high)]]))
@@ -416,8 +446,8 @@ def threshold_in_widest_gap(depths: np.ndarray, low: float = 1.0, high: float = 
     return float((points[widest] + points[widest + 1]) / 2)
 
 
-def _decode_family(kind: str):
-    def build(rng, n):
+def _decode_family(kind: str) -> Builder:
+    def build(rng: np.random.Generator, n: int) -> Built:
         B, H, T, dk, dv = [(1, 1, 1, 8, 8), (1, 2, 33, 8, 4), (2, 1, 65, 4, 8)][n % 3]
         level = None
         if kind == "brackets":
@@ -451,7 +481,7 @@ DECODE_FAMILIES = {
 }
 
 
-def _decode_boundary(rng, n):
+def _decode_boundary(rng: np.random.Generator, n: int) -> Built:
     """Integer field and levels, so every depth is an exact integer; theta is one of them."""
     B, H, T, dk, dv = [(1, 2, 65, 8, 8), (2, 2, 130, 8, 8)][n]
     f = _bracket_walk(rng, (B, H, T))
@@ -463,7 +493,7 @@ def _decode_boundary(rng, n):
     return {"q": q, "k": k, "v": v, "field": f, "level": level}, {"theta": theta}
 
 
-def _decode_long(rng, n):
+def _decode_long(rng: np.random.Generator, n: int) -> Built:
     """T >= 257 with B > 1 and H > 1; n = 2 keeps all 200 keys live (a cache beyond 128)."""
     B, H, dk, dv = 2, 2, 8, 8
     T = [257, 300, 200][n]
@@ -496,12 +526,12 @@ DECODE_FAMILIES.update(
 )
 
 
-def _positive(rng, shape):
+def _positive(rng: np.random.Generator, shape: tuple[int, ...]) -> NDArray[np.float64]:
     return np.exp(0.5 * rng.standard_normal(shape))  # ratio readouts need fq . u_0 > 0
 
 
-def _legs_family(menu):
-    def build(rng, n):
+def _legs_family(menu: Sequence[tuple[int, int, int, int, int, int]]) -> Builder:
+    def build(rng: np.random.Generator, n: int) -> Built:
         B, H, T, R, dv, M = menu[n % len(menu)]
         inputs = {
             "fq": _positive(rng, (B, H, T, R)),
@@ -539,8 +569,14 @@ LEGS_FAMILIES = {
 }
 
 
-def _s4d_family(menu, *, dt_range=(0.01, 0.3), readout="linear", offsets=None):
-    def build(rng, n):
+def _s4d_family(
+    menu: Sequence[tuple[int, int, int, int, int, int]],
+    *,
+    dt_range: tuple[float, float] = (0.01, 0.3),
+    readout: str = "linear",
+    offsets: Sequence[tuple[int, ...]] | None = None,
+) -> Builder:
+    def build(rng: np.random.Generator, n: int) -> Built:
         B, H, T, R, dv, M = menu[n % len(menu)]
         a_log, a_im = hippo.s4d_init(M)
         dt = rng.uniform(*dt_range, H)
@@ -628,8 +664,8 @@ S4D_FAMILIES = {
 }
 
 
-def _layer_family(kind: str, readout: str = "linear"):
-    def build(rng, n):
+def _layer_family(kind: str, readout: str = "linear") -> Builder:
+    def build(rng: np.random.Generator, n: int) -> Built:
         B, T, d = [(1, 9, 8), (2, 17, 16)][n % 2]
         seed = int(rng.integers(2**31))
         if kind == "fpa":
@@ -699,14 +735,14 @@ VANISHING = (
 )
 
 
-def _vanishing_gradients(op: str, inputs: dict, params: dict) -> bool:
+def _vanishing_gradients(op: str, inputs: Inputs, params: dict[str, Any]) -> bool:
     T = next(iter(inputs.values())).shape[-2]
     return T == 1 or (op == "interdomain_legs" and params["M"] == 1)
 
 
 def case_ids(ops: list[str] | None = None) -> list[str]:
     """Every case id, in a stable order."""
-    ids = []
+    ids: list[str] = []
     for op, families in FAMILIES.items():
         if ops is None or op in ops:
             for name, fam in families.items():

@@ -12,9 +12,13 @@ import sys
 import textwrap
 from collections.abc import Callable
 from importlib import metadata
+from typing import TYPE_CHECKING, TextIO
 
 from .protocol import OPS, Backend
 from .tolerances import DTYPES
+
+if TYPE_CHECKING:  # the runner loads only when a command needs it
+    from .runner import CaseResult
 
 BROKEN_PIPE = 141  # 128 + SIGPIPE: what the shell reports for a writer whose reader left
 
@@ -51,12 +55,12 @@ def quiet_on_broken_pipe(command: Callable[[], int]) -> int:
         return BROKEN_PIPE
 
 
-def _progress(stream):
+def _progress(stream: TextIO) -> Callable[[int, int, CaseResult], None] | None:
     """A one-line progress display on terminals; silent otherwise."""
     if not stream.isatty():
         return None
 
-    def show(n, total, result):
+    def show(n: int, total: int, result: CaseResult) -> None:
         stream.write(f"\r[{n:>5}/{total}] {result.case_id:<32} {result.dtype:<8} {result.kind:<17}")
         if n == total:
             stream.write("\r" + " " * 70 + "\r")
@@ -127,12 +131,13 @@ class BackendError(ValueError):
 
 
 def _protocol_members() -> list[str]:
-    """The attributes of :class:`protocol.Backend`: its annotated fields, then its methods."""
-    methods = [n for n, v in vars(Backend).items() if callable(v) and not n.startswith("_")]
-    return [*Backend.__annotations__, *methods]
+    """The attributes of :class:`protocol.Backend`: its fields (properties), then its methods."""
+    members = {n: v for n, v in vars(Backend).items() if not n.startswith("_")}
+    fields = [n for n, v in members.items() if isinstance(v, property)]
+    return [*fields, *(n for n, v in members.items() if callable(v))]
 
 
-def _load_backend(name: str, device: str, requested: list[str] | None):
+def _load_backend(name: str, device: str, requested: list[str] | None) -> Backend:
     from attnspec.backends.registry import get_backend
 
     backend = get_backend(name, device)
@@ -179,8 +184,8 @@ def _load_error(name: str, exc: Exception) -> str:
     return f"backend {name!r} failed to load: {_one_line(exc)}{hint}"
 
 
-def _report_path(path: str | None, backend: str, several: bool) -> str | None:
-    if path is None or not several:
+def _report_path(path: str, backend: str, several: bool) -> str:
+    if not several:
         return path
     stem, dot, ext = path.rpartition(".")
     safe = backend.replace(":", "_").replace("/", "_")

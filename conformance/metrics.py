@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
+from numpy.typing import ArrayLike, NDArray
 
 TINY = 1e-30
 
@@ -82,7 +83,7 @@ def _problem(problem: str, tolerance: float, index: tuple[int, ...] = ()) -> Com
 
 
 def compare(
-    x, ref: np.ndarray, tolerance: float, *, row_ndim: int = 1, floor: float = 0.0
+    x: ArrayLike, ref: ArrayLike, tolerance: float, *, row_ndim: int = 1, floor: float = 0.0
 ) -> Comparison:
     """Compare a backend result with the float64 reference.
 
@@ -120,7 +121,9 @@ def compare(
     return Comparison(rel, tolerance, float(diff[index]), index, "", row_rel, row_index)
 
 
-def _worst_row(diff: np.ndarray, ref: np.ndarray, row_ndim: int, floor: float):
+def _worst_row(
+    diff: NDArray[np.float64], ref: NDArray[np.float64], row_ndim: int, floor: float
+) -> tuple[float, tuple[int, ...]]:
     lead = diff.shape[: diff.ndim - row_ndim]
     rows_diff = np.linalg.norm(diff.reshape(*lead, -1), axis=-1)
     rows_ref = np.linalg.norm(ref.reshape(*lead, -1), axis=-1)
@@ -133,7 +136,7 @@ def _worst_row(diff: np.ndarray, ref: np.ndarray, row_ndim: int, floor: float):
     return value, tuple(int(i) for i in worst)
 
 
-def gradient_floors(ref: Mapping[str, np.ndarray], tolerance: float) -> dict[str, float]:
+def gradient_floors(ref: Mapping[str, ArrayLike], tolerance: float) -> dict[str, float]:
     """The denominator floor of each reference gradient.
 
     ``tolerance`` times the scale the gradient would have if its entries were as large as the
@@ -156,7 +159,7 @@ def row_ndim(name: str) -> int:
     return 0 if name in PER_TOKEN else 1
 
 
-def compare_count(got, ref: float, total: int, tolerance: float) -> Comparison:
+def compare_count(got: ArrayLike, ref: float, total: int, tolerance: float) -> Comparison:
     """A fraction of ``total`` items (the kept fraction of decoding) compared as a count."""
     got = np.asarray(got, dtype=np.float64)
     if got.size != 1:

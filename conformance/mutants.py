@@ -16,32 +16,37 @@ float32; half-precision accumulation needs float16).
 
 from __future__ import annotations
 
-from typing import ClassVar
+from collections.abc import Mapping
+from contextlib import AbstractContextManager
+from typing import Any, ClassVar, cast
 from unittest import mock
 
 import numpy as np
+from numpy.typing import ArrayLike, NDArray
 from scipy.special import logsumexp
 
-from attnspec.backends.numpy_backend import NumpyBackend
+from attnspec.backends.numpy_backend import FloatArray, NumpyBackend
 from attnspec.reference import fpa, hippo
 from attnspec.reference import interdomain as idm
 
 BLOCK = 64  # the tile size of the mutants that imitate tiled kernels
 
 
-def _causal(T: int) -> np.ndarray:
+def _causal(T: int) -> NDArray[np.bool_]:
     return np.tril(np.ones((T, T), dtype=bool))
 
 
-def _attend(logits, v):
+def _attend(
+    logits: NDArray[np.float64], v: NDArray[np.float64]
+) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
     """Causal softmax of logits (..., T, T) and the weighted values; returns (o, lse)."""
     a = np.where(_causal(logits.shape[-1]), logits, -np.inf)
     lse = logsumexp(a, axis=-1)
     return np.exp(a - lse[..., None]) @ v, lse
 
 
-def _tile(positions: np.ndarray) -> np.ndarray:
-    return positions // BLOCK
+def _tile(positions: ArrayLike) -> NDArray[np.intp]:
+    return np.asarray(positions, dtype=np.intp) // BLOCK
 
 
 class Mutant(NumpyBackend):
@@ -60,31 +65,54 @@ class _FPAMutant(Mutant):
 
     ops: ClassVar[tuple[str, ...]] = ("fpa_attention", "fox_attention")
 
-    def logits(self, q, k, s):
+    def logits(
+        self, q: NDArray[np.float64], k: NDArray[np.float64], s: float
+    ) -> NDArray[np.float64]:
         return s * q @ np.swapaxes(k, -1, -2)
 
-    def depth(self, field, level):
+    def depth(self, field: NDArray[np.float64], level: NDArray[np.float64]) -> NDArray[np.float64]:
         return fpa.descent_depth(field, level)
 
-    def attend(self, logits, v, dtype):
+    def attend(
+        self, logits: NDArray[np.float64], v: NDArray[np.float64], dtype: np.dtype[Any]
+    ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
         return _attend(logits, v)
 
-    def fpa_attention(self, q, k, v, field, level, *, scale=None, return_lse=False):
+    def fpa_attention(  # type: ignore[override]  # no cu_seqlens: declares no varlen
+        self,
+        q: FloatArray,
+        k: FloatArray,
+        v: FloatArray,
+        field: FloatArray,
+        level: FloatArray,
+        *,
+        scale: float | None = None,
+        return_lse: bool = False,
+    ) -> FloatArray | tuple[FloatArray, NDArray[np.float64]]:
         s = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
         q64, k64, v64 = (np.asarray(x, float) for x in (q, k, v))
         penalty = self.depth(np.asarray(field, float), np.asarray(level, float))
         o, lse = self.attend(self.logits(q64, k64, s) - penalty, v64, q.dtype)
         return (o.astype(q.dtype), lse) if return_lse else o.astype(q.dtype)
 
-    def fox_attention(self, q, k, v, log_f, *, scale=None):
+    def fox_attention(  # type: ignore[override]  # no cu_seqlens: declares no varlen
+        self,
+        q: FloatArray,
+        k: FloatArray,
+        v: FloatArray,
+        log_f: FloatArray,
+        *,
+        scale: float | None = None,
+    ) -> FloatArray:
         c = np.cumsum(np.asarray(log_f, float), axis=-1)
-        return self.fpa_attention(q, k, v, c, c, scale=scale)
+        o = self.fpa_attention(q, k, v, c, c, scale=scale)
+        return cast(FloatArray, o)  # without return_lse: o alone
 
 
 class ClosedSegment(_FPAMutant):
     """Segment [j, i] instead of (j, i]: the key's own field value enters the minimum."""
 
-    def depth(self, field, level):
+    def depth(self, field: NDArray[np.float64], level: NDArray[np.float64]) -> NDArray[np.float64]:
         m = np.minimum(fpa.segment_min(field), field[..., None, :])  # adds t = j
         return np.maximum(0.0, level[..., None, :] - m)
 
@@ -92,14 +120,14 @@ class ClosedSegment(_FPAMutant):
 class SumNotMax(_FPAMutant):
     """The total descent l_j - phi_i (a FoX-like sum) instead of the deepest one."""
 
-    def depth(self, field, level):
+    def depth(self, field: NDArray[np.float64], level: NDArray[np.float64]) -> NDArray[np.float64]:
         return np.maximum(0.0, level[..., None, :] - field[..., :, None])
 
 
 class NoClamp(_FPAMutant):
     """pi = l_j - m_ij without max(0, .): keys below the field get a bonus."""
 
-    def depth(self, field, level):
+    def depth(self, field: NDArray[np.float64], level: NDArray[np.float64]) -> NDArray[np.float64]:
         T = field.shape[-1]
         raw = level[..., None, :] - fpa.segment_min(field)
         return np.where(np.tril(np.ones((T, T), dtype=bool), k=-1), raw, 0.0)
@@ -112,7 +140,7 @@ class ForgottenGap(_FPAMutant):
 
     ops: ClassVar[tuple[str, ...]] = ("fpa_attention",)
 
-    def depth(self, field, level):
+    def depth(self, field: NDArray[np.float64], level: NDArray[np.float64]) -> NDArray[np.float64]:
         T = field.shape[-1]
         m = fpa.segment_min(field)
         pos = np.arange(T)
@@ -133,7 +161,9 @@ class HeadDimTail(_FPAMutant):
     """A kernel with one key-dim block of 64 in its off-diagonal tiles: dims past 64 are lost
     whenever key and query lie in different tiles."""
 
-    def logits(self, q, k, s):
+    def logits(
+        self, q: NDArray[np.float64], k: NDArray[np.float64], s: float
+    ) -> NDArray[np.float64]:
         full = s * q @ np.swapaxes(k, -1, -2)
         head = s * q[..., :BLOCK] @ np.swapaxes(k[..., :BLOCK], -1, -2)
         pos = np.arange(q.shape[-2])
@@ -146,10 +176,28 @@ class NoScale(Mutant):
 
     ops: ClassVar[tuple[str, ...]] = ("fpa_attention", "fox_attention")
 
-    def fpa_attention(self, q, k, v, field, level, *, scale=None, return_lse=False):
+    def fpa_attention(  # type: ignore[override]  # no cu_seqlens: declares no varlen
+        self,
+        q: FloatArray,
+        k: FloatArray,
+        v: FloatArray,
+        field: FloatArray,
+        level: FloatArray,
+        *,
+        scale: float | None = None,
+        return_lse: bool = False,
+    ) -> FloatArray | tuple[FloatArray, NDArray[np.float64]]:
         return super().fpa_attention(q, k, v, field, level, scale=1.0, return_lse=return_lse)
 
-    def fox_attention(self, q, k, v, log_f, *, scale=None):
+    def fox_attention(  # type: ignore[override]  # no cu_seqlens: declares no varlen
+        self,
+        q: FloatArray,
+        k: FloatArray,
+        v: FloatArray,
+        log_f: FloatArray,
+        *,
+        scale: float | None = None,
+    ) -> FloatArray:
         return super().fox_attention(q, k, v, log_f, scale=1.0)
 
 
@@ -158,7 +206,13 @@ class BackwardDefaultScale(Mutant):
 
     ops: ClassVar[tuple[str, ...]] = ("fpa_attention", "fox_attention")
 
-    def vjp(self, op, inputs, params, cotangents):
+    def vjp(
+        self,
+        op: str,
+        inputs: Mapping[str, FloatArray],
+        params: Mapping[str, Any],
+        cotangents: Mapping[str, FloatArray],
+    ) -> dict[str, FloatArray]:
         params = {k: v for k, v in params.items() if k != "scale"}
         return super().vjp(op, inputs, params, cotangents)
 
@@ -169,7 +223,9 @@ class NoRowMax(_FPAMutant):
 
     caught_in: ClassVar[str] = "float32"
 
-    def attend(self, logits, v, dtype):
+    def attend(
+        self, logits: NDArray[np.float64], v: NDArray[np.float64], dtype: np.dtype[Any]
+    ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
         work = np.float64 if dtype == np.float64 else np.float32
         a = np.where(_causal(logits.shape[-1]), logits, -np.inf).astype(work)
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
@@ -185,7 +241,9 @@ class HalfAccumulation(_FPAMutant):
     ops: ClassVar[tuple[str, ...]] = ("fpa_attention",)
     caught_in: ClassVar[str] = "float16"
 
-    def attend(self, logits, v, dtype):
+    def attend(
+        self, logits: NDArray[np.float64], v: NDArray[np.float64], dtype: np.dtype[Any]
+    ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
         if dtype != np.float16:
             return _attend(logits, v)
         a = np.where(_causal(logits.shape[-1]), logits, -np.inf)
@@ -203,7 +261,17 @@ class FieldInInputDtype(_FPAMutant):
     ops: ClassVar[tuple[str, ...]] = ("fpa_attention",)
     caught_in: ClassVar[str] = "float16"
 
-    def fpa_attention(self, q, k, v, field, level, *, scale=None, return_lse=False):
+    def fpa_attention(  # type: ignore[override]  # no cu_seqlens: declares no varlen
+        self,
+        q: FloatArray,
+        k: FloatArray,
+        v: FloatArray,
+        field: FloatArray,
+        level: FloatArray,
+        *,
+        scale: float | None = None,
+        return_lse: bool = False,
+    ) -> FloatArray | tuple[FloatArray, NDArray[np.float64]]:
         with np.errstate(over="ignore"):  # a 1e30 descent becomes inf, as it would on a GPU
             field, level = np.asarray(field).astype(q.dtype), np.asarray(level).astype(q.dtype)
         return super().fpa_attention(q, k, v, field, level, scale=scale, return_lse=return_lse)
@@ -216,7 +284,9 @@ class DiagonalDroppedInRaggedTail(_FPAMutant):
     ops: ClassVar[tuple[str, ...]] = ("fpa_attention",)
     caught_in: ClassVar[str] = "float16"
 
-    def attend(self, logits, v, dtype):
+    def attend(
+        self, logits: NDArray[np.float64], v: NDArray[np.float64], dtype: np.dtype[Any]
+    ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
         T = logits.shape[-1]
         if T % BLOCK and T > 1:
             logits = logits.copy()
@@ -224,7 +294,7 @@ class DiagonalDroppedInRaggedTail(_FPAMutant):
         return _attend(logits, v)
 
 
-def _earliest_segment_argmin(field):
+def _earliest_segment_argmin(field: ArrayLike) -> NDArray[np.int64]:
     """t*_ij with ties sent to the EARLIEST minimiser (the wrong convention)."""
     field = np.asarray(field, dtype=float)
     m = fpa.segment_min(field)
@@ -235,7 +305,7 @@ def _earliest_segment_argmin(field):
     return tstar
 
 
-def _tiled_segment_argmin(field):
+def _tiled_segment_argmin(field: ArrayLike) -> NDArray[np.int64]:
     """t*_ij latest within a tile of 64, but the EARLIEST tile holding the minimum wins."""
     field = np.asarray(field, dtype=float)
     m = fpa.segment_min(field)
@@ -254,7 +324,13 @@ class EarliestArgmin(Mutant):
 
     ops: ClassVar[tuple[str, ...]] = ("fpa_attention",)
 
-    def vjp(self, op, inputs, params, cotangents):
+    def vjp(
+        self,
+        op: str,
+        inputs: Mapping[str, FloatArray],
+        params: Mapping[str, Any],
+        cotangents: Mapping[str, FloatArray],
+    ) -> dict[str, FloatArray]:
         with mock.patch.object(fpa, "segment_argmin", _earliest_segment_argmin):
             return super().vjp(op, inputs, params, cotangents)
 
@@ -265,7 +341,13 @@ class TieAcrossTiles(Mutant):
 
     ops: ClassVar[tuple[str, ...]] = ("fpa_attention",)
 
-    def vjp(self, op, inputs, params, cotangents):
+    def vjp(
+        self,
+        op: str,
+        inputs: Mapping[str, FloatArray],
+        params: Mapping[str, Any],
+        cotangents: Mapping[str, FloatArray],
+    ) -> dict[str, FloatArray]:
         with mock.patch.object(fpa, "segment_argmin", _tiled_segment_argmin):
             return super().vjp(op, inputs, params, cotangents)
 
@@ -275,7 +357,13 @@ class ZeroLevelGradient(Mutant):
 
     ops: ClassVar[tuple[str, ...]] = ("fpa_attention",)
 
-    def vjp(self, op, inputs, params, cotangents):
+    def vjp(
+        self,
+        op: str,
+        inputs: Mapping[str, FloatArray],
+        params: Mapping[str, Any],
+        cotangents: Mapping[str, FloatArray],
+    ) -> dict[str, FloatArray]:
         grads = super().vjp(op, inputs, params, cotangents)
         if "level" in grads:
             grads["level"] = np.zeros_like(grads["level"])
@@ -288,7 +376,13 @@ class Float64Gradients(Mutant):
     ops: ClassVar[tuple[str, ...]] = ("fpa_attention", "fox_attention")
     caught_in: ClassVar[str] = "float16"
 
-    def vjp(self, op, inputs, params, cotangents):
+    def vjp(
+        self,
+        op: str,
+        inputs: Mapping[str, FloatArray],
+        params: Mapping[str, Any],
+        cotangents: Mapping[str, FloatArray],
+    ) -> dict[str, FloatArray]:
         return {
             n: np.asarray(g, np.float64)
             for n, g in self._vjp(op, inputs, params, cotangents).items()
@@ -300,7 +394,15 @@ class InPlaceCumsum(Mutant):
 
     ops: ClassVar[tuple[str, ...]] = ("fox_attention",)
 
-    def fox_attention(self, q, k, v, log_f, *, scale=None):
+    def fox_attention(  # type: ignore[override]  # no cu_seqlens: declares no varlen
+        self,
+        q: FloatArray,
+        k: FloatArray,
+        v: FloatArray,
+        log_f: FloatArray,
+        *,
+        scale: float | None = None,
+    ) -> FloatArray:
         c = np.cumsum(log_f, axis=-1, out=log_f)
         return self.fpa_attention(q, k, v, c, c, scale=scale)
 
@@ -312,7 +414,13 @@ class VarlenBackwardLeak(Mutant):
     FEATURES: ClassVar[tuple[str, ...]] = ("fpa_attention.varlen", "fox_attention.varlen")
     ops: ClassVar[tuple[str, ...]] = ("fpa_attention", "fox_attention")
 
-    def vjp(self, op, inputs, params, cotangents):
+    def vjp(
+        self,
+        op: str,
+        inputs: Mapping[str, FloatArray],
+        params: Mapping[str, Any],
+        cotangents: Mapping[str, FloatArray],
+    ) -> dict[str, FloatArray]:
         params = {k: v for k, v in params.items() if k != "cu_seqlens"}
         return super().vjp(op, inputs, params, cotangents)
 
@@ -323,13 +431,13 @@ class GQAWrongHead(Mutant):
     FEATURES: ClassVar[tuple[str, ...]] = ("fpa_attention.gqa", "fox_attention.gqa")
     ops: ClassVar[tuple[str, ...]] = ("fpa_attention", "fox_attention")
 
-    def _patched(self):
+    def _patched(self) -> AbstractContextManager[Any]:
         from attnspec.backends import numpy_backend
 
-        def tile_heads(x, H, name):
+        def tile_heads(x: FloatArray, H: int, name: str) -> FloatArray:
             return np.tile(x, (1,) * (x.ndim - 3) + (H // x.shape[-3], 1, 1))
 
-        def sum_tiled(g, H_kv):
+        def sum_tiled(g: NDArray[np.float64], H_kv: int) -> NDArray[np.float64]:
             *lead, H, T, D = g.shape
             return g.reshape(*lead, H // H_kv, H_kv, T, D).sum(axis=-4)
 
@@ -337,15 +445,21 @@ class GQAWrongHead(Mutant):
             numpy_backend, _heads_for_queries=tile_heads, _sum_groups=sum_tiled
         )
 
-    def fpa_attention(self, *args, **kwargs):
+    def fpa_attention(self, *args: Any, **kwargs: Any) -> Any:
         with self._patched():
             return super().fpa_attention(*args, **kwargs)
 
-    def fox_attention(self, *args, **kwargs):
+    def fox_attention(self, *args: Any, **kwargs: Any) -> Any:
         with self._patched():
             return super().fox_attention(*args, **kwargs)
 
-    def vjp(self, op, inputs, params, cotangents):
+    def vjp(
+        self,
+        op: str,
+        inputs: Mapping[str, FloatArray],
+        params: Mapping[str, Any],
+        cotangents: Mapping[str, FloatArray],
+    ) -> dict[str, FloatArray]:
         with self._patched():
             return super().vjp(op, inputs, params, cotangents)
 
@@ -358,7 +472,17 @@ class EagerEviction(Mutant):
 
     ops: ClassVar[tuple[str, ...]] = ("fpa_decode",)
 
-    def fpa_decode(self, q, k, v, field, level, *, theta, scale=None):
+    def fpa_decode(
+        self,
+        q: FloatArray,
+        k: FloatArray,
+        v: FloatArray,
+        field: FloatArray,
+        level: FloatArray,
+        *,
+        theta: float,
+        scale: float | None = None,
+    ) -> tuple[FloatArray, float]:
         return super().fpa_decode(q, k, v, field, level, theta=theta / 4, scale=scale)
 
 
@@ -367,7 +491,17 @@ class StrictEviction(Mutant):
 
     ops: ClassVar[tuple[str, ...]] = ("fpa_decode",)
 
-    def fpa_decode(self, q, k, v, field, level, *, theta, scale=None):
+    def fpa_decode(
+        self,
+        q: FloatArray,
+        k: FloatArray,
+        v: FloatArray,
+        field: FloatArray,
+        level: FloatArray,
+        *,
+        theta: float,
+        scale: float | None = None,
+    ) -> tuple[FloatArray, float]:
         strict = float(np.nextafter(theta, np.inf))  # pi >= nextafter(theta) <=> pi > theta
         return super().fpa_decode(q, k, v, field, level, theta=strict, scale=scale)
 
@@ -377,7 +511,9 @@ class _RingBufferDecoder(fpa.FPADecoder):
 
     capacity = 128
 
-    def step(self, q, k, v, field, level):
+    def step(
+        self, q: ArrayLike, k: ArrayLike, v: ArrayLike, field: float, level: float
+    ) -> NDArray[np.float64]:
         if self.cache_size >= self.capacity:
             for store in (self.keys, self.values, self.levels, self.mins, self.positions):
                 del store[0]
@@ -389,7 +525,17 @@ class RingBufferCache(Mutant):
 
     ops: ClassVar[tuple[str, ...]] = ("fpa_decode",)
 
-    def fpa_decode(self, q, k, v, field, level, *, theta, scale=None):
+    def fpa_decode(
+        self,
+        q: FloatArray,
+        k: FloatArray,
+        v: FloatArray,
+        field: FloatArray,
+        level: FloatArray,
+        *,
+        theta: float,
+        scale: float | None = None,
+    ) -> tuple[FloatArray, float]:
         with mock.patch.object(fpa, "FPADecoder", _RingBufferDecoder):
             return super().fpa_decode(q, k, v, field, level, theta=theta, scale=scale)
 
@@ -399,7 +545,17 @@ class FinalNotPeak(Mutant):
 
     ops: ClassVar[tuple[str, ...]] = ("fpa_decode",)
 
-    def fpa_decode(self, q, k, v, field, level, *, theta, scale=None):
+    def fpa_decode(
+        self,
+        q: FloatArray,
+        k: FloatArray,
+        v: FloatArray,
+        field: FloatArray,
+        level: FloatArray,
+        *,
+        theta: float,
+        scale: float | None = None,
+    ) -> tuple[FloatArray, float]:
         res = fpa.fpa_decode(q, k, v, field, level, theta=theta, scale=scale)
         return res.o.astype(q.dtype), float(np.mean(res.cache_sizes[..., -1]) / q.shape[-2])
 
@@ -408,8 +564,19 @@ class FinalNotPeak(Mutant):
 
 
 def _s4d_variant(
-    fq, kt, vt, lam, b, c, readout, *, pairing="conjugate", lag=0, denominator=True, state=None
-):
+    fq: NDArray[np.float64],
+    kt: NDArray[np.float64],
+    vt: NDArray[np.float64],
+    lam: NDArray[np.complex128],
+    b: NDArray[np.complex128],
+    c: NDArray[np.complex128],
+    readout: str,
+    *,
+    pairing: str = "conjugate",
+    lag: int = 0,
+    denominator: bool = True,
+    state: np.dtype[Any] | None = None,
+) -> NDArray[np.float64]:
     """The S4D core with optional errors: transposed pairing, an input lag, no denominator, a
     state rounded to the dtype ``state`` after every step."""
     z = np.concatenate(
@@ -439,9 +606,22 @@ def _s4d_variant(
 
 class _S4DMutant(Mutant):
     ops: ClassVar[tuple[str, ...]] = ("interdomain_s4d",)
-    options: ClassVar[dict] = {}
+    options: ClassVar[dict[str, Any]] = {}
 
-    def interdomain_s4d(self, fq, kt, vt, lam_re, lam_im, b_re, b_im, c_re, c_im, *, readout):
+    def interdomain_s4d(  # type: ignore[override]  # no cu_seqlens: declares no varlen
+        self,
+        fq: FloatArray,
+        kt: FloatArray,
+        vt: FloatArray,
+        lam_re: FloatArray,
+        lam_im: FloatArray,
+        b_re: FloatArray,
+        b_im: FloatArray,
+        c_re: FloatArray,
+        c_im: FloatArray,
+        *,
+        readout: str,
+    ) -> FloatArray:
         options = dict(self.options)
         if options.get("state") == "input":
             options["state"] = fq.dtype
@@ -461,19 +641,19 @@ class _S4DMutant(Mutant):
 class TransposePairing(_S4DMutant):
     """xi(q)^T U^T Gamma (transpose) instead of the conjugate pairing of (I13)."""
 
-    options: ClassVar[dict] = {"pairing": "transpose"}
+    options: ClassVar[dict[str, Any]] = {"pairing": "transpose"}
 
 
 class RecurrenceOffByOne(_S4DMutant):
     """x_t = Lambda x_{t-1} + b z_{t-1}: the input enters one step late."""
 
-    options: ClassVar[dict] = {"lag": 1}
+    options: ClassVar[dict[str, Any]] = {"lag": 1}
 
 
 class HalfPrecisionState(_S4DMutant):
     """The recurrent state stored in the input dtype between steps (float16 state storage)."""
 
-    options: ClassVar[dict] = {"state": "input"}
+    options: ClassVar[dict[str, Any]] = {"state": "input"}
     caught_in: ClassVar[str] = "float16"
 
 
@@ -481,9 +661,11 @@ class DroppedDenominator(_S4DMutant):
     """The ratio readouts (I3) and (I13) without their denominators."""
 
     ops: ClassVar[tuple[str, ...]] = ("interdomain_s4d", "interdomain_legs")
-    options: ClassVar[dict] = {"denominator": False}
+    options: ClassVar[dict[str, Any]] = {"denominator": False}
 
-    def interdomain_legs(self, fq, fk, v, *, M):
+    def interdomain_legs(
+        self, fq: FloatArray, fk: FloatArray, v: FloatArray, *, M: int
+    ) -> FloatArray:
         co = idm.basis_coefficients(fk, v, M)
         a = np.einsum("...tmr,...tr->...tm", co.U, np.asarray(fq, float))
         return np.einsum("...tm,...tmd->...td", a, co.Gamma).astype(fq.dtype)
@@ -494,7 +676,9 @@ class EulerLegs(Mutant):
 
     ops: ClassVar[tuple[str, ...]] = ("interdomain_legs",)
 
-    def interdomain_legs(self, fq, fk, v, *, M):
+    def interdomain_legs(
+        self, fq: FloatArray, fk: FloatArray, v: FloatArray, *, M: int
+    ) -> FloatArray:
         A, B = hippo.legs_transition(M)
         z = np.concatenate([fk, v, np.ones((*v.shape[:-1], 1))], axis=-1).astype(float)
         c = np.zeros((*z.shape[:-2], M, z.shape[-1]))
@@ -520,12 +704,22 @@ class HalfOnlySlightScale(Mutant):
     ops: ClassVar[tuple[str, ...]] = ("fpa_attention",)
     caught_in: ClassVar[str] = "float32"
 
-    def asarray(self, x, dtype):
+    def asarray(self, x: NDArray[Any], dtype: str) -> NDArray[Any]:
         if dtype == "bfloat16":
             return np.asarray(x, dtype=np.float32)  # NumPy has no bfloat16: widened storage
         return super().asarray(x, dtype)
 
-    def fpa_attention(self, q, k, v, field, level, *, scale=None, return_lse=False):
+    def fpa_attention(  # type: ignore[override]  # no cu_seqlens: declares no varlen
+        self,
+        q: FloatArray,
+        k: FloatArray,
+        v: FloatArray,
+        field: FloatArray,
+        level: FloatArray,
+        *,
+        scale: float | None = None,
+        return_lse: bool = False,
+    ) -> FloatArray | tuple[FloatArray, NDArray[np.float64]]:
         s = (1 / np.sqrt(q.shape[-1]) if scale is None else scale) * 1.001
         return super().fpa_attention(q, k, v, field, level, scale=s, return_lse=return_lse)
 

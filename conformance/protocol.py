@@ -40,8 +40,12 @@ import numpy as np
 
 @runtime_checkable
 class Backend(Protocol):
-    name: str
-    dtypes: tuple[str, ...]
+    # Read-only members, so that a class attribute such as dtypes = ("float32",) conforms.
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def dtypes(self) -> tuple[str, ...]: ...
 
     def capabilities(self) -> set[str]: ...
 
@@ -49,7 +53,9 @@ class Backend(Protocol):
 
     def to_numpy(self, x: Any) -> np.ndarray: ...
 
-    def vjp(self, op: str, inputs: dict, params: dict, cotangents: dict) -> dict: ...
+    def vjp(
+        self, op: str, inputs: dict[str, Any], params: dict[str, Any], cotangents: dict[str, Any]
+    ) -> dict[str, Any]: ...
 
 
 @dataclass(frozen=True)
@@ -109,7 +115,9 @@ OPS: dict[str, OpSpec] = {
 }
 
 
-def call_op(backend, op: str, inputs: dict, params: dict) -> dict[str, Any]:
+def call_op(
+    backend: Backend, op: str, inputs: dict[str, Any], params: dict[str, Any]
+) -> dict[str, Any]:
     """Call ``op`` on ``backend`` with native inputs; return its outputs by name.
 
     Layer ops take ``x`` and a parameter dict: their inputs carry the parameters under

@@ -12,12 +12,12 @@ from dataclasses import dataclass
 
 import pytest
 
-from .cases import build_case, generate_cases
+from .cases import Case, build_case, generate_cases
 from .runner import probe_dtypes, run_case
 from .skips import SkipList
 
 
-def pytest_addoption(parser):
+def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("attnspec", "attnspec conformance kit")
     group.addoption(
         "--backend", default=None, help="conformance backend: registered name or module:attribute"
@@ -47,7 +47,7 @@ class Item:
 class _Session:
     """The backend and skip list of this pytest session, created on first use."""
 
-    def __init__(self, config):
+    def __init__(self, config: pytest.Config) -> None:
         from attnspec.backends.registry import get_backend
 
         self.name = config.getoption("--backend")
@@ -56,21 +56,24 @@ class _Session:
         self.skips = SkipList.load(
             getattr(self.backend, "name", self.name), config.getoption("--conformance-skips")
         )
-        self.cases: dict = {}
+        self.cases: dict[str, Case] = {}
 
-    def case(self, case_id):
+    def case(self, case_id: str) -> Case:
         if case_id not in self.cases:
             self.cases[case_id] = build_case(case_id)
         return self.cases[case_id]
 
 
-def _session(config) -> _Session:
-    if not hasattr(config, "_attnspec_conformance"):
-        config._attnspec_conformance = _Session(config)
-    return config._attnspec_conformance
+_SESSION = pytest.StashKey[_Session]()
 
 
-def selected_items(config) -> list:
+def _session(config: pytest.Config) -> _Session:
+    if _SESSION not in config.stash:
+        config.stash[_SESSION] = _Session(config)
+    return config.stash[_SESSION]
+
+
+def selected_items(config: pytest.Config) -> list[object]:
     """The parametrisation of the conformance test: one item per (case, dtype, kind)."""
     if not config.getoption("--backend"):
         return [
@@ -85,7 +88,7 @@ def selected_items(config) -> list:
     probes = [] if dtypes else probe_dtypes(session.backend)
     dtypes = dtypes.split(",") if dtypes else list(getattr(session.backend, "dtypes", ("float64",)))
     prefixes = config.getoption("--conformance-cases")
-    items = []
+    items: list[Item] = []
     for case in generate_cases(None, prefixes.split(",") if prefixes else None):
         session.cases[case.id] = case
         for dtype in [*dtypes, *probes]:
@@ -96,7 +99,7 @@ def selected_items(config) -> list:
     return [pytest.param(item, id=item.id) for item in items]
 
 
-def run_item(config, item: Item) -> None:
+def run_item(config: pytest.Config, item: Item) -> None:
     session = _session(config)
     reason = session.skips.reason(item.case_id, item.dtype)
     if reason is not None:
@@ -116,8 +119,10 @@ def run_item(config, item: Item) -> None:
         pytest.fail(f"{result.message}\nrepro: {result.repro}", pytrace=False)
 
 
-def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    session = getattr(config, "_attnspec_conformance", None)
+def pytest_terminal_summary(
+    terminalreporter: pytest.TerminalReporter, exitstatus: int, config: pytest.Config
+) -> None:
+    session = config.stash.get(_SESSION, None)
     if session is not None:
         for warning in session.skips.unmatched():
             terminalreporter.write_line(f"attnspec: skip entry {warning}", yellow=True)

@@ -14,19 +14,22 @@ import traceback
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
+from typing import Any, TypeVar
 
 import numpy as np
+from numpy.typing import NDArray
 
 from attnspec.backends.numpy_backend import NumpyBackend
 
 from .cases import Case
 from .gradcheck import directional_check
 from .metrics import Comparison, compare, compare_count, gradient_floors, row_ndim
-from .protocol import OPS, call_op
+from .protocol import OPS, Backend, call_op
 from .skips import SkipList
 from .tolerances import round_to, tolerance, wide_dtype
 
 KINDS = ("output", "gradient", "finite_difference")
+Result = TypeVar("Result")
 REFERENCE = NumpyBackend()
 
 
@@ -45,10 +48,10 @@ class CaseResult:
     message: str = ""
     repro: str = ""
     seed: int = 0
-    shapes: dict = field(default_factory=dict)
-    details: dict = field(default_factory=dict)
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    details: dict[str, Any] = field(default_factory=dict)
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
@@ -67,7 +70,9 @@ def rounded_inputs(case: Case, dtype: str) -> dict[str, np.ndarray]:
     }
 
 
-def native_inputs(backend, case: Case, inputs: dict[str, np.ndarray], dtype: str) -> dict:
+def native_inputs(
+    backend: Backend, case: Case, inputs: dict[str, np.ndarray], dtype: str
+) -> dict[str, Any]:
     """The backend's arrays; each made from a copy, so nothing the backend does reaches the
     kit's own arrays."""
     spec = OPS[case.op]
@@ -90,11 +95,11 @@ class _ReferenceCache:
     in one process (the mutant self-test runs the same cases many times). Bounded; the arrays
     handed out are never given to a backend (see :func:`native_inputs`)."""
 
-    def __init__(self, size: int = 4096):
+    def __init__(self, size: int = 4096) -> None:
         self.size = size
-        self.entries: OrderedDict[tuple, tuple] = OrderedDict()
+        self.entries: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
 
-    def get(self, key: tuple, compute: Callable[[], tuple]) -> tuple:
+    def get(self, key: tuple[Any, ...], compute: Callable[[], Result]) -> Result:
         if key in self.entries:
             self.entries.move_to_end(key)
             return self.entries[key]
@@ -108,20 +113,23 @@ class _ReferenceCache:
 _CACHE = _ReferenceCache()
 
 
-def reference_for(case: Case, dtype: str) -> tuple[dict, dict]:
+Arrays = dict[str, NDArray[np.float64]]
+
+
+def reference_for(case: Case, dtype: str) -> tuple[Arrays, Arrays]:
     """(rounded inputs, reference outputs) of ``case`` at ``dtype``."""
 
-    def compute():
+    def compute() -> tuple[Arrays, Arrays]:
         inputs = rounded_inputs(case, dtype)
         return inputs, reference_outputs(case, inputs)
 
     return _CACHE.get((case.id, case.seed, dtype, "output"), compute)
 
 
-def reference_vjp_for(case: Case, dtype: str) -> tuple[dict, dict]:
+def reference_vjp_for(case: Case, dtype: str) -> tuple[Arrays, dict[str, np.ndarray]]:
     """(cotangents, reference input cotangents) of ``case`` at ``dtype``."""
 
-    def compute():
+    def compute() -> tuple[Arrays, dict[str, np.ndarray]]:
         inputs, outputs = reference_for(case, dtype)
         cot = cotangents(case, outputs, dtype)
         return cot, REFERENCE.vjp(case.op, inputs, case.params, cot)
@@ -129,7 +137,7 @@ def reference_vjp_for(case: Case, dtype: str) -> tuple[dict, dict]:
     return _CACHE.get((case.id, case.seed, dtype, "gradient"), compute)
 
 
-def _summarise(result: CaseResult, comparisons: dict) -> CaseResult:
+def _summarise(result: CaseResult, comparisons: dict[str, Comparison]) -> CaseResult:
     failed = {n: c for n, c in comparisons.items() if not c.passed}
     worst = max(comparisons.values(), key=lambda c: c.ratio)
     result.error = worst.rel
@@ -149,7 +157,7 @@ def storage_dtype(dtype: str) -> str:
     return "float32" if dtype == "tf32" else dtype
 
 
-def returned_dtype(backend, x) -> str:
+def returned_dtype(backend: Backend, x: Any) -> str:
     """The dtype of a returned array in the kit's names: ``backend.dtype_name`` if it has one."""
     namer = getattr(backend, "dtype_name", None)
     if namer is not None:
@@ -157,7 +165,7 @@ def returned_dtype(backend, x) -> str:
     return np.asarray(backend.to_numpy(x)).dtype.name
 
 
-def _dtype_problem(backend, x, allowed: tuple[str, ...]) -> str:
+def _dtype_problem(backend: Backend, x: Any, allowed: tuple[str, ...]) -> str:
     got = returned_dtype(backend, x)
     if got in allowed:
         return ""
@@ -166,11 +174,11 @@ def _dtype_problem(backend, x, allowed: tuple[str, ...]) -> str:
     return f"wrong dtype {got}, expected {' or '.join(allowed)}"
 
 
-def _snapshot(backend, arrays: dict) -> dict[str, np.ndarray]:
+def _snapshot(backend: Backend, arrays: dict[str, Any]) -> dict[str, np.ndarray]:
     return {n: np.array(backend.to_numpy(x), copy=True) for n, x in arrays.items()}
 
 
-def _mutated(backend, arrays: dict, before: dict[str, np.ndarray]) -> list[str]:
+def _mutated(backend: Backend, arrays: dict[str, Any], before: dict[str, np.ndarray]) -> list[str]:
     """Names of the arrays whose values changed since the snapshot ``before``."""
     changed = []
     for name, x in arrays.items():
@@ -188,7 +196,7 @@ def _mutation_comparison(what: str, names: list[str]) -> Comparison:
     )
 
 
-def _run_output(backend, case: Case, dtype: str, result: CaseResult) -> CaseResult:
+def _run_output(backend: Backend, case: Case, dtype: str, result: CaseResult) -> CaseResult:
     inputs, ref = reference_for(case, dtype)
     native = native_inputs(backend, case, inputs, dtype)
     before = _snapshot(backend, native)
@@ -199,7 +207,9 @@ def _run_output(backend, case: Case, dtype: str, result: CaseResult) -> CaseResu
         if name == "kept_fraction":
             q = case.inputs["q"]
             total = q.shape[-2] * int(np.prod(q.shape[:-2]))
-            comparisons[name] = compare_count(backend.to_numpy(outs[name]), ref[name], total, tol)
+            comparisons[name] = compare_count(
+                backend.to_numpy(outs[name]), float(ref[name]), total, tol
+            )
             continue
         comparisons[name] = compare(
             backend.to_numpy(outs[name]), ref[name], tol, row_ndim=row_ndim(name)
@@ -214,7 +224,7 @@ def _run_output(backend, case: Case, dtype: str, result: CaseResult) -> CaseResu
     return _summarise(result, comparisons)
 
 
-def _run_gradient(backend, case: Case, dtype: str, result: CaseResult) -> CaseResult:
+def _run_gradient(backend: Backend, case: Case, dtype: str, result: CaseResult) -> CaseResult:
     spec = OPS[case.op]
     inputs, _ = reference_for(case, dtype)
     cot, ref = reference_vjp_for(case, dtype)
@@ -258,7 +268,7 @@ def _run_finite_difference(case: Case, result: CaseResult) -> CaseResult:
     direction = {n: rng.standard_normal(inputs[n].shape) for n in spec.differentiable}
     names = list(cot)
 
-    def forward(**kw):
+    def forward(**kw: NDArray[np.float64]) -> list[NDArray[np.float64]]:
         outs = reference_outputs(case, kw)
         return [outs[n] for n in names]
 
@@ -290,7 +300,7 @@ def repro_line(backend_name: str, case_id: str, dtype: str, device: str = "cpu")
 
 
 def run_case(
-    backend,
+    backend: Backend,
     case: Case,
     dtype: str,
     kind: str,
@@ -305,7 +315,7 @@ def run_case(
     float32 rows for a backend that declares only half precisions): a backend that refuses it
     (raises) is "not implemented"; one that accepts it is judged as usual.
     """
-    name = backend_name or getattr(backend, "name", "?")
+    name = backend_name or str(getattr(backend, "name", "?"))
     result = CaseResult(
         case.id,
         case.op,
@@ -378,7 +388,7 @@ class RunReport:
     device: str
     results: list[CaseResult]
     unmatched_skips: list[str]
-    versions: dict
+    versions: dict[str, str]
     seconds: float
     notes: list[str] = field(default_factory=list)
 
@@ -388,7 +398,7 @@ class RunReport:
 
 
 def run(
-    backend,
+    backend: Backend,
     cases: Iterable[Case],
     dtypes: Iterable[str],
     *,
@@ -405,7 +415,7 @@ def run(
     ``probes``: dtypes the backend does not declare but that are run anyway (see
     :func:`run_case`); :func:`probe_dtypes` says which are worth it.
     """
-    name = backend_name or getattr(backend, "name", "?")
+    name = backend_name or str(getattr(backend, "name", "?"))
     probes = [d for d in probes if d not in dtypes]
     work = plan(
         cases,
@@ -448,7 +458,7 @@ def run(
         "platform": sys.platform,
     }
     try:
-        versions.update(backend.versions())
+        versions.update(backend.versions())  # type: ignore[attr-defined]  # optional
     except Exception:  # versions() is optional
         pass
     notes = []
@@ -464,7 +474,7 @@ def run(
     )
 
 
-def probe_dtypes(backend) -> list[str]:
+def probe_dtypes(backend: Backend) -> list[str]:
     """["float32"] for a backend that declares only float16 / bfloat16 (or tf32), else []."""
     declared = set(getattr(backend, "dtypes", ()))
     return [] if declared & {"float32", "float64"} else ["float32"]

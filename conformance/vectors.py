@@ -18,13 +18,16 @@ import hashlib
 import json
 import math
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+from numpy.lib.npyio import NpzFile
 
 from .cases import GENERATOR_VERSION, Case, generate_cases
 from .metrics import Comparison, compare, compare_count, gradient_floors, row_ndim
-from .protocol import OPS
+from .protocol import OPS, Backend
 from .runner import REFERENCE, cotangents, reference_outputs, rounded_inputs
 from .tolerances import tolerance, wide_dtype
 
@@ -32,7 +35,7 @@ FORMAT = "attnspec-vectors"
 FORMAT_VERSION = 1
 
 
-def _json_param(value):
+def _json_param(value: object) -> object:
     if isinstance(value, tuple):
         return list(value)
     if isinstance(value, float) and not math.isfinite(value):
@@ -40,7 +43,7 @@ def _json_param(value):
     return value
 
 
-def _param_from_json(value):
+def _param_from_json(value: object) -> object:
     if isinstance(value, list):
         return tuple(value)  # cu_seqlens
     return float(value) if value in ("inf", "-inf") else value
@@ -55,7 +58,13 @@ def file_name(case_id: str, dtype: str) -> str:
     return f"{case_id.replace('/', '__')}.{dtype}.npz"
 
 
-def export(directory: str, *, dtypes=("float64", "float32"), ops=None, prefixes=None) -> dict:
+def export(
+    directory: str,
+    *,
+    dtypes: Iterable[str] = ("float64", "float32"),
+    ops: list[str] | None = None,
+    prefixes: list[str] | None = None,
+) -> dict[str, Any]:
     """Write vectors for every selected case and dtype; return the manifest."""
     os.makedirs(directory, exist_ok=True)
     entries = []
@@ -74,7 +83,7 @@ def export(directory: str, *, dtypes=("float64", "float32"), ops=None, prefixes=
     return manifest
 
 
-def _export_case(directory: str, case: Case, dtype: str) -> dict:
+def _export_case(directory: str, case: Case, dtype: str) -> dict[str, Any]:
     spec = OPS[case.op]
     inputs = rounded_inputs(case, dtype)
     outs = reference_outputs(case, inputs)
@@ -89,7 +98,7 @@ def _export_case(directory: str, case: Case, dtype: str) -> dict:
         tolerances["gradient"] = tolerance(case.op, dtype, "gradient")
     name = file_name(case.id, dtype)
     path = os.path.join(directory, name)
-    np.savez(path, **arrays)
+    np.savez(path, **arrays)  # type: ignore[arg-type]  # mypy matches **arrays to allow_pickle
     return {
         "id": case.id,
         "op": case.op,
@@ -113,7 +122,7 @@ class VectorResult:
     worst_ratio: float = 0.0
 
 
-def load_manifest(directory: str) -> dict:
+def load_manifest(directory: str) -> dict[str, Any]:
     path = os.path.join(directory, "manifest.json")
     if not os.path.isfile(path):
         raise ValueError(f"vectors: no manifest.json in {directory!r}")
@@ -151,7 +160,7 @@ def check(directory: str, results: str) -> list[VectorResult]:
     return verdicts
 
 
-def _score(entry: dict, vector, result) -> VectorResult:
+def _score(entry: dict[str, Any], vector: NpzFile, result: NpzFile) -> VectorResult:
     """The runner's comparisons: rows, gradient floors and the kept fraction as a count."""
     comparisons: dict[str, Comparison] = {}
     grads = {k[5:]: vector[k] for k in vector.files if k.startswith("grad.")}
@@ -185,7 +194,7 @@ def _score(entry: dict, vector, result) -> VectorResult:
     return VectorResult(entry["id"], entry["dtype"], "passed", "", worst)
 
 
-def write_results_from_backend(directory: str, results: str, backend) -> None:
+def write_results_from_backend(directory: str, results: str, backend: Backend) -> None:
     """Produce a results directory with a Python backend (used to test the format end to end)."""
     from .protocol import call_op
 
@@ -207,4 +216,4 @@ def write_results_from_backend(directory: str, results: str, backend) -> None:
         if cots:
             grads = backend.vjp(entry["op"], native, params, cots)
             arrays.update({f"grad.{n}": backend.to_numpy(g) for n, g in grads.items()})
-        np.savez(os.path.join(results, entry["file"]), **arrays)
+        np.savez(os.path.join(results, entry["file"]), **arrays)  # type: ignore[arg-type]  # as above

@@ -13,9 +13,11 @@ few (n, T, T) float64 arrays at once (8 n T^2 bytes each), e.g. about 1.1 GB for
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Mapping
+from typing import Any, Literal, NamedTuple, overload
 
 import numpy as np
+from numpy.typing import ArrayLike, NDArray
 from scipy.special import logsumexp
 
 from .validation import (
@@ -31,7 +33,9 @@ from .validation import (
 # Validation
 
 
-def _check_qkv(q, k, v, *, scale) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+def _check_qkv(
+    q: ArrayLike, k: ArrayLike, v: ArrayLike, *, scale: float | None
+) -> tuple[NDArray[np.float64], NDArray[np.float64], NDArray[np.float64], float]:
     q = real_array("q", q, min_ndim=2)
     *lead, T, dk = q.shape
     k = real_array("k", k, min_ndim=2)
@@ -52,7 +56,7 @@ OUTPUT_OVERFLOW = "v: the output sum_j p_ij v_j overflows float64; rescale v"
 GRADIENT_OVERFLOW = "q, k, v, d_out: the gradients overflow float64; rescale the inputs"
 
 
-def _log_max_norm(x: np.ndarray) -> float:
+def _log_max_norm(x: NDArray[np.float64]) -> float:
     """log max_i ||x_i|| over the last axis, without overflowing on the squares."""
     top = np.abs(x).max()
     if top == 0:
@@ -60,7 +64,7 @@ def _log_max_norm(x: np.ndarray) -> float:
     return float(np.log(top) + 0.5 * np.log(np.max(np.sum((x / top) ** 2, axis=-1))))
 
 
-def _check_logit_bound(q: np.ndarray, k: np.ndarray, s: float) -> None:
+def _check_logit_bound(q: NDArray[np.float64], k: NDArray[np.float64], s: float) -> None:
     """Require |s| max ||q_i|| max ||k_j|| < LOGIT_LIMIT, which bounds every |s <q_i, k_j>| and
     its partial sums (Cauchy-Schwarz): past it the logits overflow to inf and then NaN."""
     if s == 0:
@@ -74,20 +78,34 @@ def _check_logit_bound(q: np.ndarray, k: np.ndarray, s: float) -> None:
         )
 
 
-def _check_per_token(name: str, x, q: np.ndarray) -> np.ndarray:
+def _check_per_token(name: str, x: ArrayLike, q: NDArray[np.float64]) -> NDArray[np.float64]:
     x = real_array(name, x, min_ndim=1)
     check_shape(name, x, q.shape[:-1], "leading dims and T of q")
     return x
 
 
-def _check_fpa(q, k, v, field, level, scale):
+def _check_fpa(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    field: ArrayLike,
+    level: ArrayLike,
+    scale: float | None,
+) -> tuple[
+    NDArray[np.float64],
+    NDArray[np.float64],
+    NDArray[np.float64],
+    NDArray[np.float64],
+    NDArray[np.float64],
+    float,
+]:
     q, k, v, s = _check_qkv(q, k, v, scale=scale)
     field = _check_per_token("field", field, q)
     level = _check_per_token("level", level, q)
     return q, k, v, field, level, s
 
 
-def _check_log_f(log_f, q: np.ndarray) -> np.ndarray:
+def _check_log_f(log_f: ArrayLike, q: NDArray[np.float64]) -> NDArray[np.float64]:
     log_f = _check_per_token("log_f", log_f, q)
     if (log_f > 0).any():
         index = tuple(int(i) for i in np.argwhere(log_f > 0)[0])
@@ -109,12 +127,12 @@ def _check_log_f(log_f, q: np.ndarray) -> np.ndarray:
 # The operator, vectorised (F1)-(F5)
 
 
-def _causal(T: int) -> np.ndarray:
+def _causal(T: int) -> NDArray[np.bool_]:
     """Boolean (T, T), True where j <= i."""
     return np.tril(np.ones((T, T), dtype=bool))
 
 
-def segment_min(field: np.ndarray) -> np.ndarray:
+def segment_min(field: ArrayLike) -> NDArray[np.float64]:
     """(F1) segment minimum m[..., i, j] = min_{j < t <= i} field[..., t].
 
     Args:
@@ -136,7 +154,7 @@ def segment_min(field: np.ndarray) -> np.ndarray:
     # --8<-- [end:f1]
 
 
-def descent_depth(field: np.ndarray, level: np.ndarray) -> np.ndarray:
+def descent_depth(field: ArrayLike, level: ArrayLike) -> NDArray[np.float64]:
     """(F2) descent depth pi[..., i, j] = max(0, level_j - m_ij); zero on and above the diagonal.
 
     Args:
@@ -156,7 +174,9 @@ def descent_depth(field: np.ndarray, level: np.ndarray) -> np.ndarray:
     # --8<-- [end:f2]
 
 
-def _attend(logits: np.ndarray, v: np.ndarray):
+def _attend(
+    logits: NDArray[np.float64], v: NDArray[np.float64]
+) -> tuple[NDArray[np.float64], NDArray[np.float64], NDArray[np.float64]]:
     """(F4)-(F5) causal softmax of ``logits`` (..., T, T) and the weighted sum of v (..., T, dv)."""
     T = logits.shape[-1]
     # --8<-- [start:f4]
@@ -169,7 +189,49 @@ def _attend(logits: np.ndarray, v: np.ndarray):
     return p, lse, finite_result(o, OUTPUT_OVERFLOW)
 
 
-def fpa_attention(q, k, v, field, level, *, scale: float | None = None, return_lse: bool = False):
+@overload
+def fpa_attention(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    field: ArrayLike,
+    level: ArrayLike,
+    *,
+    scale: float | None = None,
+    return_lse: Literal[False] = False,
+) -> NDArray[np.float64]: ...
+@overload
+def fpa_attention(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    field: ArrayLike,
+    level: ArrayLike,
+    *,
+    scale: float | None = None,
+    return_lse: Literal[True],
+) -> tuple[NDArray[np.float64], NDArray[np.float64]]: ...
+@overload
+def fpa_attention(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    field: ArrayLike,
+    level: ArrayLike,
+    *,
+    scale: float | None = None,
+    return_lse: bool = False,
+) -> NDArray[np.float64] | tuple[NDArray[np.float64], NDArray[np.float64]]: ...
+def fpa_attention(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    field: ArrayLike,
+    level: ArrayLike,
+    *,
+    scale: float | None = None,
+    return_lse: bool = False,
+) -> NDArray[np.float64] | tuple[NDArray[np.float64], NDArray[np.float64]]:
     """First Passage Attention, (F1)-(F5).
 
     Args:
@@ -198,9 +260,49 @@ def fpa_attention(q, k, v, field, level, *, scale: float | None = None, return_l
     return (o, lse) if return_lse else o
 
 
+@overload
 def fpa_attention_loops(
-    q, k, v, field, level, *, scale: float | None = None, return_lse: bool = False
-):
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    field: ArrayLike,
+    level: ArrayLike,
+    *,
+    scale: float | None = None,
+    return_lse: Literal[False] = False,
+) -> NDArray[np.float64]: ...
+@overload
+def fpa_attention_loops(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    field: ArrayLike,
+    level: ArrayLike,
+    *,
+    scale: float | None = None,
+    return_lse: Literal[True],
+) -> tuple[NDArray[np.float64], NDArray[np.float64]]: ...
+@overload
+def fpa_attention_loops(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    field: ArrayLike,
+    level: ArrayLike,
+    *,
+    scale: float | None = None,
+    return_lse: bool = False,
+) -> NDArray[np.float64] | tuple[NDArray[np.float64], NDArray[np.float64]]: ...
+def fpa_attention_loops(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    field: ArrayLike,
+    level: ArrayLike,
+    *,
+    scale: float | None = None,
+    return_lse: bool = False,
+) -> NDArray[np.float64] | tuple[NDArray[np.float64], NDArray[np.float64]]:
     """The definition read aloud: (F1)-(F5) as nested loops, one scalar at a time.
 
     Same contract as :func:`fpa_attention`. Cost: O(n T^3 + n T^2 (dk + dv)) time in Python
@@ -232,7 +334,45 @@ def fpa_attention_loops(
 # FoX, the special case (F6)
 
 
-def fox_attention(q, k, v, log_f, *, scale: float | None = None, return_lse: bool = False):
+@overload
+def fox_attention(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    log_f: ArrayLike,
+    *,
+    scale: float | None = None,
+    return_lse: Literal[False] = False,
+) -> NDArray[np.float64]: ...
+@overload
+def fox_attention(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    log_f: ArrayLike,
+    *,
+    scale: float | None = None,
+    return_lse: Literal[True],
+) -> tuple[NDArray[np.float64], NDArray[np.float64]]: ...
+@overload
+def fox_attention(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    log_f: ArrayLike,
+    *,
+    scale: float | None = None,
+    return_lse: bool = False,
+) -> NDArray[np.float64] | tuple[NDArray[np.float64], NDArray[np.float64]]: ...
+def fox_attention(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    log_f: ArrayLike,
+    *,
+    scale: float | None = None,
+    return_lse: bool = False,
+) -> NDArray[np.float64] | tuple[NDArray[np.float64], NDArray[np.float64]]:
     """Forgetting Transformer attention through (F6): FPA with field = level = cumsum(log_f).
 
     Args:
@@ -252,7 +392,7 @@ def fox_attention(q, k, v, log_f, *, scale: float | None = None, return_lse: boo
     # --8<-- [end:f6]
 
 
-def _fox_decay(log_f: np.ndarray) -> np.ndarray:
+def _fox_decay(log_f: NDArray[np.float64]) -> NDArray[np.float64]:
     """FoX decay bias D_ij = sum_{l=j+1..i} log f_l (0 for j >= i), summed term by term.
 
     Row i holds log f_l for l <= i; summing it from the right gives every D_ij of the row, so
@@ -266,7 +406,45 @@ def _fox_decay(log_f: np.ndarray) -> np.ndarray:
     # --8<-- [end:fox-decay]
 
 
-def fox_attention_direct(q, k, v, log_f, *, scale: float | None = None, return_lse=False):
+@overload
+def fox_attention_direct(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    log_f: ArrayLike,
+    *,
+    scale: float | None = None,
+    return_lse: Literal[False] = False,
+) -> NDArray[np.float64]: ...
+@overload
+def fox_attention_direct(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    log_f: ArrayLike,
+    *,
+    scale: float | None = None,
+    return_lse: Literal[True],
+) -> tuple[NDArray[np.float64], NDArray[np.float64]]: ...
+@overload
+def fox_attention_direct(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    log_f: ArrayLike,
+    *,
+    scale: float | None = None,
+    return_lse: bool = False,
+) -> NDArray[np.float64] | tuple[NDArray[np.float64], NDArray[np.float64]]: ...
+def fox_attention_direct(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    log_f: ArrayLike,
+    *,
+    scale: float | None = None,
+    return_lse: bool = False,
+) -> NDArray[np.float64] | tuple[NDArray[np.float64], NDArray[np.float64]]:
     """FoX written from its own formula: a_ij = s <q_i, k_j> + sum_{l=j+1..i} log f_l.
 
     Independent of (F1)-(F2); :func:`fox_attention` must agree with it to rounding. Same
@@ -287,23 +465,23 @@ def fox_attention_direct(q, k, v, log_f, *, scale: float | None = None, return_l
 class FPAGrads(NamedTuple):
     """Input cotangents of :func:`fpa_attention`, shaped like the inputs."""
 
-    dq: np.ndarray
-    dk: np.ndarray
-    dv: np.ndarray
-    dfield: np.ndarray
-    dlevel: np.ndarray
+    dq: NDArray[np.float64]
+    dk: NDArray[np.float64]
+    dv: NDArray[np.float64]
+    dfield: NDArray[np.float64]
+    dlevel: NDArray[np.float64]
 
 
 class FoXGrads(NamedTuple):
     """Input cotangents of FoX attention, shaped like the inputs."""
 
-    dq: np.ndarray
-    dk: np.ndarray
-    dv: np.ndarray
-    dlog_f: np.ndarray
+    dq: NDArray[np.float64]
+    dk: NDArray[np.float64]
+    dv: NDArray[np.float64]
+    dlog_f: NDArray[np.float64]
 
 
-def segment_argmin(field: np.ndarray) -> np.ndarray:
+def segment_argmin(field: ArrayLike) -> NDArray[np.int64]:
     """t*_ij of (G3): the LATEST t in (j, i] with field_t = m_ij; -1 where j >= i.
 
     Args:
@@ -327,7 +505,13 @@ def segment_argmin(field: np.ndarray) -> np.ndarray:
     return tstar
 
 
-def _logit_cotangent(p, o, v, d_out, d_lse):
+def _logit_cotangent(
+    p: NDArray[np.float64],
+    o: NDArray[np.float64],
+    v: NDArray[np.float64],
+    d_out: NDArray[np.float64],
+    d_lse: NDArray[np.float64] | None,
+) -> NDArray[np.float64]:
     """G_ij = p_ij (<dO_i, v_j> - <dO_i, o_i>) (+ p_ij dLSE_i by (G4))."""
     # --8<-- [start:g4]
     delta = np.sum(d_out * o, axis=-1)  # (..., T)
@@ -338,11 +522,16 @@ def _logit_cotangent(p, o, v, d_out, d_lse):
     return G
 
 
-def _finite_grads(*grads: np.ndarray) -> tuple[np.ndarray, ...]:
+def _finite_grads(*grads: NDArray[np.float64]) -> tuple[NDArray[np.float64], ...]:
     return tuple(finite_result(g, GRADIENT_OVERFLOW) for g in grads)
 
 
-def _check_cotangents(d_out, d_lse, o_shape, lse_shape):
+def _check_cotangents(
+    d_out: ArrayLike,
+    d_lse: ArrayLike | None,
+    o_shape: tuple[int, ...],
+    lse_shape: tuple[int, ...],
+) -> tuple[NDArray[np.float64], NDArray[np.float64] | None]:
     d_out = real_array("d_out", d_out, min_ndim=2)
     check_shape("d_out", d_out, o_shape, "shape of the output o")
     if d_lse is not None:
@@ -352,7 +541,15 @@ def _check_cotangents(d_out, d_lse, o_shape, lse_shape):
 
 
 def fpa_attention_vjp(
-    q, k, v, field, level, d_out, *, scale: float | None = None, d_lse=None
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    field: ArrayLike,
+    level: ArrayLike,
+    d_out: ArrayLike,
+    *,
+    scale: float | None = None,
+    d_lse: ArrayLike | None = None,
 ) -> FPAGrads:
     """Hand-written backward of :func:`fpa_attention`, (G1)-(G4).
 
@@ -401,7 +598,15 @@ def fpa_attention_vjp(
     return FPAGrads(*_finite_grads(dq, dk, dv, dfield, dlevel))
 
 
-def fox_attention_vjp(q, k, v, log_f, d_out, *, scale: float | None = None) -> FoXGrads:
+def fox_attention_vjp(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    log_f: ArrayLike,
+    d_out: ArrayLike,
+    *,
+    scale: float | None = None,
+) -> FoXGrads:
     """Backward of FoX from its own formula: dL/dlog f_l = sum_{(i, j): j < l <= i} G_ij.
 
     An independent witness for the tie conventions: FPA gradients chained through (F6) must equal
@@ -438,7 +643,7 @@ def fox_attention_vjp(q, k, v, log_f, d_out, *, scale: float | None = None) -> F
 # Liveness and the stack theorem (spec section 4)
 
 
-def live_keys(field, level) -> np.ndarray:
+def live_keys(field: ArrayLike, level: ArrayLike) -> NDArray[np.bool_]:
     """Key j is live at query i iff j <= i and pi_ij = 0 (weak inequality l_j <= m_ij).
 
     Args:
@@ -454,7 +659,7 @@ def live_keys(field, level) -> np.ndarray:
     return (pi == 0.0) & _causal(T)
 
 
-def stack_live_keys(field) -> np.ndarray:
+def stack_live_keys(field: ArrayLike) -> NDArray[np.bool_]:
     """(T1) the live keys when level = field, by the monotonic-stack algorithm (not the definition).
 
     At each step pop every key whose field value is strictly above the new value, then push the
@@ -502,11 +707,11 @@ class FPADecoder:
     memory held.
     """
 
-    def __init__(self, *, scale: float, theta: float = np.inf):
+    def __init__(self, *, scale: float, theta: float = np.inf) -> None:
         self.scale = scalar("scale", scale)
         self.theta = scalar("theta", theta, positive=True, allow_inf=True)
-        self.keys: list[np.ndarray] = []
-        self.values: list[np.ndarray] = []
+        self.keys: list[NDArray[np.float64]] = []
+        self.values: list[NDArray[np.float64]] = []
         self.levels: list[float] = []
         self.mins: list[float] = []
         self.positions: list[int] = []
@@ -522,7 +727,9 @@ class FPADecoder:
         """Peak cache size over the tokens seen so far (1.0 without eviction)."""
         return self.peak_cache_size / max(self.steps, 1)
 
-    def step(self, q, k, v, field: float, level: float) -> np.ndarray:
+    def step(
+        self, q: ArrayLike, k: ArrayLike, v: ArrayLike, field: float, level: float
+    ) -> NDArray[np.float64]:
         """Consume token t = ``self.steps`` and return its output o_t, shape (dv,).
 
         Args:
@@ -551,7 +758,14 @@ class FPADecoder:
             depth = max(0.0, self.levels[n] - self.mins[n])  # (F2)
             if not depth >= self.theta:  # evict when pi_j >= theta; by (T2) for good
                 kept.append(n)
-        for store in (self.keys, self.values, self.levels, self.mins, self.positions):
+        stores: tuple[list[Any], ...] = (
+            self.keys,
+            self.values,
+            self.levels,
+            self.mins,
+            self.positions,
+        )
+        for store in stores:
             store[:] = [store[n] for n in kept]
 
         self.keys.append(k)
@@ -580,13 +794,20 @@ class DecodeResult(NamedTuple):
     full KV cache that must be allocated).
     """
 
-    o: np.ndarray
-    cache_sizes: np.ndarray
+    o: NDArray[np.float64]
+    cache_sizes: NDArray[np.int64]
     kept_fraction: float
 
 
 def fpa_decode(
-    q, k, v, field, level, *, theta: float = np.inf, scale: float | None = None
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    field: ArrayLike,
+    level: ArrayLike,
+    *,
+    theta: float = np.inf,
+    scale: float | None = None,
 ) -> DecodeResult:
     """(F7) streaming decode of every (batch, head) sequence with :class:`FPADecoder`.
 
@@ -642,7 +863,7 @@ def eviction_threshold(bound_logit: float, n_keys: int, eps: float) -> float:
 # Tiled computation (spec section 7), for kernel writers
 
 
-def segment_min_tiled(field, block: int) -> np.ndarray:
+def segment_min_tiled(field: ArrayLike, block: int) -> NDArray[np.float64]:
     """(F1) assembled tile by tile, as a blocked kernel computes it; equals :func:`segment_min`.
 
     For a key block [j0, j1] strictly before a query block [i0, i1]:
@@ -685,7 +906,9 @@ def segment_min_tiled(field, block: int) -> np.ndarray:
     return m
 
 
-def tile_skippable(field, level, keys: tuple[int, int], query_start: int, theta: float) -> bool:
+def tile_skippable(
+    field: ArrayLike, level: ArrayLike, keys: tuple[int, int], query_start: int, theta: float
+) -> bool:
     """Section 7: may the key block [j0, j1] be skipped for every query at or after i0?
 
     True when min_j l_j - min phi over (j1, i0] >= theta: then pi_ij >= theta for every key of
@@ -733,7 +956,9 @@ FPA_PARAMETER_SCHEMA = {
 }
 
 
-def init_fpa_params(d: int, H: int, dk: int, dv: int, seed: int = 0) -> dict[str, np.ndarray]:
+def init_fpa_params(
+    d: int, H: int, dk: int, dv: int, seed: int = 0
+) -> dict[str, NDArray[np.float64]]:
     """Parameters of :func:`fpa_layer` (:data:`FPA_PARAMETER_SCHEMA`), normal / sqrt(fan-in).
 
     d, H, dk, dv: integers >= 1. Returns float64 arrays shaped as the schema says.
@@ -754,7 +979,9 @@ def init_fpa_params(d: int, H: int, dk: int, dv: int, seed: int = 0) -> dict[str
     }
 
 
-def fpa_layer(x, params: dict, *, increments: str = "signed") -> np.ndarray:
+def fpa_layer(
+    x: ArrayLike, params: Mapping[str, ArrayLike], *, increments: str = "signed"
+) -> NDArray[np.float64]:
     """Multi-head FPA layer: x (B, T, d) -> y (B, T, d).
 
     Per head: delta_t = x_t . w_delta + b_delta (signed; ``increments="logsigmoid"`` gives the
@@ -796,7 +1023,9 @@ def fpa_layer(x, params: dict, *, increments: str = "signed") -> np.ndarray:
     for name, shape in expected.items():
         check_shape(f"params[{name!r}]", P[name], shape, FPA_PARAMETER_SCHEMA[name])
 
-    def heads(y, width):  # (B, T, H*width) -> (B, H, T, width)
+    def heads(
+        y: NDArray[np.float64], width: int
+    ) -> NDArray[np.float64]:  # (B, T, H*width) -> (B, H, T, width)
         return np.swapaxes(y.reshape(*y.shape[:-1], H, width), -2, -3)
 
     delta = x @ P["w_delta"] + P["b_delta"]  # (B, T, H)

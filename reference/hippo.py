@@ -12,12 +12,13 @@ from functools import lru_cache
 
 import numpy as np
 from numpy.polynomial import legendre
+from numpy.typing import ArrayLike, NDArray
 from scipy.linalg import expm, solve_triangular
 
 from .validation import check_shape, finite_result, positive_int, real_array, scalar
 
 
-def legs_transition(M: int) -> tuple[np.ndarray, np.ndarray]:
+def legs_transition(M: int) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
     """(I4) the HiPPO-LegS matrices.
 
     A_nk = sqrt(2n+1) sqrt(2k+1) if n > k; n + 1 if n = k; 0 if n < k.  B_n = sqrt(2n+1).
@@ -33,7 +34,7 @@ def legs_transition(M: int) -> tuple[np.ndarray, np.ndarray]:
     return A, r.copy()
 
 
-def legt_transition(M: int, theta: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+def legt_transition(M: int, theta: float = 1.0) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
     """HiPPO-LegT (sliding window of length theta, the LMU form) for dc/dt = -A c + B f.
 
     A_nk = (2n+1)/theta * ((-1)^(n-k) if n >= k else 1),  B_n = (2n+1) (-1)^n / theta.
@@ -52,11 +53,11 @@ def legt_transition(M: int, theta: float = 1.0) -> tuple[np.ndarray, np.ndarray]
     k = np.arange(M)[None, :]
     A = (2 * n + 1.0) * np.where(n >= k, (-1.0) ** (n - k), 1.0) / theta
     B = (2 * np.arange(M) + 1.0) * (-1.0) ** np.arange(M) / theta
-    return A, B
+    return A, B  # type: ignore[return-value]  # numpy's stubs widen int * float to floating[Any]
 
 
 @lru_cache(maxsize=4096)
-def _legs_step_cached(n: int, M: int) -> tuple[np.ndarray, np.ndarray]:
+def _legs_step_cached(n: int, M: int) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
     A, B = legs_transition(M)
     # --8<-- [start:i5]
     A_inv_B = solve_triangular(A, B, lower=True)
@@ -68,7 +69,7 @@ def _legs_step_cached(n: int, M: int) -> tuple[np.ndarray, np.ndarray]:
     return E, F
 
 
-def legs_step(n: int, M: int) -> tuple[np.ndarray, np.ndarray]:
+def legs_step(n: int, M: int) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
     """(I5) the exact LegS step for token n (1-based) with piecewise-constant input.
 
     c_n = E_n c_{n-1} + F_n f_n with E_n = expm(-A log(n/(n-1))), F_n = A^{-1} (I - E_n) B;
@@ -85,7 +86,7 @@ def legs_step(n: int, M: int) -> tuple[np.ndarray, np.ndarray]:
     return E.copy(), F.copy()
 
 
-def legs_project(f, M: int) -> np.ndarray:
+def legs_project(f: ArrayLike, M: int) -> NDArray[np.float64]:
     """Causal LegS projection of a token sequence by the recurrence (I5).
 
     Args:
@@ -111,7 +112,7 @@ def legs_project(f, M: int) -> np.ndarray:
     return c.reshape(f.shape[0], M, *f.shape[1:])
 
 
-def legs_project_vjp(f_shape: tuple[int, ...], dc) -> np.ndarray:
+def legs_project_vjp(f_shape: tuple[int, ...], dc: ArrayLike) -> NDArray[np.float64]:
     """Adjoint of :func:`legs_project` (linear in f): g_n = dc_n + E_{n+1}^T g_{n+1}, reversed.
 
     Args:
@@ -140,7 +141,7 @@ def legs_project_vjp(f_shape: tuple[int, ...], dc) -> np.ndarray:
     return df.reshape(f_shape)
 
 
-def legs_project_closed_form(f, M: int) -> np.ndarray:
+def legs_project_closed_form(f: ArrayLike, M: int) -> NDArray[np.float64]:
     """The LegS projection integral, evaluated with Legendre antiderivatives (witness for (I5)).
 
     c_m(N) = (sqrt(2m+1)/N) sum_n f_n int_{n-1}^{n} P_m(2s/N - 1) ds
@@ -162,7 +163,7 @@ def legs_project_closed_form(f, M: int) -> np.ndarray:
     return out.reshape(T, M, *f.shape[1:])
 
 
-def legs_reconstruct(c, t: float, x) -> np.ndarray:
+def legs_reconstruct(c: ArrayLike, t: float, x: ArrayLike) -> NDArray[np.float64]:
     """Evaluate sum_m c_m g_m(x), g_m(x) = sqrt(2m+1) P_m(2x/t - 1), at points x in [0, t].
 
     Args:
@@ -182,7 +183,9 @@ def legs_reconstruct(c, t: float, x) -> np.ndarray:
     return legendre.legval(2 * x / t - 1, c * scale)
 
 
-def discretize(A, B, dt: float, method: str = "zoh") -> tuple[np.ndarray, np.ndarray]:
+def discretize(
+    A: ArrayLike, B: ArrayLike, dt: float, method: str = "zoh"
+) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
     """Discretise dx/dt = A x + B u with step dt.
 
     zoh: Ad = expm(A dt), Bd = int_0^dt expm(A s) ds B (the upper-right block of the expm of
@@ -228,7 +231,7 @@ def discretize(A, B, dt: float, method: str = "zoh") -> tuple[np.ndarray, np.nda
     return finite_result(Ad, overflow), finite_result(Bd, overflow).reshape(B.shape)
 
 
-def discrete_orthonormal_basis(T: int, M: int) -> np.ndarray:
+def discrete_orthonormal_basis(T: int, M: int) -> NDArray[np.float64]:
     """(I7) G (T, M): orthonormal columns under uniform weights 1/T, first column constant 1.
 
     Column m spans the polynomials of degree <= m in x_t = 2t/T - 1 (t = 1..T). The QR is taken
@@ -248,7 +251,7 @@ def discrete_orthonormal_basis(T: int, M: int) -> np.ndarray:
     # --8<-- [end:i7]
 
 
-def s4d_init(M: int, kind: str = "inv") -> tuple[np.ndarray, np.ndarray]:
+def s4d_init(M: int, kind: str = "inv") -> tuple[NDArray[np.float64], NDArray[np.float64]]:
     """S4D diagonal initialisations: a = -exp(a_log) + i a_im with a_log = log(1/2).
 
     inv: a_im[n] = (N/pi) (N/(2n+1) - 1), N = 2M (the upper halves of N = 2M conjugate pairs).

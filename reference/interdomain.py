@@ -15,13 +15,16 @@ gradient is dL/dRe(z) + i dL/dIm(z) (the real-pair gradient packed as one comple
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 import numpy as np
+from numpy.typing import ArrayLike, NDArray
 from scipy.special import expit
 
 from .hippo import discrete_orthonormal_basis, legs_project, legs_project_vjp, s4d_init
 from .validation import (
+    ScalarT,
     check_shape,
     complex_array,
     finite_result,
@@ -34,7 +37,12 @@ from .validation import (
 # Validation
 
 
-def _check_fq_fk_v(fq, fk, v, names=("fq", "fk", "v")):
+def _check_fq_fk_v(
+    fq: ArrayLike,
+    fk: ArrayLike,
+    v: ArrayLike,
+    names: tuple[str, str, str] = ("fq", "fk", "v"),
+) -> tuple[NDArray[np.float64], NDArray[np.float64], NDArray[np.float64]]:
     fq = real_array(names[0], fq, min_ndim=2)
     *lead, T, R = fq.shape
     fk = real_array(names[1], fk, min_ndim=2)
@@ -54,7 +62,7 @@ def _check_readout(readout: str) -> str:
     return readout
 
 
-def _ratio(num: np.ndarray, den: np.ndarray, names: str) -> np.ndarray:
+def _ratio(num: NDArray[np.float64], den: NDArray[np.float64], names: str) -> NDArray[np.float64]:
     """num (..., T, dv) / den (..., T) row by row; a zero denominator is a ValueError [decision]."""
     zero = den == 0
     if zero.any():
@@ -68,7 +76,7 @@ def _ratio(num: np.ndarray, den: np.ndarray, names: str) -> np.ndarray:
     return finite_result(o, f"{names}: the ratio readout overflows float64 (denominator near 0)")
 
 
-def _finite_output(o: np.ndarray, names: str, what: str = "output") -> np.ndarray:
+def _finite_output(o: NDArray[ScalarT], names: str, what: str = "output") -> NDArray[ScalarT]:
     return finite_result(o, f"{names}: the {what} overflows float64; rescale the inputs")
 
 
@@ -76,7 +84,7 @@ def _finite_output(o: np.ndarray, names: str, what: str = "output") -> np.ndarra
 # The idealised mechanism (I1)-(I7)
 
 
-def linear_attention(fq, fk, v) -> np.ndarray:
+def linear_attention(fq: ArrayLike, fk: ArrayLike, v: ArrayLike) -> NDArray[np.float64]:
     """(I1) causal linear attention o_i = sum_{n<=i} (fq_i . fk_n) v_n / sum_{n<=i} fq_i . fk_n.
 
     Args:
@@ -101,12 +109,12 @@ class Coefficients(NamedTuple):
     """(I2) the causal coefficients after each token: U (..., T, M, R), Gamma (..., T, M, dv),
     eta (..., T, M)."""
 
-    U: np.ndarray
-    Gamma: np.ndarray
-    eta: np.ndarray
+    U: NDArray[np.float64]
+    Gamma: NDArray[np.float64]
+    eta: NDArray[np.float64]
 
 
-def basis_coefficients(fk, v, M: int) -> Coefficients:
+def basis_coefficients(fk: ArrayLike, v: ArrayLike, M: int) -> Coefficients:
     """(I2)/(I5) project xi(k), v and the constant 1 onto the LegS basis, causally.
 
     Args:
@@ -135,7 +143,7 @@ def basis_coefficients(fk, v, M: int) -> Coefficients:
     # --8<-- [end:i2]
 
 
-def ratio_readout(fq, coeffs: Coefficients) -> np.ndarray:
+def ratio_readout(fq: ArrayLike, coeffs: Coefficients) -> NDArray[np.float64]:
     """(I3) o_i = sum_m (fq_i . u_m) gamma_m / sum_m (fq_i . u_m) eta_m, row by row.
 
     Args:
@@ -158,7 +166,9 @@ def ratio_readout(fq, coeffs: Coefficients) -> np.ndarray:
     return _ratio_readout(fq, Coefficients(U, Gamma, eta), "fq, coeffs")
 
 
-def _ratio_readout(fq: np.ndarray, coeffs: Coefficients, names: str) -> np.ndarray:
+def _ratio_readout(
+    fq: NDArray[np.float64], coeffs: Coefficients, names: str
+) -> NDArray[np.float64]:
     """(I3) without validation: a = U_i fq_i, then the two sums over m and their ratio."""
     # --8<-- [start:i3]
     a = np.einsum("...tmr,...tr->...tm", coeffs.U, fq)  # (..., T, M) = U_i fq_i
@@ -168,7 +178,7 @@ def _ratio_readout(fq: np.ndarray, coeffs: Coefficients, names: str) -> np.ndarr
     # --8<-- [end:i3]
 
 
-def interdomain_legs(fq, fk, v, M: int) -> np.ndarray:
+def interdomain_legs(fq: ArrayLike, fk: ArrayLike, v: ArrayLike, M: int) -> NDArray[np.float64]:
     """Interdomain attention with the LegS basis: (I2) coefficients, (I3) ratio readout.
 
     Args:
@@ -185,7 +195,7 @@ def interdomain_legs(fq, fk, v, M: int) -> np.ndarray:
     return _ratio_readout(fq, basis_coefficients(fk, v, M), "fq, fk")
 
 
-def discrete_coefficients(fk, v, M: int) -> Coefficients:
+def discrete_coefficients(fk: ArrayLike, v: ArrayLike, M: int) -> Coefficients:
     """(I7) coefficients on the discrete orthonormal basis of each prefix [decision: causal].
 
     At position i the history 0..i is projected on G_i = discrete_orthonormal_basis(i+1,
@@ -213,7 +223,7 @@ def discrete_coefficients(fk, v, M: int) -> Coefficients:
     return Coefficients(U, Gamma, eta)
 
 
-def interdomain_discrete(fq, fk, v, M: int) -> np.ndarray:
+def interdomain_discrete(fq: ArrayLike, fk: ArrayLike, v: ArrayLike, M: int) -> NDArray[np.float64]:
     """(I3) with the discrete basis (I7); with M >= T it equals :func:`linear_attention` exactly.
 
     Same contract as :func:`interdomain_legs`. Cost: that of :func:`discrete_coefficients`.
@@ -225,12 +235,14 @@ def interdomain_discrete(fq, fk, v, M: int) -> np.ndarray:
 class LegsGrads(NamedTuple):
     """Input cotangents of :func:`interdomain_legs`, shaped like the inputs."""
 
-    dfq: np.ndarray
-    dfk: np.ndarray
-    dv: np.ndarray
+    dfq: NDArray[np.float64]
+    dfk: NDArray[np.float64]
+    dv: NDArray[np.float64]
 
 
-def interdomain_legs_vjp(fq, fk, v, M: int, d_out) -> LegsGrads:
+def interdomain_legs_vjp(
+    fq: ArrayLike, fk: ArrayLike, v: ArrayLike, M: int, d_out: ArrayLike
+) -> LegsGrads:
     """Hand-written backward of :func:`interdomain_legs`.
 
     With a_i = U_i fq_i, num_i = Gamma_i^T a_i, den_i = eta_i . a_i, o_i = num_i / den_i:
@@ -276,7 +288,7 @@ def interdomain_legs_vjp(fq, fk, v, M: int, d_out) -> LegsGrads:
 # The scalable layer: pieces (I8)-(I10)
 
 
-def short_conv(x, w) -> np.ndarray:
+def short_conv(x: ArrayLike, w: ArrayLike) -> NDArray[np.float64]:
     """(I8) causal depthwise convolution SC(x)_t = sum_s w_s * x_{t-s}, zero-padded, no bias.
 
     Args:
@@ -299,7 +311,9 @@ def short_conv(x, w) -> np.ndarray:
     return _finite_output(out, "x, w")
 
 
-def _norm(name: str, y: np.ndarray, reduce, eps: float) -> np.ndarray:
+def _norm(
+    name: str, y: NDArray[np.float64], reduce: Callable[..., NDArray[np.float64]], eps: float
+) -> NDArray[np.float64]:
     """sqrt(reduce(y^2) + eps) over the last axis (reduce: sum or mean). Overflow (|y| near
     1e154) is a ValueError, since dividing by an infinite norm would silently return 0; so is a
     zero norm (a row of zeros with eps = 0), which would return NaN."""
@@ -312,14 +326,14 @@ def _norm(name: str, y: np.ndarray, reduce, eps: float) -> np.ndarray:
     return norm
 
 
-def _nonnegative(name: str, x) -> float:
+def _nonnegative(name: str, x: object) -> float:
     value = scalar(name, x)
     if value < 0:
         raise ValueError(f"{name}: expected a number >= 0, got {value}")
     return value
 
 
-def feature_map(y, eps: float = 1e-6) -> np.ndarray:
+def feature_map(y: ArrayLike, eps: float = 1e-6) -> NDArray[np.float64]:
     """(I9) xi(y) = SiLU(y) / sqrt(||y||^2 + eps) over the last axis (the head dim).
 
     Args:
@@ -336,7 +350,7 @@ def feature_map(y, eps: float = 1e-6) -> np.ndarray:
     # --8<-- [end:i9]
 
 
-def rms_norm(x, g, eps: float = 1e-6) -> np.ndarray:
+def rms_norm(x: ArrayLike, g: ArrayLike, eps: float = 1e-6) -> NDArray[np.float64]:
     """RMSNorm(x) = x / sqrt(mean(x^2) + eps) * g over the last axis.
 
     Args:
@@ -355,7 +369,7 @@ def rms_norm(x, g, eps: float = 1e-6) -> np.ndarray:
     # --8<-- [end:i10]
 
 
-def rope(x) -> np.ndarray:
+def rope(x: ArrayLike) -> NDArray[np.float64]:
     """Rotary position embedding on the last axis of x (..., T, R), R even; base 10000.
 
     Returns:
@@ -374,7 +388,7 @@ def rope(x) -> np.ndarray:
     return _finite_output(rotated, "x")
 
 
-def s4d_lambda(log_dt, a_log, a_im) -> np.ndarray:
+def s4d_lambda(log_dt: ArrayLike, a_log: ArrayLike, a_im: ArrayLike) -> NDArray[np.complex128]:
     """(I11) Lambda = exp(dt * a), a = -exp(a_log) + i a_im, dt = exp(log_dt) per head.
 
     Args:
@@ -402,7 +416,16 @@ def s4d_lambda(log_dt, a_log, a_im) -> np.ndarray:
 # The S4D core (I11)-(I13)
 
 
-def _check_s4d(fq, kt, vt, lam, b, c):
+def _check_s4d(
+    fq: ArrayLike, kt: ArrayLike, vt: ArrayLike, lam: ArrayLike, b: ArrayLike, c: ArrayLike
+) -> tuple[
+    NDArray[np.float64],
+    NDArray[np.float64],
+    NDArray[np.float64],
+    NDArray[np.complex128],
+    NDArray[np.complex128],
+    NDArray[np.complex128],
+]:
     fq, kt, vt = _check_fq_fk_v(fq, kt, vt, names=("fq", "kt", "vt"))
     if fq.ndim < 3:
         raise ValueError(f"fq: expected (..., H, T, R) with a head axis, got shape {fq.shape}")
@@ -418,7 +441,9 @@ def _check_s4d(fq, kt, vt, lam, b, c):
 STABLE_MODULUS = 1 + 1e-6
 
 
-def _check_lam_b(lam, b, H: int, heads_of: str) -> tuple[np.ndarray, np.ndarray]:
+def _check_lam_b(
+    lam: ArrayLike, b: ArrayLike, H: int, heads_of: str
+) -> tuple[NDArray[np.complex128], NDArray[np.complex128]]:
     """lam, b (H, M) complex with |lam| <= 1 (to rounding): (I11) gives |Lambda| =
     exp(-dt exp(a_log)) < 1."""
     lam = complex_array("lam", lam, min_ndim=2)
@@ -436,13 +461,17 @@ def _check_lam_b(lam, b, H: int, heads_of: str) -> tuple[np.ndarray, np.ndarray]
     return lam, b
 
 
-def _check_states(z, lam, b) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _check_states(
+    z: ArrayLike, lam: ArrayLike, b: ArrayLike
+) -> tuple[NDArray[np.float64], NDArray[np.complex128], NDArray[np.complex128]]:
     z = real_array("z", z, min_ndim=3)
     lam, b = _check_lam_b(lam, b, z.shape[-3], "z")
     return z, lam, b
 
 
-def _ssm_inputs(kt, vt, readout):
+def _ssm_inputs(
+    kt: NDArray[np.float64], vt: NDArray[np.float64], readout: str
+) -> NDArray[np.float64]:
     """z_t = [k~_t, v~_t] (+ a constant-ones channel for the ratio readout), (..., H, T, C)."""
     # --8<-- [start:ssm-inputs]
     parts = [kt, vt]
@@ -452,7 +481,7 @@ def _ssm_inputs(kt, vt, readout):
     # --8<-- [end:ssm-inputs]
 
 
-def s4d_states(z, lam, b) -> np.ndarray:
+def s4d_states(z: ArrayLike, lam: ArrayLike, b: ArrayLike) -> NDArray[np.complex128]:
     """(I11) x_t[:, c] = Lambda * x_{t-1}[:, c] + b z_t[c], x_{-1} = 0, sequentially.
 
     Args:
@@ -473,7 +502,9 @@ def s4d_states(z, lam, b) -> np.ndarray:
     return x
 
 
-def s4d_states_chunked(z, lam, b, chunk: int) -> np.ndarray:
+def s4d_states_chunked(
+    z: ArrayLike, lam: ArrayLike, b: ArrayLike, chunk: int
+) -> NDArray[np.complex128]:
     """(H8) the same states in chunks: within a chunk the convolution form, across chunks
     the carried state x_end * Lambda^(offset+1).
 
@@ -499,7 +530,7 @@ def s4d_states_chunked(z, lam, b, chunk: int) -> np.ndarray:
     return x
 
 
-def s4d_states_fft(z, lam, b) -> np.ndarray:
+def s4d_states_fft(z: ArrayLike, lam: ArrayLike, b: ArrayLike) -> NDArray[np.complex128]:
     """(H8) the convolution form x_t = sum_{s<=t} Lambda^(t-s) b z_s computed with the FFT.
 
     Same contract as :func:`s4d_states`. Cost: O(n H T log T M C) time, O(n H T M C) memory.
@@ -513,7 +544,16 @@ def s4d_states_fft(z, lam, b) -> np.ndarray:
     return np.fft.ifft(Kf[..., :, None] * Zf[..., :, None, :], axis=-3)[..., :T, :, :]
 
 
-def interdomain_s4d(fq, kt, vt, lam, b, c, *, readout: str = "linear") -> np.ndarray:
+def interdomain_s4d(
+    fq: ArrayLike,
+    kt: ArrayLike,
+    vt: ArrayLike,
+    lam: ArrayLike,
+    b: ArrayLike,
+    c: ArrayLike,
+    *,
+    readout: str = "linear",
+) -> NDArray[np.float64]:
     """The S4D core of the layer, (I11)-(I13).
 
     Args:
@@ -550,7 +590,16 @@ def interdomain_s4d(fq, kt, vt, lam, b, c, *, readout: str = "linear") -> np.nda
     return _ratio(o, den, "fq, kt, b, c") if readout == "ratio" else o
 
 
-def interdomain_s4d_oracle(fq, kt, vt, lam, b, c, *, readout: str = "linear") -> np.ndarray:
+def interdomain_s4d_oracle(
+    fq: ArrayLike,
+    kt: ArrayLike,
+    vt: ArrayLike,
+    lam: ArrayLike,
+    b: ArrayLike,
+    c: ArrayLike,
+    *,
+    readout: str = "linear",
+) -> NDArray[np.float64]:
     """H9: the double-sum form (O(t^2) terms for output t), written without the recurrence.
 
     o_t = Re sum_{s,s'<=t} (fq_t . kt_s) w(t-s, t-s') vt_s',
@@ -581,15 +630,25 @@ def interdomain_s4d_oracle(fq, kt, vt, lam, b, c, *, readout: str = "linear") ->
 class S4DGrads(NamedTuple):
     """Cotangents of :func:`interdomain_s4d`; dlam, db, dc are dL/dRe + i dL/dIm."""
 
-    dfq: np.ndarray
-    dkt: np.ndarray
-    dvt: np.ndarray
-    dlam: np.ndarray
-    db: np.ndarray
-    dc: np.ndarray
+    dfq: NDArray[np.float64]
+    dkt: NDArray[np.float64]
+    dvt: NDArray[np.float64]
+    dlam: NDArray[np.complex128]
+    db: NDArray[np.complex128]
+    dc: NDArray[np.complex128]
 
 
-def interdomain_s4d_vjp(fq, kt, vt, lam, b, c, d_out, *, readout: str = "linear") -> S4DGrads:
+def interdomain_s4d_vjp(
+    fq: ArrayLike,
+    kt: ArrayLike,
+    vt: ArrayLike,
+    lam: ArrayLike,
+    b: ArrayLike,
+    c: ArrayLike,
+    d_out: ArrayLike,
+    *,
+    readout: str = "linear",
+) -> S4DGrads:
     """Hand-written backward of :func:`interdomain_s4d`.
 
     Rules for a real loss, with g(z) = dL/dRe z + i dL/dIm z: y = Re(conj(a) . g) gives
@@ -666,14 +725,16 @@ class InterdomainDecoder:
     Cost per step: O(n H M^2 (R + dv)) time, O(n H M (R + dv)) memory held, independent of T.
     """
 
-    def __init__(self, lam, b, c, *, readout: str = "linear"):
+    def __init__(
+        self, lam: ArrayLike, b: ArrayLike, c: ArrayLike, *, readout: str = "linear"
+    ) -> None:
         self.readout = _check_readout(readout)
         lam_array = complex_array("lam", lam, min_ndim=2)
         self.lam, self.b = _check_lam_b(lam_array, b, lam_array.shape[0], "lam")
         H, M = self.lam.shape
         self.c = complex_array("c", c, min_ndim=3)
         check_shape("c", self.c, (H, M, M), "(H, M, M), M from lam")
-        self.state: np.ndarray | None = None
+        self.state: NDArray[np.complex128] | None = None
         self.first_shapes: tuple | None = None
 
     def state_size(self) -> int:
@@ -682,7 +743,7 @@ class InterdomainDecoder:
             return 0
         return 2 * self.state.shape[-2] * self.state.shape[-1]
 
-    def step(self, fq, kt, vt) -> np.ndarray:
+    def step(self, fq: ArrayLike, kt: ArrayLike, vt: ArrayLike) -> NDArray[np.float64]:
         """Consume one token: fq, kt (..., H, R), vt (..., H, dv). Returns o_t (..., H, dv).
 
         The shapes must stay those of the first step. A step that raises leaves the state as
@@ -750,7 +811,7 @@ PARAMETER_SCHEMA = {
 
 def init_interdomain_params(
     d: int, H: int, R: int, dv: int, M: int, seed: int = 0, *, gate: bool = False
-) -> dict[str, np.ndarray]:
+) -> dict[str, NDArray[np.float64]]:
     """Parameters of :func:`interdomain_layer` (schema :data:`PARAMETER_SCHEMA`), S4D-Inv init.
 
     a_log = log(1/2), a_im by S4D-Inv, log_dt ~ U[log 1e-3, log 1e-1], b = 1,
@@ -786,14 +847,19 @@ def init_interdomain_params(
     return p
 
 
-def _split_heads(x, H):
+def _split_heads(x: NDArray[np.float64], H: int) -> NDArray[np.float64]:
     *lead, T, D = x.shape
     return np.swapaxes(x.reshape(*lead, T, H, D // H), -2, -3)  # (..., H, T, D/H)
 
 
 def interdomain_layer(
-    x, params: dict, *, readout: str = "linear", use_rope: bool = False, gate: bool = False
-) -> np.ndarray:
+    x: ArrayLike,
+    params: Mapping[str, ArrayLike],
+    *,
+    readout: str = "linear",
+    use_rope: bool = False,
+    gate: bool = False,
+) -> NDArray[np.float64]:
     """The Interdomain layer (I8)-(I13): x (B, T, d) -> y (B, T, d).
 
     Projections, short conv on q and k (I8), optional RoPE, feature map (I9), norms and biases

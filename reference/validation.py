@@ -9,10 +9,15 @@ reported against the arguments that caused it, so NaN never leaves one either.
 
 from __future__ import annotations
 
+from typing import Any, TypeVar
+
 import numpy as np
+from numpy.typing import ArrayLike, NDArray
+
+ScalarT = TypeVar("ScalarT", bound=np.generic)
 
 
-def _check_rank_and_size(name: str, arr: np.ndarray, min_ndim: int) -> None:
+def _check_rank_and_size(name: str, arr: NDArray[Any], min_ndim: int) -> None:
     if arr.ndim < min_ndim:
         raise ValueError(f"{name}: expected at least {min_ndim} dimensions, got shape {arr.shape}")
     if arr.size == 0:
@@ -21,7 +26,9 @@ def _check_rank_and_size(name: str, arr: np.ndarray, min_ndim: int) -> None:
         raise ValueError(f"{name}: expected every axis to have length >= 1, got shape {arr.shape}")
 
 
-def real_array(name: str, x, *, min_ndim: int = 0, allow_inf: bool = False) -> np.ndarray:
+def real_array(
+    name: str, x: ArrayLike, *, min_ndim: int = 0, allow_inf: bool = False
+) -> NDArray[np.float64]:
     """Return ``x`` as a float64 array after checking dtype, rank, size and finiteness.
 
     Accepted dtypes are real floating types (float16/32/64); integers, booleans and complex
@@ -41,7 +48,7 @@ def real_array(name: str, x, *, min_ndim: int = 0, allow_inf: bool = False) -> n
     return arr
 
 
-def complex_array(name: str, x, *, min_ndim: int = 0) -> np.ndarray:
+def complex_array(name: str, x: ArrayLike, *, min_ndim: int = 0) -> NDArray[np.complex128]:
     """Return ``x`` as a complex128 array; real floating input is accepted and promoted."""
     arr = np.asarray(x)
     if not (np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.complexfloating)):
@@ -54,22 +61,21 @@ def complex_array(name: str, x, *, min_ndim: int = 0) -> np.ndarray:
     return arr
 
 
-def check_shape(name: str, arr: np.ndarray, expected: tuple[int, ...], meaning: str) -> None:
+def check_shape(name: str, arr: NDArray[Any], expected: tuple[int, ...], meaning: str) -> None:
     """Require ``arr.shape == expected``; ``meaning`` spells the expected layout for the message."""
     if arr.shape != tuple(expected):
         raise ValueError(f"{name}: expected shape {tuple(expected)} ({meaning}), got {arr.shape}")
 
 
-def scalar(name: str, x, *, positive: bool = False, allow_inf: bool = False) -> float:
+def scalar(name: str, x: object, *, positive: bool = False, allow_inf: bool = False) -> float:
     """Return ``x`` as a Python float, rejecting NaN, Inf (unless allowed) and non-numbers.
 
     Strings, booleans and arrays of any rank but 0 are rejected although ``float`` would take
     them: ``scale="0.5"`` or ``scale=np.array([0.5])`` is a wrong argument, not a number.
     """
-    is_number = isinstance(x, int | float | np.integer | np.floating) or (
-        isinstance(x, np.ndarray) and x.ndim == 0 and x.dtype.kind in "iuf"
-    )
-    if isinstance(x, bool | np.bool_) or not is_number:
+    if isinstance(x, np.ndarray) and x.ndim == 0 and x.dtype.kind in "iuf":
+        x = x.item()
+    if isinstance(x, bool | np.bool_) or not isinstance(x, int | float | np.integer | np.floating):
         raise ValueError(f"{name}: expected a real number, got {x!r}")
     value = float(x)
     if np.isnan(value) or (np.isinf(value) and not allow_inf):
@@ -79,23 +85,23 @@ def scalar(name: str, x, *, positive: bool = False, allow_inf: bool = False) -> 
     return value
 
 
-def positive_int(name: str, x) -> int:
+def positive_int(name: str, x: object) -> int:
     """Return ``x`` as an int >= 1."""
     return _int_at_least(name, x, 1)
 
 
-def nonnegative_int(name: str, x) -> int:
+def nonnegative_int(name: str, x: object) -> int:
     """Return ``x`` as an int >= 0 (a position)."""
     return _int_at_least(name, x, 0)
 
 
-def _int_at_least(name: str, x, minimum: int) -> int:
+def _int_at_least(name: str, x: object, minimum: int) -> int:
     if isinstance(x, bool) or not isinstance(x, int | np.integer) or int(x) < minimum:
         raise ValueError(f"{name}: expected an integer >= {minimum}, got {x!r}")
     return int(x)
 
 
-def finite_result(arr: np.ndarray, cause: str) -> np.ndarray:
+def finite_result(arr: NDArray[ScalarT], cause: str) -> NDArray[ScalarT]:
     """Return ``arr`` if every entry is finite; otherwise raise a ValueError naming ``cause``.
 
     ``cause`` says which arguments overflowed float64 and how (for example ``"q, k: the

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
+from numpy.typing import NDArray
 
 from attnspec.reference import fpa
 
@@ -22,7 +24,7 @@ class EvictionPoint:
     bound: float
 
 
-def eviction_fields(T: int = 256, seed: int = 13) -> dict[str, np.ndarray]:
+def eviction_fields(T: int = 256, seed: int = 13) -> dict[str, NDArray[np.float64]]:
     """Two field families, scaled so that descents are deep: brackets and a random walk."""
     rng = np.random.default_rng(seed)
     return {
@@ -32,10 +34,10 @@ def eviction_fields(T: int = 256, seed: int = 13) -> dict[str, np.ndarray]:
 
 
 def eviction_sweep(
-    eps_values=(1e-1, 1e-2, 1e-4, 1e-8),
+    eps_values: Iterable[float] = (1e-1, 1e-2, 1e-4, 1e-8),
     *,
-    fpa_decode=fpa.fpa_decode,
-    fpa_attention=fpa.fpa_attention,
+    fpa_decode: Callable[..., fpa.DecodeResult] = fpa.fpa_decode,
+    fpa_attention: Callable[..., NDArray[np.float64]] = fpa.fpa_attention,
     T: int = 256,
 ) -> list[EvictionPoint]:
     """Decode with theta = 2U + log N - log eps (T3) for each eps; level = field (one walk)."""
@@ -58,7 +60,7 @@ def eviction_sweep(
 
 
 @check("T3")
-def eviction_bound(*, fpa_decode=fpa.fpa_decode) -> CheckResult:
+def eviction_bound(*, fpa_decode: Callable[..., fpa.DecodeResult] = fpa.fpa_decode) -> CheckResult:
     points = eviction_sweep(fpa_decode=fpa_decode)
     table = [f"{'field':<12} {'eps':>7} {'theta':>7} {'kept':>6} {'deviation':>10} {'bound':>9}"]
     table += [

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 from scipy.optimize import linprog
 
 from attnspec.reference import fpa
@@ -12,7 +15,12 @@ from attnspec.reference import fpa
 from .registry import CheckResult, check, verdict
 
 
-def attention_weights(attend, q: np.ndarray, k: np.ndarray, **rest) -> np.ndarray:
+def attention_weights(
+    attend: Callable[..., NDArray[np.float64]],
+    q: NDArray[np.float64],
+    k: NDArray[np.float64],
+    **rest: Any,
+) -> NDArray[np.float64]:
     """Read the weights p_ij (..., T, T) of an attention op by feeding one-hot values v_j = e_j."""
     T = q.shape[-2]
     v = np.broadcast_to(np.eye(T), (*q.shape[:-2], T, T))
@@ -49,7 +57,9 @@ def random_deaths(rng: np.random.Generator, B: int, N: int) -> np.ndarray:
 
 
 @check("T4")
-def survivor_chains(*, fpa_attention=fpa.fpa_attention) -> CheckResult:
+def survivor_chains(
+    *, fpa_attention: Callable[..., NDArray[np.float64]] = fpa.fpa_attention
+) -> CheckResult:
     rng = np.random.default_rng(20)
     steep = (1.0, 4.0, 16.0, 64.0)
     table = [f"{'N':>4} " + " ".join(f"{'c=' + str(int(c)):>10}" for c in steep)]
@@ -93,7 +103,9 @@ def _realised_sets(p_row: np.ndarray, gap: float) -> set[tuple[int, ...]]:
 
 @check("T5")
 def fox_obstruction(
-    *, fox_attention_direct=fpa.fox_attention_direct, fpa_attention=fpa.fpa_attention
+    *,
+    fox_attention_direct: Callable[..., NDArray[np.float64]] = fpa.fox_attention_direct,
+    fpa_attention: Callable[..., NDArray[np.float64]] = fpa.fpa_attention,
 ) -> CheckResult:
     N = 5
     grid = np.array(list(itertools.product([0.0, -1.0, -4.0, -30.0], repeat=N)))  # 4^N gates
@@ -138,7 +150,12 @@ def selectable(keys: np.ndarray, subset: tuple[int, ...]) -> bool:
     return res.status == 0
 
 
-def smallest_shattering_dim(N: int, rng: np.random.Generator, *, selectable=selectable) -> int:
+def smallest_shattering_dim(
+    N: int,
+    rng: np.random.Generator,
+    *,
+    selectable: Callable[[NDArray[np.float64], tuple[int, ...]], bool] = selectable,
+) -> int:
     """Smallest dk such that every subset of N random keys in R^dk is selectable."""
     for dk in range(1, N + 1):
         keys = rng.standard_normal((N, dk))
@@ -149,7 +166,9 @@ def smallest_shattering_dim(N: int, rng: np.random.Generator, *, selectable=sele
 
 
 @check("T6")
-def content_needs_dimension(*, selectable=selectable) -> CheckResult:
+def content_needs_dimension(
+    *, selectable: Callable[[NDArray[np.float64], tuple[int, ...]], bool] = selectable
+) -> CheckResult:
     rng = np.random.default_rng(21)
     table = [f"{'N':>3} {'smallest dk (content)':>22} {'N - 1':>6} {'FPA dk':>7}"]
     mismatches = 0

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
+from numpy.typing import NDArray
 
 from attnspec.reference import fpa
 
 from .registry import CheckResult, check, relative_error, verdict
 
 
-def _fox_inputs(seed: int, unit_gates: float):
+def _fox_inputs(
+    seed: int, unit_gates: float
+) -> tuple[NDArray[np.float64], NDArray[np.float64], NDArray[np.float64], NDArray[np.float64]]:
     rng = np.random.default_rng(seed)
     q, k = rng.standard_normal((2, 2, 3, 24, 8))
     v = rng.standard_normal((2, 3, 24, 5))
@@ -20,7 +25,9 @@ def _fox_inputs(seed: int, unit_gates: float):
 
 @check("F6")
 def fox_reduction(
-    *, fox_attention=fpa.fox_attention, fox_attention_direct=fpa.fox_attention_direct
+    *,
+    fox_attention: Callable[..., NDArray[np.float64]] = fpa.fox_attention,
+    fox_attention_direct: Callable[..., NDArray[np.float64]] = fpa.fox_attention_direct,
 ) -> CheckResult:
     worst = 0.0
     for seed, unit in [(0, 0.0), (1, 0.3), (2, 1.0)]:
@@ -40,7 +47,9 @@ def fox_reduction(
 
 @check("F6-grad")
 def fox_gradients(
-    *, fpa_attention_vjp=fpa.fpa_attention_vjp, fox_attention_vjp=fpa.fox_attention_vjp
+    *,
+    fpa_attention_vjp: Callable[..., fpa.FPAGrads] = fpa.fpa_attention_vjp,
+    fox_attention_vjp: Callable[..., fpa.FoXGrads] = fpa.fox_attention_vjp,
 ) -> CheckResult:
     worst = 0.0
     for seed, unit in [(3, 0.0), (4, 0.5), (5, 1.0)]:
@@ -62,7 +71,9 @@ def fox_gradients(
 
 
 @check("F2-max")
-def sum_becomes_max(*, descent_depth=fpa.descent_depth) -> CheckResult:
+def sum_becomes_max(
+    *, descent_depth: Callable[..., NDArray[np.float64]] = fpa.descent_depth
+) -> CheckResult:
     rng = np.random.default_rng(6)
     T = 20
     worst = 0.0

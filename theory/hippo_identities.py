@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 
 from attnspec.reference import hippo
 from attnspec.reference import interdomain as idm
@@ -12,11 +15,20 @@ from attnspec.reference import interdomain as idm
 from .registry import CheckResult, check, relative_error, verdict
 
 
-def positive_features(rng, shape):
+def positive_features(rng: np.random.Generator, shape: tuple[int, ...]) -> NDArray[np.float64]:
     return np.exp(0.5 * rng.standard_normal(shape))
 
 
-def s4d_case(seed: int, *, T=16, H=2, R=4, dv=3, M=6, ratio=False):
+def s4d_case(
+    seed: int,
+    *,
+    T: int = 16,
+    H: int = 2,
+    R: int = 4,
+    dv: int = 3,
+    M: int = 6,
+    ratio: bool = False,
+) -> dict[str, NDArray[Any]]:
     """Inputs of the S4D core; for the ratio readout, positive features and C near I."""
     rng = np.random.default_rng(seed)
     fq, kt = rng.standard_normal((2, 2, H, T, R))
@@ -34,7 +46,11 @@ def s4d_case(seed: int, *, T=16, H=2, R=4, dv=3, M=6, ratio=False):
 
 @check("H1")
 def h1_constants_in_the_basis(
-    *, legs_transition=hippo.legs_transition, basis_coefficients=idm.basis_coefficients
+    *,
+    legs_transition: Callable[
+        [int], tuple[NDArray[np.float64], NDArray[np.float64]]
+    ] = hippo.legs_transition,
+    basis_coefficients: Callable[..., idm.Coefficients] = idm.basis_coefficients,
 ) -> CheckResult:
     rng = np.random.default_rng(30)
     worst = 0.0
@@ -54,7 +70,9 @@ def h1_constants_in_the_basis(
 
 @check("H2")
 def h2_recurrence_is_the_projection(
-    *, legs_project=hippo.legs_project, closed_form=hippo.legs_project_closed_form
+    *,
+    legs_project: Callable[..., NDArray[np.float64]] = hippo.legs_project,
+    closed_form: Callable[..., NDArray[np.float64]] = hippo.legs_project_closed_form,
 ) -> CheckResult:
     rng = np.random.default_rng(31)
     f = rng.standard_normal((64, 2))
@@ -71,7 +89,9 @@ def h2_recurrence_is_the_projection(
 
 @check("H3")
 def h3_complete_discrete_basis(
-    *, interdomain_discrete=idm.interdomain_discrete, linear_attention=idm.linear_attention
+    *,
+    interdomain_discrete: Callable[..., NDArray[np.float64]] = idm.interdomain_discrete,
+    linear_attention: Callable[..., NDArray[np.float64]] = idm.linear_attention,
 ) -> CheckResult:
     rng = np.random.default_rng(32)
     T = 24
@@ -98,9 +118,9 @@ def h3_complete_discrete_basis(
 
 
 def legs_error_curve(
-    Ms=(1, 2, 4, 8, 16, 32, 64),
+    Ms: Iterable[int] = (1, 2, 4, 8, 16, 32, 64),
     *,
-    interdomain_legs=idm.interdomain_legs,
+    interdomain_legs: Callable[..., NDArray[np.float64]] = idm.interdomain_legs,
     T: int = 64,
     seed: int = 33,
 ) -> list[tuple[int, float]]:
@@ -113,7 +133,9 @@ def legs_error_curve(
 
 
 @check("H4")
-def h4_error_falls_with_m(*, interdomain_legs=idm.interdomain_legs) -> CheckResult:
+def h4_error_falls_with_m(
+    *, interdomain_legs: Callable[..., NDArray[np.float64]] = idm.interdomain_legs
+) -> CheckResult:
     curve = legs_error_curve(interdomain_legs=interdomain_legs)
     increases = sum(int(b[1] >= a[1]) for a, b in itertools.pairwise(curve))
     table = ["M      " + " ".join(f"{M:>8}" for M, _ in curve)]
@@ -131,7 +153,9 @@ def h4_error_falls_with_m(*, interdomain_legs=idm.interdomain_legs) -> CheckResu
 
 @check("H5")
 def h5_scale_invariance(
-    *, ratio_readout=idm.ratio_readout, interdomain_s4d=idm.interdomain_s4d
+    *,
+    ratio_readout: Callable[..., NDArray[np.float64]] = idm.ratio_readout,
+    interdomain_s4d: Callable[..., NDArray[np.float64]] = idm.interdomain_s4d,
 ) -> CheckResult:
     rng = np.random.default_rng(34)
     fq, fk = positive_features(rng, (2, 20, 4))
@@ -156,7 +180,9 @@ def h5_scale_invariance(
 
 @check("H6")
 def h6_decode_equals_scan(
-    *, decoder=idm.InterdomainDecoder, interdomain_s4d=idm.interdomain_s4d
+    *,
+    decoder: Callable[..., idm.InterdomainDecoder] = idm.InterdomainDecoder,
+    interdomain_s4d: Callable[..., NDArray[np.float64]] = idm.interdomain_s4d,
 ) -> CheckResult:
     worst = 0.0
     sizes = set()
@@ -181,7 +207,9 @@ def h6_decode_equals_scan(
 
 @check("H7")
 def h7_causality(
-    *, interdomain_s4d=idm.interdomain_s4d, interdomain_legs=idm.interdomain_legs
+    *,
+    interdomain_s4d: Callable[..., NDArray[np.float64]] = idm.interdomain_s4d,
+    interdomain_legs: Callable[..., NDArray[np.float64]] = idm.interdomain_legs,
 ) -> CheckResult:
     rng = np.random.default_rng(37)
     case = s4d_case(37, T=20)
@@ -210,9 +238,9 @@ def h7_causality(
 @check("H8")
 def h8_convolution_form(
     *,
-    s4d_states=idm.s4d_states,
-    s4d_states_chunked=idm.s4d_states_chunked,
-    s4d_states_fft=idm.s4d_states_fft,
+    s4d_states: Callable[..., NDArray[np.complex128]] = idm.s4d_states,
+    s4d_states_chunked: Callable[..., NDArray[np.complex128]] = idm.s4d_states_chunked,
+    s4d_states_fft: Callable[..., NDArray[np.complex128]] = idm.s4d_states_fft,
 ) -> CheckResult:
     case = s4d_case(38, T=30)
     z = np.concatenate([case["kt"], case["vt"]], axis=-1)
@@ -240,7 +268,9 @@ def h8_convolution_form(
 
 @check("H9")
 def h9_oracle(
-    *, interdomain_s4d=idm.interdomain_s4d, oracle=idm.interdomain_s4d_oracle
+    *,
+    interdomain_s4d: Callable[..., NDArray[np.float64]] = idm.interdomain_s4d,
+    oracle: Callable[..., NDArray[np.float64]] = idm.interdomain_s4d_oracle,
 ) -> CheckResult:
     worst = 0.0
     for readout in ("linear", "ratio"):
@@ -261,7 +291,9 @@ def h9_oracle(
 
 
 @check("H10")
-def h10_feature_norms(*, feature_map=idm.feature_map) -> CheckResult:
+def h10_feature_norms(
+    *, feature_map: Callable[..., NDArray[np.float64]] = idm.feature_map
+) -> CheckResult:
     rng = np.random.default_rng(40)
     table = [f"{'scale of y':>10} {'min':>7} {'median':>7} {'max':>7}"]
     largest = 0.0
@@ -284,7 +316,9 @@ def h10_feature_norms(*, feature_map=idm.feature_map) -> CheckResult:
 
 
 @check("H11")
-def h11_lambda_at_init(*, s4d_lambda=idm.s4d_lambda) -> CheckResult:
+def h11_lambda_at_init(
+    *, s4d_lambda: Callable[..., NDArray[np.complex128]] = idm.s4d_lambda
+) -> CheckResult:
     worst = 0.0
     outside = 0
     for seed in range(4):

@@ -6,6 +6,8 @@ Labels are matplotlib mathtext (``$\\phi_t$``), so the symbols match the spec an
 from __future__ import annotations
 
 import os
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -15,8 +17,11 @@ from .eviction import eviction_fields
 from .expressivity import attention_weights
 from .hippo_identities import legs_error_curve
 
+if TYPE_CHECKING:  # matplotlib is the optional 'plots' extra
+    from matplotlib.figure import Figure
 
-def _pyplot():
+
+def _pyplot() -> ModuleType:
     try:
         import matplotlib
     except ImportError:  # pragma: no cover - exercised only without the extra
@@ -29,7 +34,7 @@ def _pyplot():
     return plt
 
 
-def _save(fig, path: str, *, tight: bool = True) -> None:
+def _save(fig: Figure, path: str, *, tight: bool = True) -> None:
     import matplotlib.pyplot as plt
 
     if tight:

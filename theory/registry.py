@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,7 @@ class CheckResult:
     at_least: bool = False
     table: list[str] = field(default_factory=list)
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, object]:
         return asdict(self)
 
 
@@ -52,9 +53,10 @@ def verdict(
     return CheckResult(id, statement, witness, measured, tolerance, ok, at_least, table or [])
 
 
-def relative_error(x, ref) -> float:
+def relative_error(x: ArrayLike, ref: ArrayLike) -> float:
     """Normwise relative error ||x - ref|| / ||ref||, the witness metric of the checks."""
-    return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-300))
+    x, ref = np.asarray(x), np.asarray(ref)  # real or complex
+    return float(np.linalg.norm(x - ref) / max(float(np.linalg.norm(ref)), 1e-300))
 
 
 CHECKS: dict[str, Callable[..., CheckResult]] = {}

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 import numpy as np
+from numpy.typing import NDArray
 
 from attnspec.reference import fpa
 
@@ -21,12 +24,12 @@ def bracket_tokens(rng: np.random.Generator, T: int) -> list[str]:
     return tokens
 
 
-def bracket_field(tokens: list[str]) -> np.ndarray:
+def bracket_field(tokens: list[str]) -> NDArray[np.float64]:
     """delta = +1 on '(', -1 on ')', 0 otherwise; the field is the running depth."""
     return np.cumsum([{"(": 1.0, ")": -1.0}.get(t, 0.0) for t in tokens])
 
 
-def open_scope_live(tokens: list[str]) -> np.ndarray:
+def open_scope_live(tokens: list[str]) -> NDArray[np.bool_]:
     """Lexical scoping, by a parser: token j is visible at i iff the block holding j is still open.
 
     The block of j is the innermost '(' still open after j is read ('(' belongs to its own block,
@@ -36,21 +39,21 @@ def open_scope_live(tokens: list[str]) -> np.ndarray:
     closer = np.full(T, T)  # position of the ')' that closes the block of j (T: never)
     open_stack: list[int] = []
     members: dict[int, list[int]] = {-1: []}
-    for j, tok in enumerate(tokens):
+    for t, tok in enumerate(tokens):
         if tok == "(":
-            open_stack.append(j)
-            members[j] = []
+            open_stack.append(t)
+            members[t] = []
         elif tok == ")":
             start = open_stack.pop()
             for member in members.pop(start):
-                closer[member] = j
-        members[open_stack[-1] if open_stack else -1].append(j)
+                closer[member] = t
+        members[open_stack[-1] if open_stack else -1].append(t)
     i = np.arange(T)[:, None]
     j = np.arange(T)[None, :]
     return (j <= i) & (i < closer[None, :])
 
 
-def _walks(rng):
+def _walks(rng: np.random.Generator) -> Iterator[NDArray[np.float64]]:
     for T in (1, 2, 7, 30, 64):
         yield np.cumsum(rng.standard_normal(T))
         yield np.cumsum(rng.integers(-1, 2, size=T)).astype(float)  # integer walks: ties
@@ -58,7 +61,11 @@ def _walks(rng):
 
 
 @check("T1")
-def stack_theorem(*, live_keys=fpa.live_keys, stack_live_keys=fpa.stack_live_keys) -> CheckResult:
+def stack_theorem(
+    *,
+    live_keys: Callable[..., NDArray[np.bool_]] = fpa.live_keys,
+    stack_live_keys: Callable[..., NDArray[np.bool_]] = fpa.stack_live_keys,
+) -> CheckResult:
     rng = np.random.default_rng(10)
     violations = 0
     cases = 0
@@ -85,7 +92,9 @@ def stack_theorem(*, live_keys=fpa.live_keys, stack_live_keys=fpa.stack_live_key
 
 
 @check("T1-brackets")
-def brackets_are_lexical_scopes(*, live_keys=fpa.live_keys) -> CheckResult:
+def brackets_are_lexical_scopes(
+    *, live_keys: Callable[..., NDArray[np.bool_]] = fpa.live_keys
+) -> CheckResult:
     rng = np.random.default_rng(11)
     violations = 0
     for T in (5, 20, 60, 120):
@@ -103,7 +112,11 @@ def brackets_are_lexical_scopes(*, live_keys=fpa.live_keys) -> CheckResult:
 
 
 @check("T2")
-def monotonicity(*, descent_depth=fpa.descent_depth, live_keys=fpa.live_keys) -> CheckResult:
+def monotonicity(
+    *,
+    descent_depth: Callable[..., NDArray[np.float64]] = fpa.descent_depth,
+    live_keys: Callable[..., NDArray[np.bool_]] = fpa.live_keys,
+) -> CheckResult:
     rng = np.random.default_rng(12)
     violations = 0
     for T in (3, 17, 50):

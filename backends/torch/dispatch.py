@@ -30,6 +30,12 @@ scalars have HQ heads; varlen: B = 1 and ``cu_seqlens`` an int64 tensor of offse
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any, TypeVar
+
+# Kernels differ in their signatures (listed above); the registry holds them by name, and
+# ``register`` hands each function back with its own signature.
+Kernel = Callable[..., Any]
+KernelT = TypeVar("KernelT", bound=Kernel)
 
 KERNELS = (
     "fpa_fwd",
@@ -42,22 +48,22 @@ KERNELS = (
     "legs_bwd",
 )
 
-_REGISTRY: dict[str, dict[str, Callable]] = {name: {} for name in KERNELS}
+_REGISTRY: dict[str, dict[str, Kernel]] = {name: {} for name in KERNELS}
 
 
-def register(kernel: str, impl: str) -> Callable[[Callable], Callable]:
+def register(kernel: str, impl: str) -> Callable[[KernelT], KernelT]:
     """Decorator: register ``fn`` as implementation ``impl`` ("eager", "triton") of ``kernel``."""
     if kernel not in _REGISTRY:
         raise ValueError(f"kernel: expected one of {KERNELS}, got {kernel!r}")
 
-    def decorate(fn: Callable) -> Callable:
+    def decorate(fn: KernelT) -> KernelT:
         _REGISTRY[kernel][impl] = fn
         return fn
 
     return decorate
 
 
-def lookup(kernel: str, impl: str) -> Callable:
+def lookup(kernel: str, impl: str) -> Kernel:
     """The implementation ``impl`` of ``kernel``; ValueError naming what is available."""
     try:
         return _REGISTRY[kernel][impl]

@@ -1,0 +1,295 @@
+"""The torch backends as the conformance kit sees them: ``torch`` (eager) and ``triton``.
+
+The kit speaks the canonical layout (B, H, T, D) and NumPy; these adapters transpose to and
+from the torch layout [B, T, H, D] and convert at the boundary only. Gradients come from torch
+autograd through the public ops (their registered backward passes). Complex S4D parameters
+arrive as (re, im) pairs and are joined with ``torch.complex``, so their gradients come back as
+dL/dRe and dL/dIm.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from attnspec.conformance.protocol import OPS, call_op
+
+from . import dispatch, ops
+from .decode import FPADecodeCache
+from .modules import FirstPassageAttention, InterdomainAttention
+
+TORCH_DTYPES = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def _time_second(x: Tensor) -> Tensor:
+    """Canonical (B, H, T, ...) -> torch [B, T, H, ...] (a view)."""
+    return x.transpose(1, 2)
+
+
+_heads_second = _time_second  # the same swap back: [B, T, H, ...] -> (B, H, T, ...)
+
+
+class TorchBackend:
+    """The PyTorch backend: every op on its eager kernels (``impl="eager"``)."""
+
+    name = "torch"
+    dtypes: tuple[str, ...] = ("float64", "float32", "float16", "bfloat16")
+    OPS = (
+        "fpa_attention",
+        "fox_attention",
+        "fpa_decode",
+        "interdomain_legs",
+        "interdomain_s4d",
+        "fpa_layer",
+        "interdomain_layer",
+    )
+    VJPS = ("fpa_attention", "fox_attention", "interdomain_legs", "interdomain_s4d")
+    VARLEN = ("fpa_attention", "fox_attention", "interdomain_s4d")
+    GQA = ("fpa_attention", "fox_attention")
+
+    def __init__(self, device: str = "cpu"):
+        try:
+            self.device = torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(f"device: not a torch device: {device!r} ({exc})") from None
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device: {device!r} asked for, but torch sees no CUDA device")
+
+    def capabilities(self) -> set[str]:
+        return self._claims(set(self.OPS), set(self.VJPS))
+
+    def _claims(self, ops_: set[str], vjps: set[str]) -> set[str]:
+        caps = set(ops_) | {f"{op}.vjp" for op in vjps}
+        caps |= {f"{op}.varlen" for op in self.VARLEN if op in ops_}
+        caps |= {f"{op}.gqa" for op in self.GQA if op in ops_}
+        return caps
+
+    def _impl(self, op: str) -> str:
+        return "eager"
+
+    def asarray(self, x: np.ndarray, dtype: str) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(x)).to(self.device, TORCH_DTYPES[dtype])
+
+    def to_numpy(self, x: object) -> np.ndarray:
+        if not isinstance(x, Tensor):
+            return np.asarray(x)
+        x = x.detach()
+        if x.dtype == torch.bfloat16:  # NumPy has no bfloat16: widened, exactly
+            x = x.to(torch.float32)
+        return x.cpu().numpy()
+
+    def dtype_name(self, x: Tensor) -> str:
+        return str(x.dtype).removeprefix("torch.")
+
+    def versions(self) -> dict[str, str]:
+        versions = {"torch": torch.__version__, "device": str(self.device)}
+        if self.device.type == "cuda":
+            versions["gpu"] = torch.cuda.get_device_name(self.device)
+        return versions
+
+    def _offsets(self, cu_seqlens: tuple[int, ...] | None) -> Tensor | None:
+        if cu_seqlens is None:
+            return None
+        return torch.tensor(cu_seqlens, dtype=torch.int32, device=self.device)
+
+    # ---------------------------------------------------------------- ops
+
+    def fpa_attention(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        field: Tensor,
+        level: Tensor,
+        *,
+        scale: float | None = None,
+        cu_seqlens: tuple[int, ...] | None = None,
+        return_lse: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        o, lse = ops.fpa_attention(
+            _time_second(q),
+            _time_second(k),
+            _time_second(v),
+            _time_second(field),
+            _time_second(level),
+            scale=scale,
+            cu_seqlens=self._offsets(cu_seqlens),
+            return_lse=True,
+            impl=self._impl("fpa_attention"),
+        )
+        return (_heads_second(o), _heads_second(lse)) if return_lse else _heads_second(o)
+
+    def fox_attention(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        log_f: Tensor,
+        *,
+        scale: float | None = None,
+        cu_seqlens: tuple[int, ...] | None = None,
+    ) -> Tensor:
+        o = ops.fox_attention(
+            _time_second(q),
+            _time_second(k),
+            _time_second(v),
+            _time_second(log_f),
+            scale=scale,
+            cu_seqlens=self._offsets(cu_seqlens),
+            impl=self._impl("fox_attention"),
+        )
+        return _heads_second(o)
+
+    def fpa_decode(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        field: Tensor,
+        level: Tensor,
+        *,
+        theta: float,
+        scale: float | None = None,
+    ) -> tuple[Tensor, float]:
+        cache = FPADecodeCache(theta=theta, scale=scale)
+        outputs = [
+            cache.step(q[:, :, t], k[:, :, t], v[:, :, t], field[:, :, t], level[:, :, t])
+            for t in range(q.shape[2])
+        ]
+        return torch.stack(outputs, dim=2), cache.kept_fraction
+
+    def interdomain_legs(self, fq: Tensor, fk: Tensor, v: Tensor, *, M: int) -> Tensor:
+        o = ops.interdomain_legs(
+            _time_second(fq),
+            _time_second(fk),
+            _time_second(v),
+            M,
+            impl=self._impl("interdomain_legs"),
+        )
+        return _heads_second(o)
+
+    def interdomain_s4d(
+        self,
+        fq: Tensor,
+        kt: Tensor,
+        vt: Tensor,
+        lam_re: Tensor,
+        lam_im: Tensor,
+        b_re: Tensor,
+        b_im: Tensor,
+        c_re: Tensor,
+        c_im: Tensor,
+        *,
+        readout: str,
+        cu_seqlens: tuple[int, ...] | None = None,
+    ) -> Tensor:
+        o = ops.interdomain_s4d(
+            _time_second(fq),
+            _time_second(kt),
+            _time_second(vt),
+            torch.complex(lam_re, lam_im),
+            torch.complex(b_re, b_im),
+            torch.complex(c_re, c_im),
+            readout=readout,
+            cu_seqlens=self._offsets(cu_seqlens),
+            impl=self._impl("interdomain_s4d"),
+        )
+        return _heads_second(o)
+
+    def fpa_layer(self, x: Tensor, params: dict[str, Tensor]) -> Tensor:
+        with torch.no_grad():
+            y: Tensor = FirstPassageAttention.from_reference_params(params)(x)
+        return y
+
+    def interdomain_layer(
+        self, x: Tensor, params: dict[str, Tensor], *, readout: str = "linear"
+    ) -> Tensor:
+        with torch.no_grad():
+            y: Tensor = InterdomainAttention.from_reference_params(params, readout=readout)(x)
+        return y
+
+    # ---------------------------------------------------------------- gradients
+
+    def vjp(
+        self,
+        op: str,
+        inputs: dict[str, Tensor],
+        params: dict[str, Any],
+        cotangents: dict[str, Tensor],
+    ) -> dict[str, Tensor]:
+        """Input cotangents of ``op`` by torch autograd through the public op."""
+        if op not in self.VJPS:
+            raise NotImplementedError(f"op: no VJP for {op!r} in the {self.name} backend")
+        names = OPS[op].differentiable
+        leaves = {n: x.detach().requires_grad_() if n in names else x for n, x in inputs.items()}
+        outputs = call_op(self, op, leaves, params)
+        pairs = [(outputs[n], cot) for n, cot in cotangents.items()]
+        grads = torch.autograd.grad(
+            [out for out, _ in pairs],
+            [leaves[n] for n in names],
+            [cot.to(out.dtype) for out, cot in pairs],
+        )
+        return dict(zip(names, grads, strict=True))
+
+
+class TritonBackend(TorchBackend):
+    """The torch backend with the Triton kernels: ``impl="triton"`` for the ops whose kernels
+    are registered in :mod:`.dispatch` (eager for a backward that has none), nothing else
+    claimed. Without CUDA the kernels run under the Triton interpreter (TRITON_INTERPRET=1, set
+    here if triton is not imported yet), where float64 is also offered."""
+
+    name = "triton"
+    KERNELS: ClassVar[dict[str, tuple[str, str]]] = {
+        "fpa_attention": ("fpa_fwd", "fpa_bwd"),
+        "fox_attention": ("fox_fwd", "fox_bwd"),
+        "interdomain_s4d": ("s4d_fwd", "s4d_bwd"),
+        "interdomain_legs": ("legs_fwd", "legs_bwd"),
+    }
+
+    def __init__(self, device: str = "cpu"):
+        if not torch.cuda.is_available() and "triton" not in sys.modules:
+            os.environ.setdefault("TRITON_INTERPRET", "1")
+        super().__init__(device)
+        if self.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                "device: Triton kernels run on CPU only under the interpreter; set "
+                "TRITON_INTERPRET=1 before triton is imported (a first call of a torch op "
+                "imports it)"
+            )
+        ops.load_triton_kernels()
+        narrow = ("float32", "float16", "bfloat16")
+        interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+        self.dtypes = ("float64", *narrow) if interpreted else narrow
+
+    def _registered(self, kernel: str) -> bool:
+        return "triton" in dispatch.implementations(kernel)
+
+    def capabilities(self) -> set[str]:
+        claimed = {op for op, (fwd, _) in self.KERNELS.items() if self._registered(fwd)}
+        vjps = {op for op in claimed if self._registered(self.KERNELS[op][1])}
+        return self._claims(claimed, vjps)
+
+    def _impl(self, op: str) -> str:
+        kernels = self.KERNELS.get(op)
+        return "triton" if kernels and self._registered(kernels[0]) else "eager"
+
+    def versions(self) -> dict[str, str]:
+        versions = super().versions()
+        try:
+            import triton
+
+            versions["triton"] = triton.__version__
+        except ImportError:
+            versions["triton"] = "not installed"
+        versions["TRITON_INTERPRET"] = os.environ.get("TRITON_INTERPRET", "")
+        return versions

@@ -1,0 +1,527 @@
+"""The two layers as ``nn.Module``s, with the parameter names and shapes of the reference layers.
+
+:class:`FirstPassageAttention` is ``attnspec.reference.fpa.fpa_layer`` (spec/fpa.md section 3)
+and :class:`InterdomainAttention` is ``attnspec.reference.interdomain.interdomain_layer``
+((I8)-(I13)). ``from_reference_params`` takes the reference's parameter dicts
+(``init_fpa_params``, ``init_interdomain_params``); weights multiply from the right
+(``x @ wq``), as there. Both take ``cu_seqlens`` for packed sequences (B = 1) and decode one
+token at a time with a cache (``new_cache``, ``step``, ``prefill``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from attnspec.reference import hippo
+from attnspec.reference.fpa import FPA_PARAMETER_SCHEMA
+from attnspec.reference.interdomain import PARAMETER_SCHEMA as INTERDOMAIN_PARAMETER_SCHEMA
+
+from . import checks
+from .decode import FPADecodeCache, S4DDecodeState
+from .ops import fpa_attention, s4d_pairs
+
+Device = torch.device | str | None
+
+
+def _tensors(params: Mapping[str, object], names: Iterable[str]) -> dict[str, Tensor]:
+    """The named entries of a reference parameter dict (NumPy arrays or tensors) as tensors."""
+    out = {}
+    for name in names:
+        x = params[name]
+        t = x if isinstance(x, Tensor) else torch.as_tensor(np.asarray(x))
+        if not t.is_floating_point():
+            raise ValueError(f"params[{name!r}]: expected a real floating array, got {t.dtype}")
+        out[name] = t
+    return out
+
+
+def _load(
+    layer: nn.Module,
+    tensors: dict[str, Tensor],
+    shapes: dict[str, tuple[int, ...]],
+    device: Device,
+    dtype: torch.dtype | None,
+) -> None:
+    """Copy ``tensors`` into the layer's parameters, checking each shape against the schema."""
+    for name, shape in shapes.items():
+        t = tensors[name]
+        if tuple(t.shape) != shape:
+            raise ValueError(f"params[{name!r}]: expected shape {shape}, got {tuple(t.shape)}")
+        value = t.detach().to(device=device, dtype=dtype or t.dtype).clone()
+        setattr(layer, name, nn.Parameter(value))
+
+
+def _positions(cu_seqlens: Tensor | None, T: int, device: Device) -> Tensor:
+    """Each token's position in its own sequence: [T] (packed sequences restart at 0)."""
+    t = torch.arange(T, device=device)
+    if cu_seqlens is None:
+        return t
+    starts = cu_seqlens.to(device=device, dtype=torch.long)
+    return t - starts[torch.searchsorted(starts, t, right=True) - 1]
+
+
+def _check_x(x: Tensor, d: int) -> Tensor:
+    x = checks.tensor("x", x, 3, checks.QKV_DTYPES, "[B, T, d_model]")
+    if x.shape[2] != d:
+        raise ValueError(f"x: expected d_model = {d} features, got shape {tuple(x.shape)}")
+    if x.shape[1] < 1:
+        raise ValueError(f"x: expected T >= 1, got shape {tuple(x.shape)}")
+    return x
+
+
+# --------------------------------------------------------------------------------------------
+# First Passage Attention
+
+
+@dataclass
+class FPALayerCache:
+    """Decode state of :class:`FirstPassageAttention`: the (F7) cache and the running field."""
+
+    attention: FPADecodeCache
+    field: Tensor | None = None  # [B, H] phi of the last token
+
+
+class FirstPassageAttention(nn.Module):
+    """Multi-head FPA layer, spec/fpa.md section 3: x [B, T, d] -> y [B, T, d].
+
+    Per head: field increments delta_t = x_t w_delta + b_delta (``increments="logsigmoid"``
+    gives the FoX-initialised layer), phi = cumsum(delta) in float32 (float64 for float64
+    weights), levels l_j = phi_j + x_j w_lam + b_lam, then (F1)-(F5) and the output projection.
+
+    Args:
+        d_model, n_heads, head_dim: width d, heads H, query/key dim dk.
+        value_dim: dv (default head_dim).
+        increments: "signed" or "logsigmoid".
+        scale: softmax scale (default 1/sqrt(dk)).
+    """
+
+    # the reference's parameters (FPA_PARAMETER_SCHEMA), registered in __init__
+    wq: nn.Parameter
+    wk: nn.Parameter
+    wv: nn.Parameter
+    wo: nn.Parameter
+    w_delta: nn.Parameter
+    b_delta: nn.Parameter
+    w_lam: nn.Parameter
+    b_lam: nn.Parameter
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        head_dim: int,
+        value_dim: int | None = None,
+        *,
+        increments: str = "signed",
+        scale: float | None = None,
+        device: Device = None,
+        dtype: torch.dtype | None = None,
+    ):
+        super().__init__()
+        if increments not in ("signed", "logsigmoid"):
+            raise ValueError(f"increments: expected 'signed' or 'logsigmoid', got {increments!r}")
+        d, H, dk = d_model, n_heads, head_dim
+        dv = head_dim if value_dim is None else value_dim
+        self.d_model, self.n_heads, self.head_dim, self.value_dim = d, H, dk, dv
+        self.increments, self.scale = increments, scale
+        shapes = self.parameter_shapes()
+        fan_in = {"wo": H * dv}
+        for name, shape in shapes.items():
+            if name.startswith("b_"):
+                init = torch.zeros(shape)
+            else:  # normal / sqrt(fan-in), as init_fpa_params
+                init = torch.randn(shape) / math.sqrt(fan_in.get(name, d))
+            self.register_parameter(name, nn.Parameter(init.to(device=device, dtype=dtype)))
+
+    def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The reference schema (FPA_PARAMETER_SCHEMA) for this layer's sizes."""
+        d, H, dk, dv = self.d_model, self.n_heads, self.head_dim, self.value_dim
+        return {
+            "wq": (d, H * dk),
+            "wk": (d, H * dk),
+            "wv": (d, H * dv),
+            "wo": (H * dv, d),
+            "w_delta": (d, H),
+            "b_delta": (H,),
+            "w_lam": (d, H),
+            "b_lam": (H,),
+        }
+
+    @classmethod
+    def from_reference_params(
+        cls,
+        params: Mapping[str, object],
+        *,
+        increments: str = "signed",
+        device: Device = None,
+        dtype: torch.dtype | None = None,
+    ) -> FirstPassageAttention:
+        """A layer holding ``params`` (the dict of ``init_fpa_params``: NumPy arrays or tensors)."""
+        missing = sorted(set(FPA_PARAMETER_SCHEMA) - set(params))
+        if missing:
+            raise ValueError(f"params: missing {missing}; see FPA_PARAMETER_SCHEMA")
+        tensors = _tensors(params, FPA_PARAMETER_SCHEMA)
+        H = tensors["b_delta"].shape[0]
+        d, width = tensors["wq"].shape
+        dv = tensors["wv"].shape[1] // H
+        layer = cls(d, H, width // H, dv, increments=increments, device="meta")
+        _load(layer, tensors, layer.parameter_shapes(), device, dtype)
+        return layer
+
+    def _projections(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        B, T, _ = x.shape
+        H, dk, dv = self.n_heads, self.head_dim, self.value_dim
+        q = (x @ self.wq).view(B, T, H, dk)
+        k = (x @ self.wk).view(B, T, H, dk)
+        v = (x @ self.wv).view(B, T, H, dv)
+        wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+        delta = (x @ self.w_delta + self.b_delta).to(wide)  # [B, T, H]
+        if self.increments == "logsigmoid":
+            delta = F.logsigmoid(delta)
+        offset = (x @ self.w_lam + self.b_lam).to(wide)  # lam_j: levels relative to the field
+        return q, k, v, delta, offset
+
+    def forward(
+        self, x: Tensor, *, cu_seqlens: Tensor | None = None, impl: str | None = None
+    ) -> Tensor:
+        """x [B, T, d] -> y [B, T, d]; packed sequences by ``cu_seqlens`` (B = 1).
+
+        Time O(B H T^2 (dk + dv) + B T d H (dk + dv)); memory O(T * block) in the attention.
+        """
+        x = _check_x(x, self.d_model)
+        q, k, v, delta, offset = self._projections(x)
+        field = torch.cumsum(delta, dim=1)  # phi
+        if cu_seqlens is not None:  # each sequence's field starts afresh (precision only: (F2)
+            # is invariant to shifting field and level together)
+            start = torch.arange(x.shape[1], device=x.device) - _positions(
+                cu_seqlens, x.shape[1], x.device
+            )
+            before = torch.cat([torch.zeros_like(field[:, :1]), field[:, :-1]], dim=1)
+            field = field - before[:, start]
+        o = fpa_attention(
+            q, k, v, field, field + offset, scale=self.scale, cu_seqlens=cu_seqlens, impl=impl
+        )
+        return o.reshape(*x.shape[:2], -1) @ self.wo
+
+    def new_cache(self, *, theta: float = float("inf")) -> FPALayerCache:
+        """An empty decode cache evicting keys at depth >= theta (spec/fpa.md F7, T3)."""
+        return FPALayerCache(FPADecodeCache(theta=theta, scale=self.scale))
+
+    def step(self, x: Tensor, cache: FPALayerCache) -> Tensor:
+        """One token: x [B, d] -> y [B, d], updating ``cache``."""
+        x = checks.tensor("x", x, 2, checks.QKV_DTYPES, "[B, d_model]")
+        q, k, v, delta, offset = self._projections(x[:, None])
+        phi = delta[:, 0] if cache.field is None else cache.field + delta[:, 0]
+        cache.field = phi
+        o = cache.attention.step(q[:, 0], k[:, 0], v[:, 0], phi, phi + offset[:, 0])
+        return o.reshape(x.shape[0], -1) @ self.wo
+
+    def prefill(self, x: Tensor, cache: FPALayerCache) -> Tensor:
+        """A whole prompt x [B, T, d] into an empty ``cache``; equals T calls of :meth:`step`."""
+        x = _check_x(x, self.d_model)
+        q, k, v, delta, offset = self._projections(x)
+        field = torch.cumsum(delta, dim=1)
+        o = cache.attention.prefill(q, k, v, field, field + offset)
+        cache.field = field[:, -1]
+        return o.reshape(*x.shape[:2], -1) @ self.wo
+
+
+# --------------------------------------------------------------------------------------------
+# Interdomain Attention
+
+
+def short_conv(x: Tensor, w: Tensor, positions: Tensor) -> Tensor:
+    """(I8) causal depthwise convolution sum_s w_s x_{t-s}, zero before each sequence's start.
+
+    Args:
+        x: [B, T, C]; w: [S, C]; positions: [T], each token's position in its sequence.
+    """
+    out = w[0] * x
+    for s in range(1, w.shape[0]):
+        shifted = F.pad(x, (0, 0, s, 0))[:, : x.shape[1]]  # x_{t-s}
+        out = out + w[s] * shifted * (positions >= s)[None, :, None]
+    return out
+
+
+def feature_map(y: Tensor, eps: float = 1e-6) -> Tensor:
+    """(I9) xi(y) = SiLU(y) / sqrt(||y||^2 + eps) over the last axis, computed in float32+."""
+    wide = y.to(torch.promote_types(y.dtype, torch.float32))
+    return F.silu(wide) / torch.sqrt(wide.square().sum(-1, keepdim=True) + eps)
+
+
+def rms_norm(x: Tensor, eps: float = 1e-6) -> Tensor:
+    """x / sqrt(mean(x^2) + eps) over the last axis, computed in float32 or wider."""
+    wide = x.to(torch.promote_types(x.dtype, torch.float32))
+    return wide * torch.rsqrt(wide.square().mean(-1, keepdim=True) + eps)
+
+
+def rope(x: Tensor, positions: Tensor) -> Tensor:
+    """Rotary embedding on the last axis of x [B, T, H, R] (R even, base 10000), as the
+    reference's ``rope`` (halves rotated, not interleaved pairs)."""
+    R = x.shape[-1]
+    freq = 10000.0 ** (-torch.arange(R // 2, device=x.device, dtype=torch.float64) / (R // 2))
+    angle = (positions.to(torch.float64)[:, None] * freq).to(x.dtype)[None, :, None]  # [1,T,1,R/2]
+    x1, x2 = x[..., : R // 2], x[..., R // 2 :]
+    cos, sin = torch.cos(angle), torch.sin(angle)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+@dataclass
+class InterdomainLayerState:
+    """Decode state of :class:`InterdomainAttention`: the short-conv windows of the projected
+    queries and keys (the last S - 1 tokens), the S4D state, and the position."""
+
+    ssm: S4DDecodeState
+    conv_q: Tensor | None = None  # [B, S - 1, H R]
+    conv_k: Tensor | None = None
+    position: int = 0
+
+
+class InterdomainAttention(nn.Module):
+    """The Interdomain layer (I8)-(I13): x [B, T, d] -> y [B, T, d].
+
+    Projections, short conv on q and k (I8), optional RoPE, feature map (I9), norms and biases
+    (I10), the chunked S4D core (I11)-(I13), optional output gate, output projection.
+    Feature maps and norms are computed in float32 (or wider) and cast back to the weights'
+    dtype before the S4D op.
+
+    Args:
+        d_model, n_heads, head_dim: width d, heads H, feature size R.
+        value_dim: dv (default head_dim). n_modes: M.
+        readout: "linear" (I13) or "ratio". gate: SiLU output gate. use_rope: RoPE on q, k.
+    """
+
+    # the reference's parameters (PARAMETER_SCHEMA; wg only with the gate), registered in __init__
+    wq: nn.Parameter
+    wk: nn.Parameter
+    wv: nn.Parameter
+    wo: nn.Parameter
+    conv_q: nn.Parameter
+    conv_k: nn.Parameter
+    norm_k_g: nn.Parameter
+    norm_k_b: nn.Parameter
+    norm_v_g: nn.Parameter
+    norm_v_b: nn.Parameter
+    log_dt: nn.Parameter
+    a_log: nn.Parameter
+    a_im: nn.Parameter
+    b_re: nn.Parameter
+    b_im: nn.Parameter
+    c_re: nn.Parameter
+    c_im: nn.Parameter
+    wg: nn.Parameter
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        head_dim: int,
+        value_dim: int | None = None,
+        n_modes: int = 64,
+        *,
+        readout: str = "linear",
+        gate: bool = False,
+        use_rope: bool = False,
+        device: Device = None,
+        dtype: torch.dtype | None = None,
+    ):
+        super().__init__()
+        checks.readout(readout)
+        if use_rope and head_dim % 2:
+            raise ValueError(f"head_dim: RoPE needs an even head dim, got {head_dim}")
+        dv = head_dim if value_dim is None else value_dim
+        self.d_model, self.n_heads, self.head_dim, self.value_dim = d_model, n_heads, head_dim, dv
+        self.n_modes, self.readout, self.gate, self.use_rope = n_modes, readout, gate, use_rope
+        for name, value in self._initial_values().items():
+            self.register_parameter(name, nn.Parameter(value.to(device=device, dtype=dtype)))
+
+    def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The reference schema (PARAMETER_SCHEMA of reference.interdomain) for these sizes."""
+        d, H, R, dv, M = self.d_model, self.n_heads, self.head_dim, self.value_dim, self.n_modes
+        shapes = {
+            "wq": (d, H * R),
+            "wk": (d, H * R),
+            "wv": (d, H * dv),
+            "wo": (H * dv, d),
+            "conv_q": (4, H * R),
+            "conv_k": (4, H * R),
+            "norm_k_g": (H, R),
+            "norm_k_b": (H, R),
+            "norm_v_g": (H, dv),
+            "norm_v_b": (H, dv),
+            "log_dt": (H,),
+            "a_log": (H, M),
+            "a_im": (H, M),
+            "b_re": (H, M),
+            "b_im": (H, M),
+            "c_re": (H, M, M),
+            "c_im": (H, M, M),
+        }
+        if self.gate:
+            shapes["wg"] = (d, H * dv)
+        return shapes
+
+    def _initial_values(self) -> dict[str, Tensor]:
+        """S4D-Inv, as init_interdomain_params: a_log = log(1/2), log_dt ~ U[log 1e-3, log 1e-1],
+        b = 1, C ~ complex normal / sqrt(M); projections normal / sqrt(fan-in); conv normal / 2."""
+        shapes = self.parameter_shapes()
+        H, M = self.n_heads, self.n_modes
+        a_log, a_im = (torch.from_numpy(x).float() for x in hippo.s4d_init(M, "inv"))
+        fan_in = {"wo": H * self.value_dim}
+        values = {}
+        for name, shape in shapes.items():
+            if name.startswith("w"):
+                values[name] = torch.randn(shape) / math.sqrt(fan_in.get(name, self.d_model))
+            elif name.startswith("conv"):
+                values[name] = torch.randn(shape) / 2
+            elif name.startswith("c_"):
+                values[name] = torch.randn(shape) / math.sqrt(2 * M)
+            elif name in ("norm_k_g", "norm_v_g", "b_re"):
+                values[name] = torch.ones(shape)
+            elif name == "log_dt":
+                values[name] = torch.empty(shape).uniform_(math.log(1e-3), math.log(1e-1))
+            elif name == "a_log":
+                values[name] = a_log.expand(H, M).clone()
+            elif name == "a_im":
+                values[name] = a_im.expand(H, M).clone()
+            else:
+                values[name] = torch.zeros(shape)
+        return values
+
+    @classmethod
+    def from_reference_params(
+        cls,
+        params: Mapping[str, object],
+        *,
+        readout: str = "linear",
+        use_rope: bool = False,
+        device: Device = None,
+        dtype: torch.dtype | None = None,
+    ) -> InterdomainAttention:
+        """A layer holding ``params`` (the dict of ``init_interdomain_params``; with "wg" the
+        output gate is on)."""
+        missing = sorted(set(INTERDOMAIN_PARAMETER_SCHEMA) - {"wg"} - set(params))
+        if missing:
+            raise ValueError(f"params: missing {missing}; see PARAMETER_SCHEMA")
+        tensors = _tensors(params, [n for n in INTERDOMAIN_PARAMETER_SCHEMA if n in params])
+        H, R = tensors["norm_k_g"].shape
+        dv, M = tensors["norm_v_g"].shape[1], tensors["a_log"].shape[1]
+        layer = cls(
+            tensors["wq"].shape[0],
+            H,
+            R,
+            dv,
+            M,
+            readout=readout,
+            gate="wg" in params,
+            use_rope=use_rope,
+            device="meta",
+        )
+        _load(layer, tensors, layer.parameter_shapes(), device, dtype)
+        return layer
+
+    def ssm_parameters(self) -> tuple[Tensor, Tensor, Tensor]:
+        """(I11) Lambda = exp(dt a), a = -exp(a_log) + i a_im, dt = exp(log_dt); with b and C,
+        as (re, im) pairs [H, M, 2], [H, M, 2], [H, M, M, 2] in float32 (or wider)."""
+        wide = torch.promote_types(self.a_log.dtype, torch.float32)
+        dt = torch.exp(self.log_dt.to(wide))[:, None]
+        modulus = torch.exp(-dt * torch.exp(self.a_log.to(wide)))
+        phase = dt * self.a_im.to(wide)
+        lam = torch.stack([modulus * torch.cos(phase), modulus * torch.sin(phase)], dim=-1)
+        b = torch.stack([self.b_re, self.b_im], dim=-1).to(wide)
+        c = torch.stack([self.c_re, self.c_im], dim=-1).to(wide)
+        return lam, b, c
+
+    def _features(
+        self, x: Tensor, q: Tensor, k: Tensor, positions: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """(I9), (I10) from the convolved projections q, k [B, T, H R]: fq, kt, vt [B, T, H, .]."""
+        B, T, _ = x.shape
+        H, R, dv = self.n_heads, self.head_dim, self.value_dim
+        q, k = q.view(B, T, H, R), k.view(B, T, H, R)
+        v = (x @ self.wv).view(B, T, H, dv)  # values are not convolved
+        if self.use_rope:
+            q, k = rope(q, positions), rope(k, positions)
+        fq, fk = feature_map(q), feature_map(k)  # (I9)
+        kt = rms_norm(fk) * self.norm_k_g + self.norm_k_b  # (I10)
+        vt = rms_norm(v) * self.norm_v_g + self.norm_v_b
+        return fq.to(x.dtype), kt.to(x.dtype), vt.to(x.dtype)
+
+    def _output(self, x: Tensor, o: Tensor) -> Tensor:
+        o = o.reshape(*o.shape[:-2], -1)  # concatenate heads
+        if self.gate:
+            o = F.silu(x @ self.wg) * o
+        return o @ self.wo
+
+    def forward(
+        self, x: Tensor, *, cu_seqlens: Tensor | None = None, impl: str | None = None
+    ) -> Tensor:
+        """x [B, T, d] -> y [B, T, d]; packed sequences by ``cu_seqlens`` (B = 1), each with
+        its own conv window, positions and zero initial state. Time O(B T (d H (R + dv) +
+        H (L M + M (R + dv + M)))) with S4D chunks of L; state size independent of T."""
+        x = _check_x(x, self.d_model)
+        positions = _positions(cu_seqlens, x.shape[1], x.device)
+        q = short_conv(x @ self.wq, self.conv_q, positions)  # (I8)
+        k = short_conv(x @ self.wk, self.conv_k, positions)
+        fq, kt, vt = self._features(x, q, k, positions)
+        o, _ = s4d_pairs(
+            fq,
+            kt,
+            vt,
+            *self.ssm_parameters(),
+            readout=self.readout,
+            cu_seqlens=cu_seqlens,
+            impl=impl,
+        )
+        return self._output(x, o)
+
+    def new_cache(self) -> InterdomainLayerState:
+        """An empty decode state."""
+        lam, b, c = (torch.view_as_complex(p.detach().contiguous()) for p in self.ssm_parameters())
+        return InterdomainLayerState(S4DDecodeState(lam, b, c, readout=self.readout))
+
+    def step(self, x: Tensor, state: InterdomainLayerState) -> Tensor:
+        """One token: x [B, d] -> y [B, d], updating ``state`` (whose size does not grow)."""
+        x = checks.tensor("x", x, 2, checks.QKV_DTYPES, "[B, d_model]")[:, None]
+        positions = torch.tensor([state.position], device=x.device)
+        qk = []
+        for name in ("q", "k"):
+            new = x @ getattr(self, f"w{name}")  # [B, 1, H R]
+            window = getattr(state, f"conv_{name}")
+            S = getattr(self, f"conv_{name}").shape[0]
+            if window is None:
+                window = new.new_zeros(new.shape[0], S - 1, new.shape[2])
+            window = torch.cat([window, new], dim=1)  # the last S tokens, oldest first
+            weights = getattr(self, f"conv_{name}").flip(0)  # w_s multiplies x_{t-s}
+            qk.append((window * weights).sum(dim=1, keepdim=True))  # (I8)
+            setattr(state, f"conv_{name}", window[:, 1:])
+        fq, kt, vt = self._features(x, qk[0], qk[1], positions)
+        o = state.ssm.step(fq[:, 0], kt[:, 0], vt[:, 0])
+        state.position += 1
+        return self._output(x[:, 0], o)
+
+    def prefill(self, x: Tensor, state: InterdomainLayerState) -> Tensor:
+        """A prompt x [B, T, d] into a fresh ``state``; equals T calls of :meth:`step`."""
+        if state.position:
+            raise ValueError(f"prefill: expected a fresh state, at position {state.position}")
+        x = _check_x(x, self.d_model)
+        T = x.shape[1]
+        positions = torch.arange(T, device=x.device)
+        projected = {name: x @ getattr(self, f"w{name}") for name in ("q", "k")}
+        q = short_conv(projected["q"], self.conv_q, positions)
+        k = short_conv(projected["k"], self.conv_k, positions)
+        fq, kt, vt = self._features(x, q, k, positions)
+        o = state.ssm.prefill(fq, kt, vt)
+        for name, p in projected.items():
+            S = getattr(self, f"conv_{name}").shape[0]
+            window = F.pad(p, (0, 0, S - 1, 0))[:, -(S - 1) :]  # zeros before the prompt
+            setattr(state, f"conv_{name}", window)
+        state.position = T
+        return self._output(x, o)

@@ -1,0 +1,797 @@
+"""The public torch ops: checked entry points over custom ops registered with torch.library.
+
+Each op is one ``torch.library.custom_op`` (``attnspec::fpa_fwd``, ...) with a fake
+implementation and a registered autograd formula whose backward is a second custom op, so
+``torch.compile(fullgraph=True)`` sees one node per pass. The custom op looks its kernel up in
+:mod:`.dispatch` by the ``impl`` string it carries: ``"eager"`` (the twins in
+:mod:`.eager_fpa`, :mod:`.eager_interdomain`) or ``"triton"``, registered by the Triton modules
+beside this one when they are imported. ``impl=None`` picks "triton" for CUDA tensors when a
+Triton kernel is registered, else "eager"; a backward with no Triton kernel runs the eager twin.
+Value checks (NaN/Inf, gates, |Lambda|, offsets) read the data, so they run inside the custom
+op, where compiled code runs them too.
+
+Layout (flash-attn / flash-linear-attention): q, k ``[B, T, H, K]``, v ``[B, T, H, V]``,
+per-token scalars ``[B, T, H]``, output ``[B, T, H, V]``.
+
+Autocast: like SDPA, under ``torch.autocast`` q, k, v (and the Interdomain features) are cast to
+the autocast dtype, float64 stays float64; the field, level, gates and SSM parameters keep their
+float32-or-wider dtype, and nothing inside the op is autocast again.
+"""
+
+import importlib
+from typing import Any, Literal, overload
+
+import torch
+from torch import Tensor
+
+from . import checks, dispatch
+from . import eager_fpa as _eager_fpa  # noqa: F401  (registers the eager FPA/FoX kernels)
+from . import eager_interdomain as _eager_interdomain  # noqa: F401  (and the Interdomain ones)
+
+TRITON_MODULES = (
+    "attnspec.backends.torch.triton_fpa",
+    "attnspec.backends.torch.triton_interdomain",
+)
+_triton_loaded = False
+
+
+def load_triton_kernels() -> None:
+    """Import the Triton kernel modules once, so they register impl "triton".
+
+    A module that is absent, or that cannot import triton, is skipped: the eager kernels remain.
+    Any other import error is a bug of that module and propagates.
+    """
+    global _triton_loaded
+    if _triton_loaded:
+        return
+    _triton_loaded = True
+    for name in TRITON_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            if exc.name != name and not (exc.name or "").startswith("triton"):
+                raise
+
+
+def _has_triton(kernel: str) -> bool:
+    load_triton_kernels()
+    return "triton" in dispatch.implementations(kernel)
+
+
+if torch.cuda.is_available():
+    # a constant for torch.compile. Only with CUDA: the decorator imports torch._dynamo, which
+    # imports triton, and a CPU-only process may still have to choose the Triton interpreter.
+    _has_triton = torch.compiler.assume_constant_result(_has_triton)
+
+
+def resolve_impl(kernel: str, impl: str | None, device: torch.device) -> str:
+    """The implementation of ``kernel`` to run: ``impl`` if given (ValueError if it is not
+    registered); otherwise "triton" for CUDA tensors when a Triton kernel is registered, else
+    "eager"."""
+    if impl is None:
+        return "triton" if device.type == "cuda" and _has_triton(kernel) else "eager"
+    if not isinstance(impl, str):
+        raise ValueError(f"impl: expected None, 'eager' or 'triton', got {impl!r}")
+    if impl == "triton":
+        load_triton_kernels()
+    dispatch.lookup(kernel, impl)
+    return impl
+
+
+def _backward_impl(kernel: str, impl: str) -> str:
+    """The backward runs the forward's implementation when it has one, else the eager twin."""
+    return impl if impl in dispatch.implementations(kernel) else "eager"
+
+
+def _autocast(*xs: Tensor) -> tuple[Tensor, ...]:
+    """Cast to the autocast dtype if autocast is on for the device (float64 left alone)."""
+    device_type = xs[0].device.type
+    if not torch.is_autocast_enabled(device_type):
+        return xs
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(x if x.dtype == torch.float64 else x.to(dtype) for x in xs)
+
+
+def _no_autocast(x: Tensor) -> torch.autocast:
+    return torch.autocast(x.device.type, enabled=False)
+
+
+def _empty(x: Tensor) -> Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+# --------------------------------------------------------------------------------------------
+# FPA
+
+
+@torch.library.custom_op(
+    "attnspec::fpa_fwd",
+    mutates_args=(),
+    schema="(Tensor q, Tensor k, Tensor v, Tensor field, Tensor level, float scale, "
+    "Tensor? cu_seqlens, str impl) -> (Tensor, Tensor)",
+)
+def _fpa_fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    field: Tensor,
+    level: Tensor,
+    scale: float,
+    cu_seqlens: Tensor | None,
+    impl: str,
+) -> tuple[Tensor, Tensor]:
+    checks.finite("field", field)
+    checks.finite("level", level)
+    if cu_seqlens is not None:
+        checks.cu_seqlens_values(cu_seqlens, q.shape[1])
+    with _no_autocast(q):
+        return dispatch.lookup("fpa_fwd", impl)(q, k, v, field, level, scale, cu_seqlens)
+
+
+@_fpa_fwd.register_fake
+def _(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    field: Tensor,
+    level: Tensor,
+    scale: float,
+    cu_seqlens: Tensor | None,
+    impl: str,
+) -> tuple[Tensor, Tensor]:
+    B, T, HQ, _ = q.shape
+    return q.new_empty(B, T, HQ, v.shape[3]), field.new_empty(B, T, HQ)
+
+
+@torch.library.custom_op(
+    "attnspec::fpa_bwd",
+    mutates_args=(),
+    schema="(Tensor q, Tensor k, Tensor v, Tensor field, Tensor level, Tensor o, Tensor lse, "
+    "Tensor do, Tensor? dlse, float scale, Tensor? cu_seqlens, str impl) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+)
+def _fpa_bwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    field: Tensor,
+    level: Tensor,
+    o: Tensor,
+    lse: Tensor,
+    do: Tensor,
+    dlse: Tensor | None,
+    scale: float,
+    cu_seqlens: Tensor | None,
+    impl: str,
+) -> tuple[Tensor, ...]:
+    with _no_autocast(q):
+        kernel = dispatch.lookup("fpa_bwd", impl)
+        return tuple(kernel(q, k, v, field, level, o, lse, do, dlse, scale, cu_seqlens))
+
+
+@_fpa_bwd.register_fake
+def _(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    field: Tensor,
+    level: Tensor,
+    o: Tensor,
+    lse: Tensor,
+    do: Tensor,
+    dlse: Tensor | None,
+    scale: float,
+    cu_seqlens: Tensor | None,
+    impl: str,
+) -> tuple[Tensor, ...]:
+    return _empty(q), _empty(k), _empty(v), _empty(field), _empty(level)
+
+
+def _fpa_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    q, k, v, field, level, scale, cu_seqlens, impl = inputs
+    ctx.save_for_backward(q, k, v, field, level, *output, cu_seqlens)
+    ctx.scale, ctx.impl = scale, impl
+
+
+def _fpa_backward(ctx: Any, do: Tensor, dlse: Tensor) -> tuple[Tensor | None, ...]:
+    q, k, v, field, level, o, lse, cu_seqlens = ctx.saved_tensors
+    impl = _backward_impl("fpa_bwd", ctx.impl)
+    grads = _fpa_bwd(
+        q,
+        k,
+        v,
+        field,
+        level,
+        o,
+        lse,
+        do.contiguous(),
+        dlse.contiguous(),
+        ctx.scale,
+        cu_seqlens,
+        impl,
+    )
+    return (*grads, None, None, None)
+
+
+_fpa_fwd.register_autograd(_fpa_backward, setup_context=_fpa_setup)
+
+
+@overload
+def fpa_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    field: Tensor,
+    level: Tensor,
+    *,
+    scale: float | None = ...,
+    cu_seqlens: Tensor | None = ...,
+    return_lse: Literal[False] = ...,
+    impl: str | None = ...,
+) -> Tensor: ...
+
+
+@overload
+def fpa_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    field: Tensor,
+    level: Tensor,
+    *,
+    scale: float | None = ...,
+    cu_seqlens: Tensor | None = ...,
+    return_lse: Literal[True],
+    impl: str | None = ...,
+) -> tuple[Tensor, Tensor]: ...
+
+
+def fpa_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    field: Tensor,
+    level: Tensor,
+    *,
+    scale: float | None = None,
+    cu_seqlens: Tensor | None = None,
+    return_lse: bool = False,
+    impl: str | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """First Passage Attention, (F1)-(F5) of spec/fpa.md, with gradients (G1)-(G4).
+
+    Args:
+        q: [B, T, HQ, K]; k: [B, T, H, K]; v: [B, T, H, V]; HQ a multiple of H (GQA: query head
+            h reads key/value head h // (HQ / H)). float64, float32, float16 or bfloat16, one
+            dtype, one device.
+        field, level: [B, T, HQ], float32 or float64 (promoted to float64 when q is float64).
+        scale: softmax scale; default 1/sqrt(K).
+        cu_seqlens: int32/int64 offsets [N + 1] of N packed sequences (B must be 1).
+        return_lse: also return lse [B, T, HQ] (natural log, field's dtype).
+        impl: "eager", "triton", or None (Triton on CUDA when registered, else eager).
+
+    Returns:
+        o [B, T, HQ, V] in q's dtype, or (o, lse).
+
+    Time O(T^2 (K + V)) per sequence; memory O(T * block) (eager) beyond inputs and outputs.
+    """
+    dims = checks.attention_inputs(q, k, v)
+    field = checks.per_token("field", field, q)
+    level = checks.per_token("level", level, q)
+    checks.same_dtype(("field", "level"), (field, level))
+    s = checks.scale(scale, dims.K)
+    cu_seqlens = checks.cu_seqlens(cu_seqlens, dims.B, q)
+    impl = resolve_impl("fpa_fwd", impl, q.device)
+    q, k, v = _autocast(q, k, v)
+    if q.dtype == torch.float64:
+        field, level = field.to(torch.float64), level.to(torch.float64)
+    o, lse = _fpa_fwd(
+        q.contiguous(),
+        k.contiguous(),
+        v.contiguous(),
+        field.contiguous(),
+        level.contiguous(),
+        s,
+        cu_seqlens,
+        impl,
+    )
+    return (o, lse) if return_lse else o
+
+
+# --------------------------------------------------------------------------------------------
+# FoX
+
+
+@torch.library.custom_op(
+    "attnspec::fox_fwd",
+    mutates_args=(),
+    schema="(Tensor q, Tensor k, Tensor v, Tensor log_f, float scale, Tensor? cu_seqlens, "
+    "str impl) -> (Tensor, Tensor)",
+)
+def _fox_fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    log_f: Tensor,
+    scale: float,
+    cu_seqlens: Tensor | None,
+    impl: str,
+) -> tuple[Tensor, Tensor]:
+    checks.log_gates(log_f)
+    if cu_seqlens is not None:
+        checks.cu_seqlens_values(cu_seqlens, q.shape[1])
+    with _no_autocast(q):
+        return dispatch.lookup("fox_fwd", impl)(q, k, v, log_f, scale, cu_seqlens)
+
+
+@_fox_fwd.register_fake
+def _(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    log_f: Tensor,
+    scale: float,
+    cu_seqlens: Tensor | None,
+    impl: str,
+) -> tuple[Tensor, Tensor]:
+    B, T, HQ, _ = q.shape
+    return q.new_empty(B, T, HQ, v.shape[3]), log_f.new_empty(B, T, HQ)
+
+
+@torch.library.custom_op(
+    "attnspec::fox_bwd",
+    mutates_args=(),
+    schema="(Tensor q, Tensor k, Tensor v, Tensor log_f, Tensor o, Tensor lse, Tensor do, "
+    "Tensor? dlse, float scale, Tensor? cu_seqlens, str impl) -> (Tensor, Tensor, Tensor, Tensor)",
+)
+def _fox_bwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    log_f: Tensor,
+    o: Tensor,
+    lse: Tensor,
+    do: Tensor,
+    dlse: Tensor | None,
+    scale: float,
+    cu_seqlens: Tensor | None,
+    impl: str,
+) -> tuple[Tensor, ...]:
+    with _no_autocast(q):
+        kernel = dispatch.lookup("fox_bwd", impl)
+        return tuple(kernel(q, k, v, log_f, o, lse, do, dlse, scale, cu_seqlens))
+
+
+@_fox_bwd.register_fake
+def _(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    log_f: Tensor,
+    o: Tensor,
+    lse: Tensor,
+    do: Tensor,
+    dlse: Tensor | None,
+    scale: float,
+    cu_seqlens: Tensor | None,
+    impl: str,
+) -> tuple[Tensor, ...]:
+    return _empty(q), _empty(k), _empty(v), _empty(log_f)
+
+
+def _fox_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    q, k, v, log_f, scale, cu_seqlens, impl = inputs
+    ctx.save_for_backward(q, k, v, log_f, *output, cu_seqlens)
+    ctx.scale, ctx.impl = scale, impl
+
+
+def _fox_backward(ctx: Any, do: Tensor, dlse: Tensor) -> tuple[Tensor | None, ...]:
+    q, k, v, log_f, o, lse, cu_seqlens = ctx.saved_tensors
+    impl = _backward_impl("fox_bwd", ctx.impl)
+    grads = _fox_bwd(
+        q, k, v, log_f, o, lse, do.contiguous(), dlse.contiguous(), ctx.scale, cu_seqlens, impl
+    )
+    return (*grads, None, None, None)
+
+
+_fox_fwd.register_autograd(_fox_backward, setup_context=_fox_setup)
+
+
+def fox_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    log_f: Tensor,
+    *,
+    scale: float | None = None,
+    cu_seqlens: Tensor | None = None,
+    impl: str | None = None,
+) -> Tensor:
+    """Forgetting Transformer attention, (F6): FPA with field = level = cumsum(log_f).
+
+    The call shape of flash-linear-attention's ``parallel_forgetting_attn(q, k, v, g, scale,
+    cu_seqlens)``; the decay is computed from segment-local cumulative sums.
+
+    Args:
+        q: [B, T, HQ, K]; k: [B, T, H, K]; v: [B, T, H, V] (GQA as in :func:`fpa_attention`).
+        log_f: [B, T, HQ] log forget gates <= 0, float32 or float64 (float64 when q is).
+        scale, cu_seqlens, impl: as in :func:`fpa_attention`.
+
+    Returns:
+        o [B, T, HQ, V] in q's dtype. Time O(T^2 (K + V)); memory O(T * block) (eager).
+    """
+    dims = checks.attention_inputs(q, k, v)
+    log_f = checks.per_token("log_f", log_f, q)
+    s = checks.scale(scale, dims.K)
+    cu_seqlens = checks.cu_seqlens(cu_seqlens, dims.B, q)
+    impl = resolve_impl("fox_fwd", impl, q.device)
+    q, k, v = _autocast(q, k, v)
+    if q.dtype == torch.float64:
+        log_f = log_f.to(torch.float64)
+    o, _ = _fox_fwd(
+        q.contiguous(), k.contiguous(), v.contiguous(), log_f.contiguous(), s, cu_seqlens, impl
+    )
+    return o
+
+
+# --------------------------------------------------------------------------------------------
+# Interdomain: the S4D core
+
+
+def _s4d_state_channels(R: int, V: int, readout: str) -> int:
+    return R + V + (readout == "ratio")
+
+
+@torch.library.custom_op(
+    "attnspec::s4d_fwd",
+    mutates_args=(),
+    schema="(Tensor fq, Tensor kt, Tensor vt, Tensor lam, Tensor b, Tensor c, str readout, "
+    "Tensor? cu_seqlens, Tensor? initial_state, str impl) -> (Tensor, Tensor)",
+)
+def _s4d_fwd(
+    fq: Tensor,
+    kt: Tensor,
+    vt: Tensor,
+    lam: Tensor,
+    b: Tensor,
+    c: Tensor,
+    readout: str,
+    cu_seqlens: Tensor | None,
+    initial_state: Tensor | None,
+    impl: str,
+) -> tuple[Tensor, Tensor]:
+    for name, x in (("lam", lam), ("b", b), ("c", c)):
+        checks.finite(name, x)
+    checks.decays(lam)
+    if cu_seqlens is not None:
+        checks.cu_seqlens_values(cu_seqlens, fq.shape[1])
+    with _no_autocast(fq):
+        kernel = dispatch.lookup("s4d_fwd", impl)
+        return kernel(fq, kt, vt, lam, b, c, readout, cu_seqlens, initial_state)
+
+
+@_s4d_fwd.register_fake
+def _(
+    fq: Tensor,
+    kt: Tensor,
+    vt: Tensor,
+    lam: Tensor,
+    b: Tensor,
+    c: Tensor,
+    readout: str,
+    cu_seqlens: Tensor | None,
+    initial_state: Tensor | None,
+    impl: str,
+) -> tuple[Tensor, Tensor]:
+    B, T, H, R = fq.shape
+    V, M = vt.shape[3], lam.shape[1]
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    C = _s4d_state_channels(R, V, readout)
+    return fq.new_empty(B, T, H, V), lam.new_empty(N, H, M, C, 2)
+
+
+@torch.library.custom_op(
+    "attnspec::s4d_bwd",
+    mutates_args=(),
+    schema="(Tensor fq, Tensor kt, Tensor vt, Tensor lam, Tensor b, Tensor c, str readout, "
+    "Tensor? cu_seqlens, Tensor? initial_state, Tensor do, Tensor? dfinal_state, str impl) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+)
+def _s4d_bwd(
+    fq: Tensor,
+    kt: Tensor,
+    vt: Tensor,
+    lam: Tensor,
+    b: Tensor,
+    c: Tensor,
+    readout: str,
+    cu_seqlens: Tensor | None,
+    initial_state: Tensor | None,
+    do: Tensor,
+    dfinal_state: Tensor | None,
+    impl: str,
+) -> tuple[Tensor, ...]:
+    with _no_autocast(fq):
+        kernel = dispatch.lookup("s4d_bwd", impl)
+        *grads, d_initial = kernel(
+            fq, kt, vt, lam, b, c, readout, cu_seqlens, initial_state, do, dfinal_state
+        )
+    # the schema has no optional output: no initial state, an empty cotangent
+    return (*grads, lam.new_empty(0) if d_initial is None else d_initial)
+
+
+@_s4d_bwd.register_fake
+def _(
+    fq: Tensor,
+    kt: Tensor,
+    vt: Tensor,
+    lam: Tensor,
+    b: Tensor,
+    c: Tensor,
+    readout: str,
+    cu_seqlens: Tensor | None,
+    initial_state: Tensor | None,
+    do: Tensor,
+    dfinal_state: Tensor | None,
+    impl: str,
+) -> tuple[Tensor, ...]:
+    d_initial = lam.new_empty(0) if initial_state is None else _empty(initial_state)
+    return _empty(fq), _empty(kt), _empty(vt), _empty(lam), _empty(b), _empty(c), d_initial
+
+
+def _s4d_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    fq, kt, vt, lam, b, c, readout, cu_seqlens, initial_state, impl = inputs
+    ctx.save_for_backward(fq, kt, vt, lam, b, c, cu_seqlens, initial_state)
+    ctx.readout, ctx.impl = readout, impl
+
+
+def _s4d_backward(ctx: Any, do: Tensor, dfinal_state: Tensor) -> tuple[Tensor | None, ...]:
+    fq, kt, vt, lam, b, c, cu_seqlens, initial_state = ctx.saved_tensors
+    impl = _backward_impl("s4d_bwd", ctx.impl)
+    *grads, d_initial = _s4d_bwd(
+        fq,
+        kt,
+        vt,
+        lam,
+        b,
+        c,
+        ctx.readout,
+        cu_seqlens,
+        initial_state,
+        do.contiguous(),
+        dfinal_state.contiguous(),
+        impl,
+    )
+    return (*grads, None, None, None if initial_state is None else d_initial, None)
+
+
+_s4d_fwd.register_autograd(_s4d_backward, setup_context=_s4d_setup)
+
+
+def s4d_pairs(
+    fq: Tensor,
+    kt: Tensor,
+    vt: Tensor,
+    lam: Tensor,
+    b: Tensor,
+    c: Tensor,
+    *,
+    readout: str = "linear",
+    cu_seqlens: Tensor | None = None,
+    initial_state: Tensor | None = None,
+    impl: str | None = None,
+) -> tuple[Tensor, Tensor]:
+    """:func:`interdomain_s4d` with the complex parameters and states as (re, im) pairs in a
+    last axis of size 2 (lam, b [H, M, 2]; c [H, M, M, 2]; states [N, H, M, C, 2]), the form the
+    modules use so compiled graphs hold no complex tensors.
+
+    Returns:
+        (o [B, T, H, V], final state [N, H, M, C, 2]).
+    """
+    B, _, H, R, V = checks.interdomain_features(("fq", "kt", "vt"), fq, kt, vt)
+    readout = checks.readout(readout)
+    M = checks.s4d_parameters(lam, b, c, H, pairs=True)
+    cu_seqlens = checks.cu_seqlens(cu_seqlens, B, fq)
+    checks.same_device(("fq", "lam", "b", "c"), (fq, lam, b, c))
+    if initial_state is not None:
+        N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        dims = (N, H, M, _s4d_state_channels(R, V, readout))
+        initial_state = checks.s4d_state(initial_state, dims, True, lam)
+        checks.same_device(("fq", "initial_state"), (fq, initial_state))
+    impl = resolve_impl("s4d_fwd", impl, fq.device)
+    fq, kt, vt = _autocast(fq, kt, vt)
+    if fq.dtype == torch.float64:
+        lam, b, c = lam.to(torch.float64), b.to(torch.float64), c.to(torch.float64)
+        if initial_state is not None:
+            initial_state = initial_state.to(torch.float64)
+    contiguous = (x.contiguous() for x in (fq, kt, vt, lam, b, c))
+    return _s4d_fwd(
+        *contiguous,
+        readout,
+        cu_seqlens,
+        None if initial_state is None else initial_state.contiguous(),
+        impl,
+    )
+
+
+@overload
+def interdomain_s4d(
+    fq: Tensor,
+    kt: Tensor,
+    vt: Tensor,
+    lam: Tensor,
+    b: Tensor,
+    c: Tensor,
+    *,
+    readout: str = ...,
+    cu_seqlens: Tensor | None = ...,
+    initial_state: Tensor | None = ...,
+    output_final_state: Literal[False] = ...,
+    impl: str | None = ...,
+) -> Tensor: ...
+
+
+@overload
+def interdomain_s4d(
+    fq: Tensor,
+    kt: Tensor,
+    vt: Tensor,
+    lam: Tensor,
+    b: Tensor,
+    c: Tensor,
+    *,
+    readout: str = ...,
+    cu_seqlens: Tensor | None = ...,
+    initial_state: Tensor | None = ...,
+    output_final_state: Literal[True],
+    impl: str | None = ...,
+) -> tuple[Tensor, Tensor]: ...
+
+
+def interdomain_s4d(
+    fq: Tensor,
+    kt: Tensor,
+    vt: Tensor,
+    lam: Tensor,
+    b: Tensor,
+    c: Tensor,
+    *,
+    readout: str = "linear",
+    cu_seqlens: Tensor | None = None,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    impl: str | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """The S4D core of Interdomain Attention, (I11)-(I13) of spec/interdomain.md, chunked.
+
+    Args:
+        fq: [B, T, H, R] query features xi(q); kt: [B, T, H, R] SSM key inputs k~;
+            vt: [B, T, H, V] SSM value inputs v~. One float dtype of float64, float32, float16,
+            bfloat16.
+        lam, b: [H, M] complex; c: [H, M, M] complex (complex64 or complex128; |lam| <= 1).
+            Gradients are dL/dRe + i dL/dIm, the reference's convention.
+        readout: "linear" (denominator-free, I13) or "ratio".
+        cu_seqlens: int32/int64 offsets [N + 1] of N packed sequences (B = 1), each started
+            from its own state.
+        initial_state: [N, H, M, C] complex (C = R + V, + 1 for "ratio"; N = B, or the number
+            of packed sequences), the state x before the first token; zeros if None.
+        output_final_state: also return the state after the last token.
+        impl: "eager", "triton", or None (Triton on CUDA when registered, else eager).
+
+    Returns:
+        o [B, T, H, V] in fq's dtype, or (o, final state [N, H, M, C] complex).
+
+    Time O(T (L M + M (R + V + M))) with chunks of L tokens; memory O(L^2 M) per batch-head
+    beyond inputs and outputs (eager); the state does not grow with T.
+    """
+    dims = checks.interdomain_features(("fq", "kt", "vt"), fq, kt, vt)
+    readout = checks.readout(readout)
+    M = checks.s4d_parameters(lam, b, c, dims.H, pairs=False)
+    cu_seqlens = checks.cu_seqlens(cu_seqlens, dims.B, fq)
+    if initial_state is not None:
+        N = dims.B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        C = _s4d_state_channels(dims.R, dims.V, readout)
+        initial_state = checks.s4d_state(initial_state, (N, dims.H, M, C), False, lam)
+        initial_state = torch.view_as_real(initial_state)
+    params = (lam, b, c)
+    o, final = s4d_pairs(
+        fq,
+        kt,
+        vt,
+        *(torch.view_as_real(p) for p in params),
+        readout=readout,
+        cu_seqlens=cu_seqlens,
+        initial_state=initial_state,
+        impl=impl,
+    )
+    return (o, torch.view_as_complex(final)) if output_final_state else o
+
+
+# --------------------------------------------------------------------------------------------
+# Interdomain: the LegS projection with the ratio readout
+
+
+@torch.library.custom_op(
+    "attnspec::legs_fwd",
+    mutates_args=(),
+    schema="(Tensor fq, Tensor fk, Tensor v, int M, Tensor? cu_seqlens, str impl) -> Tensor",
+)
+def _legs_fwd(
+    fq: Tensor, fk: Tensor, v: Tensor, M: int, cu_seqlens: Tensor | None, impl: str
+) -> Tensor:
+    if cu_seqlens is not None:
+        checks.cu_seqlens_values(cu_seqlens, fq.shape[1])
+    with _no_autocast(fq):
+        return dispatch.lookup("legs_fwd", impl)(fq, fk, v, M, cu_seqlens)
+
+
+@_legs_fwd.register_fake
+def _(fq: Tensor, fk: Tensor, v: Tensor, M: int, cu_seqlens: Tensor | None, impl: str) -> Tensor:
+    return _empty(v)
+
+
+@torch.library.custom_op(
+    "attnspec::legs_bwd",
+    mutates_args=(),
+    schema="(Tensor fq, Tensor fk, Tensor v, int M, Tensor? cu_seqlens, Tensor do, str impl) "
+    "-> (Tensor, Tensor, Tensor)",
+)
+def _legs_bwd(
+    fq: Tensor, fk: Tensor, v: Tensor, M: int, cu_seqlens: Tensor | None, do: Tensor, impl: str
+) -> tuple[Tensor, ...]:
+    with _no_autocast(fq):
+        return tuple(dispatch.lookup("legs_bwd", impl)(fq, fk, v, M, cu_seqlens, do))
+
+
+@_legs_bwd.register_fake
+def _(
+    fq: Tensor, fk: Tensor, v: Tensor, M: int, cu_seqlens: Tensor | None, do: Tensor, impl: str
+) -> tuple[Tensor, ...]:
+    return _empty(fq), _empty(fk), _empty(v)
+
+
+def _legs_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    fq, fk, v, M, cu_seqlens, impl = inputs
+    ctx.save_for_backward(fq, fk, v, cu_seqlens)
+    ctx.M, ctx.impl = M, impl
+
+
+def _legs_backward(ctx: Any, do: Tensor) -> tuple[Tensor | None, ...]:
+    fq, fk, v, cu_seqlens = ctx.saved_tensors
+    impl = _backward_impl("legs_bwd", ctx.impl)
+    grads = _legs_bwd(fq, fk, v, ctx.M, cu_seqlens, do.contiguous(), impl)
+    return (*grads, None, None, None)
+
+
+_legs_fwd.register_autograd(_legs_backward, setup_context=_legs_setup)
+
+
+def interdomain_legs(
+    fq: Tensor,
+    fk: Tensor,
+    v: Tensor,
+    M: int,
+    *,
+    cu_seqlens: Tensor | None = None,
+    impl: str | None = None,
+) -> Tensor:
+    """Interdomain attention with the HiPPO-LegS basis: (I2) coefficients by the exact steps
+    (I5), ratio readout (I3).
+
+    Args:
+        fq, fk: [B, T, H, R] query and key features (the denominator xi(q) . u_0 must not
+            vanish: positive features keep it positive); v: [B, T, H, V]. One float dtype.
+        M: number of Legendre coefficients (>= 1).
+        cu_seqlens, impl: as in :func:`interdomain_s4d`.
+
+    Returns:
+        o [B, T, H, V] in fq's dtype. Time O(T (L M + M^2 + M (R + V))) with chunks of L tokens;
+        the cached step products hold T (M^2 + L M) numbers per (M, dtype, device).
+    """
+    dims = checks.interdomain_features(("fq", "fk", "v"), fq, fk, v)
+    if isinstance(M, bool) or not isinstance(M, int) or M < 1:
+        raise ValueError(f"M: expected an integer >= 1, got {M!r}")
+    cu_seqlens = checks.cu_seqlens(cu_seqlens, dims.B, fq)
+    impl = resolve_impl("legs_fwd", impl, fq.device)
+    fq, fk, v = _autocast(fq, fk, v)
+    return _legs_fwd(fq.contiguous(), fk.contiguous(), v.contiguous(), M, cu_seqlens, impl)

@@ -1,0 +1,1321 @@
+"""Triton kernels for First Passage Attention and its FoX special case (spec/fpa.md section 7).
+
+Registered in :mod:`attnspec.backends.torch.dispatch` as implementation ``"triton"`` of
+``fpa_fwd``, ``fpa_bwd``, ``fox_fwd`` and ``fox_bwd``, with the signatures stated there; layout
+``[B, T, H, D]``, per-token scalars ``[B, T, H]``, GQA (HQ query heads, H key/value heads) and
+varlen (``cu_seqlens``, B = 1). On a machine without a GPU they run under the Triton interpreter
+(``TRITON_INTERPRET=1``, set before triton is imported).
+
+Tiling (section 7). A program owns a tile of BT rows (the queries of a query tile in the forward
+and dq passes, the keys of a key tile in the dk/dv pass) and visits tiles of BS rows of the other
+side, the diagonal first and then outward, so the gap between the two tiles grows by one tile per
+step. Tiles are aligned to the start of each sequence. For i and j in different BT tiles:
+
+    m_ij = min(A_j, mid, B_i)    A_j: min phi over (j, end of j's tile]
+                                 mid: min phi over the BT tiles strictly between (running min)
+                                 B_i: min phi over [start of i's tile, i]
+
+Inside a BT tile the segment minimum is exact: with k the highest bit in which the in-tile
+offsets of j < i differ, (j, i] is the end of j's aligned 2^k-block after j followed by the start
+of i's 2^k-block up to i, so m_ij = min(Suf_k[j], Pre_k[i]). ``_block_minima_kernel`` computes
+Pre_k and Suf_k for every k by doubling (aligned blocks merge pairwise), once per tile; A = Suf
+and B = Pre at the top level.
+
+Backward (G3): the latest argmin t*_ij lies in B, in the gap or in A. Each part is summed by the
+program that owns its target: the dq program sums rows into B's argmin (and owns the whole
+diagonal tile), the dk/dv program sums columns into A's argmin, and the dq program writes one sum
+per (query tile, gap tile holding the gap's latest minimum) into a buffer that
+``_dfield_kernel`` reduces in a second pass. No atomics: every output has one writer.
+
+The FoX fast path (F6) uses only the bias sum_{(j, i]} log f, the sum-analogue of the same
+split: cumulative sums local to each BT tile (``_block_sums_kernel``) plus a carried gap sum, so
+long sequences keep float32 precision in the logits. Its dlog_f is a reverse sum of row minus
+column sums of G per sequence, taken in float64.
+
+Precision. Penalties, logits, softmax statistics and accumulators are float32 (float64 with
+float64 inputs). tl.dot takes bf16/fp16 operands as they come; float32 and float64 operands use
+input_precision "ieee" (TF32 would miss the kit's float32 tolerance), except the diagonal's
+dfield rectangle sums, three TF32 passes. As in FlashAttention, delta_i = <dO_i, o_i> uses o as
+stored, in q's dtype: with bfloat16 and near one-hot rows (strong decay) this is the largest
+error of the gradients. Under the interpreter, whose bfloat16 arithmetic is wrong, bfloat16 dots
+run in float32 on operands rounded to bfloat16 first, so tests see a GPU's rounding.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from . import dispatch
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+MAX_HEAD_DIM = 256
+
+
+# ------------------------------------------------------------------------------- tile sizes
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """Tile sizes of one pass: a program owns ``own`` rows and visits tiles of ``visit`` rows.
+
+    Powers of two, at least 16 (the smallest ``tl.dot``), ``own`` a multiple of ``visit``.
+    """
+
+    own: int
+    visit: int
+    num_warps: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("own", "visit"):
+            size = getattr(self, name)
+            if size < 16 or size & (size - 1):
+                raise ValueError(f"Tiles.{name}: expected a power of two >= 16, got {size}")
+        if self.own % self.visit:
+            raise ValueError(f"Tiles: own ({self.own}) must be a multiple of visit ({self.visit})")
+
+
+# (forward, backward) per device class. Hopper (sm90): flash-linear-attention's table for its
+# FoX kernel (BT = 128, BS = 64, 8 warps; shared/notes/kernel-anchors.md). The interpreter runs
+# fastest with 64 x 64 tiles (shared/notes/triton-jax-on-cpu.md).
+TILE_TABLE: dict[str, tuple[Tiles, Tiles]] = {
+    "hopper": (Tiles(128, 64, 8), Tiles(128, 64, 8)),
+    "ampere": (Tiles(128, 32, 4), Tiles(64, 32, 4)),
+    "gpu": (Tiles(64, 32, 4), Tiles(64, 32, 4)),
+    "interpreter": (Tiles(64, 64), Tiles(64, 64)),
+}
+_forced_tiles: tuple[Tiles, Tiles] | None = None
+
+
+@contextmanager
+def forced_tiles(forward: Tiles, backward: Tiles | None = None) -> Iterator[None]:
+    """Use these tile sizes inside the ``with`` block instead of the device table.
+
+    Tests force small tiles so that short sequences cross several of them.
+    """
+    global _forced_tiles
+    previous, _forced_tiles = _forced_tiles, (forward, backward or forward)
+    try:
+        yield
+    finally:
+        _forced_tiles = previous
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run under the interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def device_class(device: torch.device) -> str:
+    """The row of :data:`TILE_TABLE` for ``device``."""
+    if interpreting():
+        return "interpreter"
+    major, _ = torch.cuda.get_device_capability(device)
+    return {9: "hopper", 8: "ampere"}.get(major, "gpu")
+
+
+def tiles_for(device: torch.device, backward: bool) -> Tiles:
+    """The tile sizes a launch on ``device`` uses (forced ones first)."""
+    pair = _forced_tiles or TILE_TABLE[device_class(device)]
+    return pair[1 if backward else 0]
+
+
+# ---------------------------------------------------------------------------- Triton kernels
+
+
+@triton.jit
+def _bit(LOG: tl.constexpr, b: tl.constexpr) -> tl.tensor:
+    """0/1 along the axis of bit b of an in-tile offset, in ``reshape(x, [2] * LOG)``."""
+    return tl.reshape(tl.arange(0, 2), [1] * (LOG - 1 - b) + [2] + [1] * b)
+
+
+@triton.jit(do_not_specialize=["N_TOK"])
+def _block_minima_kernel(
+    field: tl.tensor,
+    minima: tl.tensor,
+    links: tl.tensor,
+    cu_seqlens: tl.tensor,
+    tiles: tl.tensor,
+    N_TOK: tl.tensor,
+    HQ: tl.constexpr,
+    BT: tl.constexpr,
+    LOG_BT: tl.constexpr,
+    WITH_LINKS: tl.constexpr,
+) -> None:
+    """Per position t of a BT tile, for k = 1..LOG_BT (aligned 2^k-blocks of in-tile offsets):
+    minima[k - 1] = Pre_k = min phi over [block start, t], minima[LOG_BT + k - 1] = Suf_k =
+    min phi over (t, block end] (+inf if empty). With WITH_LINKS, for the backward:
+    links[0] = last u < t in the tile with phi_u < phi_t (-1: none),
+    links[1] = first u > t in the tile with phi_u <= phi_t (BT: none).
+    """
+    tile = tl.program_id(0)
+    hq = tl.program_id(1)
+    seq = tl.load(tiles + 2 * tile)
+    start = tl.load(tiles + 2 * tile + 1) * BT
+    bos = tl.load(cu_seqlens + seq)
+    T = (tl.load(cu_seqlens + seq + 1) - bos).to(tl.int32)
+    r = tl.arange(0, BT)
+    ok = start + r < T
+    tok = bos + start + r
+    phi = tl.load(field + tok * HQ + hq, mask=ok, other=float("inf"))
+
+    pre = tl.reshape(phi, [2] * LOG_BT)  # level 0: [t, t]
+    suf = tl.full([2] * LOG_BT, float("inf"), phi.dtype)  # level 0: (t, t], empty
+    block = pre  # min over the whole aligned block, broadcast along the merged axes
+    for b in tl.static_range(LOG_BT):
+        bit = _bit(LOG_BT, b)
+        left = tl.min(tl.where(bit == 0, block, float("inf")), axis=LOG_BT - 1 - b, keep_dims=True)
+        right = tl.min(tl.where(bit == 1, block, float("inf")), axis=LOG_BT - 1 - b, keep_dims=True)
+        pre = tl.where(bit == 1, tl.minimum(pre, left), pre)  # right half: prefix + left block
+        suf = tl.where(bit == 0, tl.minimum(suf, right), suf)  # left half: suffix + right block
+        block = tl.minimum(left, right)
+        tl.store(minima + (b * HQ + hq) * N_TOK + tok, tl.reshape(pre, [BT]), mask=ok)
+        tl.store(minima + ((LOG_BT + b) * HQ + hq) * N_TOK + tok, tl.reshape(suf, [BT]), mask=ok)
+
+    if WITH_LINKS:
+        t = r[:, None]
+        u = r[None, :]
+        lower = phi[None, :] < phi[:, None]
+        lower_or_equal = phi[None, :] <= phi[:, None]
+        before = tl.max(tl.where((u < t) & lower, u, -1), axis=1)
+        after = tl.min(tl.where((u > t) & lower_or_equal, u, BT), axis=1)
+        tl.store(links + hq * N_TOK + tok, before, mask=ok)
+        tl.store(links + (HQ + hq) * N_TOK + tok, after, mask=ok)
+
+
+@triton.jit(do_not_specialize=["N_TOK"])
+def _block_sums_kernel(
+    log_f: tl.tensor,
+    sums: tl.tensor,
+    cu_seqlens: tl.tensor,
+    tiles: tl.tensor,
+    N_TOK: tl.tensor,
+    HQ: tl.constexpr,
+    BT: tl.constexpr,
+) -> None:
+    """FoX: sums[t] = sum of log f over [start of t's BT tile, t], so that every bias is a
+    difference of sums over at most one tile plus a carried gap sum (float32 stays exact
+    enough at any T)."""
+    tile = tl.program_id(0)
+    hq = tl.program_id(1)
+    seq = tl.load(tiles + 2 * tile)
+    start = tl.load(tiles + 2 * tile + 1) * BT
+    bos = tl.load(cu_seqlens + seq)
+    T = (tl.load(cu_seqlens + seq + 1) - bos).to(tl.int32)
+    r = tl.arange(0, BT)
+    ok = start + r < T
+    tok = bos + start + r
+    g = tl.load(log_f + tok * HQ + hq, mask=ok, other=0.0)
+    tl.store(sums + hq * N_TOK + tok, tl.cumsum(g, 0), mask=ok)
+
+
+@triton.jit
+def _in_tile_segment_min(
+    field: tl.tensor,
+    blocks: tl.tensor,
+    tok_q: tl.tensor,
+    off_q: tl.tensor,
+    ok_q: tl.tensor,
+    tok_k: tl.tensor,
+    off_k: tl.tensor,
+    ok_k: tl.tensor,
+    hq: tl.tensor,
+    N_TOK: tl.tensor,
+    HQ: tl.constexpr,
+    LOG_BT: tl.constexpr,
+    QUERY_AXIS: tl.constexpr,
+) -> tl.tensor:
+    """(F1) m_ij for queries i and keys j of one BT tile (``off_*``: in-tile offsets).
+
+    m_ij = min(Suf_k[j], Pre_k[i]), k the highest bit in which off_q[i] and off_k[j] differ:
+    bits are swept from 0 up, so the last write wins. +inf where i == j; garbage where j > i.
+    Shape [len(q), len(k)] when QUERY_AXIS == 0, else [len(k), len(q)].
+    """
+    phi_q = tl.load(field + tok_q * HQ + hq, mask=ok_q, other=float("inf"))  # Pre_0
+    if QUERY_AXIS == 0:
+        m = tl.where(off_q[:, None] != off_k[None, :], phi_q[:, None], float("inf"))
+    else:
+        m = tl.where(off_k[:, None] != off_q[None, :], phi_q[None, :], float("inf"))
+    for b in tl.static_range(1, LOG_BT):
+        pre = tl.load(blocks + ((b - 1) * HQ + hq) * N_TOK + tok_q, mask=ok_q, other=float("inf"))
+        suf = tl.load(
+            blocks + ((LOG_BT + b - 1) * HQ + hq) * N_TOK + tok_k, mask=ok_k, other=float("inf")
+        )
+        if QUERY_AXIS == 0:
+            split = (off_q >> b)[:, None] != (off_k >> b)[None, :]
+            m = tl.where(split, tl.minimum(pre[:, None], suf[None, :]), m)
+        else:
+            split = (off_k >> b)[:, None] != (off_q >> b)[None, :]
+            m = tl.where(split, tl.minimum(suf[:, None], pre[None, :]), m)
+    return m
+
+
+@triton.jit
+def _bf16_nearest(x: tl.tensor) -> tl.tensor:
+    """float32 x rounded to the nearest bfloat16 (ties to even), kept in float32: what a GPU
+    makes of a bfloat16 tl.dot operand. Used only under the interpreter, whose bfloat16
+    arithmetic is wrong (so its dots run in float32) and whose conversion truncates."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _softmax_step(
+    s: tl.tensor,
+    v: tl.tensor,
+    m_i: tl.tensor,
+    l_i: tl.tensor,
+    acc: tl.tensor,
+    DOT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
+    """FlashAttention-2 online softmax in log2 units: fold logits s [BT, BS] and values v."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no -inf - -inf in keyless rows
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    p_op = _bf16_nearest(p) if ROUND_BF16 else p
+    acc = tl.dot(p_op.to(DOT), v, acc * alpha[:, None], input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit(do_not_specialize=["N_TOK", "NTILES"])
+def _fwd_kernel(
+    q: tl.tensor,
+    k: tl.tensor,
+    v: tl.tensor,
+    field: tl.tensor,
+    level: tl.tensor,
+    blocks: tl.tensor,
+    o: tl.tensor,
+    lse: tl.tensor,
+    consts: tl.tensor,
+    cu_seqlens: tl.tensor,
+    tiles: tl.tensor,
+    N_TOK: tl.tensor,
+    NTILES: tl.tensor,
+    HQ: tl.constexpr,
+    G: tl.tensor,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    BS: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    LOG_BT: tl.constexpr,
+    FOX: tl.constexpr,
+    SKIP: tl.constexpr,
+    DOT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+) -> None:
+    """(F1)-(F5) for one query tile and head. ``blocks``: the block minima of the field, or with
+    FOX the tile-local sums of log f (then ``field`` holds log f and only the bias is used)."""
+    H = HQ // G
+    tile = NTILES - 1 - tl.program_id(0)  # the longest query tiles start first
+    hq = tl.program_id(1)
+    h = hq // G
+    seq = tl.load(tiles + 2 * tile)
+    qs = tl.load(tiles + 2 * tile + 1) * BT
+    bos = tl.load(cu_seqlens + seq)
+    T = (tl.load(cu_seqlens + seq + 1) - bos).to(tl.int32)
+    s2 = tl.load(consts)  # scale * log2(e): logits in log2 units
+    log2e = tl.load(consts + 1)
+
+    r = tl.arange(0, BT)
+    iq = qs + r
+    q_ok = iq < T
+    dk = tl.arange(0, BK)
+    dv = tl.arange(0, BV)
+    q_rows = ((bos + iq) * HQ + hq)[:, None]
+    b_q = tl.load(q + q_rows * K + dk[None, :], mask=q_ok[:, None] & (dk < K)[None, :], other=0.0)
+    b_q = b_q.to(DOT)
+    if FOX:
+        c_q = tl.load(blocks + hq * N_TOK + bos + iq, mask=q_ok, other=0.0)  # log f over [qs, i]
+    else:
+        b_min = tl.load(  # B_i = Pre at the top level
+            blocks + ((LOG_BT - 1) * HQ + hq) * N_TOK + bos + iq, mask=q_ok, other=float("inf")
+        )
+    m_i = tl.full([BT], float("-inf"), s2.dtype)
+    l_i = tl.zeros([BT], s2.dtype)
+    acc = tl.zeros([BT, BV], s2.dtype)
+
+    # Diagonal tile: key tiles inside [qs, qs + BT), causal mask, exact in-tile segment minimum.
+    for s in range(qs, tl.minimum(qs + BT, T), BS):
+        ik = s + tl.arange(0, BS)
+        k_ok = ik < T
+        k_rows = (bos + ik) * H + h
+        b_k = tl.load(
+            k + k_rows[None, :] * K + dk[:, None], mask=(dk < K)[:, None] & k_ok[None, :], other=0.0
+        )
+        b_v = tl.load(
+            v + k_rows[:, None] * V + dv[None, :], mask=k_ok[:, None] & (dv < V)[None, :], other=0.0
+        )
+        b_s = tl.dot(b_q, b_k.to(DOT), input_precision=PRECISION).to(s2.dtype) * s2
+        if FOX:
+            c_k = tl.load(blocks + hq * N_TOK + bos + ik, mask=k_ok, other=0.0)  # over [qs, j]
+            b_s += (c_q[:, None] - c_k[None, :]) * log2e  # (F6) sum of log f over (j, i]
+        else:
+            m = _in_tile_segment_min(
+                field, blocks, bos + iq, r, q_ok, bos + ik, ik - qs, k_ok, hq, N_TOK, HQ, LOG_BT, 0
+            )
+            lev = tl.load(level + (bos + ik) * HQ + hq, mask=k_ok, other=0.0)
+            b_s -= tl.maximum(lev[None, :] - m, 0.0) * log2e  # (F2)-(F3)
+        b_s = tl.where((iq[:, None] >= ik[None, :]) & k_ok[None, :], b_s, float("-inf"))
+        m_i, l_i, acc = _softmax_step(b_s, b_v.to(DOT), m_i, l_i, acc, DOT, PRECISION, ROUND_BF16)
+
+    # Key tiles before the diagonal, nearest first: mid and the FoX gap sum grow by one tile.
+    mid = tl.full([], float("inf"), s2.dtype)  # min phi over the BT tiles strictly between
+    cur = tl.full([], float("inf"), s2.dtype)  # min phi over the visited part of the BT key tile
+    gap = tl.zeros([], s2.dtype)  # FoX: sum of log f over (end of the key tile, qs)
+    if SKIP:
+        theta = tl.load(consts + 3)
+        phi_qs = tl.load(field + (bos + qs) * HQ + hq)
+    for n in range(0, qs // BS):
+        s = qs - (n + 1) * BS
+        ik = s + tl.arange(0, BS)
+        if FOX:
+            end = tl.load(blocks + hq * N_TOK + bos + s + BS - 1)  # over [BT tile start, s + BS)
+            start = tl.load(blocks + hq * N_TOK + bos + s - 1, mask=s % BT != 0, other=0.0)
+            after = end - tl.load(blocks + hq * N_TOK + bos + ik) + gap  # sum over (j, qs)
+            gap += end - start
+            live = True
+        else:
+            boundary = ((s + BS) % BT == 0) & (s + BS < qs)  # entering a farther BT key tile
+            mid = tl.where(boundary, tl.minimum(mid, cur), mid)
+            cur = tl.where(boundary, float("inf"), cur)
+            lev = tl.load(level + (bos + ik) * HQ + hq)
+            a = tl.minimum(tl.load(blocks + ((2 * LOG_BT - 1) * HQ + hq) * N_TOK + bos + ik), mid)
+            live = True
+            if SKIP:  # section 7: every pi_ij of the tile is >= theta, for this and later queries
+                live = tl.min(lev, 0) - tl.minimum(tl.minimum(mid, cur), phi_qs) < theta
+            cur = tl.minimum(cur, tl.min(tl.load(field + (bos + ik) * HQ + hq), 0))
+        if live:
+            k_rows = (bos + ik) * H + h
+            b_k = tl.load(k + k_rows[None, :] * K + dk[:, None], mask=(dk < K)[:, None], other=0.0)
+            b_v = tl.load(v + k_rows[:, None] * V + dv[None, :], mask=(dv < V)[None, :], other=0.0)
+            b_s = tl.dot(b_q, b_k.to(DOT), input_precision=PRECISION).to(s2.dtype) * s2
+            if FOX:
+                b_s += (c_q[:, None] + after[None, :]) * log2e
+            else:
+                m = tl.minimum(a[None, :], b_min[:, None])  # (F1) min(A_j, mid, B_i)
+                b_s -= tl.maximum(lev[None, :] - m, 0.0) * log2e
+            m_i, l_i, acc = _softmax_step(
+                b_s, b_v.to(DOT), m_i, l_i, acc, DOT, PRECISION, ROUND_BF16
+            )
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    o_ptr = o + ((bos + iq) * HQ + hq)[:, None] * V + dv[None, :]
+    tl.store(o_ptr, out.to(o.dtype.element_ty), mask=q_ok[:, None] & (dv < V)[None, :])
+    ln2 = tl.load(consts + 2)
+    tl.store(lse + (bos + iq) * HQ + hq, (m_i + tl.log2(l_safe)) * ln2, mask=q_ok)
+
+
+@triton.jit(do_not_specialize=["N_TOK"])
+def _delta_kernel(
+    o: tl.tensor,
+    do: tl.tensor,
+    dlse: tl.tensor,
+    delta: tl.tensor,
+    N_TOK: tl.tensor,
+    HQ: tl.constexpr,
+    V: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BV: tl.constexpr,
+    HAS_DLSE: tl.constexpr,
+) -> None:
+    """delta_i = <dO_i, o_i> - dLSE_i, so that G_ij = p_ij (<dO_i, v_j> - delta_i) holds (G4)."""
+    tok = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    hq = tl.program_id(1)
+    ok = tok < N_TOK
+    dv = tl.arange(0, BV)
+    ptr = (tok * HQ + hq)[:, None] * V + dv[None, :]
+    mask = ok[:, None] & (dv < V)[None, :]
+    b_o = tl.load(o + ptr, mask=mask, other=0.0).to(delta.dtype.element_ty)
+    b_do = tl.load(do + ptr, mask=mask, other=0.0).to(delta.dtype.element_ty)
+    d = tl.sum(b_o * b_do, 1)
+    if HAS_DLSE:
+        d -= tl.load(dlse + tok * HQ + hq, mask=ok, other=0.0)
+    tl.store(delta + tok * HQ + hq, d, mask=ok)
+
+
+@triton.jit(do_not_specialize=["N_TOK", "NTILES", "NT_MAX"])
+def _bwd_dq_kernel(
+    q: tl.tensor,
+    k: tl.tensor,
+    v: tl.tensor,
+    field: tl.tensor,
+    level: tl.tensor,
+    blocks: tl.tensor,
+    links: tl.tensor,
+    do: tl.tensor,
+    lse: tl.tensor,
+    delta: tl.tensor,
+    dq: tl.tensor,
+    d_rows: tl.tensor,
+    mid_sums: tl.tensor,
+    consts: tl.tensor,
+    cu_seqlens: tl.tensor,
+    tiles: tl.tensor,
+    N_TOK: tl.tensor,
+    NTILES: tl.tensor,
+    NT_MAX: tl.tensor,
+    HQ: tl.constexpr,
+    G: tl.tensor,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    BS: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    LOG_BT: tl.constexpr,
+    FOX: tl.constexpr,
+    DOT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+    SUM_PRECISION: tl.constexpr,
+) -> None:
+    """(G1) dq for one query tile; (G3) the dfield parts whose argmin lies in this tile (rows
+    into B's argmin, the whole diagonal tile) into d_rows, and per gap tile one sum into
+    mid_sums. FOX: d_rows = sum_j G_ij."""
+    H = HQ // G
+    tile = NTILES - 1 - tl.program_id(0)
+    hq = tl.program_id(1)
+    h = hq // G
+    seq = tl.load(tiles + 2 * tile)
+    qs = tl.load(tiles + 2 * tile + 1) * BT
+    bos = tl.load(cu_seqlens + seq)
+    T = (tl.load(cu_seqlens + seq + 1) - bos).to(tl.int32)
+    s2 = tl.load(consts)
+    log2e = tl.load(consts + 1)
+
+    r = tl.arange(0, BT)
+    iq = qs + r
+    q_ok = iq < T
+    dk = tl.arange(0, BK)
+    dv = tl.arange(0, BV)
+    tok_q = bos + iq
+    q_rows = (tok_q * HQ + hq)[:, None]
+    b_q = tl.load(q + q_rows * K + dk[None, :], mask=q_ok[:, None] & (dk < K)[None, :], other=0.0)
+    b_q = b_q.to(DOT)
+    b_do = tl.load(do + q_rows * V + dv[None, :], mask=q_ok[:, None] & (dv < V)[None, :], other=0.0)
+    b_do = b_do.to(DOT)
+    lse2 = tl.load(lse + tok_q * HQ + hq, mask=q_ok, other=float("inf")) * log2e
+    b_delta = tl.load(delta + tok_q * HQ + hq, mask=q_ok, other=0.0)
+    dq_acc = tl.zeros([BT, BK], s2.dtype)
+    d_row = tl.zeros([BT], s2.dtype)
+    if FOX:
+        c_q = tl.load(blocks + hq * N_TOK + tok_q, mask=q_ok, other=0.0)
+    else:
+        b_min = tl.load(
+            blocks + ((LOG_BT - 1) * HQ + hq) * N_TOK + tok_q, mask=q_ok, other=float("inf")
+        )
+        before = tl.load(links + hq * N_TOK + tok_q, mask=q_ok, other=-1)
+        after = tl.load(links + (HQ + hq) * N_TOK + tok_q, mask=q_ok, other=0)
+        to_prefix = tl.zeros([BT], s2.dtype)  # G of pairs whose argmin lies in B
+
+    for s in range(qs, tl.minimum(qs + BT, T), BS):  # the diagonal tile
+        ik = s + tl.arange(0, BS)
+        k_ok = ik < T
+        k_rows = (bos + ik) * H + h
+        b_k = tl.load(
+            k + k_rows[None, :] * K + dk[:, None], mask=(dk < K)[:, None] & k_ok[None, :], other=0.0
+        )
+        b_k = b_k.to(DOT)
+        b_v = tl.load(
+            v + k_rows[None, :] * V + dv[:, None], mask=(dv < V)[:, None] & k_ok[None, :], other=0.0
+        )
+        b_s = tl.dot(b_q, b_k, input_precision=PRECISION).to(s2.dtype) * s2
+        if FOX:
+            c_k = tl.load(blocks + hq * N_TOK + bos + ik, mask=k_ok, other=0.0)
+            b_s += (c_q[:, None] - c_k[None, :]) * log2e
+        else:
+            m = _in_tile_segment_min(
+                field, blocks, tok_q, r, q_ok, bos + ik, ik - qs, k_ok, hq, N_TOK, HQ, LOG_BT, 0
+            )
+            lev = tl.load(level + (bos + ik) * HQ + hq, mask=k_ok, other=0.0)
+            b_s -= tl.maximum(lev[None, :] - m, 0.0) * log2e
+        causal = (iq[:, None] >= ik[None, :]) & k_ok[None, :]
+        p = tl.exp2(tl.where(causal, b_s, float("-inf")) - lse2[:, None])  # mask first: no overflow
+        dp = tl.dot(b_do, b_v.to(DOT), input_precision=PRECISION).to(s2.dtype)
+        ds = p * (dp - b_delta[:, None])  # G_ij
+        ds_op = _bf16_nearest(ds) if ROUND_BF16 else ds
+        dq_acc = tl.dot(ds_op.to(DOT), tl.trans(b_k), dq_acc, input_precision=PRECISION)
+        if FOX:
+            d_row += tl.sum(ds, 1)
+        else:
+            w = tl.where(lev[None, :] >= m, ds, 0.0)  # G on active pairs
+            # t*_ij = t exactly for before(t) <= j < t <= i < after(t): the product with the
+            # indicator of [t, after(t)) sums each t's rows, the span mask its columns.
+            reach = (r[:, None] <= r[None, :]) & (r[None, :] < after[:, None])
+            per_t = tl.dot(reach.to(w.dtype), w, input_precision=SUM_PRECISION)  # [BT(t), BS]
+            span = (tl.maximum(before, 0)[:, None] <= (ik - qs)[None, :]) & (
+                (ik - qs)[None, :] < r[:, None]
+            )
+            d_row += tl.sum(tl.where(span, per_t, 0.0), 1)
+
+    mid = tl.full([], float("inf"), s2.dtype)
+    cur = tl.full([], float("inf"), s2.dtype)
+    gap = tl.zeros([], s2.dtype)
+    holder = tl.full([], -1, tl.int32)  # the BT tile holding the gap's latest minimum
+    run = tl.zeros([], s2.dtype)  # G summed into that minimum since it became the holder
+    for n in range(0, qs // BS):  # key tiles before the diagonal, nearest first
+        s = qs - (n + 1) * BS
+        ik = s + tl.arange(0, BS)
+        if FOX:
+            end = tl.load(blocks + hq * N_TOK + bos + s + BS - 1)
+            start = tl.load(blocks + hq * N_TOK + bos + s - 1, mask=s % BT != 0, other=0.0)
+            after_j = end - tl.load(blocks + hq * N_TOK + bos + ik) + gap
+            gap += end - start
+        else:
+            boundary = ((s + BS) % BT == 0) & (s + BS < qs)
+            record = boundary & (cur < mid)  # strict: on ties the later tile keeps the argmin
+            run = tl.where(record, 0.0, run)
+            holder = tl.where(record, (s + BS) // BT, holder)
+            mid = tl.where(boundary, tl.minimum(mid, cur), mid)
+            cur = tl.where(boundary, float("inf"), cur)
+            cur = tl.minimum(cur, tl.min(tl.load(field + (bos + ik) * HQ + hq), 0))
+            lev = tl.load(level + (bos + ik) * HQ + hq)
+            a_min = tl.load(blocks + ((2 * LOG_BT - 1) * HQ + hq) * N_TOK + bos + ik)  # A_j
+            a = tl.minimum(a_min, mid)
+        k_rows = (bos + ik) * H + h
+        b_k = tl.load(k + k_rows[None, :] * K + dk[:, None], mask=(dk < K)[:, None], other=0.0)
+        b_k = b_k.to(DOT)
+        b_v = tl.load(v + k_rows[None, :] * V + dv[:, None], mask=(dv < V)[:, None], other=0.0)
+        b_v = b_v.to(DOT)
+        b_s = tl.dot(b_q, b_k, input_precision=PRECISION).to(s2.dtype) * s2
+        if FOX:
+            b_s += (c_q[:, None] + after_j[None, :]) * log2e
+        else:
+            m = tl.minimum(a[None, :], b_min[:, None])
+            b_s -= tl.maximum(lev[None, :] - m, 0.0) * log2e
+        p = tl.exp2(b_s - lse2[:, None])
+        dp = tl.dot(b_do, b_v, input_precision=PRECISION).to(s2.dtype)
+        ds = p * (dp - b_delta[:, None])
+        ds_op = _bf16_nearest(ds) if ROUND_BF16 else ds
+        dq_acc = tl.dot(ds_op.to(DOT), tl.trans(b_k), dq_acc, input_precision=PRECISION)
+        if FOX:
+            d_row += tl.sum(ds, 1)
+        else:
+            w = tl.where(lev[None, :] >= m, ds, 0.0)
+            to_prefix += tl.sum(tl.where(b_min[:, None] <= a[None, :], w, 0.0), 1)  # t* in B
+            in_gap = (mid < b_min)[:, None] & (mid <= a_min)[None, :]  # t* in the gap
+            run += tl.sum(tl.sum(tl.where(in_gap, w, 0.0), 1), 0)
+            tl.store(mid_sums + (hq * NTILES + tile) * NT_MAX + holder, run, mask=holder >= 0)
+
+    scale = tl.load(consts + 4)
+    dq_ptr = dq + q_rows * K + dk[None, :]
+    tl.store(
+        dq_ptr, (dq_acc * scale).to(dq.dtype.element_ty), mask=q_ok[:, None] & (dk < K)[None, :]
+    )
+    if not FOX:
+        # B's latest argmin up to i is t when nothing in [qs, t) is lower and t <= i < after(t).
+        owns = (r[:, None] <= r[None, :]) & (r[None, :] < after[:, None]) & (before < 0)[:, None]
+        d_row += tl.sum(tl.where(owns, to_prefix[None, :], 0.0), 1)
+    tl.store(d_rows + tok_q * HQ + hq, d_row, mask=q_ok)
+
+
+@triton.jit(do_not_specialize=["N_TOK"])
+def _bwd_dkv_kernel(
+    q: tl.tensor,
+    k: tl.tensor,
+    v: tl.tensor,
+    field: tl.tensor,
+    level: tl.tensor,
+    blocks: tl.tensor,
+    links: tl.tensor,
+    do: tl.tensor,
+    lse: tl.tensor,
+    delta: tl.tensor,
+    dk: tl.tensor,
+    dv: tl.tensor,
+    d_cols: tl.tensor,
+    d_level: tl.tensor,
+    consts: tl.tensor,
+    cu_seqlens: tl.tensor,
+    tiles: tl.tensor,
+    N_TOK: tl.tensor,
+    HQ: tl.constexpr,
+    G: tl.tensor,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    BS: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    LOG_BT: tl.constexpr,
+    FOX: tl.constexpr,
+    DOT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+) -> None:
+    """(G1) dk, dv for one key tile and query head; (G2) dlevel; (G3) the dfield part whose
+    argmin lies in A (columns into A's argmin) into d_cols. FOX: d_cols = sum_i G_ij."""
+    H = HQ // G
+    tile = tl.program_id(0)  # the first key tiles have the most query tiles: they start first
+    hq = tl.program_id(1)
+    h = hq // G
+    seq = tl.load(tiles + 2 * tile)
+    ks = tl.load(tiles + 2 * tile + 1) * BT
+    bos = tl.load(cu_seqlens + seq)
+    T = (tl.load(cu_seqlens + seq + 1) - bos).to(tl.int32)
+    s2 = tl.load(consts)
+    log2e = tl.load(consts + 1)
+
+    r = tl.arange(0, BT)
+    ik = ks + r
+    k_ok = ik < T
+    dd = tl.arange(0, BK)
+    dw = tl.arange(0, BV)
+    tok_k = bos + ik
+    k_rows = (tok_k * H + h)[:, None]
+    b_k = tl.load(k + k_rows * K + dd[None, :], mask=k_ok[:, None] & (dd < K)[None, :], other=0.0)
+    b_k = b_k.to(DOT)
+    b_v = tl.load(v + k_rows * V + dw[None, :], mask=k_ok[:, None] & (dw < V)[None, :], other=0.0)
+    b_v = b_v.to(DOT)
+    dk_acc = tl.zeros([BT, BK], s2.dtype)
+    dv_acc = tl.zeros([BT, BV], s2.dtype)
+    d_col = tl.zeros([BT], s2.dtype)
+    if FOX:
+        c_k = tl.load(blocks + hq * N_TOK + tok_k, mask=k_ok, other=0.0)  # log f over [ks, j]
+        last = bos + tl.minimum(ks + BT, T) - 1
+        after_k = tl.load(blocks + hq * N_TOK + last) - c_k  # over (j, end of the key tile]
+    else:
+        lev = tl.load(level + tok_k * HQ + hq, mask=k_ok, other=0.0)
+        a_min = tl.load(
+            blocks + ((2 * LOG_BT - 1) * HQ + hq) * N_TOK + tok_k, mask=k_ok, other=float("inf")
+        )
+        before = tl.load(links + hq * N_TOK + tok_k, mask=k_ok, other=-1)
+        after = tl.load(links + (HQ + hq) * N_TOK + tok_k, mask=k_ok, other=0)
+        to_suffix = tl.zeros([BT], s2.dtype)  # G of pairs whose argmin lies in A
+
+    for s in range(ks, tl.minimum(ks + BT, T), BS):  # the diagonal tile
+        iq = s + tl.arange(0, BS)
+        q_ok = iq < T
+        q_rows = ((bos + iq) * HQ + hq)[:, None]
+        b_q = tl.load(
+            q + q_rows * K + dd[None, :], mask=q_ok[:, None] & (dd < K)[None, :], other=0.0
+        )
+        b_q = b_q.to(DOT)
+        b_do = tl.load(
+            do + q_rows * V + dw[None, :], mask=q_ok[:, None] & (dw < V)[None, :], other=0.0
+        )
+        b_do = b_do.to(DOT)
+        lse2 = tl.load(lse + (bos + iq) * HQ + hq, mask=q_ok, other=float("inf")) * log2e
+        b_delta = tl.load(delta + (bos + iq) * HQ + hq, mask=q_ok, other=0.0)
+        b_s = tl.dot(b_k, tl.trans(b_q), input_precision=PRECISION).to(s2.dtype) * s2  # [BT, BS]
+        if FOX:
+            c_q = tl.load(blocks + hq * N_TOK + bos + iq, mask=q_ok, other=0.0)  # over [ks, i]
+            b_s += (c_q[None, :] - c_k[:, None]) * log2e
+        else:
+            m = _in_tile_segment_min(
+                field, blocks, bos + iq, iq - ks, q_ok, tok_k, r, k_ok, hq, N_TOK, HQ, LOG_BT, 1
+            )
+            b_s -= tl.maximum(lev[:, None] - m, 0.0) * log2e
+        causal = (ik[:, None] <= iq[None, :]) & q_ok[None, :]
+        p = tl.exp2(tl.where(causal, b_s, float("-inf")) - lse2[None, :])
+        p_op = _bf16_nearest(p) if ROUND_BF16 else p
+        dv_acc = tl.dot(p_op.to(DOT), b_do, dv_acc, input_precision=PRECISION)
+        dp = tl.dot(b_v, tl.trans(b_do), input_precision=PRECISION).to(s2.dtype)
+        ds = p * (dp - b_delta[None, :])
+        ds_op = _bf16_nearest(ds) if ROUND_BF16 else ds
+        dk_acc = tl.dot(ds_op.to(DOT), b_q, dk_acc, input_precision=PRECISION)
+        if FOX:
+            d_col += tl.sum(ds, 1)
+        else:
+            d_col += tl.sum(tl.where(lev[:, None] >= m, ds, 0.0), 1)  # in-tile argmins: dq's
+
+    mid = tl.full([], float("inf"), s2.dtype)
+    cur = tl.full([], float("inf"), s2.dtype)
+    gap = tl.zeros([], s2.dtype)
+    for s in range(ks + BT, T, BS):  # query tiles after the key tile, nearest first
+        iq = s + tl.arange(0, BS)
+        q_ok = iq < T
+        if FOX:
+            boundary = (s % BT == 0) & (s > ks + BT)  # a whole query tile joins the gap
+            gap += tl.load(blocks + hq * N_TOK + bos + s - 1, mask=boundary, other=0.0)
+            c_q = tl.load(blocks + hq * N_TOK + bos + iq, mask=q_ok, other=0.0)
+            bias = (after_k + gap)[:, None] + c_q[None, :]  # log f over (j, i]
+        else:
+            boundary = (s % BT == 0) & (s > ks + BT)  # entering a farther BT query tile
+            mid = tl.where(boundary, tl.minimum(mid, cur), mid)
+            cur = tl.where(boundary, float("inf"), cur)
+            phi_q = tl.load(field + (bos + iq) * HQ + hq, mask=q_ok, other=float("inf"))
+            cur = tl.minimum(cur, tl.min(phi_q, 0))
+            b_min = tl.load(
+                blocks + ((LOG_BT - 1) * HQ + hq) * N_TOK + bos + iq, mask=q_ok, other=float("inf")
+            )
+            m = tl.minimum(tl.minimum(a_min, mid)[:, None], b_min[None, :])
+        q_rows = ((bos + iq) * HQ + hq)[:, None]
+        b_q = tl.load(
+            q + q_rows * K + dd[None, :], mask=q_ok[:, None] & (dd < K)[None, :], other=0.0
+        )
+        b_q = b_q.to(DOT)
+        b_do = tl.load(
+            do + q_rows * V + dw[None, :], mask=q_ok[:, None] & (dw < V)[None, :], other=0.0
+        )
+        b_do = b_do.to(DOT)
+        lse2 = tl.load(lse + (bos + iq) * HQ + hq, mask=q_ok, other=float("inf")) * log2e
+        b_delta = tl.load(delta + (bos + iq) * HQ + hq, mask=q_ok, other=0.0)
+        b_s = tl.dot(b_k, tl.trans(b_q), input_precision=PRECISION).to(s2.dtype) * s2
+        if FOX:
+            b_s += bias * log2e
+        else:
+            b_s -= tl.maximum(lev[:, None] - m, 0.0) * log2e
+        p = tl.exp2(b_s - lse2[None, :])
+        p_op = _bf16_nearest(p) if ROUND_BF16 else p
+        dv_acc = tl.dot(p_op.to(DOT), b_do, dv_acc, input_precision=PRECISION)
+        dp = tl.dot(b_v, tl.trans(b_do), input_precision=PRECISION).to(s2.dtype)
+        ds = p * (dp - b_delta[None, :])
+        ds_op = _bf16_nearest(ds) if ROUND_BF16 else ds
+        dk_acc = tl.dot(ds_op.to(DOT), b_q, dk_acc, input_precision=PRECISION)
+        if FOX:
+            d_col += tl.sum(ds, 1)
+        else:
+            w = tl.where(lev[:, None] >= m, ds, 0.0)
+            d_col += tl.sum(w, 1)
+            in_a = (a_min < mid)[:, None] & (a_min[:, None] < b_min[None, :])  # t* in A
+            to_suffix += tl.sum(tl.where(in_a, w, 0.0), 1)
+
+    scale = tl.load(consts + 4)
+    out_rows = (tok_k * HQ + hq)[:, None]  # dk, dv per query head (reduced over G outside)
+    tl.store(
+        dk + out_rows * K + dd[None, :],
+        (dk_acc * scale).to(dk.dtype.element_ty),
+        mask=k_ok[:, None] & (dd < K)[None, :],
+    )
+    tl.store(
+        dv + out_rows * V + dw[None, :],
+        dv_acc.to(dv.dtype.element_ty),
+        mask=k_ok[:, None] & (dw < V)[None, :],
+    )
+    if FOX:
+        tl.store(d_cols + tok_k * HQ + hq, d_col, mask=k_ok)
+    else:
+        tl.store(d_level + tok_k * HQ + hq, -d_col, mask=k_ok)  # (G2)
+        # A's latest argmin after j is t when nothing after t in the tile is lower or equal and
+        # before(t) <= j < t.
+        owns = (tl.maximum(before, 0)[:, None] <= r[None, :]) & (r[None, :] < r[:, None])
+        owns = owns & (after == BT)[:, None]
+        tl.store(
+            d_cols + tok_k * HQ + hq, tl.sum(tl.where(owns, to_suffix[None, :], 0.0), 1), mask=k_ok
+        )
+
+
+@triton.jit(do_not_specialize=["N_TOK", "NTILES", "NT_MAX"])
+def _dfield_kernel(
+    field: tl.tensor,
+    d_rows: tl.tensor,
+    d_cols: tl.tensor,
+    mid_sums: tl.tensor,
+    dfield: tl.tensor,
+    cu_seqlens: tl.tensor,
+    tiles: tl.tensor,
+    tile_start: tl.tensor,
+    N_TOK: tl.tensor,
+    NTILES: tl.tensor,
+    NT_MAX: tl.tensor,
+    HQ: tl.constexpr,
+    BT: tl.constexpr,
+    BN: tl.constexpr,
+) -> None:
+    """(G3) second pass: dfield = d_rows + d_cols, plus, at the latest minimum of this BT tile,
+    the gap sums of every later query tile whose gap had its latest minimum here."""
+    tile = tl.program_id(0)
+    hq = tl.program_id(1)
+    seq = tl.load(tiles + 2 * tile)
+    it = tl.load(tiles + 2 * tile + 1)
+    bos = tl.load(cu_seqlens + seq)
+    T = (tl.load(cu_seqlens + seq + 1) - bos).to(tl.int32)
+    r = tl.arange(0, BT)
+    ok = it * BT + r < T
+    ptr = (bos + it * BT + r) * HQ + hq
+    d = tl.load(d_rows + ptr, mask=ok, other=0.0) + tl.load(d_cols + ptr, mask=ok, other=0.0)
+    phi = tl.load(field + ptr, mask=ok, other=float("inf"))
+    latest = tl.max(tl.where(phi == tl.min(phi, 0), r, -1), 0)
+    first = tl.load(tile_start + seq).to(tl.int64)
+    count = (tl.load(tile_start + seq + 1) - first).to(tl.int32)
+    total = tl.zeros([], d.dtype)
+    for c in range(it + 1, count, BN):
+        rows = c + tl.arange(0, BN)
+        sums = tl.load(
+            mid_sums + (hq * NTILES + first + rows) * NT_MAX + it, mask=rows < count, other=0.0
+        )
+        total += tl.sum(tl.where(rows < count, sums, 0.0), 0)
+    d += tl.where(r == latest, total, 0.0)
+    tl.store(dfield + ptr, d, mask=ok)
+
+
+# --------------------------------------------------------------------------------- launchers
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+_WIDE = (torch.float32, torch.float64)
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Shapes of one call: N sequences of the given lengths packed along N_TOK tokens."""
+
+    B: int
+    T: int
+    HQ: int
+    H: int
+    K: int
+    V: int
+    lengths: tuple[int, ...]
+
+    @property
+    def G(self) -> int:
+        return self.HQ // self.H
+
+    @property
+    def n_tok(self) -> int:
+        return self.B * self.T
+
+
+def _check_tensor(
+    name: str,
+    x: object,
+    shape: tuple[int, ...],
+    dtypes: tuple[torch.dtype, ...],
+    device: torch.device,
+) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(x.shape)}")
+    if x.dtype not in dtypes:
+        raise ValueError(f"{name}: expected dtype in {[str(d) for d in dtypes]}, got {x.dtype}")
+    if x.device != device:
+        raise ValueError(f"{name}: expected device {device} (that of q), got {x.device}")
+    if not x.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor")
+
+
+def _layout(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    wide: dict[str, torch.Tensor],
+    cu_seqlens: torch.Tensor | None,
+) -> _Layout:
+    """Validate q, k, v, the per-token scalars ``wide`` and cu_seqlens; return the shapes."""
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        raise ValueError(f"q: expected a 4-D tensor [B, T, HQ, K], got {getattr(q, 'shape', q)}")
+    B, T, HQ, K = q.shape
+    device = q.device
+    if device.type == "cpu" and not interpreting():
+        raise ValueError("q: Triton kernels need a CUDA device, or TRITON_INTERPRET=1 on cpu")
+    _check_tensor("q", q, (B, T, HQ, K), _DTYPES, device)
+    if not isinstance(k, torch.Tensor) or k.dim() != 4:
+        raise ValueError(f"k: expected a 4-D tensor [B, T, H, K], got {getattr(k, 'shape', k)}")
+    H = k.shape[2]
+    if H < 1 or HQ % H:
+        raise ValueError(f"k: expected H heads dividing the HQ = {HQ} heads of q, got H = {H}")
+    _check_tensor("k", k, (B, T, H, K), (q.dtype,), device)
+    if not isinstance(v, torch.Tensor) or v.dim() != 4:
+        raise ValueError(f"v: expected a 4-D tensor [B, T, H, V], got {getattr(v, 'shape', v)}")
+    V = v.shape[3]
+    _check_tensor("v", v, (B, T, H, V), (q.dtype,), device)
+    if T < 1:
+        raise ValueError(f"q: expected a sequence of length T >= 1, got T = {T}")
+    for name, size in (("K", K), ("V", V)):
+        if not 1 <= size <= MAX_HEAD_DIM:
+            raise ValueError(f"q, v: head dim {name} must be in [1, {MAX_HEAD_DIM}], got {size}")
+    wide_dtype = None
+    for name, x in wide.items():
+        _check_tensor(name, x, (B, T, HQ), _WIDE, device)
+        if wide_dtype is not None and x.dtype != wide_dtype:
+            raise ValueError(f"{name}: expected dtype {wide_dtype} (as the other scalars)")
+        wide_dtype = x.dtype
+    if q.dtype == torch.float64 and wide_dtype != torch.float64:
+        raise ValueError(f"{', '.join(wide)}: expected float64 with float64 q, got {wide_dtype}")
+    if cu_seqlens is None:
+        return _Layout(B, T, HQ, H, K, V, (T,) * B)
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1:
+        raise ValueError("cu_seqlens: expected a 1-D tensor of sequence offsets")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"cu_seqlens: expected int32 or int64, got {cu_seqlens.dtype}")
+    if B != 1:
+        raise ValueError(f"cu_seqlens: expected B = 1 with packed sequences, got B = {B}")
+    offsets = cu_seqlens.tolist()
+    if len(offsets) < 2 or offsets[0] != 0 or offsets[-1] != T:
+        raise ValueError(f"cu_seqlens: expected offsets from 0 to T = {T}, got {offsets}")
+    lengths = tuple(b - a for a, b in itertools.pairwise(offsets))
+    if min(lengths) < 0:
+        raise ValueError(f"cu_seqlens: expected non-decreasing offsets, got {offsets}")
+    return _Layout(B, T, HQ, H, K, V, lengths)
+
+
+@functools.lru_cache(maxsize=64)
+def _sequences(
+    lengths: tuple[int, ...], BT: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """(cu_seqlens, tiles, tile_start, NT_MAX): tiles lists (sequence, tile) pairs in order."""
+    counts = [triton.cdiv(n, BT) for n in lengths]
+    offsets = [0]
+    for n in lengths:
+        offsets.append(offsets[-1] + n)
+    starts = [0]
+    for c in counts:
+        starts.append(starts[-1] + c)
+    pairs = [(s, t) for s, c in enumerate(counts) for t in range(c)]
+    return (
+        torch.tensor(offsets, dtype=torch.int64, device=device),
+        torch.tensor(pairs, dtype=torch.int32, device=device).reshape(-1, 2),
+        torch.tensor(starts, dtype=torch.int32, device=device),
+        max(counts),
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _constants(
+    scale: float, theta: float, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """[scale log2(e), log2(e), ln 2, theta, scale] in the dtype of the penalty arithmetic."""
+    values = [scale * LOG2E, LOG2E, LN2, theta, scale]
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+def _dot_dtype(dtype: torch.dtype) -> tl.dtype:
+    """Operand dtype of tl.dot: the input's, but float32 for bfloat16 under the interpreter,
+    which stores bfloat16 as raw integers (arithmetic on them is wrong); computed operands are
+    then rounded to bfloat16 first (ROUND_BF16), so the interpreter sees a GPU's rounding."""
+    if dtype == torch.bfloat16:
+        return tl.float32 if interpreting() else tl.bfloat16
+    return {torch.float16: tl.float16, torch.float32: tl.float32, torch.float64: tl.float64}[dtype]
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """tl.dot input precision: "ieee" for float32 and float64 operands, whose tolerances TF32
+    (10-bit mantissa) would break; 16-bit operands ignore it."""
+    return "ieee" if dtype in _WIDE else "tf32"
+
+
+def _sum_precision(dtype: torch.dtype) -> str:
+    """Precision of the float32 product that sums the diagonal tile's dfield rectangles: three
+    TF32 passes keep float32 accuracy for float32 inputs; one suffices for 16-bit inputs."""
+    return {torch.float64: "ieee", torch.float32: "tf32x3"}.get(dtype, "tf32")
+
+
+def _block(n: int) -> int:
+    return max(16, triton.next_power_of_2(n))
+
+
+def _resolve_scale(scale: float | None, K: int) -> float:
+    if scale is None:
+        return K**-0.5
+    if isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale):
+        raise ValueError(f"scale: expected a finite number or None, got {scale!r}")
+    return float(scale)
+
+
+def _block_minima(
+    field: torch.Tensor,
+    cu: torch.Tensor,
+    tiles: torch.Tensor,
+    shape: _Layout,
+    BT: int,
+    with_links: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pre_k and Suf_k of every BT tile (and the backward's links), see _block_minima_kernel."""
+    log_bt = BT.bit_length() - 1
+    minima = torch.empty(2 * log_bt, shape.HQ, shape.n_tok, dtype=field.dtype, device=field.device)
+    links = torch.empty(2, shape.HQ, shape.n_tok, dtype=torch.int32, device=field.device)
+    _block_minima_kernel[(tiles.shape[0], shape.HQ)](
+        field, minima, links, cu, tiles, shape.n_tok, shape.HQ, BT, log_bt, with_links
+    )
+    return minima, links
+
+
+def _block_sums(
+    log_f: torch.Tensor, cu: torch.Tensor, tiles: torch.Tensor, shape: _Layout, BT: int
+) -> torch.Tensor:
+    """FoX: cumulative sums of log f local to each BT tile, see _block_sums_kernel."""
+    sums = torch.empty(1, shape.HQ, shape.n_tok, dtype=log_f.dtype, device=log_f.device)
+    _block_sums_kernel[(tiles.shape[0], shape.HQ)](
+        log_f, sums, cu, tiles, shape.n_tok, shape.HQ, BT
+    )
+    return sums
+
+
+def _per_token_scalars(
+    field: torch.Tensor, level: torch.Tensor | None, fox: bool
+) -> dict[str, torch.Tensor]:
+    """The per-token scalars by the names the caller knows them: log_f, or field and level."""
+    if fox:
+        return {"log_f": field}
+    if level is None:
+        raise ValueError("level: expected a tensor [B, T, HQ], got None")
+    return {"field": field, "level": level}
+
+
+def _forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    field: torch.Tensor,
+    level: torch.Tensor | None,
+    scale: float | None,
+    cu_seqlens: torch.Tensor | None,
+    theta: float | None,
+    fox: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    wide = _per_token_scalars(field, level, fox)
+    shape = _layout(q, k, v, wide, cu_seqlens)
+    scale = _resolve_scale(scale, shape.K)
+    tiles = tiles_for(q.device, backward=False)
+    BT, BS = tiles.own, tiles.visit
+    cu, tile_list, _, _ = _sequences(shape.lengths, BT, q.device)
+    consts = _constants(scale, math.inf if theta is None else theta, field.dtype, q.device)
+    o = torch.empty(shape.B, shape.T, shape.HQ, shape.V, dtype=q.dtype, device=q.device)
+    lse = torch.empty(shape.B, shape.T, shape.HQ, dtype=field.dtype, device=q.device)
+    if fox:
+        blocks = _block_sums(field, cu, tile_list, shape, BT)
+    else:
+        blocks = _block_minima(field, cu, tile_list, shape, BT, with_links=False)[0]
+    _fwd_kernel[(tile_list.shape[0], shape.HQ)](
+        q,
+        k,
+        v,
+        field,
+        level,
+        blocks,
+        o,
+        lse,
+        consts,
+        cu,
+        tile_list,
+        shape.n_tok,
+        tile_list.shape[0],
+        HQ=shape.HQ,
+        G=shape.G,
+        K=shape.K,
+        V=shape.V,
+        BT=BT,
+        BS=BS,
+        BK=_block(shape.K),
+        BV=_block(shape.V),
+        LOG_BT=BT.bit_length() - 1,
+        FOX=fox,
+        SKIP=theta is not None,
+        DOT=_dot_dtype(q.dtype),
+        PRECISION=_precision(q.dtype),
+        ROUND_BF16=interpreting() and q.dtype == torch.bfloat16,
+        num_warps=tiles.num_warps,
+    )
+    return o, lse
+
+
+def _backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    field: torch.Tensor,
+    level: torch.Tensor | None,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    do: torch.Tensor,
+    dlse: torch.Tensor | None,
+    scale: float | None,
+    cu_seqlens: torch.Tensor | None,
+    fox: bool,
+) -> tuple[torch.Tensor, ...]:
+    wide = _per_token_scalars(field, level, fox)
+    shape = _layout(q, k, v, wide, cu_seqlens)
+    B, T, HQ, H, G = shape.B, shape.T, shape.HQ, shape.H, shape.G
+    _check_tensor("o", o, (B, T, HQ, shape.V), (q.dtype,), q.device)
+    _check_tensor("do", do, (B, T, HQ, shape.V), (q.dtype,), q.device)
+    _check_tensor("lse", lse, (B, T, HQ), (field.dtype,), q.device)
+    if dlse is not None:
+        _check_tensor("dlse", dlse, (B, T, HQ), (field.dtype,), q.device)
+    scale = _resolve_scale(scale, shape.K)
+    tiles = tiles_for(q.device, backward=True)
+    BT, BS = tiles.own, tiles.visit
+    cu, tile_list, tile_start, nt_max = _sequences(shape.lengths, BT, q.device)
+    ntiles = tile_list.shape[0]
+    consts = _constants(scale, math.inf, field.dtype, q.device)
+    acc = field.dtype
+    delta = torch.empty(B, T, HQ, dtype=acc, device=q.device)
+    _delta_kernel[(triton.cdiv(shape.n_tok, 64), HQ)](
+        o, do, dlse, delta, shape.n_tok, HQ, shape.V, 64, _block(shape.V), dlse is not None
+    )
+    if fox:
+        blocks, links = _block_sums(field, cu, tile_list, shape, BT), None
+    else:
+        blocks, links = _block_minima(field, cu, tile_list, shape, BT, with_links=True)
+    dq = torch.empty_like(q)
+    partial = acc if G > 1 else None  # GQA: dk, dv per query head, reduced below
+    dk = torch.empty(B, T, HQ, shape.K, dtype=partial or k.dtype, device=q.device)
+    dv = torch.empty(B, T, HQ, shape.V, dtype=partial or v.dtype, device=q.device)
+    d_rows = torch.empty(B, T, HQ, dtype=acc, device=q.device)
+    d_cols = torch.empty(B, T, HQ, dtype=acc, device=q.device)
+    d_level = torch.empty(B, T, HQ, dtype=acc, device=q.device)  # FoX: unused
+    mid_sums = None if fox else torch.zeros(HQ, ntiles, nt_max, dtype=acc, device=q.device)
+    sizes = dict(
+        HQ=HQ,
+        G=G,
+        K=shape.K,
+        V=shape.V,
+        BT=BT,
+        BS=BS,
+        BK=_block(shape.K),
+        BV=_block(shape.V),
+        LOG_BT=BT.bit_length() - 1,
+        FOX=fox,
+        DOT=_dot_dtype(q.dtype),
+        PRECISION=_precision(q.dtype),
+        ROUND_BF16=interpreting() and q.dtype == torch.bfloat16,
+        num_warps=tiles.num_warps,
+    )
+    common = (q, k, v, field, level, blocks, links, do, lse, delta)
+    _bwd_dq_kernel[(ntiles, HQ)](
+        *common,
+        dq,
+        d_rows,
+        mid_sums,
+        consts,
+        cu,
+        tile_list,
+        shape.n_tok,
+        ntiles,
+        nt_max,
+        SUM_PRECISION=_sum_precision(q.dtype),
+        **sizes,
+    )
+    _bwd_dkv_kernel[(ntiles, HQ)](
+        *common, dk, dv, d_cols, d_level, consts, cu, tile_list, shape.n_tok, **sizes
+    )
+    if G > 1:
+        dk = dk.view(B, T, H, G, shape.K).sum(3).to(k.dtype)
+        dv = dv.view(B, T, H, G, shape.V).sum(3).to(v.dtype)
+    if fox:
+        return dq, dk, dv, _reverse_segment_sums(d_rows - d_cols, cu, shape)
+    _dfield_kernel[(ntiles, HQ)](
+        field, d_rows, d_cols, mid_sums, d_rows, cu, tile_list, tile_start,
+        shape.n_tok, ntiles, nt_max, HQ, BT, 64,
+    )  # fmt: skip
+    return dq, dk, dv, d_rows, d_level
+
+
+def _reverse_segment_sums(x: torch.Tensor, cu: torch.Tensor, shape: _Layout) -> torch.Tensor:
+    """y_t = sum of x_u over u >= t in t's sequence, in float64: the FoX gate gradient
+    dlog_f_l = sum_{i >= l} sum_j G_ij - sum_{j >= l} sum_i G_ij (bias c_i - c_j)."""
+    flat = x.reshape(shape.n_tok, shape.HQ).double()
+    suffix = torch.cat([flat.flip(0).cumsum(0).flip(0), flat.new_zeros(1, shape.HQ)])
+    lengths = torch.tensor(shape.lengths, device=x.device)
+    ends = torch.repeat_interleave(cu[1:], lengths, output_size=shape.n_tok)
+    return (suffix[:-1] - suffix[ends]).to(x.dtype).reshape(x.shape)
+
+
+@dispatch.register("fpa_fwd", "triton")
+def fpa_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    field: torch.Tensor,
+    level: torch.Tensor,
+    scale: float | None,
+    cu_seqlens: torch.Tensor | None,
+    *,
+    theta: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """First Passage Attention forward, (F1)-(F5) tiled as in spec section 7.
+
+    Args:
+        q: [B, T, HQ, K]; k: [B, T, H, K]; v: [B, T, H, V]; bf16, fp16, fp32 or fp64, one dtype.
+        field, level: [B, T, HQ] float32 (float64 with float64 q).
+        scale: softmax scale (None: K ** -0.5). cu_seqlens: None or int offsets, B = 1.
+        theta: optional eviction threshold: key tiles whose every descent depth is >= theta are
+            skipped (section 7); None (default) computes exactly.
+
+    Returns:
+        o [B, T, HQ, V] in q's dtype; lse [B, T, HQ] natural log, in field's dtype.
+
+    Time O(T^2 (K + V) / 2) per head; memory O(T) beyond the inputs (2 log2(BT) floats per token
+    for the block minima).
+    """
+    if theta is not None and not (isinstance(theta, int | float) and theta > 0):
+        raise ValueError(f"theta: expected a positive number or None, got {theta!r}")
+    return _forward(q, k, v, field, level, scale, cu_seqlens, theta, fox=False)
+
+
+@dispatch.register("fpa_bwd", "triton")
+def fpa_bwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    field: torch.Tensor,
+    level: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    do: torch.Tensor,
+    dlse: torch.Tensor | None,
+    scale: float | None,
+    cu_seqlens: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward of :func:`fpa_fwd`, (G1)-(G4): derivative of max(0, x) at 0 is 1, argmin ties
+    go to the latest position. Deterministic (no atomics).
+
+    Returns:
+        dq, dk, dv (shaped and typed like q, k, v; dk, dv summed over each GQA group), dfield,
+        dlevel (like field). Time O(T^2 (K + V)) per head; memory O(T K HQ) for GQA partials
+        and O(HQ (T / BT)^2) for the per-tile-pair gap sums.
+    """
+    dq, dk, dv, dfield, dlevel = _backward(
+        q, k, v, field, level, o, lse, do, dlse, scale, cu_seqlens, fox=False
+    )
+    return dq, dk, dv, dfield, dlevel
+
+
+@dispatch.register("fox_fwd", "triton")
+def fox_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    log_f: torch.Tensor,
+    scale: float | None,
+    cu_seqlens: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forgetting attention forward (F6) on the bias-only fast path.
+
+    Args: as :func:`fpa_fwd` with log_f [B, T, HQ] (log forget gates <= 0) for field and level.
+    Returns: o [B, T, HQ, V] in q's dtype, lse [B, T, HQ] in log_f's dtype.
+    Time O(T^2 (K + V) / 2) per head; memory O(1) beyond inputs and outputs.
+    """
+    return _forward(q, k, v, log_f, None, scale, cu_seqlens, None, fox=True)
+
+
+@dispatch.register("fox_bwd", "triton")
+def fox_bwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    log_f: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    do: torch.Tensor,
+    dlse: torch.Tensor | None,
+    scale: float | None,
+    cu_seqlens: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward of :func:`fox_fwd`: dq, dk, dv, dlog_f, dlog_f_l = sum over (i, j) with
+    j < l <= i of G_ij. Deterministic. Time O(T^2 (K + V)) per head."""
+    dq, dk, dv, dlog_f = _backward(
+        q, k, v, log_f, None, o, lse, do, dlse, scale, cu_seqlens, fox=True
+    )
+    return dq, dk, dv, dlog_f

@@ -1,0 +1,48 @@
+"""``bench/gpu_check.sh --dry-run``: the GPU check's own script path on CPU (Triton interpreter,
+tiny shapes, one timing repetition), with the sections of this project's FPA kernels; the S4D
+section's dry run has its own test (tests/test_triton_interdomain.py)."""
+
+import importlib.util
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SECTIONS = ("kit", "fpa")
+
+
+def test_gpu_check_dry_run(tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("triton")
+    pytest.importorskip("fla")
+    if importlib.util.find_spec("attnspec.backends.torch.kit") is None:
+        pytest.skip("the kit adapter 'triton' comes with the torch backend (issue 9)")
+    env = os.environ | {"PYTHON": sys.executable, "OUT": str(tmp_path)}
+    result = subprocess.run(
+        ["bash", "bench/gpu_check.sh", "--dry-run", "--sections", " ".join(SECTIONS)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+
+    summary = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert result.stdout.rstrip().endswith(summary["summary"][-1])  # the table comes last
+    assert (tmp_path / "gpu_check.md").read_text().startswith("```")
+    assert [(s["name"], s["exit"]) for s in summary["sections"]] == [(s, 0) for s in SECTIONS]
+
+    kit = json.loads((tmp_path / "kit.json").read_text())
+    assert {c["op"] for c in kit["cases"]} == {"fpa_attention", "fox_attention"}
+    assert all(c["verdict"] == "passed" for c in kit["cases"])
+
+    fpa = summary["fpa"]
+    assert fpa["long_check_passed"] and fpa["dry_run"]
+    impls = {(r["impl"], r["mode"]) for r in fpa["rows"]}
+    assert impls == {(i, m) for i in ("FPA", "FoX", "fla", "SDPA") for m in ("fwd", "fwd+bwd")}
+    assert all(r["ms"] > 0 for r in fpa["rows"])

@@ -1,0 +1,366 @@
+"""The torch FPA and FoX ops against the reference, flash-linear-attention's naive FoX, and the
+conventions of spec/fpa.md section 6; tiles forced small so several are crossed."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from attnspec.backends.torch import dispatch, eager_fpa, fox_attention, fpa_attention  # noqa: E402
+from attnspec.reference import fpa  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # tiny tensors: OpenMP synchronisation, not arithmetic, dominates with two threads
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def to_torch(x):
+    """Reference layout (B, H, T, ...) -> torch [B, T, H, ...]."""
+    return torch.from_numpy(np.ascontiguousarray(np.swapaxes(x, 1, 2)))
+
+
+def to_ref(x):
+    return np.swapaxes(x.detach().double().numpy(), 1, 2)
+
+
+def draw(rng, B, T, HQ, H, K, V, field="walk"):
+    """Inputs in the reference layout; k, v with H heads (GQA when H < HQ)."""
+    q = rng.standard_normal((B, HQ, T, K))
+    k = rng.standard_normal((B, H, T, K))
+    v = rng.standard_normal((B, H, T, V))
+    if field == "walk":
+        f = np.cumsum(rng.standard_normal((B, HQ, T)), axis=-1)
+        lev = f + rng.standard_normal(f.shape)
+    elif field == "brackets":  # integer walk, level = field: ties everywhere (T1)
+        f = np.cumsum(rng.choice([1.0, -1.0, 0.0], size=(B, HQ, T)), axis=-1)
+        lev = f.copy()
+    elif field == "constant":
+        f = np.zeros((B, HQ, T))
+        lev = f.copy()
+    elif field == "huge":  # penalties O(1) differences of numbers near 1e4
+        f = 1e4 + np.cumsum(rng.standard_normal((B, HQ, T)), axis=-1)
+        lev = f + rng.standard_normal(f.shape)
+    return q, k, v, f, lev
+
+
+def reference(q, k, v, f, lev, do, dlse, scale, segments):
+    """o, lse and the five gradients by the reference, per segment, k/v repeated per query
+    head (GQA) and their gradients summed back over each group."""
+    G = q.shape[1] // k.shape[1]
+    kr, vr = np.repeat(k, G, axis=1), np.repeat(v, G, axis=1)
+    o, lse = np.zeros(q.shape[:3] + v.shape[3:]), np.zeros(f.shape)
+    grads = [np.zeros(x.shape) for x in (q, kr, vr, f, lev)]
+    for a, b in segments:
+        s = (slice(None), slice(None), slice(a, b))
+        o[s], lse[s] = fpa.fpa_attention(
+            q[s], kr[s], vr[s], f[s], lev[s], scale=scale, return_lse=True
+        )
+        g = fpa.fpa_attention_vjp(
+            q[s], kr[s], vr[s], f[s], lev[s], do[s], scale=scale, d_lse=dlse[s]
+        )
+        for out, part in zip(grads, g, strict=True):
+            out[s] = part
+    B, HQ, T, K = q.shape
+    grads[1] = grads[1].reshape(B, HQ // G, G, T, K).sum(axis=2)
+    grads[2] = grads[2].reshape(B, HQ // G, G, T, -1).sum(axis=2)
+    return o, lse, grads
+
+
+def relative(got, want):
+    return np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-300)
+
+
+# (B, T, HQ, H, K, V), field, block, key_block, cu_seqlens
+TILED = [
+    ((2, 37, 3, 3, 8, 5), "walk", 128, None, None),  # one tile: the dense form
+    ((2, 37, 3, 3, 8, 5), "walk", 8, None, None),  # query tiles, keys left of them at once
+    ((2, 37, 3, 3, 8, 5), "walk", 8, 5, None),  # key blocks too: A, mid, B all in play
+    ((1, 41, 4, 2, 6, 7), "brackets", 6, 4, None),  # ties across tile borders, GQA 4/2
+    ((1, 41, 2, 2, 6, 7), "constant", 5, 3, None),  # every segment minimum tied
+    ((1, 40, 2, 1, 5, 4), "huge", 7, 6, None),
+    ((1, 40, 4, 2, 5, 4), "brackets", 4, 3, (0, 15, 16, 40)),  # varlen, length-1 segment
+    ((1, 23, 1, 1, 3, 2), "walk", 1, 1, None),  # one token per tile
+]
+
+
+@pytest.mark.parametrize(("shape", "field", "block", "key_block", "cu"), TILED)
+def test_tiled_kernels_match_the_reference(shape, field, block, key_block, cu):
+    B, T, HQ, H, K, V = shape
+    rng = np.random.default_rng(T + block)
+    q, k, v, f, lev = draw(rng, B, T, HQ, H, K, V, field)
+    do, dlse = rng.standard_normal((B, HQ, T, V)), rng.standard_normal((B, HQ, T))
+    segments = [(0, T)] if cu is None else list(itertools.pairwise(cu))
+    o_ref, lse_ref, g_ref = reference(q, k, v, f, lev, do, dlse, 0.7, segments)
+    args = [to_torch(x) for x in (q, k, v, f, lev)]
+    offsets = None if cu is None else torch.tensor(cu)
+    tiles = dict(block=block, key_block=key_block)
+    o, lse = eager_fpa.fpa_fwd(*args, 0.7, offsets, **tiles)
+    grads = eager_fpa.fpa_bwd(*args, o, lse, to_torch(do), to_torch(dlse), 0.7, offsets, **tiles)
+    assert relative(to_ref(o), o_ref) < 1e-13
+    assert relative(to_ref(lse), lse_ref) < 1e-13
+    for name, got, want in zip(("dq", "dk", "dv", "dfield", "dlevel"), grads, g_ref, strict=True):
+        assert relative(to_ref(got), want) < 1e-12, name
+
+
+def test_block_minima_and_latest_argmins_against_literal_loops():
+    rng = np.random.default_rng(0)
+    field = torch.from_numpy(rng.integers(-2, 3, size=(3, 12)).astype(np.float64))  # many ties
+    m = eager_fpa.segment_min_block(field)
+    np.testing.assert_array_equal(m.numpy(), fpa.segment_min(field.numpy()))
+    tstar = eager_fpa.latest_argmin_block(field, m)
+    np.testing.assert_array_equal(tstar.numpy(), fpa.segment_argmin(field.numpy()))
+    B, argB = eager_fpa.prefix_min(field)
+    S, argS = eager_fpa.suffix_min(field)
+    for n, row in enumerate(field.tolist()):
+        for t in range(len(row)):
+            prefix, suffix = row[: t + 1], row[t:]
+            assert B[n, t] == min(prefix) and S[n, t] == min(suffix)
+            assert argB[n, t] == max(i for i in range(t + 1) if row[i] == min(prefix))
+            assert argS[n, t] == max(i for i in range(t, len(row)) if row[i] == min(suffix))
+
+
+def test_public_op_gradients_by_autograd_match_the_reference_in_float32():
+    rng = np.random.default_rng(3)
+    q, k, v, f, lev = draw(rng, 1, 50, 4, 2, 16, 8)
+    do = rng.standard_normal((1, 4, 50, 8))
+    _, _, g_ref = reference(q, k, v, f, lev, do, np.zeros((1, 4, 50)), None, [(0, 50)])
+    leaves = [to_torch(x).float().requires_grad_() for x in (q, k, v, f, lev)]
+    o = fpa_attention(*leaves, impl="eager")
+    assert o.dtype == torch.float32 and o.shape == (1, 50, 4, 8)
+    o.backward(to_torch(do).float())
+    for name, leaf, want in zip(("q", "k", "v", "field", "level"), leaves, g_ref, strict=True):
+        assert leaf.grad.dtype == torch.float32
+        assert relative(to_ref(leaf.grad), want) < 2e-5, name
+
+
+# ------------------------------------------------------------------------------------- FoX
+
+
+def fox_draw(rng, B, T, HQ, H, K, V, unit=0.0, decay=0.5):
+    q = rng.standard_normal((B, HQ, T, K))
+    k, v = rng.standard_normal((B, H, T, K)), rng.standard_normal((B, H, T, V))
+    log_f = -rng.exponential(decay, (B, HQ, T))
+    log_f[rng.random(log_f.shape) < unit] = 0.0  # gates exactly 1: ties of (F6)
+    return q, k, v, log_f
+
+
+@pytest.mark.parametrize(
+    ("shape", "unit", "decay", "block", "key_block", "cu"),
+    [
+        ((2, 33, 2, 2, 8, 6), 0.0, 0.5, 8, 5, None),
+        ((1, 33, 4, 2, 8, 6), 0.4, 0.5, 6, None, None),
+        ((1, 33, 2, 2, 8, 6), 0.0, 20.0, 7, 7, None),  # strong decay: weights underflow
+        ((1, 40, 2, 1, 5, 4), 0.3, 1.0, 4, 3, (0, 15, 16, 40)),
+    ],
+)
+def test_fox_matches_its_own_formula_and_vjp(shape, unit, decay, block, key_block, cu):
+    B, T, HQ, H, K, V = shape
+    rng = np.random.default_rng(T + block)
+    q, k, v, log_f = fox_draw(rng, B, T, HQ, H, K, V, unit, decay)
+    do = rng.standard_normal((B, HQ, T, V))
+    G = HQ // H
+    kr, vr = np.repeat(k, G, axis=1), np.repeat(v, G, axis=1)
+    segments = [(0, T)] if cu is None else list(itertools.pairwise(cu))
+    o_ref = np.zeros((*q.shape[:3], V))
+    g_ref = [np.zeros(x.shape) for x in (q, kr, vr, log_f)]
+    for a, b in segments:
+        s = (slice(None), slice(None), slice(a, b))
+        o_ref[s] = fpa.fox_attention_direct(q[s], kr[s], vr[s], log_f[s])  # not through (F6)
+        parts = fpa.fox_attention_vjp(q[s], kr[s], vr[s], log_f[s], do[s])
+        for out, part in zip(g_ref, parts, strict=True):
+            out[s] = part
+    args = [to_torch(x) for x in (q, k, v, log_f)]
+    offsets = None if cu is None else torch.tensor(cu)
+    tiles = dict(block=block, key_block=key_block)
+    o, lse = eager_fpa.fox_fwd(*args, K**-0.5, offsets, **tiles)
+    grads = eager_fpa.fox_bwd(*args, o, lse, to_torch(do), None, K**-0.5, offsets, **tiles)
+    assert relative(to_ref(o), o_ref) < 1e-13
+    g_ref[1] = g_ref[1].reshape(B, H, G, T, K).sum(2)
+    g_ref[2] = g_ref[2].reshape(B, H, G, T, V).sum(2)
+    for name, got, want in zip(("dq", "dk", "dv", "dlog_f"), grads, g_ref, strict=True):
+        assert relative(to_ref(got), want) < 1e-12, name
+
+
+def test_fox_equals_fpa_through_f6_gradients_included_with_unit_gates():
+    rng = np.random.default_rng(5)
+    q, k, v, log_f = (to_torch(x) for x in fox_draw(rng, 1, 30, 2, 2, 4, 3, unit=0.5))
+    g1 = log_f.clone().requires_grad_()
+    g2 = log_f.clone().requires_grad_()
+    c = torch.cumsum(g2, dim=1)
+    cot = torch.randn(1, 30, 2, 3, dtype=torch.float64)
+    torch.autograd.backward(fox_attention(q, k, v, g1), cot)
+    torch.autograd.backward(fpa_attention(q, k, v, c, c), cot)
+    assert torch.allclose(g1.grad, g2.grad, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fox_agrees_with_flash_linear_attention_naive(dtype):
+    naive = pytest.importorskip("fla.ops.forgetting_attn.naive").naive_forgetting_attn
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 65, 4, 16, dtype=dtype, generator=gen)
+    k, v = (torch.randn(2, 65, 2, 16, dtype=dtype, generator=gen) for _ in range(2))
+    g = torch.nn.functional.logsigmoid(torch.randn(2, 65, 4, dtype=dtype, generator=gen))
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, g)]
+    ours = fox_attention(*leaves, scale=0.3)
+    theirs = naive(*(x.clone().requires_grad_() for x in (q, k, v, g)), scale=0.3)
+    # the naive form computes in float32 whatever it is given
+    assert torch.linalg.norm(ours.float() - theirs) / torch.linalg.norm(theirs) < 2e-6
+    cot = torch.randn(ours.shape, dtype=dtype, generator=gen)
+    ours_g = torch.autograd.grad(ours, leaves, cot)
+    theirs_leaves = [x.clone().requires_grad_() for x in (q, k, v, g)]
+    theirs_g = torch.autograd.grad(naive(*theirs_leaves, scale=0.3), theirs_leaves, cot.float())
+    for a, b in zip(ours_g, theirs_g, strict=True):
+        assert torch.linalg.norm(a.float() - b) / torch.linalg.norm(b) < 1e-5
+
+
+def test_fox_long_sequence_keeps_float32_logits_precise():
+    # With a global float32 cumulative sum (|c| ~ 400 at T = 2048) the logits lose ~5e-6;
+    # tile-local sums keep the float32 result near its rounding error (3e-7 measured).
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2048, 1, 16, dtype=torch.float64, generator=gen) for _ in range(3))
+    log_f = -0.4 * torch.rand(1, 2048, 1, dtype=torch.float64, generator=gen)
+    exact = fox_attention(q, k, v, log_f)
+    single = fox_attention(q.float(), k.float(), v.float(), log_f.float())
+    c = torch.cumsum(log_f.float(), dim=1)
+    global_sum = fpa_attention(q.float(), k.float(), v.float(), c, c)
+    error = torch.linalg.norm(single.double() - exact) / torch.linalg.norm(exact)
+    global_error = torch.linalg.norm(global_sum.double() - exact) / torch.linalg.norm(exact)
+    assert error < 6e-7 < 2e-6 < global_error
+
+
+# --------------------------------------------------------------------------------- dtypes
+
+
+def test_half_precision_inputs_keep_wide_statistics_and_gradients():
+    rng = np.random.default_rng(2)
+    q, k, v, f, lev = (to_torch(x) for x in draw(rng, 1, 20, 2, 2, 8, 8))
+    for dtype in (torch.float16, torch.bfloat16):
+        leaves = [x.to(dtype).requires_grad_() for x in (q, k, v)]
+        wide = [x.float().requires_grad_() for x in (f, lev)]
+        o, lse = fpa_attention(*leaves, *wide, return_lse=True)
+        assert (o.dtype, lse.dtype) == (dtype, torch.float32)
+        o.float().sum().backward()
+        assert [x.grad.dtype for x in leaves + wide] == [dtype] * 3 + [torch.float32] * 2
+
+
+def test_float64_queries_promote_a_float32_field():
+    rng = np.random.default_rng(4)
+    q, k, v, f, lev = (to_torch(x) for x in draw(rng, 1, 20, 2, 2, 4, 4))
+    wide = [f.float().requires_grad_(), lev.float().requires_grad_()]
+    o, lse = fpa_attention(q, k, v, *wide, return_lse=True)
+    assert (o.dtype, lse.dtype) == (torch.float64, torch.float64)
+    expected = fpa_attention(q, k, v, wide[0].double(), wide[1].double())
+    assert torch.equal(o, expected)
+    o.sum().backward()
+    assert wide[0].grad.dtype == torch.float32
+
+
+def test_autocast_behaves_as_for_sdpa():
+    rng = np.random.default_rng(6)
+    q, k, v, f, lev = (to_torch(x) for x in draw(rng, 1, 20, 2, 2, 8, 8))
+    single = [x.float() for x in (q, k, v)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        o = fpa_attention(*single, f.float(), lev.float())
+        o64 = fpa_attention(q, k, v, f, lev)
+        sdpa = torch.nn.functional.scaled_dot_product_attention(
+            *(x.transpose(1, 2) for x in single)
+        )
+    assert o.dtype == sdpa.dtype == torch.bfloat16
+    assert o64.dtype == torch.float64  # no silent change of float64, as autocast does
+    bf16 = fpa_attention(*(x.bfloat16() for x in single), f.float(), lev.float())
+    assert torch.equal(o, bf16)
+
+
+# ------------------------------------------------------------------ dispatch and bad input
+
+
+def test_a_registered_kernel_is_used_by_the_custom_op_and_its_backward(monkeypatch):
+    calls = []
+
+    def traced(kernel):
+        def run(*args):
+            calls.append(kernel)
+            return dispatch.lookup(kernel, "eager")(*args)
+
+        return run
+
+    registry = {name: dict(impls) for name, impls in dispatch._REGISTRY.items()}
+    registry["fpa_fwd"]["triton"] = traced("fpa_fwd")  # a forward kernel, no backward one
+    monkeypatch.setattr(dispatch, "_REGISTRY", registry)
+    rng = np.random.default_rng(7)
+    q, k, v, f, lev = (to_torch(x).requires_grad_() for x in draw(rng, 1, 9, 2, 2, 4, 4))
+    fpa_attention(q, k, v, f, lev, impl="triton").sum().backward()
+    assert calls == ["fpa_fwd"]  # the backward fell back to the eager twin
+    fpa_attention(q, k, v, f, lev).sum()  # on CPU, None means eager
+    assert calls == ["fpa_fwd"]
+    with pytest.raises(ValueError, match="impl: no 'triton' implementation of 'fox_fwd'"):
+        fox_attention(q, k, v, -f.detach().abs(), impl="triton")
+
+
+def good_inputs():
+    rng = np.random.default_rng(8)
+    q, k, v, f, lev = (to_torch(x).float() for x in draw(rng, 1, 10, 4, 2, 4, 3))
+    return dict(q=q, k=k, v=v, field=f, level=lev)
+
+
+def changed(**changes):
+    x = good_inputs()
+    for name, fn in changes.items():
+        x[name] = fn(x[name]) if callable(fn) else fn
+    return x
+
+
+def _set(x, index, value):
+    x = x.clone()
+    x[index] = value
+    return x
+
+
+BAD = [
+    (changed(q=lambda x: x[0]), {}, "q: expected 4 dimensions"),
+    (changed(k=lambda x: x.double()), {}, "k: expected the dtype of q"),
+    (changed(k=lambda x: x[:, :, :1].repeat(1, 1, 3, 1)), {}, "k: expected H heads dividing"),
+    (changed(v=lambda x: x[:, :9]), {}, "v: expected shape"),
+    (changed(q=lambda x: x[:, :0]), {}, "T >= 1"),
+    (changed(q=lambda x: x.int()), {}, "q: expected dtype"),
+    (changed(field=lambda x: x.half()), {}, "field: expected dtype float32, float64"),
+    (changed(level=lambda x: x[..., :2]), {}, "level: expected shape"),
+    (changed(level=lambda x: x.double()), {}, "level: expected the dtype of field"),
+    (changed(field=lambda x: _set(x, (0, 3, 1), float("nan"))), {}, "field: contains NaN"),
+    (changed(level=lambda x: _set(x, (0, 2, 0), float("inf"))), {}, "level: contains NaN or Inf"),
+    (changed(field=lambda x: x.to("meta")), {}, "field: expected device cpu"),
+    (good_inputs(), {"scale": "0.5"}, "scale: expected a real number"),
+    (good_inputs(), {"scale": float("nan")}, "scale: expected a finite number"),
+    (good_inputs(), {"impl": "cuda"}, "impl: no 'cuda' implementation"),
+    (good_inputs(), {"cu_seqlens": torch.tensor([0, 4, 10.0])}, "cu_seqlens: expected dtype"),
+    (good_inputs(), {"cu_seqlens": torch.tensor([1, 10])}, "cu_seqlens: expected offsets from 0"),
+    (good_inputs(), {"cu_seqlens": torch.tensor([0, 9])}, "to T = 10"),
+    (good_inputs(), {"cu_seqlens": torch.tensor([0, 6, 6, 10])}, "strictly increasing"),
+    (good_inputs(), {"cu_seqlens": torch.tensor([[0, 10]])}, "cu_seqlens: expected 1 dim"),
+]
+
+
+@pytest.mark.parametrize(("inputs", "kwargs", "message"), BAD)
+def test_bad_input_is_a_value_error_naming_the_argument(inputs, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        fpa_attention(**inputs, **kwargs)
+
+
+def test_bad_fox_and_packed_input():
+    x = good_inputs()
+    q, k, v = x["q"], x["k"], x["v"]
+    gates = -x["field"].abs()
+    with pytest.raises(ValueError, match=r"log_f: expected log forget gates <= 0, got 0\.5"):
+        fox_attention(q, k, v, _set(gates, (0, 1, 1), 0.5))
+    with pytest.raises(ValueError, match="log_f: contains NaN"):
+        fox_attention(q, k, v, _set(gates, (0, 1, 1), float("-inf")))
+    with pytest.raises(ValueError, match="cu_seqlens: packed sequences need B = 1"):
+        two = [torch.cat([t, t]) for t in (q, k, v, gates)]
+        fox_attention(*two, cu_seqlens=torch.tensor([0, 10]))

@@ -1,0 +1,74 @@
+"""The conformance kit on the torch backend: every case of every op, outputs and VJPs, in
+float64, float32, float16 and bfloat16; and the triton adapter's claims follow what is
+registered."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from attnspec.backends.registry import get_backend  # noqa: E402
+from attnspec.backends.torch import dispatch  # noqa: E402
+from attnspec.conformance import cases, runner  # noqa: E402
+from attnspec.conformance.skips import SkipList  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # tiny tensors: OpenMP synchronisation, not arithmetic, dominates with two threads
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def all_cases():
+    return cases.generate_cases()
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32", "float16", "bfloat16"])
+def test_the_kit_passes_every_case(dtype, all_cases):
+    backend = get_backend("torch")
+    assert dtype in backend.dtypes
+    report = runner.run(backend, all_cases, [dtype], skips=SkipList.load("torch", []))
+    failed = [f"{r.case_id} {r.kind}: {r.message}" for r in report.results if r.verdict != "passed"]
+    assert not failed, "\n".join(failed[:20])
+    assert {(op, "gradient") for op in backend.VJPS} <= {(r.op, r.kind) for r in report.results}
+
+
+def test_adapter_returns_the_protocols_dtypes_and_leaves_inputs_alone():
+    backend = get_backend("torch")
+    case = cases.build_case("fpa/shapes/1")
+    inputs = runner.native_inputs(
+        backend, case, runner.rounded_inputs(case, "bfloat16"), "bfloat16"
+    )
+    before = {n: x.clone() for n, x in inputs.items()}
+    o, lse = backend.fpa_attention(**inputs, return_lse=True)
+    assert (backend.dtype_name(o), backend.dtype_name(lse)) == ("bfloat16", "float32")
+    assert backend.to_numpy(o).dtype == np.float32  # NumPy has no bfloat16: widened exactly
+    cot = {"o": torch.ones_like(o), "lse": torch.ones_like(lse).bfloat16()}
+    grads = backend.vjp("fpa_attention", inputs, case.params, cot)
+    assert {n: backend.dtype_name(g) for n, g in grads.items()} == {
+        "q": "bfloat16",
+        "k": "bfloat16",
+        "v": "bfloat16",
+        "field": "float32",
+        "level": "float32",
+    }
+    assert all(torch.equal(before[n], x) and not x.requires_grad for n, x in inputs.items())
+
+
+def test_triton_adapter_claims_only_registered_kernels(monkeypatch):
+    backend = get_backend("triton")
+    registry = {name: dict(impls) for name, impls in dispatch._REGISTRY.items()}
+    for kernel in registry.values():
+        kernel.pop("triton", None)
+    monkeypatch.setattr(dispatch, "_REGISTRY", registry)
+    assert backend.capabilities() == set()
+    registry["fox_fwd"]["triton"] = registry["fox_fwd"]["eager"]
+    assert backend.capabilities() == {"fox_attention", "fox_attention.varlen", "fox_attention.gqa"}
+    registry["fox_bwd"]["triton"] = registry["fox_bwd"]["eager"]
+    assert "fox_attention.vjp" in backend.capabilities()
+    assert backend._impl("fox_attention") == "triton" and backend._impl("fpa_decode") == "eager"
+    assert "float64" in backend.dtypes  # only under the interpreter (no CUDA here)

@@ -1,0 +1,106 @@
+"""The layers as nn.Modules against the reference layers, with the reference's parameter dicts;
+their decode paths against their parallel forward; packed sequences against separate ones."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from attnspec.backends.torch import FirstPassageAttention, InterdomainAttention  # noqa: E402
+from attnspec.reference import fpa  # noqa: E402
+from attnspec.reference import interdomain as idm  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # tiny tensors: OpenMP synchronisation, not arithmetic, dominates with two threads
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+X = np.random.default_rng(0).standard_normal((2, 17, 16))
+
+
+def decode(layer, x, split):
+    """Prefill the first ``split`` tokens, then step through the rest."""
+    cache = layer.new_cache()
+    head = layer.prefill(x[:, :split], cache)
+    tail = [layer.step(x[:, t], cache) for t in range(split, x.shape[1])]
+    return torch.cat([head, torch.stack(tail, 1)], 1)
+
+
+@pytest.mark.parametrize("increments", ["signed", "logsigmoid"])
+def test_fpa_layer_matches_the_reference_layer(increments):
+    params = fpa.init_fpa_params(16, 2, 4, 3, seed=1)
+    want = fpa.fpa_layer(X, params, increments=increments)
+    layer = FirstPassageAttention.from_reference_params(params, increments=increments)
+    assert layer.wq.dtype == torch.float64 and layer.wq.shape == (16, 8)
+    x = torch.from_numpy(X)
+    with torch.no_grad():
+        np.testing.assert_allclose(layer(x).numpy(), want, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(decode(layer, x, 9).numpy(), want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("readout", "gate", "use_rope"),
+    [("linear", False, False), ("ratio", False, False), ("linear", True, True)],
+)
+def test_interdomain_layer_matches_the_reference_layer(readout, gate, use_rope):
+    params = idm.init_interdomain_params(16, 2, 4, 3, 8, seed=1, gate=gate)
+    if readout == "ratio":  # positive k~ and C near I keep the denominator away from zero
+        params["norm_k_b"] += 3.0
+        params["c_re"] += np.eye(8)
+    want = idm.interdomain_layer(X, params, readout=readout, gate=gate, use_rope=use_rope)
+    layer = InterdomainAttention.from_reference_params(params, readout=readout, use_rope=use_rope)
+    assert layer.gate == gate
+    x = torch.from_numpy(X)
+    with torch.no_grad():
+        got = layer(x).numpy()
+        stepped = decode(layer, x, 9).numpy()
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(got, want, rtol=1e-11, atol=1e-12 * scale)
+    np.testing.assert_allclose(stepped, want, rtol=1e-11, atol=1e-12 * scale)
+
+
+@pytest.mark.parametrize("layer_type", [FirstPassageAttention, InterdomainAttention])
+def test_packed_sequences_equal_separate_calls(layer_type):
+    torch.manual_seed(0)
+    layer = layer_type(16, 2, 4, 3).double()
+    x = torch.randn(1, 30, 16, dtype=torch.float64)
+    cu = [0, 12, 13, 30]
+    with torch.no_grad():
+        packed = layer(x, cu_seqlens=torch.tensor(cu))
+        for a, e in itertools.pairwise(cu):
+            assert torch.allclose(packed[:, a:e], layer(x[:, a:e]), rtol=1e-12, atol=1e-12)
+
+
+def test_layers_train_end_to_end():
+    torch.manual_seed(1)
+    layers = [FirstPassageAttention(16, 2, 4), InterdomainAttention(16, 2, 4, n_modes=8)]
+    x = torch.randn(2, 20, 16)
+    for layer in layers:
+        layer(x).square().mean().backward()
+        grads = {name: p.grad for name, p in layer.named_parameters()}
+        assert all(g is not None and torch.isfinite(g).all() for g in grads.values())
+        assert grads["wq"].abs().sum() > 0  # gradients reach the projections through the op
+
+
+def test_bad_parameters_and_input():
+    params = fpa.init_fpa_params(16, 2, 4, 3)
+    with pytest.raises(ValueError, match=r"params: missing \['w_lam'\]"):
+        FirstPassageAttention.from_reference_params(
+            {k: v for k, v in params.items() if k != "w_lam"}
+        )
+    with pytest.raises(ValueError, match=r"params\['wk'\]: expected shape \(16, 8\)"):
+        FirstPassageAttention.from_reference_params({**params, "wk": params["wk"][:, :4]})
+    layer = FirstPassageAttention.from_reference_params(params)
+    with pytest.raises(ValueError, match="x: expected d_model = 16 features"):
+        layer(torch.zeros(1, 5, 8, dtype=torch.float64))
+    with pytest.raises(ValueError, match="increments: expected 'signed' or 'logsigmoid'"):
+        FirstPassageAttention(16, 2, 4, increments="cumsum")
+    with pytest.raises(ValueError, match="readout: expected 'linear' or 'ratio'"):
+        InterdomainAttention(16, 2, 4, readout="softmax")
