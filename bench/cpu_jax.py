@@ -5,8 +5,8 @@ and S4D at T = 512, 2048, 8192 for JAX under ``jax.jit`` (float32, the XLA imple
 NumPy reference (float64, where its O(T^2) or O(T M C) intermediates fit in memory) and the
 torch backend's eager ops (float32) when that backend is installed; each row's ratio is the
 row's time over JAX's (> 1: JAX is faster). Then the peak memory of FPA forward+backward at
-T = 32768 (B = H = 1, D = 64) as the high-water RSS of a child process, beside XLA's own count of
-the compiled program's scratch memory.
+T = 32768 (B = H = 1, D = 64) as the high-water RSS (VmHWM) of a child process, beside XLA's own
+count of the compiled program's scratch memory.
 
 Each time is the median of repeated runs after a warm-up run (which compiles, and builds the
 LegS step products, cached per (T, M)); compilation is reported apart.
@@ -195,6 +195,19 @@ def torch_pair(op: str, x: dict):
 # Peak memory of FPA forward+backward at T = 32768, in a child process
 
 
+def peak_rss() -> int:
+    """This process's peak resident set size in bytes: VmHWM of /proc/self/status (reset by
+    exec, unlike ru_maxrss, which a child started from a large parent inherits on Linux)."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def peak_memory_child(T: int) -> None:
     rng = np.random.default_rng(0)
     q, k, v, do = (jnp.asarray(rng.standard_normal((1, T, 1, 64)), jnp.float32) for _ in range(4))
@@ -207,11 +220,11 @@ def peak_memory_child(T: int) -> None:
     step = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
     compiled = step.lower(q, k, v, field, level).compile()
     scratch = compiled.memory_analysis().temp_size_in_bytes
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    before = peak_rss()
     start = time.perf_counter()
     jax.block_until_ready(compiled(q, k, v, field, level))
     seconds = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = peak_rss()
     print(json.dumps({"before": before, "peak": peak, "scratch": scratch, "seconds": seconds}))
 
 
