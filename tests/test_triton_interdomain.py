@@ -497,14 +497,9 @@ def test_legs_bad_input_names_the_argument(change, match):
 # --------------------------------------------------------------------------------------------
 # Against the eager twins (backends/torch/eager_interdomain.py), through the registry
 
-# Importing attnspec.backends.torch (above) registers the eager twins where they exist.
-needs_eager = pytest.mark.skipif(
-    "eager" not in dispatch.implementations("s4d_fwd"),
-    reason="the eager twins (backends/torch/eager_interdomain.py) are not on this branch",
-)
+# Importing attnspec.backends.torch (above) registers the eager twins.
 
 
-@needs_eager
 @pytest.mark.parametrize("readout", ["linear", "ratio"])
 def test_s4d_matches_the_eager_twin(readout):
     """varlen with a length-1 segment, initial states and a final-state cotangent: the kernels
@@ -532,7 +527,6 @@ def test_s4d_matches_the_eager_twin(readout):
         assert rel_err(x.cpu(), y.cpu()) < 1e-12
 
 
-@needs_eager
 def test_legs_matches_the_eager_twin():
     cu = torch.tensor([0, 33, 34, 60], device=DEVICE)
     case, do = legs_case(33, B=1, H=1, T=60, R=3, V=5)

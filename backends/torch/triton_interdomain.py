@@ -47,9 +47,10 @@ from __future__ import annotations
 
 import functools
 import itertools
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -106,7 +107,7 @@ _override: list[Blocks] = []
 @contextmanager
 def block_sizes(
     chunk: int, sub_chunk: int, diag_loop: bool = True, num_warps: int = 4, channels: int = 64
-):
+) -> Iterator[None]:
     """Force the tile sizes inside the block (tests use small chunks in the interpreter)."""
     for name, value in (("chunk", chunk), ("sub_chunk", sub_chunk)):
         if value < 1 or value & (value - 1):
@@ -132,7 +133,7 @@ def _pow2(n: int, least: int = 16) -> int:
     return max(least, triton.next_power_of_2(n))
 
 
-def _acc(dtype: torch.dtype):
+def _acc(dtype: torch.dtype) -> tuple[torch.dtype, tl.dtype, str]:
     """Accumulation dtype (torch, triton) and tl.dot precision for inputs of ``dtype``."""
     if dtype == torch.float64:
         return torch.float64, tl.float64, "ieee"
@@ -163,10 +164,10 @@ class Layout(NamedTuple):
     max_len: int
 
 
-_LAYOUTS: dict = {}
+_LAYOUTS: dict[tuple[tuple[int, ...], int, int, str], Layout] = {}
 
 
-def _layout(cu_list: list[int], chunk: int, sub_chunk: int, device) -> Layout:
+def _layout(cu_list: list[int], chunk: int, sub_chunk: int, device: torch.device) -> Layout:
     """The :class:`Layout` of sequences with offsets ``cu_list`` (cached: the host loop and the
     copies to the device run once per shape)."""
     key = (tuple(cu_list), chunk, sub_chunk, str(device))
@@ -177,8 +178,10 @@ def _layout(cu_list: list[int], chunk: int, sub_chunk: int, device) -> Layout:
     return _LAYOUTS[key]
 
 
-def _build_layout(cu_list: list[int], chunk: int, sub_chunk: int, device) -> Layout:
-    offsets, chunks, info = [0], [], []
+def _build_layout(cu_list: list[int], chunk: int, sub_chunk: int, device: torch.device) -> Layout:
+    offsets: list[int] = [0]
+    chunks: list[tuple[int, int]] = []
+    info: list[tuple[int, int, int, int, int]] = []
     for n in range(len(cu_list) - 1):
         bos, eos = cu_list[n], cu_list[n + 1]
         for k in range(-(-(eos - bos) // chunk)):
@@ -224,7 +227,11 @@ def _sequences(name: str, x: torch.Tensor, cu_seqlens: torch.Tensor | None) -> l
     return cu
 
 
-def _check_inputs(names, tensors, widths=None):
+def _check_inputs(
+    names: Sequence[str],
+    tensors: Sequence[torch.Tensor],
+    widths: Sequence[int | None] | None = None,
+) -> None:
     """Same device, a floating dtype shared by all, [B, T, H, *] with matching B, T, H."""
     ref = tensors[0]
     if ref.ndim != 4:
@@ -245,7 +252,7 @@ def _check_inputs(names, tensors, widths=None):
             raise ValueError(f"{name}: expected shape {expected}, got {tuple(x.shape)}")
 
 
-def _check_param(name: str, x: torch.Tensor, shape: tuple, device) -> None:
+def _check_param(name: str, x: torch.Tensor, shape: tuple[int, ...], device: torch.device) -> None:
     if tuple(x.shape) != shape:
         raise ValueError(f"{name}: expected shape {shape} (re, im last), got {tuple(x.shape)}")
     if x.device != device:
@@ -260,7 +267,9 @@ def _check_param(name: str, x: torch.Tensor, shape: tuple, device) -> None:
 # S4D: tables of powers and the Gram matrix (host side)
 
 
-def _power_tables(lam: torch.Tensor, chunk: int, BM: int, acc: torch.dtype):
+def _power_tables(
+    lam: torch.Tensor, chunk: int, BM: int, acc: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Lambda^k and k Lambda^(k-1) for k = 0..chunk, as [H, 2, chunk + 2, BM] (re, im planes).
 
     Built by a complex128 running product, so Lambda = 0 gives exact zeros (0^0 = 1) and no
@@ -280,7 +289,7 @@ def _power_tables(lam: torch.Tensor, chunk: int, BM: int, acc: torch.dtype):
         t[:, 0, : chunk + 1, :M] = x.real.to(acc)
         t[:, 1, : chunk + 1, :M] = x.imag.to(acc)
         tables.append(t)
-    return tables
+    return tables[0], tables[1]
 
 
 def _gram(c: torch.Tensor, BM: int, acc: torch.dtype) -> torch.Tensor:
@@ -299,21 +308,34 @@ def _gram(c: torch.Tensor, BM: int, acc: torch.dtype) -> torch.Tensor:
 
 
 @triton.jit
-def _pow_at(tab, k, o_m, TAB: tl.constexpr, BM: tl.constexpr):
+def _pow_at(
+    tab: tl.tensor, k: tl.tensor, o_m: tl.tensor, TAB: tl.constexpr, BM: tl.constexpr
+) -> tuple[tl.tensor, tl.tensor]:
     """(re, im) of the table entry Lambda^k of each mode (k broadcast against o_m)."""
     off = k * BM + o_m
     return tl.load(tab + off), tl.load(tab + TAB + off)
 
 
 @triton.jit
-def _rows(src, tok, i_h, H, W, o_d, m_t, ACC: tl.constexpr):
+def _rows(
+    src: tl.tensor,
+    tok: tl.tensor,
+    i_h: tl.tensor,
+    H: tl.tensor,
+    W: tl.tensor,
+    o_d: tl.tensor,
+    m_t: tl.tensor,
+    ACC: tl.constexpr,
+) -> tl.tensor:
     """Rows tok of a [T, H, W] tensor, head i_h, columns o_d (zero outside), in ACC."""
     ptr = src + (tok.to(tl.int64)[:, None] * H + i_h) * W + o_d[None, :]
     return tl.load(ptr, mask=m_t[:, None] & (o_d < W)[None, :], other=0.0).to(ACC)
 
 
 @triton.jit
-def _modes_rows(buf, tok, i_h, H, m_t, BM: tl.constexpr):
+def _modes_rows(
+    buf: tl.tensor, tok: tl.tensor, i_h: tl.tensor, H: tl.tensor, m_t: tl.tensor, BM: tl.constexpr
+) -> tuple[tl.tensor, tl.tensor]:
     """Rows tok of a per-token mode buffer [T, H, 2, BM]: (re, im) [BS, BM]."""
     ptr = buf + (tok.to(tl.int64)[:, None] * H + i_h) * 2 * BM + tl.arange(0, BM)[None, :]
     return (
@@ -323,14 +345,32 @@ def _modes_rows(buf, tok, i_h, H, m_t, BM: tl.constexpr):
 
 
 @triton.jit
-def _store_modes(buf, re, im, tok, i_h, H, m_t, BM: tl.constexpr):
+def _store_modes(
+    buf: tl.tensor,
+    re: tl.tensor,
+    im: tl.tensor,
+    tok: tl.tensor,
+    i_h: tl.tensor,
+    H: tl.tensor,
+    m_t: tl.tensor,
+    BM: tl.constexpr,
+) -> None:
     ptr = buf + (tok.to(tl.int64)[:, None] * H + i_h) * 2 * BM + tl.arange(0, BM)[None, :]
     tl.store(ptr, re, mask=m_t[:, None])
     tl.store(ptr + BM, im, mask=m_t[:, None])
 
 
 @triton.jit
-def _state_tile(s0, c_off, W, C, M, BD: tl.constexpr, BM: tl.constexpr, TRANS: tl.constexpr):
+def _state_tile(
+    s0: tl.tensor,
+    c_off: tl.tensor,
+    W: tl.tensor,
+    C: tl.tensor,
+    M: tl.tensor,
+    BD: tl.constexpr,
+    BM: tl.constexpr,
+    TRANS: tl.constexpr,
+) -> tuple[tl.tensor, tl.tensor]:
     """Channels c_off..c_off+W of a state [M, C, 2]: (re, im) [BM, BD], or [BD, BM] if TRANS."""
     o_d = tl.arange(0, BD)
     o_m = tl.arange(0, BM)
@@ -344,7 +384,15 @@ def _state_tile(s0, c_off, W, C, M, BD: tl.constexpr, BM: tl.constexpr, TRANS: t
 
 
 @triton.jit
-def _ones_state(s0, c_one, C, M, BM: tl.constexpr, RATIO: tl.constexpr, ACC: tl.constexpr):
+def _ones_state(
+    s0: tl.tensor,
+    c_one: tl.tensor,
+    C: tl.tensor,
+    M: tl.tensor,
+    BM: tl.constexpr,
+    RATIO: tl.constexpr,
+    ACC: tl.constexpr,
+) -> tuple[tl.tensor, tl.tensor]:
     """The ones channel x^1 of a state [M, C, 2] (zeros without the ratio readout)."""
     o_m = tl.arange(0, BM)
     s1_re = tl.zeros([BM], dtype=ACC)
@@ -356,7 +404,9 @@ def _ones_state(s0, c_one, C, M, BM: tl.constexpr, RATIO: tl.constexpr, ACC: tl.
 
 
 @triton.jit
-def _s4d_mix(p_re, p_im, g_h, BM: tl.constexpr, PREC: tl.constexpr):
+def _s4d_mix(
+    p_re: tl.tensor, p_im: tl.tensor, g_h: tl.tensor, BM: tl.constexpr, PREC: tl.constexpr
+) -> tuple[tl.tensor, tl.tensor]:
     """qe_t = G p_t for every row t, i.e. P G^T, G = C^H C of this head ([2, BM, BM] planes)."""
     o_m = tl.arange(0, BM)
     ptr = g_h + o_m[None, :] * BM + o_m[:, None]  # [n, m] holds G[m, n]
@@ -369,13 +419,50 @@ def _s4d_mix(p_re, p_im, g_h, BM: tl.constexpr, PREC: tl.constexpr):
 
 @triton.jit
 def _s4d_modes(
-    b_q, src, W, s0, c_off, pw, dpw, b_re, b_im,
-    fi_re, fi_im, fs_re, fs_im, fd_re, fd_im, dfi_re, dfi_im, dfs_re, dfs_im, dfd_re, dfd_im,
-    t0, t1, n_i, i_s, m_t, i_h, H, C, M, dden, s1_re, s1_im,
-    BT: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr,
-    TAB: tl.constexpr, DERIV: tl.constexpr, ONES: tl.constexpr, DIAG_LOOP: tl.constexpr,
-    ACC: tl.constexpr, PREC: tl.constexpr,
-):  # fmt: skip
+    b_q: tl.tensor,
+    src: tl.tensor,
+    W: tl.tensor,
+    s0: tl.tensor,
+    c_off: tl.tensor,
+    pw: tl.tensor,
+    dpw: tl.tensor,
+    b_re: tl.tensor,
+    b_im: tl.tensor,
+    fi_re: tl.tensor,
+    fi_im: tl.tensor,
+    fs_re: tl.tensor,
+    fs_im: tl.tensor,
+    fd_re: tl.tensor,
+    fd_im: tl.tensor,
+    dfi_re: tl.tensor,
+    dfi_im: tl.tensor,
+    dfs_re: tl.tensor,
+    dfs_im: tl.tensor,
+    dfd_re: tl.tensor,
+    dfd_im: tl.tensor,
+    t0: tl.tensor,
+    t1: tl.tensor,
+    n_i: tl.tensor,
+    i_s: tl.tensor,
+    m_t: tl.tensor,
+    i_h: tl.tensor,
+    H: tl.tensor,
+    C: tl.tensor,
+    M: tl.tensor,
+    dden: tl.tensor,
+    s1_re: tl.tensor,
+    s1_im: tl.tensor,
+    BT: tl.constexpr,
+    BS: tl.constexpr,
+    BD: tl.constexpr,
+    BM: tl.constexpr,
+    TAB: tl.constexpr,
+    DERIV: tl.constexpr,
+    ONES: tl.constexpr,
+    DIAG_LOOP: tl.constexpr,
+    ACC: tl.constexpr,
+    PREC: tl.constexpr,
+) -> tuple[tl.tensor, tl.tensor, tl.tensor, tl.tensor, tl.tensor, tl.tensor]:
     """p_t = x_t q_t over the channels [c_off, c_off + W) of the state, for the rows of one
     sub-chunk: p_t = Lambda^(t-t0+1) (S0 q_t) + b sum_{t0<=u<=t} Lambda^(t-u) (q_t . z_u).
 
@@ -457,12 +544,42 @@ def _s4d_modes(
 
 @triton.jit
 def _s4d_readout(
-    q_re, q_im, src, W, s0, c_off, pw, b_re, b_im, fi_re, fi_im, fs_re, fs_im, bd_re, bd_im,
-    t0, t1, n_i, i_s, m_t, i_h, H, C, M, s1_re, s1_im,
-    BT: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr,
-    TAB: tl.constexpr, ONES: tl.constexpr, DIAG_LOOP: tl.constexpr, ACC: tl.constexpr,
+    q_re: tl.tensor,
+    q_im: tl.tensor,
+    src: tl.tensor,
+    W: tl.tensor,
+    s0: tl.tensor,
+    c_off: tl.tensor,
+    pw: tl.tensor,
+    b_re: tl.tensor,
+    b_im: tl.tensor,
+    fi_re: tl.tensor,
+    fi_im: tl.tensor,
+    fs_re: tl.tensor,
+    fs_im: tl.tensor,
+    bd_re: tl.tensor,
+    bd_im: tl.tensor,
+    t0: tl.tensor,
+    t1: tl.tensor,
+    n_i: tl.tensor,
+    i_s: tl.tensor,
+    m_t: tl.tensor,
+    i_h: tl.tensor,
+    H: tl.tensor,
+    C: tl.tensor,
+    M: tl.tensor,
+    s1_re: tl.tensor,
+    s1_im: tl.tensor,
+    BT: tl.constexpr,
+    BS: tl.constexpr,
+    BD: tl.constexpr,
+    BM: tl.constexpr,
+    TAB: tl.constexpr,
+    ONES: tl.constexpr,
+    DIAG_LOOP: tl.constexpr,
+    ACC: tl.constexpr,
     PREC: tl.constexpr,
-):  # fmt: skip
+) -> tuple[tl.tensor, tl.tensor]:
     """out_t[c] = Re(q_t^H x_t[:, c]) over the channels [c_off, c_off + W) of the state, for the
     rows of one sub-chunk; with ONES also den_t = Re(q_t^H x^1_t) of the ones channel.
 
@@ -516,11 +633,36 @@ def _s4d_readout(
 
 @triton.jit
 def _s4d_adjoint_inputs(
-    q_buf, zsrc, W, d_st, c_off, pw, b_re, b_im, fe_re, fe_im, bu_re, bu_im,
-    t0, t1, j_s, tok, m_t, i_h, H, C, M,
-    BT: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr,
-    TAB: tl.constexpr, DIAG_LOOP: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
-):  # fmt: skip
+    q_buf: tl.tensor,
+    zsrc: tl.tensor,
+    W: tl.tensor,
+    d_st: tl.tensor,
+    c_off: tl.tensor,
+    pw: tl.tensor,
+    b_re: tl.tensor,
+    b_im: tl.tensor,
+    fe_re: tl.tensor,
+    fe_im: tl.tensor,
+    bu_re: tl.tensor,
+    bu_im: tl.tensor,
+    t0: tl.tensor,
+    t1: tl.tensor,
+    j_s: tl.tensor,
+    tok: tl.tensor,
+    m_t: tl.tensor,
+    i_h: tl.tensor,
+    H: tl.tensor,
+    C: tl.tensor,
+    M: tl.tensor,
+    BT: tl.constexpr,
+    BS: tl.constexpr,
+    BD: tl.constexpr,
+    BM: tl.constexpr,
+    TAB: tl.constexpr,
+    DIAG_LOOP: tl.constexpr,
+    ACC: tl.constexpr,
+    PREC: tl.constexpr,
+) -> tl.tensor:
     """dz_t[c] = Re(sum_m conj(b_m) gx_t[m, c]) for the rows t of one sub-chunk, with the
     adjoint gx_t = conj(Lambda)^(e-t) D + sum_{t<=s<=e} conj(Lambda)^(s-t) q_s zq_s^T.
 
@@ -575,10 +717,31 @@ def _s4d_adjoint_inputs(
 
 @triton.jit
 def _s4d_state_pass(
-    kt, vt, b, pw, h0, states, ht, cu, chunk_offsets, H, R, V, CV, M, C, NKB,
-    BT: tl.constexpr, BC: tl.constexpr, BM: tl.constexpr, TAB: tl.constexpr,
-    RATIO: tl.constexpr, USE_H0: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
-):  # fmt: skip
+    kt: tl.tensor,
+    vt: tl.tensor,
+    b: tl.tensor,
+    pw: tl.tensor,
+    h0: tl.tensor,
+    states: tl.tensor,
+    ht: tl.tensor,
+    cu: tl.tensor,
+    chunk_offsets: tl.tensor,
+    H: tl.tensor,
+    R: tl.tensor,
+    V: tl.tensor,
+    CV: tl.tensor,
+    M: tl.tensor,
+    C: tl.tensor,
+    NKB: tl.tensor,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
+    BM: tl.constexpr,
+    TAB: tl.constexpr,
+    RATIO: tl.constexpr,
+    USE_H0: tl.constexpr,
+    ACC: tl.constexpr,
+    PREC: tl.constexpr,
+) -> None:
     """(I11) chunk by chunk: store the state before each chunk, then
     x_e = Lambda^L x_{t0-1} + sum_u b Lambda^(e-u) z_u (one [BM, BT] x [BT, BC] matmul pair).
     Grid (channel blocks, N * H); blocks < NKB hold key channels, the rest value channels
@@ -641,11 +804,31 @@ def _s4d_state_pass(
 
 @triton.jit
 def _s4d_output(
-    fq, kt, vt, o, states, pw, b, gmat, sub_info, H, R, V, M, C,
-    BT: tl.constexpr, BS: tl.constexpr, BR: tl.constexpr, BV: tl.constexpr,
-    BM: tl.constexpr, TAB: tl.constexpr, RATIO: tl.constexpr, DIAG_LOOP: tl.constexpr,
-    ACC: tl.constexpr, PREC: tl.constexpr,
-):  # fmt: skip
+    fq: tl.tensor,
+    kt: tl.tensor,
+    vt: tl.tensor,
+    o: tl.tensor,
+    states: tl.tensor,
+    pw: tl.tensor,
+    b: tl.tensor,
+    gmat: tl.tensor,
+    sub_info: tl.tensor,
+    H: tl.tensor,
+    R: tl.tensor,
+    V: tl.tensor,
+    M: tl.tensor,
+    C: tl.tensor,
+    BT: tl.constexpr,
+    BS: tl.constexpr,
+    BR: tl.constexpr,
+    BV: tl.constexpr,
+    BM: tl.constexpr,
+    TAB: tl.constexpr,
+    RATIO: tl.constexpr,
+    DIAG_LOOP: tl.constexpr,
+    ACC: tl.constexpr,
+    PREC: tl.constexpr,
+) -> None:
     """(I12)-(I13) for the rows of one sub-chunk: p_t = x^K_t fq_t, qe_t = G p_t,
     o_t = Re(qe_t^H x^V_t), divided by Re(qe_t^H x^1_t) for the ratio readout.
     Grid (sub-chunks, H)."""
@@ -696,13 +879,41 @@ def _s4d_output(
 
 @triton.jit
 def _s4d_bwd_modes(
-    fq, kt, vt, do, states, pw, dpw, b, gmat, sub_info,
-    p_buf, qe_buf, gq_buf, gp_buf, dnum_buf, dden_buf, dfq, glam_part, gb_part,
-    H, R, V, M, C,
-    BT: tl.constexpr, BS: tl.constexpr, BR: tl.constexpr, BV: tl.constexpr,
-    BM: tl.constexpr, TAB: tl.constexpr, RATIO: tl.constexpr, DIAG_LOOP: tl.constexpr,
-    ACC: tl.constexpr, PREC: tl.constexpr,
-):  # fmt: skip
+    fq: tl.tensor,
+    kt: tl.tensor,
+    vt: tl.tensor,
+    do: tl.tensor,
+    states: tl.tensor,
+    pw: tl.tensor,
+    dpw: tl.tensor,
+    b: tl.tensor,
+    gmat: tl.tensor,
+    sub_info: tl.tensor,
+    p_buf: tl.tensor,
+    qe_buf: tl.tensor,
+    gq_buf: tl.tensor,
+    gp_buf: tl.tensor,
+    dnum_buf: tl.tensor,
+    dden_buf: tl.tensor,
+    dfq: tl.tensor,
+    glam_part: tl.tensor,
+    gb_part: tl.tensor,
+    H: tl.tensor,
+    R: tl.tensor,
+    V: tl.tensor,
+    M: tl.tensor,
+    C: tl.tensor,
+    BT: tl.constexpr,
+    BS: tl.constexpr,
+    BR: tl.constexpr,
+    BV: tl.constexpr,
+    BM: tl.constexpr,
+    TAB: tl.constexpr,
+    RATIO: tl.constexpr,
+    DIAG_LOOP: tl.constexpr,
+    ACC: tl.constexpr,
+    PREC: tl.constexpr,
+) -> None:
     """Backward through the readout for the rows of one sub-chunk. Recomputes p, qe (and num,
     den for the ratio readout: dnum = do / den, dden = -<do, o> / den), then
     g(qe_t) = x^V_t dnum_t (+ x^1_t dden_t), g(p_t) = G g(qe_t), dfq_t = Re(x^K_t^H g(p_t)),
@@ -794,12 +1005,34 @@ def _s4d_bwd_modes(
 
 @triton.jit
 def _s4d_reverse_state_pass(
-    fq, dnum, dden, qe_buf, gp_buf, pw, dht, dstates, dh0, cu, chunk_offsets,
-    H, R, V, CV, M, C, NKB,
-    BT: tl.constexpr, BC: tl.constexpr, BM: tl.constexpr, TAB: tl.constexpr,
-    RATIO: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, ACC: tl.constexpr,
+    fq: tl.tensor,
+    dnum: tl.tensor,
+    dden: tl.tensor,
+    qe_buf: tl.tensor,
+    gp_buf: tl.tensor,
+    pw: tl.tensor,
+    dht: tl.tensor,
+    dstates: tl.tensor,
+    dh0: tl.tensor,
+    cu: tl.tensor,
+    chunk_offsets: tl.tensor,
+    H: tl.tensor,
+    R: tl.tensor,
+    V: tl.tensor,
+    CV: tl.tensor,
+    M: tl.tensor,
+    C: tl.tensor,
+    NKB: tl.tensor,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
+    BM: tl.constexpr,
+    TAB: tl.constexpr,
+    RATIO: tl.constexpr,
+    USE_DHT: tl.constexpr,
+    STORE_DH0: tl.constexpr,
+    ACC: tl.constexpr,
     PREC: tl.constexpr,
-):  # fmt: skip
+) -> None:
     """The adjoint state, chunk by chunk from the last: store D_k (the adjoint entering the
     last token of chunk k from later tokens), then D_{k-1} = conj(Lambda)^L D_k +
     sum_s conj(Lambda)^(s-t0+1) q_s zq_s^T, with (q, zq) = (g(p), fq) on key channels and
@@ -866,11 +1099,31 @@ def _s4d_reverse_state_pass(
 
 @triton.jit
 def _s4d_chunk_grads(
-    kt, vt, b, pw, dpw, states, dstates, chunk_info, glam_part, gb_part,
-    H, R, V, CV, M, C, NKB,
-    BT: tl.constexpr, BC: tl.constexpr, BM: tl.constexpr, TAB: tl.constexpr,
-    RATIO: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
-):  # fmt: skip
+    kt: tl.tensor,
+    vt: tl.tensor,
+    b: tl.tensor,
+    pw: tl.tensor,
+    dpw: tl.tensor,
+    states: tl.tensor,
+    dstates: tl.tensor,
+    chunk_info: tl.tensor,
+    glam_part: tl.tensor,
+    gb_part: tl.tensor,
+    H: tl.tensor,
+    R: tl.tensor,
+    V: tl.tensor,
+    CV: tl.tensor,
+    M: tl.tensor,
+    C: tl.tensor,
+    NKB: tl.tensor,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
+    BM: tl.constexpr,
+    TAB: tl.constexpr,
+    RATIO: tl.constexpr,
+    ACC: tl.constexpr,
+    PREC: tl.constexpr,
+) -> None:
     """The parts of g(b) = sum_t gx_t z_t and g(Lambda) = sum_t <x_{t-1}, gx_t> that pair a
     chunk with its start state S0 or with D (the adjoint entering its last token e):
     g(Lambda) += conj(L Lambda^(L-1)) <S0, D> + <b sum_u (e-u) Lambda^(e-u-1) z_u, D>,
@@ -938,11 +1191,31 @@ def _s4d_chunk_grads(
 
 @triton.jit
 def _s4d_bwd_inputs(
-    fq, dnum, qe_buf, gp_buf, dstates, pw, b, sub_info, dkt, dvt, H, R, V, M, C,
-    BT: tl.constexpr, BS: tl.constexpr, BR: tl.constexpr, BV: tl.constexpr,
-    BM: tl.constexpr, TAB: tl.constexpr, DIAG_LOOP: tl.constexpr, ACC: tl.constexpr,
+    fq: tl.tensor,
+    dnum: tl.tensor,
+    qe_buf: tl.tensor,
+    gp_buf: tl.tensor,
+    dstates: tl.tensor,
+    pw: tl.tensor,
+    b: tl.tensor,
+    sub_info: tl.tensor,
+    dkt: tl.tensor,
+    dvt: tl.tensor,
+    H: tl.tensor,
+    R: tl.tensor,
+    V: tl.tensor,
+    M: tl.tensor,
+    C: tl.tensor,
+    BT: tl.constexpr,
+    BS: tl.constexpr,
+    BR: tl.constexpr,
+    BV: tl.constexpr,
+    BM: tl.constexpr,
+    TAB: tl.constexpr,
+    DIAG_LOOP: tl.constexpr,
+    ACC: tl.constexpr,
     PREC: tl.constexpr,
-):  # fmt: skip
+) -> None:
     """dz_t = Re(conj(b)^T gx_t) for the rows of one sub-chunk: dkt from (g(p), fq, D^K) and
     dvt from (qe, dnum, D^V). Grid (sub-chunks, H)."""
     i_p, i_h = tl.program_id(0), tl.program_id(1)
@@ -1007,11 +1280,21 @@ class _S4DPlan(NamedTuple):
     dpw: torch.Tensor
     b: torch.Tensor
     gmat: torch.Tensor
-    tiles: dict  # constexpr tile sizes shared by the output-pass kernels
-    state_tiles: dict  # ... and by the state-pass kernels
+    tiles: dict[str, Any]  # constexpr tile sizes shared by the output-pass kernels
+    state_tiles: dict[str, Any]  # ... and by the state-pass kernels
 
 
-def _s4d_plan(fq, kt, vt, lam, b, c, readout, cu_seqlens, initial_state) -> _S4DPlan:
+def _s4d_plan(
+    fq: torch.Tensor,
+    kt: torch.Tensor,
+    vt: torch.Tensor,
+    lam: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    readout: str,
+    cu_seqlens: torch.Tensor | None,
+    initial_state: torch.Tensor | None,
+) -> _S4DPlan:
     _check_inputs(("fq", "kt", "vt"), (fq, kt, vt), (None, fq.shape[-1] if fq.ndim else 0, None))
     if readout not in ("linear", "ratio"):
         raise ValueError(f"readout: expected 'linear' or 'ratio', got {readout!r}")
@@ -1052,7 +1335,9 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]).contiguous()
 
 
-def _s4d_state_pass_launch(plan: _S4DPlan, kt, vt, initial_state):
+def _s4d_state_pass_launch(
+    plan: _S4DPlan, kt: torch.Tensor, vt: torch.Tensor, initial_state: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     lay = plan.layout
     shape = (plan.H, plan.M, plan.C, 2)
     states = torch.empty(lay.n_chunks, *shape, dtype=plan.acc, device=kt.device)
@@ -1198,7 +1483,7 @@ def s4d_bwd(
         dlam.to(lam.dtype).contiguous(),
         db.to(b.dtype).contiguous(),
         dc.to(c.dtype).contiguous(),
-        dh0.to(initial_state.dtype) if dh0 is not None else None,
+        dh0.to(initial_state.dtype) if dh0 is not None and initial_state is not None else None,
     )
 
 
@@ -1231,10 +1516,14 @@ def legs_chunk_tables(M: int, chunk: int, n_max: int) -> tuple[np.ndarray, np.nd
     return phi, weights
 
 
-_LEGS_DEVICE_TABLES: dict = {}
+_LEGS_DEVICE_TABLES: dict[
+    tuple[int, int, int, int, torch.dtype, str], tuple[torch.Tensor, torch.Tensor]
+] = {}
 
 
-def _legs_tables(M: int, chunk: int, max_len: int, BM: int, acc: torch.dtype, device):
+def _legs_tables(
+    M: int, chunk: int, max_len: int, BM: int, acc: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The tables of :func:`legs_chunk_tables` on ``device`` as [n_max, BM, BM] and
     [n_max, chunk, BM] (zero-padded), n_max a power-of-two number of chunks >= max_len."""
     n_max = chunk * triton.next_power_of_2(-(-max_len // chunk))
@@ -1257,10 +1546,30 @@ def _legs_tables(M: int, chunk: int, max_len: int, BM: int, acc: torch.dtype, de
 
 @triton.jit
 def _legs_modes(
-    b_q, src, W, s0, c_off, phi, ktab, t0, t1, n_i, i_s, pos, i_h, H, C, M,
-    BT: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr,
-    BMB: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
-):  # fmt: skip
+    b_q: tl.tensor,
+    src: tl.tensor,
+    W: tl.tensor,
+    s0: tl.tensor,
+    c_off: tl.tensor,
+    phi: tl.tensor,
+    ktab: tl.tensor,
+    t0: tl.tensor,
+    t1: tl.tensor,
+    n_i: tl.tensor,
+    i_s: tl.tensor,
+    pos: tl.tensor,
+    i_h: tl.tensor,
+    H: tl.tensor,
+    C: tl.tensor,
+    M: tl.tensor,
+    BT: tl.constexpr,
+    BS: tl.constexpr,
+    BD: tl.constexpr,
+    BM: tl.constexpr,
+    BMB: tl.constexpr,
+    ACC: tl.constexpr,
+    PREC: tl.constexpr,
+) -> tl.tensor:
     """p_t = c_t q_t over the channels [c_off, c_off + W) of the state, for the rows of one
     sub-chunk: p_t = Phi_t (S0 q_t) + sum_{t0<=u<=t} K(t, u) (q_t . z_u).
 
@@ -1292,10 +1601,33 @@ def _legs_modes(
 
 @triton.jit
 def _legs_readout(
-    p, src, W, s0, c_off, phi, ktab, hat_buf, t0, t1, i_s, tok, pos, m_t, i_h, H, C, M,
-    BT: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr,
-    BMB: tl.constexpr, STORE_HAT: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
-):  # fmt: skip
+    p: tl.tensor,
+    src: tl.tensor,
+    W: tl.tensor,
+    s0: tl.tensor,
+    c_off: tl.tensor,
+    phi: tl.tensor,
+    ktab: tl.tensor,
+    hat_buf: tl.tensor,
+    t0: tl.tensor,
+    t1: tl.tensor,
+    i_s: tl.tensor,
+    tok: tl.tensor,
+    pos: tl.tensor,
+    m_t: tl.tensor,
+    i_h: tl.tensor,
+    H: tl.tensor,
+    C: tl.tensor,
+    M: tl.tensor,
+    BT: tl.constexpr,
+    BS: tl.constexpr,
+    BD: tl.constexpr,
+    BM: tl.constexpr,
+    BMB: tl.constexpr,
+    STORE_HAT: tl.constexpr,
+    ACC: tl.constexpr,
+    PREC: tl.constexpr,
+) -> tl.tensor:
     """out_t = c_t[:, channels]^T p_t = (Phi_t^T p_t)^T S0 + sum_{t0<=u<=t} (K(t, u) . p_t) z_u
     for the rows of one sub-chunk; STORE_HAT keeps Phi_t^T p_t in hat_buf [T, H, BM].
     Returns out [BS, BD]."""
@@ -1326,10 +1658,29 @@ def _legs_readout(
 
 @triton.jit
 def _legs_adjoint_inputs(
-    q_buf, zsrc, W, d_st, c_off, ktab, t0, t1, j_s, tok, pos0, m_t, i_h, H, C, M,
-    BT: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr,
-    ACC: tl.constexpr, PREC: tl.constexpr,
-):  # fmt: skip
+    q_buf: tl.tensor,
+    zsrc: tl.tensor,
+    W: tl.tensor,
+    d_st: tl.tensor,
+    c_off: tl.tensor,
+    ktab: tl.tensor,
+    t0: tl.tensor,
+    t1: tl.tensor,
+    j_s: tl.tensor,
+    tok: tl.tensor,
+    pos0: tl.tensor,
+    m_t: tl.tensor,
+    i_h: tl.tensor,
+    H: tl.tensor,
+    C: tl.tensor,
+    M: tl.tensor,
+    BT: tl.constexpr,
+    BS: tl.constexpr,
+    BD: tl.constexpr,
+    BM: tl.constexpr,
+    ACC: tl.constexpr,
+    PREC: tl.constexpr,
+) -> tl.tensor:
     """dz_t = F_t^T gc_t = K(e, t)^T D + sum_{t<=s<=e} (K(s, t) . q_s) zq_s for the rows of one
     sub-chunk; D is the adjoint entering c_e (e = t1 - 1) from later tokens, q_buf [T, H, BM].
     Returns dz [BS, BD]."""
@@ -1357,10 +1708,25 @@ def _legs_adjoint_inputs(
 
 @triton.jit
 def _legs_state_pass(
-    fk, v, phi, ktab, states, cu, chunk_offsets, H, R, V, M, C, NKB,
-    BT: tl.constexpr, BC: tl.constexpr, BM: tl.constexpr, ACC: tl.constexpr,
+    fk: tl.tensor,
+    v: tl.tensor,
+    phi: tl.tensor,
+    ktab: tl.tensor,
+    states: tl.tensor,
+    cu: tl.tensor,
+    chunk_offsets: tl.tensor,
+    H: tl.tensor,
+    R: tl.tensor,
+    V: tl.tensor,
+    M: tl.tensor,
+    C: tl.tensor,
+    NKB: tl.tensor,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
+    BM: tl.constexpr,
+    ACC: tl.constexpr,
     PREC: tl.constexpr,
-):  # fmt: skip
+) -> None:
     """(I5) chunk by chunk: store the state before each chunk, then
     c_e = Phi_e c_{t0-1} + sum_u K(e, u) f_u. Grid (channel blocks, N * H)."""
     i_c, i_nh = tl.program_id(0), tl.program_id(1)
@@ -1398,10 +1764,28 @@ def _legs_state_pass(
 
 @triton.jit
 def _legs_output(
-    fq, fk, v, o, states, phi, ktab, sub_info, H, R, V, M, C,
-    BT: tl.constexpr, BS: tl.constexpr, BR: tl.constexpr, BV: tl.constexpr,
-    BM: tl.constexpr, BMB: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
-):  # fmt: skip
+    fq: tl.tensor,
+    fk: tl.tensor,
+    v: tl.tensor,
+    o: tl.tensor,
+    states: tl.tensor,
+    phi: tl.tensor,
+    ktab: tl.tensor,
+    sub_info: tl.tensor,
+    H: tl.tensor,
+    R: tl.tensor,
+    V: tl.tensor,
+    M: tl.tensor,
+    C: tl.tensor,
+    BT: tl.constexpr,
+    BS: tl.constexpr,
+    BR: tl.constexpr,
+    BV: tl.constexpr,
+    BM: tl.constexpr,
+    BMB: tl.constexpr,
+    ACC: tl.constexpr,
+    PREC: tl.constexpr,
+) -> None:
     """(I3) for the rows of one sub-chunk: p_t = U_t fq_t, o_t = Gamma_t^T p_t / p_t[0]
     (eta = e_0 exactly, (I6)). Grid (sub-chunks, H)."""
     i_p, i_h = tl.program_id(0), tl.program_id(1)
@@ -1434,11 +1818,34 @@ def _legs_output(
 
 @triton.jit
 def _legs_bwd_modes(
-    fq, fk, v, do, states, phi, ktab, sub_info, p_buf, phat_buf, gp_buf, ghat_buf, dnum_buf,
-    dfq, H, R, V, M, C,
-    BT: tl.constexpr, BS: tl.constexpr, BR: tl.constexpr, BV: tl.constexpr,
-    BM: tl.constexpr, BMB: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
-):  # fmt: skip
+    fq: tl.tensor,
+    fk: tl.tensor,
+    v: tl.tensor,
+    do: tl.tensor,
+    states: tl.tensor,
+    phi: tl.tensor,
+    ktab: tl.tensor,
+    sub_info: tl.tensor,
+    p_buf: tl.tensor,
+    phat_buf: tl.tensor,
+    gp_buf: tl.tensor,
+    ghat_buf: tl.tensor,
+    dnum_buf: tl.tensor,
+    dfq: tl.tensor,
+    H: tl.tensor,
+    R: tl.tensor,
+    V: tl.tensor,
+    M: tl.tensor,
+    C: tl.tensor,
+    BT: tl.constexpr,
+    BS: tl.constexpr,
+    BR: tl.constexpr,
+    BV: tl.constexpr,
+    BM: tl.constexpr,
+    BMB: tl.constexpr,
+    ACC: tl.constexpr,
+    PREC: tl.constexpr,
+) -> None:
     """Backward through (I3) for the rows of one sub-chunk: recompute p, den, num;
     dnum = do / den, dden = -<do, o> / den, g(p_t) = Gamma_t dnum_t + e_0 dden_t,
     dfq_t = U_t^T g(p_t). Keeps p, Phi^T p, g(p), Phi^T g(p) and dnum for the adjoint pass."""
@@ -1490,10 +1897,26 @@ def _legs_bwd_modes(
 
 @triton.jit
 def _legs_reverse_state_pass(
-    fq, dnum, phat_buf, ghat_buf, phi, dstates, cu, chunk_offsets, H, R, V, M, C, NKB,
-    BT: tl.constexpr, BC: tl.constexpr, BM: tl.constexpr, ACC: tl.constexpr,
+    fq: tl.tensor,
+    dnum: tl.tensor,
+    phat_buf: tl.tensor,
+    ghat_buf: tl.tensor,
+    phi: tl.tensor,
+    dstates: tl.tensor,
+    cu: tl.tensor,
+    chunk_offsets: tl.tensor,
+    H: tl.tensor,
+    R: tl.tensor,
+    V: tl.tensor,
+    M: tl.tensor,
+    C: tl.tensor,
+    NKB: tl.tensor,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
+    BM: tl.constexpr,
+    ACC: tl.constexpr,
     PREC: tl.constexpr,
-):  # fmt: skip
+) -> None:
     """The adjoint state, chunk by chunk from the last: store D_k (the adjoint entering c_e
     from later tokens), then D_{k-1} = Phi_e^T D_k + sum_s (Phi_s^T q_s) zq_s^T with
     (q, zq) = (g(p), fq) on key channels and (p, dnum) on value channels."""
@@ -1537,10 +1960,28 @@ def _legs_reverse_state_pass(
 
 @triton.jit
 def _legs_bwd_inputs(
-    fq, dnum, p_buf, gp_buf, dstates, ktab, sub_info, dfk, dv, H, R, V, M, C,
-    BT: tl.constexpr, BS: tl.constexpr, BR: tl.constexpr, BV: tl.constexpr,
-    BM: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
-):  # fmt: skip
+    fq: tl.tensor,
+    dnum: tl.tensor,
+    p_buf: tl.tensor,
+    gp_buf: tl.tensor,
+    dstates: tl.tensor,
+    ktab: tl.tensor,
+    sub_info: tl.tensor,
+    dfk: tl.tensor,
+    dv: tl.tensor,
+    H: tl.tensor,
+    R: tl.tensor,
+    V: tl.tensor,
+    M: tl.tensor,
+    C: tl.tensor,
+    BT: tl.constexpr,
+    BS: tl.constexpr,
+    BR: tl.constexpr,
+    BV: tl.constexpr,
+    BM: tl.constexpr,
+    ACC: tl.constexpr,
+    PREC: tl.constexpr,
+) -> None:
     """dz_t = F_t^T gc_t for the rows of one sub-chunk: dfk from (g(p), fq, D^K) and dv from
     (p, dnum, D^V). Grid (sub-chunks, H)."""
     i_p, i_h = tl.program_id(0), tl.program_id(1)
@@ -1585,11 +2026,17 @@ class _LegsPlan(NamedTuple):
     NKB: int
     phi: torch.Tensor
     ktab: torch.Tensor
-    tiles: dict
-    state_tiles: dict
+    tiles: dict[str, Any]
+    state_tiles: dict[str, Any]
 
 
-def _legs_plan(fq, fk, v, M, cu_seqlens) -> _LegsPlan:
+def _legs_plan(
+    fq: torch.Tensor,
+    fk: torch.Tensor,
+    v: torch.Tensor,
+    M: int,
+    cu_seqlens: torch.Tensor | None,
+) -> _LegsPlan:
     _check_inputs(("fq", "fk", "v"), (fq, fk, v), (None, fq.shape[-1] if fq.ndim else 0, None))
     if isinstance(M, bool) or not isinstance(M, int) or M < 1:
         raise ValueError(f"M: expected a positive int, got {M!r}")
@@ -1611,7 +2058,7 @@ def _legs_plan(fq, fk, v, M, cu_seqlens) -> _LegsPlan:
     )  # fmt: skip
 
 
-def _legs_state_pass_launch(plan: _LegsPlan, fk, v):
+def _legs_state_pass_launch(plan: _LegsPlan, fk: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     lay = plan.layout
     states = torch.empty(lay.n_chunks, plan.H, plan.M, plan.C, dtype=plan.acc, device=fk.device)
     _legs_state_pass[plan.grid_states](
@@ -1706,10 +2153,28 @@ def legs_bwd(
 
 @triton.jit
 def _s4d_step(
-    fq, kt, vt, b, pw, gmat, state, new_state, o, H, R, V, CV, M, C,
-    BR: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr, TAB: tl.constexpr,
-    RATIO: tl.constexpr, ACC: tl.constexpr,
-):  # fmt: skip
+    fq: tl.tensor,
+    kt: tl.tensor,
+    vt: tl.tensor,
+    b: tl.tensor,
+    pw: tl.tensor,
+    gmat: tl.tensor,
+    state: tl.tensor,
+    new_state: tl.tensor,
+    o: tl.tensor,
+    H: tl.tensor,
+    R: tl.tensor,
+    V: tl.tensor,
+    CV: tl.tensor,
+    M: tl.tensor,
+    C: tl.tensor,
+    BR: tl.constexpr,
+    BV: tl.constexpr,
+    BM: tl.constexpr,
+    TAB: tl.constexpr,
+    RATIO: tl.constexpr,
+    ACC: tl.constexpr,
+) -> None:
     """One token of (I11)-(I13) for one (sequence, head): x <- Lambda x + b z,
     p = x^K fq, qe = G p, o = Re(qe^H x^V) (/ Re(qe^H x^1)). Grid (B * H,)."""
     i_bh = tl.program_id(0)
@@ -1820,10 +2285,25 @@ class LegsState(NamedTuple):
 
 @triton.jit
 def _legs_step(
-    fq, fk, v, E, F, state, new_state, o, R, V, M, C,
-    BR: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr, FIRST: tl.constexpr,
-    ACC: tl.constexpr, PREC: tl.constexpr,
-):  # fmt: skip
+    fq: tl.tensor,
+    fk: tl.tensor,
+    v: tl.tensor,
+    E: tl.tensor,
+    F: tl.tensor,
+    state: tl.tensor,
+    new_state: tl.tensor,
+    o: tl.tensor,
+    R: tl.tensor,
+    V: tl.tensor,
+    M: tl.tensor,
+    C: tl.tensor,
+    BR: tl.constexpr,
+    BV: tl.constexpr,
+    BM: tl.constexpr,
+    FIRST: tl.constexpr,
+    ACC: tl.constexpr,
+    PREC: tl.constexpr,
+) -> None:
     """One token of (I5) and (I3) for one (sequence, head): c <- E_n c + F_n f,
     p = U fq, o = Gamma^T p / p[0]. Grid (B * H,)."""
     i_bh = tl.program_id(0)
