@@ -27,26 +27,28 @@ REAL = (
 )
 
 
-def array(name: str, x, ndim: int, dtypes=REAL, meaning: str = "") -> jnp.ndarray:
+def array(
+    name: str, x: object, ndim: int, dtypes: tuple[jnp.dtype, ...] = REAL, meaning: str = ""
+) -> jax.Array:
     """``x`` as a JAX array of rank ``ndim`` and one of ``dtypes`` (NumPy input is accepted)."""
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise ValueError(f"{name}: expected an array, got {type(x).__name__}")
     if jnp.dtype(x.dtype) not in dtypes:
         names = ", ".join(str(d) for d in dtypes)
         raise ValueError(f"{name}: expected dtype {names}, got {x.dtype}")
-    if x.ndim != ndim:
+    if len(x.shape) != ndim:  # the rank, read from the attribute checked above
         what = f" {meaning}" if meaning else ""
         raise ValueError(f"{name}: expected {ndim} dimensions{what}, got shape {x.shape}")
     return jnp.asarray(x)
 
 
-def shape(name: str, x, expected: tuple[int, ...], meaning: str) -> None:
+def shape(name: str, x: jax.Array, expected: tuple[int, ...], meaning: str) -> None:
     """Require ``x.shape == expected``; ``meaning`` spells the layout for the message."""
     if tuple(x.shape) != tuple(expected):
         raise ValueError(f"{name}: expected shape {tuple(expected)} ({meaning}), got {x.shape}")
 
 
-def same_dtype(name: str, x, like, like_name: str) -> None:
+def same_dtype(name: str, x: jax.Array, like: jax.Array, like_name: str) -> None:
     if x.dtype != like.dtype:
         raise ValueError(f"{name}: expected dtype {like.dtype} (as {like_name}), got {x.dtype}")
 
@@ -56,7 +58,7 @@ def length(name: str, T: int) -> None:
         raise ValueError(f"{name}: expected a sequence of length T >= 1, got T = {T}")
 
 
-def scale(value, head_dim: int) -> float:
+def scale(value: float | None, head_dim: int) -> float:
     """The softmax scale as a Python float (static); default 1/sqrt(head_dim)."""
     if value is None:
         return 1.0 / math.sqrt(head_dim)
@@ -68,7 +70,7 @@ def scale(value, head_dim: int) -> float:
     return value
 
 
-def offsets(cu_seqlens, batch: int, T: int) -> tuple[int, ...] | None:
+def offsets(cu_seqlens: object, batch: int, T: int) -> tuple[int, ...] | None:
     """Static packed-sequence offsets (0, ..., T) as a tuple of ints; B must be 1."""
     if cu_seqlens is None:
         return None
@@ -92,12 +94,12 @@ def offsets(cu_seqlens, batch: int, T: int) -> tuple[int, ...] | None:
     return offs
 
 
-def concrete(x) -> bool:
+def concrete(x: object) -> bool:
     """True when ``x`` holds values (not a tracer inside jit, grad or vmap)."""
     return not isinstance(x, jax.core.Tracer)
 
 
-def check_values(name: str, x, *, nonpositive: bool = False) -> None:
+def check_values(name: str, x: jax.Array, *, nonpositive: bool = False) -> None:
     """ValueError when a concrete ``x`` holds NaN or Inf (or, with ``nonpositive``, a value > 0).
 
     Does nothing for tracers: see the module docstring.
