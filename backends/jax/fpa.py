@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import functools
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal, overload
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.typing import ArrayLike
+from jax.typing import ArrayLike, DTypeLike
 
 from . import blockwise, tiles
 from . import validation as check
@@ -55,18 +57,18 @@ def tile_size(block: int, T: int) -> int:
     return min(block, max(16, 1 << (T - 1).bit_length()))
 
 
-def compute_dtype(*arrays) -> jnp.dtype:
+def compute_dtype(*arrays: jax.Array) -> jnp.dtype:
     """float64 when any input is float64, else float32: accumulation is never narrower."""
     return jnp.result_type(jnp.float32, *(a.dtype for a in arrays))
 
 
-def _pad(x, Tp: int, axis: int):
+def _pad(x: jax.Array, Tp: int, axis: int) -> jax.Array:
     widths = [(0, 0)] * x.ndim
     widths[axis] = (0, Tp - x.shape[axis])
     return jnp.pad(x, widths)
 
 
-def _segments(cu_seqlens, Tp: int, bs: int):
+def _segments(cu_seqlens: tuple[int, ...] | None, Tp: int, bs: int) -> jax.Array | None:
     """Segment ids (nb, bs) of the packed sequences, padding in a segment of its own."""
     if cu_seqlens is None:
         return None
@@ -79,7 +81,15 @@ def _segments(cu_seqlens, Tp: int, bs: int):
 class _Blocked:
     """The inputs of one call padded to whole tiles and blocked (see ``blockwise``)."""
 
-    def __init__(self, cfg: AttentionConfig, q, k, v, scalars, backward: bool = False):
+    def __init__(
+        self,
+        cfg: AttentionConfig,
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        scalars: tuple[jax.Array, ...],
+        backward: bool = False,
+    ) -> None:
         Z, G, T, dk = q.shape
         self.shape = (Z, G, T)
         self.bs = bs = tile_size(cfg.block, T)
@@ -103,57 +113,70 @@ class _Blocked:
             self.pen = blockwise.Penalties(decay=tiles.decay_tiles(log_f, bs))
         self.seg = _segments(cfg.cu_seqlens, Tp, bs)
 
-    def rows(self, x, dtype=None):
+    def rows(self, x: jax.Array, dtype: DTypeLike | None = None) -> jax.Array:
         """(Z, G, T, ...) -> padded and blocked (Z, G, nb, bs, ...)."""
         Z, G, _ = self.shape
         return _pad(x.astype(dtype or self.ct), self.Tp, 2).reshape(
             Z, G, self.nb, self.bs, *x.shape[3:]
         )
 
-    def unblock(self, x, axis: int = 2):
+    def unblock(self, x: jax.Array, axis: int = 2) -> jax.Array:
         """Blocked (..., nb, bs, ...) at ``axis`` -> (..., T, ...), padding dropped."""
         x = x.reshape(*x.shape[:axis], self.Tp, *x.shape[axis + 2 :])
         return jax.lax.slice_in_dim(x, 0, self.shape[2], axis=axis)
 
 
-def _engine(cfg: AttentionConfig):
+def _forward(
+    cfg: AttentionConfig, q: jax.Array, k: jax.Array, v: jax.Array, scalars: tuple[jax.Array, ...]
+) -> tuple[jax.Array, jax.Array]:
+    x = _Blocked(cfg, q, k, v, scalars)
+    args = (cfg.kind, x.q, x.k, x.v, x.pen, x.seg, cfg.scale)
     if cfg.implementation == "pallas":
         from . import fpa_pallas
 
-        return fpa_pallas
-    return blockwise
-
-
-def _forward(cfg: AttentionConfig, q, k, v, scalars):
-    x = _Blocked(cfg, q, k, v, scalars)
-    o, lse = _engine(cfg).forward(
-        cfg.kind, x.q, x.k, x.v, x.pen, x.seg, cfg.scale, **_kernel_options(cfg)
-    )
+        o, lse = fpa_pallas.forward(*args, interpret=cfg.interpret)
+    else:
+        o, lse = blockwise.forward(*args)
     # lse keeps its padding (Z, G, Tp): the backward recomputes the padded rows from it.
     return x.unblock(o), lse.reshape(*x.shape[:2], x.Tp)
 
 
-def _kernel_options(cfg: AttentionConfig) -> dict:
-    return {"interpret": cfg.interpret} if cfg.implementation == "pallas" else {}
-
-
-def _field_cotangent(parts: blockwise.Partials, field: tiles.FieldTiles):
+def _field_cotangent(parts: blockwise.Partials, field: tiles.FieldTiles) -> jax.Array:
     """(G3) scatter every W_ij to the latest argmin of its segment: row sums to the argmin of
     [i0, i], column sums to the argmin of (j, j1], gap sums to the argmin of the gap, and the
     diagonal tiles entry by entry. Entries with no argmin (-1) carry zero and are clipped."""
     Z, G, nb, bs = parts.row.shape
-    positions = [field.prefix_arg, field.suffix_arg, parts.gap_args, field.diag_arg]
-    values = [parts.row, parts.col, parts.gap_sums, parts.diag_w]
-    pos = jnp.concatenate([jnp.maximum(p, 0).reshape(Z * G, -1) for p in positions], axis=1)
-    val = jnp.concatenate([w.reshape(Z * G, -1) for w in values], axis=1)
+    pieces = [
+        (field.prefix_arg, parts.row),
+        (field.suffix_arg, parts.col),
+        (parts.gap_args, parts.gap_sums),
+        (field.diag_arg, parts.diag_w),
+    ]
+    positions, values = [], []
+    for p, w in pieces:
+        assert p is not None and w is not None  # the fpa backward computes all of them
+        positions.append(jnp.maximum(p, 0).reshape(Z * G, -1))
+        values.append(w.reshape(Z * G, -1))
+    pos = jnp.concatenate(positions, axis=1)
+    val = jnp.concatenate(values, axis=1)
     heads = jnp.arange(Z * G)[:, None]
     return jnp.zeros((Z * G, nb * bs), val.dtype).at[heads, pos].add(val).reshape(Z, G, -1)
 
 
-def _backward(cfg: AttentionConfig, q, k, v, scalars, o, lse, do, dlse):
+def _backward(
+    cfg: AttentionConfig,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    scalars: tuple[jax.Array, ...],
+    o: jax.Array,
+    lse: jax.Array,
+    do: jax.Array,
+    dlse: jax.Array,
+) -> tuple[jax.Array, ...]:
     x = _Blocked(cfg, q, k, v, scalars, backward=True)
     delta = jnp.sum(do.astype(x.ct) * o, axis=-1) - dlse.astype(x.ct)  # (Z, G, T)
-    parts = _engine(cfg).backward(
+    args = (
         cfg.kind,
         x.q,
         x.k,
@@ -164,13 +187,19 @@ def _backward(cfg: AttentionConfig, q, k, v, scalars, o, lse, do, dlse):
         lse.reshape(*x.shape[:2], x.nb, x.bs),
         x.rows(do, x.q.dtype),
         x.rows(delta),
-        **_kernel_options(cfg),
     )
+    if cfg.implementation == "pallas":
+        from . import fpa_pallas
+
+        parts = fpa_pallas.backward(*args, interpret=cfg.interpret)
+    else:
+        parts = blockwise.backward(*args)
     dq = x.unblock(parts.dq).astype(q.dtype)
     dk = x.unblock(parts.dk, 1).astype(k.dtype)
     dv = x.unblock(parts.dv, 1).astype(v.dtype)
     if cfg.kind == "fpa":
-        dfield = _field_cotangent(parts, x.pen.field)[..., : x.shape[2]]
+        assert parts.col_w is not None  # the fpa backward sums W by column
+        dfield = _field_cotangent(parts, x.pen.fpa()[1])[..., : x.shape[2]]
         dlevel = -x.unblock(parts.col_w)  # (G2)
         field, level = scalars
         return dq, dk, dv, dfield.astype(field.dtype), dlevel.astype(level.dtype)
@@ -185,17 +214,35 @@ def _backward(cfg: AttentionConfig, q, k, v, scalars, o, lse, do, dlse):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _fpa_core(q, k, v, field, level, cfg):
+def _fpa_core(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    field: jax.Array,
+    level: jax.Array,
+    cfg: AttentionConfig,
+) -> tuple[jax.Array, jax.Array]:
     return _fpa_core_fwd(q, k, v, field, level, cfg)[0]
 
 
-def _fpa_core_fwd(q, k, v, field, level, cfg):
+def _fpa_core_fwd(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    field: jax.Array,
+    level: jax.Array,
+    cfg: AttentionConfig,
+) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, ...]]:
     o, lse = _forward(cfg, q, k, v, (field, level))
     residuals = (q, k, v, field, level, o, lse)
     return (o.astype(q.dtype), lse[..., : q.shape[2]]), residuals
 
 
-def _fpa_core_bwd(cfg, residuals, cotangents):
+def _fpa_core_bwd(
+    cfg: AttentionConfig,
+    residuals: tuple[jax.Array, ...],
+    cotangents: tuple[jax.Array, jax.Array],
+) -> tuple[jax.Array, ...]:
     q, k, v, field, level, o, lse = residuals
     do, dlse = cotangents
     return _backward(cfg, q, k, v, (field, level), o, lse, do, dlse)
@@ -205,16 +252,24 @@ _fpa_core.defvjp(_fpa_core_fwd, _fpa_core_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _fox_core(q, k, v, log_f, cfg):
+def _fox_core(
+    q: jax.Array, k: jax.Array, v: jax.Array, log_f: jax.Array, cfg: AttentionConfig
+) -> tuple[jax.Array, jax.Array]:
     return _fox_core_fwd(q, k, v, log_f, cfg)[0]
 
 
-def _fox_core_fwd(q, k, v, log_f, cfg):
+def _fox_core_fwd(
+    q: jax.Array, k: jax.Array, v: jax.Array, log_f: jax.Array, cfg: AttentionConfig
+) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, ...]]:
     o, lse = _forward(cfg, q, k, v, (log_f,))
     return (o.astype(q.dtype), lse[..., : q.shape[2]]), (q, k, v, log_f, o, lse)
 
 
-def _fox_core_bwd(cfg, residuals, cotangents):
+def _fox_core_bwd(
+    cfg: AttentionConfig,
+    residuals: tuple[jax.Array, ...],
+    cotangents: tuple[jax.Array, jax.Array],
+) -> tuple[jax.Array, ...]:
     q, k, v, log_f, o, lse = residuals
     do, dlse = cotangents
     return _backward(cfg, q, k, v, (log_f,), o, lse, do, dlse)
@@ -226,7 +281,9 @@ _fox_core.defvjp(_fox_core_fwd, _fox_core_bwd)
 # --------------------------------------------------------------------- public layout
 
 
-def _to_internal(q, k, v, scalars):
+def _to_internal(
+    q: jax.Array, k: jax.Array, v: jax.Array, scalars: tuple[jax.Array, ...]
+) -> tuple[jax.Array, jax.Array, jax.Array, tuple[jax.Array, ...]]:
     """[B, T, N, H] -> q (B*K, G, T, H), k and v (B*K, T, .), scalars (B*K, G, T)."""
     B, T, N, H = q.shape
     K = k.shape[2]
@@ -234,11 +291,11 @@ def _to_internal(q, k, v, scalars):
     q = q.transpose(0, 2, 1, 3).reshape(B * K, G, T, H)
     k = k.transpose(0, 2, 1, 3).reshape(B * K, T, H)
     v = v.transpose(0, 2, 1, 3).reshape(B * K, T, v.shape[-1])
-    scalars = [s.transpose(0, 2, 1).reshape(B * K, G, T) for s in scalars]
+    scalars = tuple(s.transpose(0, 2, 1).reshape(B * K, G, T) for s in scalars)
     return q, k, v, scalars
 
 
-def _from_internal(o, lse, B: int):
+def _from_internal(o: jax.Array, lse: jax.Array, B: int) -> tuple[jax.Array, jax.Array]:
     ZG = o.shape[0] * o.shape[1]
     T = o.shape[2]
     o = o.reshape(B, ZG // B, T, o.shape[-1]).transpose(0, 2, 1, 3)
@@ -247,20 +304,29 @@ def _from_internal(o, lse, B: int):
 
 
 @functools.partial(jax.jit, static_argnums=(5,))
-def _fpa_public(q, k, v, field, level, cfg):
+def _fpa_public(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    field: jax.Array,
+    level: jax.Array,
+    cfg: AttentionConfig,
+) -> tuple[jax.Array, jax.Array]:
     qi, ki, vi, (f, lev) = _to_internal(q, k, v, (field, level))
     o, lse = _fpa_core(qi, ki, vi, f, lev, cfg)
     return _from_internal(o, lse, q.shape[0])
 
 
 @functools.partial(jax.jit, static_argnums=(4,))
-def _fox_public(q, k, v, log_f, cfg):
+def _fox_public(
+    q: jax.Array, k: jax.Array, v: jax.Array, log_f: jax.Array, cfg: AttentionConfig
+) -> tuple[jax.Array, jax.Array]:
     qi, ki, vi, (lf,) = _to_internal(q, k, v, (log_f,))
     o, lse = _fox_core(qi, ki, vi, lf, cfg)
     return _from_internal(o, lse, q.shape[0])
 
 
-def _check_qkv(q, k, v):
+def _check_qkv(q: ArrayLike, k: ArrayLike, v: ArrayLike) -> tuple[jax.Array, jax.Array, jax.Array]:
     q = check.array("q", q, 4, meaning="[B, T, N, H]")
     B, T, N, H = q.shape
     check.length("q", T)
@@ -279,7 +345,9 @@ def _check_qkv(q, k, v):
     return q, k, v
 
 
-def _check_scalar(name: str, x, q, validate: bool, nonpositive: bool = False):
+def _check_scalar(
+    name: str, x: ArrayLike, q: jax.Array, validate: bool, nonpositive: bool = False
+) -> jax.Array:
     x = check.array(name, x, 3, dtypes=check.WIDE, meaning="[B, T, N]")
     check.shape(name, x, q.shape[:3], "[B, T, N]: B, T and N of q")
     if validate:
@@ -287,7 +355,15 @@ def _check_scalar(name: str, x, q, validate: bool, nonpositive: bool = False):
     return x
 
 
-def _config(kind, q, scale, cu_seqlens, implementation, block_size, interpret):
+def _config(
+    kind: str,
+    q: jax.Array,
+    scale: float | None,
+    cu_seqlens: Sequence[int] | None,
+    implementation: str | None,
+    block_size: int | None,
+    interpret: bool | None,
+) -> AttentionConfig:
     if implementation is None:
         implementation = "pallas" if jax.default_backend() == "gpu" else "xla"
     if implementation not in IMPLEMENTATIONS:
@@ -309,6 +385,42 @@ def _config(kind, q, scale, cu_seqlens, implementation, block_size, interpret):
     )
 
 
+@overload
+def fpa_attention(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    field: ArrayLike,
+    level: ArrayLike,
+    *,
+    scale: float | None = ...,
+    cu_seqlens: Sequence[int] | None = ...,
+    return_lse: Literal[False] = ...,
+    implementation: str | None = ...,
+    block_size: int | None = ...,
+    interpret: bool | None = ...,
+    validate: bool = ...,
+) -> jax.Array: ...
+
+
+@overload
+def fpa_attention(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    field: ArrayLike,
+    level: ArrayLike,
+    *,
+    scale: float | None = ...,
+    cu_seqlens: Sequence[int] | None = ...,
+    return_lse: Literal[True],
+    implementation: str | None = ...,
+    block_size: int | None = ...,
+    interpret: bool | None = ...,
+    validate: bool = ...,
+) -> tuple[jax.Array, jax.Array]: ...
+
+
 def fpa_attention(
     q: ArrayLike,
     k: ArrayLike,
@@ -317,7 +429,7 @@ def fpa_attention(
     level: ArrayLike,
     *,
     scale: float | None = None,
-    cu_seqlens=None,
+    cu_seqlens: Sequence[int] | None = None,
     return_lse: bool = False,
     implementation: str | None = "xla",
     block_size: int | None = None,
@@ -352,6 +464,40 @@ def fpa_attention(
     return (o, lse) if return_lse else o
 
 
+@overload
+def fox_attention(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    log_f: ArrayLike,
+    *,
+    scale: float | None = ...,
+    cu_seqlens: Sequence[int] | None = ...,
+    return_lse: Literal[False] = ...,
+    implementation: str | None = ...,
+    block_size: int | None = ...,
+    interpret: bool | None = ...,
+    validate: bool = ...,
+) -> jax.Array: ...
+
+
+@overload
+def fox_attention(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    log_f: ArrayLike,
+    *,
+    scale: float | None = ...,
+    cu_seqlens: Sequence[int] | None = ...,
+    return_lse: Literal[True],
+    implementation: str | None = ...,
+    block_size: int | None = ...,
+    interpret: bool | None = ...,
+    validate: bool = ...,
+) -> tuple[jax.Array, jax.Array]: ...
+
+
 def fox_attention(
     q: ArrayLike,
     k: ArrayLike,
@@ -359,7 +505,7 @@ def fox_attention(
     log_f: ArrayLike,
     *,
     scale: float | None = None,
-    cu_seqlens=None,
+    cu_seqlens: Sequence[int] | None = None,
     return_lse: bool = False,
     implementation: str | None = "xla",
     block_size: int | None = None,

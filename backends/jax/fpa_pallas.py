@@ -23,6 +23,7 @@ Pallas, so a Mosaic GPU port replaces this file and nothing else. On CPU the ker
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -33,27 +34,35 @@ from . import tiles
 from .blockwise import Partials, Penalties
 
 HIGHEST = lax.Precision.HIGHEST
+# A BlockSpec's index map: grid indices (z, g, n) -> the block's index along each axis.
+_IndexMap = Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array | int, ...]]
+# The carries of the kernels' loops over tiles.
+_Online = tuple[jax.Array, jax.Array, jax.Array, jax.Array]  # online softmax: m, l, acc, gap
+_DqCarry = tuple[  # dq, row, gap_sums, gap_args, gap, gap_arg (fox: gap pieces unchanged)
+    jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array
+]
+_DkvCarry = tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]  # dk, dv, col, col_w, gap
 
 
 def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def _pad_last(x, width: int):
+def _pad_last(x: jax.Array, width: int) -> jax.Array:
     return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])])
 
 
-def _dot(a, b):
+def _dot(a: jax.Array, b: jax.Array) -> jax.Array:
     """a (m, k) @ b (n, k)^T, written as the transposed-operand matmul Triton lowers."""
     return jnp.dot(a, b.T, precision=HIGHEST)
 
 
-def _dot_tn(a, b):
+def _dot_tn(a: jax.Array, b: jax.Array) -> jax.Array:
     """a (m, n)^T @ b (m, k)."""
     return jnp.dot(a.T, b, precision=HIGHEST)
 
 
-def _last(x):
+def _last(x: jax.Array) -> jax.Array:
     """The last entry of a 1-D block, without dynamic indexing."""
     return jnp.sum(jnp.where(jnp.arange(x.shape[0]) == x.shape[0] - 1, x, 0), dtype=x.dtype)
 
@@ -61,65 +70,84 @@ def _last(x):
 class _Layout:
     """The arrays a kernel reads, flattened to (Z, G, Tp) / (Z, Tp, d), with their BlockSpecs."""
 
-    def __init__(self, bs: int, Tp: int):
+    def __init__(self, bs: int, Tp: int) -> None:
         self.bs, self.Tp = bs, Tp
         self.names: list[str] = []
-        self.arrays: list = []
-        self.specs: list = []
+        self.arrays: list[jax.Array] = []
+        self.specs: list[pl.BlockSpec] = []
 
-    def row_block(self, name, x):  # (Z, G, Tp[, d]) read one block of rows
+    def row_block(self, name: str, x: jax.Array) -> None:  # (Z, G, Tp[, d]) read one block of rows
         self._add(
             name, x, (None, None, self.bs, *x.shape[3:]), lambda z, g, n: (z, g, n, 0)[: x.ndim]
         )
 
-    def full_head(self, name, x):  # (Z, G, Tp[, d]) read whole
+    def full_head(self, name: str, x: jax.Array) -> None:  # (Z, G, Tp[, d]) read whole
         self._add(name, x, (None, None, *x.shape[2:]), lambda z, g, n: (z, g, 0, 0)[: x.ndim])
 
-    def full_kv(self, name, x):  # (Z, Tp, d) shared by the query heads of a group
+    def full_kv(
+        self, name: str, x: jax.Array
+    ) -> None:  # (Z, Tp, d) shared by the query heads of a group
         self._add(name, x, (None, *x.shape[1:]), lambda z, g, n: (z, 0, 0))
 
-    def tile(self, name, x):  # (Z, G, nb, bs, bs) the diagonal tile of block n
+    def tile(
+        self, name: str, x: jax.Array
+    ) -> None:  # (Z, G, nb, bs, bs) the diagonal tile of block n
         self._add(name, x, (None, None, None, self.bs, self.bs), lambda z, g, n: (z, g, n, 0, 0))
 
-    def whole(self, name, x):  # (Tp,) segment ids
+    def whole(self, name: str, x: jax.Array) -> None:  # (Tp,) segment ids
         self._add(name, x, x.shape, lambda z, g, n: (0,))
 
-    def _add(self, name, x, block, index):
+    def _add(
+        self, name: str, x: jax.Array, block: tuple[int | None, ...], index: _IndexMap
+    ) -> None:
         self.names.append(name)
         self.arrays.append(x)
         self.specs.append(pl.BlockSpec(block, index))
 
 
-def _flat(x):
+def _flat(x: jax.Array) -> jax.Array:
     """(Z, G, nb, bs, ...) -> (Z, G, Tp, ...)."""
     return x.reshape(*x.shape[:2], x.shape[2] * x.shape[3], *x.shape[4:])
 
 
-def _penalty_arrays(layout: _Layout, kind: str, pen: Penalties, backward: bool, rows_whole: bool):
+def _penalty_arrays(
+    layout: _Layout, kind: str, pen: Penalties, backward: bool, rows_whole: bool
+) -> None:
     """Register the per-position penalty pieces: the query side as a row block (or whole for
     the dkv kernel), the key side whole, the diagonal tile."""
     rows = layout.full_head if rows_whole else layout.row_block
     if kind == "fpa":
-        rows("prefix_min", _flat(pen.field.prefix_min))
-        layout.full_head("suffix_min", _flat(pen.field.suffix_min))
-        layout.full_head("level", _flat(pen.level))
-        layout.full_head("block_min_src", _flat(pen.field.prefix_min))
+        level, field = pen.fpa()
+        rows("prefix_min", _flat(field.prefix_min))
+        layout.full_head("suffix_min", _flat(field.suffix_min))
+        layout.full_head("level", _flat(level))
+        layout.full_head("block_min_src", _flat(field.prefix_min))
         if backward:
-            layout.full_head("block_arg_src", _flat(pen.field.prefix_arg))
-        layout.tile("diag_min", pen.field.diag_min)
+            assert field.prefix_arg is not None  # the backward's tiles carry argmins
+            layout.full_head("block_arg_src", _flat(field.prefix_arg))
+        layout.tile("diag_min", field.diag_min)
     else:
-        rows("prefix_sum", _flat(pen.decay.prefix_sum))
-        layout.full_head("suffix_sum", _flat(pen.decay.suffix_sum))
-        layout.full_head("prefix_sum_all", _flat(pen.decay.prefix_sum))
-        layout.tile("diag_sum", pen.decay.diag_sum)
+        decay = pen.fox()
+        rows("prefix_sum", _flat(decay.prefix_sum))
+        layout.full_head("suffix_sum", _flat(decay.suffix_sum))
+        layout.full_head("prefix_sum_all", _flat(decay.prefix_sum))
+        layout.tile("diag_sum", decay.diag_sum)
 
 
-def _call(kernel, layout: _Layout, grid, out_shape, out_specs, interpret: bool, name: str):
-    params = {}
+def _call(
+    kernel: Callable[..., None],
+    layout: _Layout,
+    grid: tuple[int, ...],
+    out_shape: list[jax.ShapeDtypeStruct],
+    out_specs: list[pl.BlockSpec],
+    interpret: bool,
+    name: str,
+) -> list[jax.Array]:
+    compiler_params = None
     if not interpret:  # the Triton lowering, kept out of the CPU path
         from jax.experimental.pallas import triton as plgpu
 
-        params["compiler_params"] = plgpu.CompilerParams(num_warps=4, num_stages=2)
+        compiler_params = plgpu.CompilerParams(num_warps=4, num_stages=2)
     return pl.pallas_call(
         functools.partial(kernel, names=tuple(layout.names)),
         grid=grid,
@@ -128,7 +156,7 @@ def _call(kernel, layout: _Layout, grid, out_shape, out_specs, interpret: bool, 
         out_shape=out_shape,
         interpret=interpret,
         name=name,
-        **params,
+        compiler_params=compiler_params,
     )(*layout.arrays)
 
 
@@ -138,24 +166,26 @@ def _call(kernel, layout: _Layout, grid, out_shape, out_specs, interpret: bool, 
 class _Refs:
     """Named access to a kernel's input refs, cast to the compute dtype on load."""
 
-    def __init__(self, names, refs, ct, bs):
+    def __init__(
+        self, names: tuple[str, ...], refs: Sequence[jax.Ref], ct: jnp.dtype, bs: int
+    ) -> None:
         self.refs = dict(zip(names, refs, strict=False))
         self.ct, self.bs = ct, bs
 
-    def has(self, name):
+    def has(self, name: str) -> bool:
         return name in self.refs
 
-    def block(self, name, n, cast=True):
+    def block(self, name: str, n: jax.Array, cast: bool = True) -> jax.Array:
         """Block n of a whole-sequence ref (rows of a head, or keys of a kv head)."""
         x = self.refs[name][pl.ds(n * self.bs, self.bs), ...]
         return x.astype(self.ct) if cast else x
 
-    def all(self, name, cast=True):
+    def all(self, name: str, cast: bool = True) -> jax.Array:
         x = self.refs[name][...]
         return x.astype(self.ct) if cast else x
 
 
-def _segment_mask(r: _Refs, i, j):
+def _segment_mask(r: _Refs, i: jax.Array, j: jax.Array) -> jax.Array | None:
     if not r.has("seg"):
         return None
     seg = r.refs["seg"]
@@ -164,7 +194,7 @@ def _segment_mask(r: _Refs, i, j):
     return rows[:, None] == cols[None, :]
 
 
-def _diag_penalty(kind, r: _Refs, n):
+def _diag_penalty(kind: str, r: _Refs, n: jax.Array) -> tuple[jax.Array, jax.Array | None]:
     """Penalty (and the segment minimum m for fpa) of the diagonal tile of block n."""
     if kind == "fpa":
         m = r.all("diag_min")
@@ -172,7 +202,9 @@ def _diag_penalty(kind, r: _Refs, n):
     return tiles.diagonal_penalty("fox", r.all("diag_sum")), None
 
 
-def _offdiag_penalty(kind, r: _Refs, rows_prefix, j, gap):
+def _offdiag_penalty(
+    kind: str, r: _Refs, rows_prefix: jax.Array, j: jax.Array, gap: jax.Array
+) -> tuple[jax.Array, jax.Array | None]:
     if kind == "fpa":
         m = tiles.offdiagonal_min(rows_prefix, r.block("suffix_min", j), gap)
         return jnp.maximum(0.0, r.block("level", j)[None, :] - m), m  # (F2)
@@ -180,26 +212,28 @@ def _offdiag_penalty(kind, r: _Refs, rows_prefix, j, gap):
     return tiles.offdiagonal_penalty("fox", rows_prefix, cols, gap), None
 
 
-def _gap_stat(kind, r: _Refs, n):
+def _gap_stat(kind: str, r: _Refs, n: jax.Array) -> jax.Array:
     """Block n's minimum (fpa) or decay sum (fox), the quantity the gap accumulates."""
     if kind == "fpa":
         return jnp.min(r.block("block_min_src", n))
     return _last(r.block("prefix_sum_all", n))
 
 
-def _causal(bs, seg_mask):
+def _causal(bs: int, seg_mask: jax.Array | None) -> jax.Array:
     below = jnp.arange(bs)[None, :] <= jnp.arange(bs)[:, None]
     return below if seg_mask is None else below & seg_mask
 
 
-def _masked(logits, mask):
+def _masked(logits: jax.Array, mask: jax.Array | None) -> jax.Array:
     return logits if mask is None else jnp.where(mask, logits, -jnp.inf)
 
 
 # ------------------------------------------------------------------------------ forward
 
 
-def _forward_kernel(*refs, names, kind, scale, bs, ct):
+def _forward_kernel(
+    *refs: jax.Ref, names: tuple[str, ...], kind: str, scale: float, bs: int, ct: jnp.dtype
+) -> None:
     o_ref, lse_ref = refs[-2:]
     r = _Refs(names, refs[:-2], ct, bs)
     i = pl.program_id(2)
@@ -213,7 +247,7 @@ def _forward_kernel(*refs, names, kind, scale, bs, ct):
     l = jnp.sum(p, axis=1)
     acc = jnp.dot(p, r.block("v", i), precision=HIGHEST)
 
-    def key_block(t, carry):
+    def key_block(t: jax.Array, carry: _Online) -> _Online:
         m, l, acc, gap = carry
         j = i - 1 - t  # from the diagonal outward
         penalty, _ = _offdiag_penalty(kind, r, prefix, j, gap)
@@ -231,7 +265,9 @@ def _forward_kernel(*refs, names, kind, scale, bs, ct):
     lse_ref[...] = (m + jnp.log(l)).astype(lse_ref.dtype)  # (F4)
 
 
-def _prepare(q, k, v, seg, dims):
+def _prepare(
+    q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array | None, dims: tuple[int, int]
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
     """Flatten blocked q, k, v to (.., Tp, d) with head dims padded to powers of two."""
     dk, dv = dims
     q = _pad_last(_flat(q), dk)
@@ -241,7 +277,17 @@ def _prepare(q, k, v, seg, dims):
     return q, k, v, seg
 
 
-def forward(kind: str, q, k, v, pen: Penalties, seg, scale: float, *, interpret: bool):
+def forward(
+    kind: str,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    pen: Penalties,
+    seg: jax.Array | None,
+    scale: float,
+    *,
+    interpret: bool,
+) -> tuple[jax.Array, jax.Array]:
     """Same contract as ``blockwise.forward``: o (Z, G, nb, bs, dv), lse (Z, G, nb, bs)."""
     Z, G, nb, bs, dk = q.shape
     dv = v.shape[-1]
@@ -275,15 +321,25 @@ def forward(kind: str, q, k, v, pen: Penalties, seg, scale: float, *, interpret:
     return o[..., :dv].reshape(Z, G, nb, bs, dv), lse.reshape(Z, G, nb, bs)
 
 
-def tiles_dtype(pen: Penalties):
+def tiles_dtype(pen: Penalties) -> jnp.dtype:
     """The compute dtype: that of the penalty pieces (float32, or float64)."""
-    return (pen.level if pen.level is not None else pen.decay.prefix_sum).dtype
+    if pen.level is not None:
+        return pen.level.dtype
+    return pen.fox().prefix_sum.dtype
 
 
 # ------------------------------------------------------------------------------ backward
 
 
-def _tile_grads(r: _Refs, q, do, lse, delta, j, logits_fn):
+def _tile_grads(
+    r: _Refs,
+    q: jax.Array,
+    do: jax.Array,
+    lse: jax.Array,
+    delta: jax.Array,
+    j: jax.Array,
+    logits_fn: Callable[[jax.Array], jax.Array],
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """p, G and the dq contribution of key block j; logits_fn(k_j) gives the masked logits."""
     k_j = r.block("k", j)
     logits = logits_fn(k_j)
@@ -293,7 +349,15 @@ def _tile_grads(r: _Refs, q, do, lse, delta, j, logits_fn):
     return p, g, jnp.dot(g, k_j, precision=HIGHEST)
 
 
-def _dq_kernel(*refs, names, kind, scale, bs, nbp, ct):
+def _dq_kernel(
+    *refs: jax.Ref,
+    names: tuple[str, ...],
+    kind: str,
+    scale: float,
+    bs: int,
+    nbp: int,
+    ct: jnp.dtype,
+) -> None:
     if kind == "fpa":
         dq_ref, row_ref, gap_sum_ref, gap_arg_ref, diag_w_ref = refs[-5:]
         r = _Refs(names, refs[:-5], ct, bs)
@@ -309,6 +373,7 @@ def _dq_kernel(*refs, names, kind, scale, bs, nbp, ct):
         r, q, do, lse, delta, i, lambda k_j: _masked(scale * _dot(q, k_j) - penalty, mask)
     )
     if kind == "fpa":
+        assert m is not None  # fpa tiles carry their segment minimum
         below = jnp.arange(bs)[None, :] < jnp.arange(bs)[:, None]
         w = jnp.where((r.block("level", i)[None, :] >= m) & below, g, 0.0)  # active_ij, j < i
         diag_w_ref[...] = w.astype(diag_w_ref.dtype)
@@ -317,7 +382,7 @@ def _dq_kernel(*refs, names, kind, scale, bs, nbp, ct):
         row = jnp.sum(g, axis=1)
     lanes = jnp.arange(nbp)
 
-    def key_block(t, carry):
+    def key_block(t: jax.Array, carry: _DqCarry) -> _DqCarry:
         dq, row, gap_sums, gap_args, gap, gap_arg = carry
         j = i - 1 - t
         penalty, m = _offdiag_penalty(kind, r, prefix, j, gap)
@@ -327,6 +392,7 @@ def _dq_kernel(*refs, names, kind, scale, bs, nbp, ct):
         )
         dq = dq + dq_j
         if kind == "fpa":
+            assert m is not None
             w = jnp.where(r.block("level", j)[None, :] >= m, g, 0.0)  # (G2) active
             in_b, in_gap = tiles.offdiagonal_regions(prefix, r.block("suffix_min", j), gap)
             row = row + jnp.sum(jnp.where(in_b, w, 0.0), axis=1)  # (G3) argmin in B
@@ -359,7 +425,15 @@ def _dq_kernel(*refs, names, kind, scale, bs, nbp, ct):
         gap_arg_ref[...] = gap_args
 
 
-def _dkv_kernel(*refs, names, kind, scale, bs, nb, ct):
+def _dkv_kernel(
+    *refs: jax.Ref,
+    names: tuple[str, ...],
+    kind: str,
+    scale: float,
+    bs: int,
+    nb: int,
+    ct: jnp.dtype,
+) -> None:
     if kind == "fpa":
         dk_ref, dv_ref, col_ref, col_w_ref = refs[-4:]
         r = _Refs(names, refs[:-4], ct, bs)
@@ -370,7 +444,9 @@ def _dkv_kernel(*refs, names, kind, scale, bs, nb, ct):
     k, v = r.block("k", j), r.block("v", j)
     prefix_name = "prefix_min" if kind == "fpa" else "prefix_sum"
 
-    def tile(i, penalty, mask):
+    def tile(
+        i: jax.Array, penalty: jax.Array, mask: jax.Array | None
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
         q, do = r.block("q", i), r.block("do", i)
         logits = _masked(scale * _dot(q, k) - penalty, mask)
         p = jnp.exp(logits - r.block("lse", i)[:, None])  # (F4)
@@ -380,18 +456,20 @@ def _dkv_kernel(*refs, names, kind, scale, bs, nb, ct):
     penalty, m = _diag_penalty(kind, r, j)
     g, dk, dv = tile(j, penalty, _causal(bs, _segment_mask(r, j, j)))
     if kind == "fpa":
+        assert m is not None  # fpa tiles carry their segment minimum
         below = jnp.arange(bs)[None, :] < jnp.arange(bs)[:, None]
         w = jnp.where((r.block("level", j)[None, :] >= m) & below, g, 0.0)
         col_w, col = jnp.sum(w, axis=0), jnp.zeros((bs,), ct)
     else:
-        col_w, col = None, jnp.sum(g, axis=0)
+        col_w, col = jnp.zeros((bs,), ct), jnp.sum(g, axis=0)  # fox: col_w carried, unused
 
-    def query_block(i, carry):
+    def query_block(i: jax.Array, carry: _DkvCarry) -> _DkvCarry:
         dk, dv, col, col_w, gap = carry
         rows = r.block(prefix_name, i)
         penalty, m = _offdiag_penalty(kind, r, rows, j, gap)
         g, dk_i, dv_i = tile(i, penalty, _segment_mask(r, i, j))
         if kind == "fpa":
+            assert m is not None
             w = jnp.where(r.block("level", j)[None, :] >= m, g, 0.0)  # (G2) active
             col_w = col_w + jnp.sum(w, axis=0)
             in_b, in_gap = tiles.offdiagonal_regions(rows, r.block("suffix_min", j), gap)
@@ -402,7 +480,7 @@ def _dkv_kernel(*refs, names, kind, scale, bs, nb, ct):
         return dk + dk_i, dv + dv_i, col, col_w, gap
 
     gap = tiles.empty_gap(kind, jnp.zeros((), ct))
-    carry = (dk, dv, col, col_w if kind == "fpa" else jnp.zeros((bs,), ct), gap)
+    carry = (dk, dv, col, col_w, gap)
     dk, dv, col, col_w, _ = lax.fori_loop(j + 1, nb, query_block, carry)
     dk_ref[...] = (scale * dk).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
@@ -412,7 +490,18 @@ def _dkv_kernel(*refs, names, kind, scale, bs, nb, ct):
 
 
 def backward(
-    kind: str, q, k, v, pen: Penalties, seg, scale: float, lse, do, delta, *, interpret: bool
+    kind: str,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    pen: Penalties,
+    seg: jax.Array | None,
+    scale: float,
+    lse: jax.Array,
+    do: jax.Array,
+    delta: jax.Array,
+    *,
+    interpret: bool,
 ) -> Partials:
     """Same contract as ``blockwise.backward``."""
     Z, G, nb, bs, dk = q.shape
