@@ -20,7 +20,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.typing import ArrayLike
+from jax.typing import ArrayLike, DTypeLike
 
 from . import validation as check
 from .fpa import _check_qkv, _check_scalar, compute_dtype
@@ -34,23 +34,23 @@ class FPACache(NamedTuple):
     steps int32 tokens consumed; overflowed [B, N] bool.
     """
 
-    keys: jnp.ndarray
-    values: jnp.ndarray
-    levels: jnp.ndarray
-    mins: jnp.ndarray
-    live: jnp.ndarray
-    peak: jnp.ndarray
-    steps: jnp.ndarray
-    overflowed: jnp.ndarray
+    keys: jax.Array
+    values: jax.Array
+    levels: jax.Array
+    mins: jax.Array
+    live: jax.Array
+    peak: jax.Array
+    steps: jax.Array
+    overflowed: jax.Array
 
     @property
-    def kept_fraction(self) -> jnp.ndarray:
+    def kept_fraction(self) -> jax.Array:
         """Peak live slots over the tokens seen, per head [B, N] (1.0 without eviction)."""
         return self.peak / jnp.maximum(self.steps, 1)
 
 
 def fpa_cache(
-    batch: int, heads: int, capacity: int, H: int, Hv: int, *, dtype=jnp.float32
+    batch: int, heads: int, capacity: int, H: int, Hv: int, *, dtype: DTypeLike = jnp.float32
 ) -> FPACache:
     """An empty cache of ``capacity`` slots per query head; ``dtype`` float32 or float64 (the
     compute dtype: half-precision keys are stored widened). Memory O(B N S (H + Hv))."""
@@ -73,7 +73,16 @@ def fpa_cache(
     )
 
 
-def _step(cache: FPACache, q, k, v, field, level, theta, scale):
+def _step(
+    cache: FPACache,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    field: jax.Array,
+    level: jax.Array,
+    theta: ArrayLike,
+    scale: float,
+) -> tuple[jax.Array, FPACache]:
     """One token; q [B, N, H], k [B, N, H], v [B, N, Hv], field, level [B, N], theta scalar."""
     ct = cache.keys.dtype
     field, level = field.astype(ct), level.astype(ct)
@@ -85,7 +94,7 @@ def _step(cache: FPACache, q, k, v, field, level, theta, scale):
     slot = jnp.argmax(free, axis=-1)  # the first free slot
     put = (jnp.arange(live.shape[-1]) == slot[..., None]) & has_free[..., None]  # (B, N, S)
 
-    def write(store, new):
+    def write(store: jax.Array, new: ArrayLike) -> jax.Array:
         return jnp.where(put.reshape(*put.shape, *([1] * (store.ndim - 3))), new, store)
 
     cache = FPACache(
@@ -107,13 +116,22 @@ def _step(cache: FPACache, q, k, v, field, level, theta, scale):
     return o, cache._replace(peak=jnp.maximum(cache.peak, size))
 
 
-def _expand_kv(x, heads: int):
+def _expand_kv(x: jax.Array, heads: int) -> jax.Array:
     """[B, K, .] -> [B, N, .]: query head n reads kv head n // (N / K)."""
     return jnp.repeat(x, heads // x.shape[1], axis=1)
 
 
 @functools.partial(jax.jit, static_argnums=(7,))
-def _decode_step(cache, q, k, v, field, level, theta, scale):
+def _decode_step(
+    cache: FPACache,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    field: jax.Array,
+    level: jax.Array,
+    theta: ArrayLike,
+    scale: float,
+) -> tuple[jax.Array, FPACache]:
     N = q.shape[1]
     return _step(cache, q, _expand_kv(k, N), _expand_kv(v, N), field, level, theta, scale)
 
@@ -160,19 +178,35 @@ def fpa_decode_step(
 
 
 @functools.partial(jax.jit, static_argnums=(6, 7))
-def _decode_all(q, k, v, field, level, theta, scale, capacity):
+def _decode_all(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    field: jax.Array,
+    level: jax.Array,
+    theta: ArrayLike,
+    scale: float,
+    capacity: int,
+) -> tuple[jax.Array, FPACache]:
     B, _, N, H = q.shape
     ct = compute_dtype(q, field, level)
     cache = fpa_cache(B, N, capacity, H, v.shape[-1], dtype=ct)
     k, v = _expand_kv(k.swapaxes(1, 2), N), _expand_kv(v.swapaxes(1, 2), N)  # [B, N, T, .]
 
-    def token(cache, inputs):
+    def token(
+        cache: FPACache, inputs: tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]
+    ) -> tuple[FPACache, jax.Array]:
         qt, kt, vt, ft, lt = inputs
         o, cache = _step(cache, qt, kt, vt, ft, lt, theta, scale)
         return cache, o
 
-    steps = (q.swapaxes(0, 1), k.transpose(2, 0, 1, 3), v.transpose(2, 0, 1, 3))
-    steps += (field.swapaxes(0, 1), level.swapaxes(0, 1))
+    steps = (
+        q.swapaxes(0, 1),
+        k.transpose(2, 0, 1, 3),
+        v.transpose(2, 0, 1, 3),
+        field.swapaxes(0, 1),
+        level.swapaxes(0, 1),
+    )
     cache, o = lax.scan(token, cache, steps)
     return o.swapaxes(0, 1).astype(q.dtype), cache
 
@@ -201,7 +235,8 @@ def fpa_decode(
     q, k, v = _check_qkv(q, k, v)
     field = _check_scalar("field", field, q, True)
     level = _check_scalar("level", level, q, True)
-    if check.concrete(theta) and not float(theta) > 0:
+    # complex has no float(): refused here, with the argument named
+    if check.concrete(theta) and (isinstance(theta, complex) or not float(theta) > 0):
         raise ValueError(f"theta: expected a positive threshold (or inf), got {theta!r}")
     capacity = q.shape[1] if capacity is None else capacity
     if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:

@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import functools
 import itertools
-from typing import NamedTuple
+from collections.abc import Sequence
+from typing import NamedTuple, TypedDict
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.typing import ArrayLike
+from jax.typing import ArrayLike, DTypeLike
+from numpy.typing import NDArray
 
 from attnspec.reference import hippo
 
@@ -40,25 +42,34 @@ def chunk_size(chunk: int, T: int) -> int:
     return min(chunk, max(8, 1 << (T - 1).bit_length()))
 
 
-def _pad_time(x, Tp: int, axis: int = 2):
+def _pad_time(x: jax.Array, Tp: int, axis: int = 2) -> jax.Array:
     widths = [(0, 0)] * x.ndim
     widths[axis] = (0, Tp - x.shape[axis])
     return jnp.pad(x, widths)
 
 
-def _chunks(x, L: int):
+def _chunks(x: jax.Array, L: int) -> jax.Array:
     """(B, N, Tp, d) -> (B, N, nc, L, d)."""
     return x.reshape(*x.shape[:2], x.shape[2] // L, L, *x.shape[3:])
 
 
-def _einsum(spec, *args):
+def _einsum(spec: str, *args: jax.Array) -> jax.Array:
     return jnp.einsum(spec, *args, precision=HIGHEST)
 
 
 # ------------------------------------------------------------------------------ S4D
 
 
-def _segment_gates(cu_seqlens, Tp: int, L: int):
+class _SegmentGates(TypedDict):
+    """Static masks of packed sequences for the chunked recurrence (see ``_segment_gates``)."""
+
+    same: jax.Array
+    carry_in: jax.Array
+    carry_out: jax.Array
+    tail: jax.Array
+
+
+def _segment_gates(cu_seqlens: tuple[int, ...] | None, Tp: int, L: int) -> _SegmentGates | None:
     """Static masks of packed sequences for the chunked recurrence (None without packing).
 
     same (nc, L, L): token q may reach token p inside the chunk; carry_in (nc, L): the state
@@ -67,21 +78,30 @@ def _segment_gates(cu_seqlens, Tp: int, L: int):
     """
     if cu_seqlens is None:
         return None
-    seg = np.full(Tp, len(cu_seqlens), dtype=np.int64)
+    ids = np.full(Tp, len(cu_seqlens), dtype=np.int64)
     for n, (start, stop) in enumerate(itertools.pairwise(cu_seqlens)):
-        seg[start:stop] = n
-    seg = seg.reshape(-1, L)
+        ids[start:stop] = n
+    seg = ids.reshape(-1, L)
     before = np.concatenate([[-1], seg[:-1, -1]])  # segment of the token before each chunk
-    gates = {
-        "same": seg[:, :, None] == seg[:, None, :],
-        "carry_in": seg == before[:, None],
-        "carry_out": seg[:, -1] == before,
-        "tail": seg == seg[:, -1:],
-    }
-    return {name: jnp.asarray(g) for name, g in gates.items()}
+    return _SegmentGates(
+        same=jnp.asarray(seg[:, :, None] == seg[:, None, :]),
+        carry_in=jnp.asarray(seg == before[:, None]),
+        carry_out=jnp.asarray(seg[:, -1] == before),
+        tail=jnp.asarray(seg == seg[:, -1:]),
+    )
 
 
-def _s4d_core(fq, kt, vt, lam, b, c, readout: str, cu_seqlens, chunk: int):
+def _s4d_core(
+    fq: jax.Array,
+    kt: jax.Array,
+    vt: jax.Array,
+    lam: jax.Array,
+    b: jax.Array,
+    c: jax.Array,
+    readout: str,
+    cu_seqlens: tuple[int, ...] | None,
+    chunk: int,
+) -> jax.Array:
     """(I11)-(I13) on the internal layout (B, N, T, .); lam, b (N, M), c (N, M, M) complex."""
     B, N, T, _R = fq.shape
     L = chunk_size(chunk, T)
@@ -115,7 +135,9 @@ def _s4d_core(fq, kt, vt, lam, b, c, readout: str, cu_seqlens, chunk: int):
     through = jnp.exp(L * log_lam)[None, :, :, None]  # (1, N, M, 1): Lambda^L
     keep = jnp.ones(fq.shape[2], fq.dtype) if gates is None else gates["carry_out"].astype(fq.dtype)
 
-    def carry(state, step):
+    def carry(
+        state: tuple[jax.Array, jax.Array], step: tuple[jax.Array, jax.Array, jax.Array]
+    ) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
         x_key, x_val = state
         dk, dv, kept = step
         nxt = (kept * through * x_key + dk, kept * through * x_val + dv)  # (I11)
@@ -144,7 +166,18 @@ def _s4d_core(fq, kt, vt, lam, b, c, readout: str, cu_seqlens, chunk: int):
 
 
 @functools.partial(jax.jit, static_argnames=("readout", "cu_seqlens", "chunk"))
-def _s4d_public(fq, kt, vt, lam, b, c, *, readout, cu_seqlens, chunk):
+def _s4d_public(
+    fq: jax.Array,
+    kt: jax.Array,
+    vt: jax.Array,
+    lam: jax.Array,
+    b: jax.Array,
+    c: jax.Array,
+    *,
+    readout: str,
+    cu_seqlens: tuple[int, ...] | None,
+    chunk: int,
+) -> jax.Array:
     ct = jnp.result_type(jnp.float32, fq.dtype, jnp.real(lam).dtype)
     cc = jnp.result_type(ct, jnp.complex64)
     to = lambda x: x.transpose(0, 2, 1, 3).astype(ct)  # noqa: E731  [B,T,N,.] -> (B,N,T,.)
@@ -162,7 +195,9 @@ def _s4d_public(fq, kt, vt, lam, b, c, *, readout, cu_seqlens, chunk):
     return o.transpose(0, 2, 1, 3).astype(fq.dtype)
 
 
-def _check_features(names, arrays, meaning):
+def _check_features(
+    names: tuple[str, str, str], arrays: tuple[ArrayLike, ArrayLike, ArrayLike], meaning: str
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     fq = check.array(names[0], arrays[0], 4, meaning=meaning)
     B, T, N, R = fq.shape
     check.length(names[0], T)
@@ -183,7 +218,9 @@ def _check_features(names, arrays, meaning):
 COMPLEX = (jnp.dtype(jnp.complex64), jnp.dtype(jnp.complex128), *check.WIDE)
 
 
-def _check_ssm(lam, b, c, heads: int, validate: bool):
+def _check_ssm(
+    lam: ArrayLike, b: ArrayLike, c: ArrayLike, heads: int, validate: bool
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     lam = check.array("lam", lam, 2, dtypes=COMPLEX, meaning="[N, M]")
     if lam.shape[0] != heads or lam.shape[1] < 1:
         raise ValueError(f"lam: expected shape ({heads}, M) (N heads of fq), got {lam.shape}")
@@ -211,7 +248,7 @@ def interdomain_s4d(
     c: ArrayLike,
     *,
     readout: str = "linear",
-    cu_seqlens=None,
+    cu_seqlens: Sequence[int] | None = None,
     chunk: int = 64,
     validate: bool = True,
 ) -> jax.Array:
@@ -248,11 +285,18 @@ class S4DState(NamedTuple):
     """The fixed-size recurrent state of :func:`interdomain_s4d` (H6): x [B, N, M, C] complex,
     C = R + Hv (+ 1 for the ratio readout's constant channel). It never grows with T."""
 
-    x: jnp.ndarray
+    x: jax.Array
 
 
 def s4d_state(
-    batch: int, heads: int, M: int, R: int, Hv: int, *, readout: str = "linear", dtype=None
+    batch: int,
+    heads: int,
+    M: int,
+    R: int,
+    Hv: int,
+    *,
+    readout: str = "linear",
+    dtype: DTypeLike | None = None,
 ) -> S4DState:
     """The zero state before the first token [B, N, M, C]; dtype complex64 (default) or
     complex128. Memory O(B N M (R + Hv))."""
@@ -292,7 +336,16 @@ def interdomain_s4d_step(
 
 
 @functools.partial(jax.jit, static_argnums=(7,))
-def _s4d_step(state, fq, kt, vt, lam, b, c, readout):
+def _s4d_step(
+    state: S4DState,
+    fq: jax.Array,
+    kt: jax.Array,
+    vt: jax.Array,
+    lam: jax.Array,
+    b: jax.Array,
+    c: jax.Array,
+    readout: str,
+) -> tuple[jax.Array, S4DState]:
     R, Hv = fq.shape[-1], vt.shape[-1]
     parts = [kt, vt] + ([jnp.ones((*vt.shape[:-1], 1), vt.dtype)] if readout == "ratio" else [])
     z = jnp.concatenate(parts, axis=-1).astype(jnp.real(state.x).dtype)  # (B, N, C)
@@ -309,7 +362,7 @@ def _s4d_step(state, fq, kt, vt, lam, b, c, readout):
 
 
 @functools.lru_cache(maxsize=2)
-def legs_chunk_operators(T: int, M: int, L: int) -> tuple[np.ndarray, np.ndarray]:
+def legs_chunk_operators(T: int, M: int, L: int) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
     """(I5) across chunks of L tokens, float64, from the exact steps E_n, F_n of ``legs_step``.
 
     entry[c, p] (nc, L, M, M) = E_{t0+p+1} ... E_{t0+1}: the state before chunk c carried to
@@ -333,7 +386,9 @@ def legs_chunk_operators(T: int, M: int, L: int) -> tuple[np.ndarray, np.ndarray
     return entry, inject
 
 
-def _legs_core(fq, fk, v, entry, inject):
+def _legs_core(
+    fq: jax.Array, fk: jax.Array, v: jax.Array, entry: jax.Array, inject: jax.Array
+) -> jax.Array:
     """(I3) with the coefficients of (I5), chunk by chunk; internal layout (B, N, T, .)."""
     B, N, T, _R = fq.shape
     nc, L, _M, _ = entry.shape
@@ -346,7 +401,9 @@ def _legs_core(fq, fk, v, entry, inject):
     d_val = _einsum("cqm,bncqd->bncmd", last, values)
     through = entry[:, L - 1]  # (nc, M, M)
 
-    def carry(state, step):
+    def carry(
+        state: tuple[jax.Array, jax.Array], step: tuple[jax.Array, jax.Array, jax.Array]
+    ) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
         u, g = state
         dk, dv, E = step
         nxt = (_einsum("mk,bnkr->bnmr", E, u) + dk, _einsum("mk,bnkd->bnmd", E, g) + dv)
@@ -370,7 +427,14 @@ def _legs_core(fq, fk, v, entry, inject):
 
 
 @functools.partial(jax.jit, static_argnums=(5,))
-def _legs_public(fq, fk, v, entry, inject, dtype_name):
+def _legs_public(
+    fq: jax.Array,
+    fk: jax.Array,
+    v: jax.Array,
+    entry: jax.Array,
+    inject: jax.Array,
+    dtype_name: str,
+) -> jax.Array:
     ct = jnp.dtype(dtype_name)
     to = lambda x: x.transpose(0, 2, 1, 3).astype(ct)  # noqa: E731
     o = _legs_core(to(fq), to(fk), to(v), entry.astype(ct), inject.astype(ct))

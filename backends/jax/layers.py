@@ -12,6 +12,7 @@ input's dtype; field, level and the SSM parameters stay float32 or wider.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +29,9 @@ from .interdomain import interdomain_s4d
 HIGHEST = lax.Precision.HIGHEST
 
 
-def _params(name: str, params, schema: dict, optional=()) -> dict:
+def _params(
+    name: str, params: object, schema: dict[str, str], optional: tuple[str, ...] = ()
+) -> dict[str, jax.Array]:
     if not isinstance(params, dict):
         raise ValueError(f"params: expected a dict of arrays, got {type(params).__name__}")
     missing = sorted(set(schema) - set(optional) - set(params))
@@ -40,18 +43,24 @@ def _params(name: str, params, schema: dict, optional=()) -> dict:
     }
 
 
-def _expect(P: dict, shapes: dict, schema: dict) -> None:
+def _expect(
+    P: dict[str, jax.Array], shapes: dict[str, tuple[int, ...]], schema: dict[str, str]
+) -> None:
     for key, shape in shapes.items():
         if key in P:
             check.shape(f"params[{key!r}]", P[key], shape, schema[key])
 
 
-def _project(x, w, ct):
+def _project(x: jax.Array, w: jax.Array, ct: jnp.dtype) -> jax.Array:
     return jnp.matmul(x.astype(ct), w.astype(ct), precision=HIGHEST)
 
 
 def fpa_layer(
-    x: ArrayLike, params: dict, *, increments: str = "signed", implementation: str = "xla"
+    x: ArrayLike,
+    params: dict[str, Any],
+    *,
+    increments: str = "signed",
+    implementation: str = "xla",
 ) -> jax.Array:
     """Multi-head FPA layer (spec section 3): x [B, T, d] -> y [B, T, d] in x's dtype.
 
@@ -83,7 +92,9 @@ def fpa_layer(
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3))
-def _fpa_layer(x, P, increments, implementation):
+def _fpa_layer(
+    x: jax.Array, P: dict[str, jax.Array], increments: str, implementation: str
+) -> jax.Array:
     ct = jnp.result_type(jnp.float32, x.dtype)
     B, T, _ = x.shape
     H = P["b_delta"].shape[0]
@@ -113,7 +124,7 @@ def feature_map(y: jax.Array, eps: float = 1e-6) -> jax.Array:
     return jax.nn.silu(y) / jnp.sqrt(jnp.sum(y * y, axis=-1, keepdims=True) + eps)
 
 
-def rms_norm(x: jax.Array, g, eps: float = 1e-6) -> jax.Array:
+def rms_norm(x: jax.Array, g: ArrayLike, eps: float = 1e-6) -> jax.Array:
     """RMSNorm(x) = x / sqrt(mean(x^2) + eps) * g over the last axis (I10); O(size)."""
     return x / jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * g
 
@@ -131,7 +142,7 @@ def rope(x: jax.Array) -> jax.Array:
 
 def interdomain_layer(
     x: ArrayLike,
-    params: dict,
+    params: dict[str, Any],
     *,
     readout: str = "linear",
     use_rope: bool = False,
@@ -176,7 +187,9 @@ def interdomain_layer(
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3, 4))
-def _interdomain_layer(x, P, readout, use_rope, gate):
+def _interdomain_layer(
+    x: jax.Array, P: dict[str, jax.Array], readout: str, use_rope: bool, gate: bool
+) -> jax.Array:
     ct = jnp.result_type(jnp.float32, x.dtype)
     cc = jnp.result_type(ct, jnp.complex64)
     B, T, _ = x.shape
