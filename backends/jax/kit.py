@@ -19,6 +19,7 @@ sequences and decoding keep their T (static offsets; kept fractions count real t
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +30,8 @@ from attnspec.conformance.protocol import S4D_PARAMS
 from . import decode, fpa, interdomain, layers
 
 ATTENTION = ("fpa_attention", "fox_attention")
+# A call's static parameters as sorted (name, value) pairs: hashable, a jit static argument.
+StaticParams = tuple[tuple[str, Any], ...]
 
 
 def _pow2(n: int) -> int:
@@ -61,13 +64,13 @@ class _Fold:
     the batch, LegS every head, S4D none); ``pad_time`` pads T to a bucket.
     """
 
-    def __init__(self, B: int, H: int, T: int, group: int, pad: bool, pad_time: bool):
+    def __init__(self, B: int, H: int, T: int, group: int, pad: bool, pad_time: bool) -> None:
         self.B, self.H, self.T = B, H, T
         self.Z = B * H // group
         self.rows = rows_bucket(self.Z, T) if pad else self.Z
         self.time = time_bucket(T) if pad and pad_time else T
 
-    def fold(self, x, width: int | None = None, fill: float = 0.0):
+    def fold(self, x: jax.Array, width: int | None = None, fill: float = 0.0) -> jax.Array:
         """(B, heads, T, ...) -> [Z', T', heads / (H / group), ...]; width pads the last axis
         (with zeros), ``fill`` the padded rows and tokens."""
         x = x.reshape(self.Z, -1, self.T, *x.shape[3:]).swapaxes(1, 2)
@@ -77,7 +80,7 @@ class _Fold:
             x = jnp.pad(x, [(0, 0)] * 3 + [(0, (width or x.shape[-1]) - x.shape[-1])])
         return x
 
-    def unfold(self, x, width: int | None = None, heads: int | None = None):
+    def unfold(self, x: jax.Array, width: int | None = None, heads: int | None = None) -> jax.Array:
         """The inverse of :meth:`fold` for an array of ``heads`` heads and last axis ``width``."""
         x = x[: self.Z, : self.T]
         if x.ndim == 4:
@@ -86,7 +89,7 @@ class _Fold:
         return x.reshape(self.B, heads or self.H, self.T, *x.shape[3:])
 
 
-def _fold_for(op: str, inputs: dict, params: dict) -> _Fold:
+def _fold_for(op: str, inputs: dict[str, jax.Array], params: dict[str, Any]) -> _Fold:
     first = inputs["q"] if "q" in inputs else inputs["fq"]
     B, H, T = first.shape[:3]
     packed = params.get("cu_seqlens") is not None
@@ -102,11 +105,11 @@ def _fold_for(op: str, inputs: dict, params: dict) -> _Fold:
 FILL_ONE = ("fq", "fk")  # LegS features: positive padding keeps xi(q)^T u_0 > 0
 
 
-def _widths(inputs: dict) -> dict:
+def _widths(inputs: dict[str, jax.Array]) -> dict[str, int]:
     return {n: width_bucket(x.shape[-1], x.shape[2]) for n, x in inputs.items() if x.ndim == 4}
 
 
-def _fold_inputs(fold: _Fold, inputs: dict) -> dict:
+def _fold_inputs(fold: _Fold, inputs: dict[str, jax.Array]) -> dict[str, jax.Array]:
     widths = _widths(inputs)
     return {
         n: x if n in S4D_PARAMS else fold.fold(x, widths.get(n), 1.0 if n in FILL_ONE else 0.0)
@@ -114,7 +117,9 @@ def _fold_inputs(fold: _Fold, inputs: dict) -> dict:
     }
 
 
-def _call(op: str, impl: str, static: tuple, folded: dict) -> dict:
+def _call(
+    op: str, impl: str, static: StaticParams, folded: dict[str, jax.Array]
+) -> dict[str, jax.Array]:
     """The public function on folded inputs; outputs by the kit's names."""
     params = dict(static)
     x = folded
@@ -150,7 +155,13 @@ def _call(op: str, impl: str, static: tuple, folded: dict) -> dict:
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _joint(op: str, impl: str, static: tuple, folded: dict, cotangents: dict):
+def _joint(
+    op: str,
+    impl: str,
+    static: StaticParams,
+    folded: dict[str, jax.Array],
+    cotangents: dict[str, jax.Array],
+) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
     """Outputs and input cotangents in one compiled call: the kit asks for the outputs and then
     the gradients of the same shapes, so one compilation serves both (zero cotangents when
     only the outputs are wanted)."""
@@ -158,7 +169,9 @@ def _joint(op: str, impl: str, static: tuple, folded: dict, cotangents: dict):
     return outputs, pullback({n: cotangents[n].astype(outputs[n].dtype) for n in outputs})[0]
 
 
-def _zero_cotangents(op: str, folded: dict, device) -> dict:
+def _zero_cotangents(
+    op: str, folded: dict[str, jax.Array], device: jax.Device
+) -> dict[str, jax.Array]:
     """Zeros shaped like the folded outputs, typed and placed as the kit's cotangents arrive
     (committed to the device: committed and uncommitted arrays compile separately)."""
     first = folded["q" if "q" in folded else "fq"]
@@ -169,7 +182,7 @@ def _zero_cotangents(op: str, folded: dict, device) -> dict:
     return jax.device_put(zeros, device)
 
 
-def _static(op: str, inputs: dict, params: dict) -> tuple:
+def _static(op: str, inputs: dict[str, jax.Array], params: dict[str, Any]) -> StaticParams:
     """The static parameters of a call, spelled the same way for the outputs and the VJP so
     that both hit one compilation."""
     static = {"cu_seqlens": params.get("cu_seqlens")}
@@ -188,8 +201,8 @@ class JaxBackend:
 
     name = "jax"
     implementation = "xla"
-    dtypes = ("float64", "float32", "float16", "bfloat16")
-    OPS = (
+    dtypes: tuple[str, ...] = ("float64", "float32", "float16", "bfloat16")
+    OPS: tuple[str, ...] = (
         "fpa_attention",
         "fox_attention",
         "fpa_decode",
@@ -202,7 +215,7 @@ class JaxBackend:
     VARLEN = ("fpa_attention", "fox_attention", "interdomain_s4d")
     GQA = ("fpa_attention", "fox_attention")
 
-    def __init__(self, device: str = "cpu"):
+    def __init__(self, device: str = "cpu") -> None:
         platform, _, index = device.partition(":")
         platform = {"cuda": "gpu"}.get(platform, platform)
         try:
@@ -217,16 +230,16 @@ class JaxBackend:
             caps |= {f"{op}.{suffix}" for op in ops if op in self.OPS}
         return caps
 
-    def asarray(self, x: np.ndarray, dtype: str):
+    def asarray(self, x: np.ndarray, dtype: str) -> jax.Array:
         with jax.enable_x64(True):
             return jax.device_put(jnp.asarray(np.asarray(x), dtype=jnp.dtype(dtype)), self._device)
 
-    def to_numpy(self, x) -> np.ndarray:
+    def to_numpy(self, x: object) -> np.ndarray:
         if isinstance(x, jax.Array) and x.dtype == jnp.bfloat16:
             return np.asarray(x, dtype=np.float32)  # NumPy has no bfloat16: widen exactly
         return np.asarray(x)
 
-    def dtype_name(self, x) -> str:
+    def dtype_name(self, x: jax.Array) -> str:
         return jnp.dtype(x.dtype).name
 
     def versions(self) -> dict[str, str]:
@@ -241,7 +254,9 @@ class JaxBackend:
 
     # ---------------------------------------------------------------- ops
 
-    def _run(self, op: str, inputs: dict, params: dict) -> dict:
+    def _run(
+        self, op: str, inputs: dict[str, jax.Array], params: dict[str, Any]
+    ) -> dict[str, jax.Array]:
         with jax.enable_x64(True):
             fold = _fold_for(op, inputs, params)
             folded = _fold_inputs(fold, inputs)
@@ -260,17 +275,45 @@ class JaxBackend:
             return {n: fold.unfold(y, width) for n, y in outputs.items()}
 
     def fpa_attention(
-        self, q, k, v, field, level, *, scale=None, cu_seqlens=None, return_lse=False
-    ):
+        self,
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        field: jax.Array,
+        level: jax.Array,
+        *,
+        scale: float | None = None,
+        cu_seqlens: tuple[int, ...] | None = None,
+        return_lse: bool = False,
+    ) -> jax.Array | tuple[jax.Array, jax.Array]:
         inputs = {"q": q, "k": k, "v": v, "field": field, "level": level}
         out = self._run("fpa_attention", inputs, {"scale": scale, "cu_seqlens": cu_seqlens})
         return (out["o"], out["lse"]) if return_lse else out["o"]
 
-    def fox_attention(self, q, k, v, log_f, *, scale=None, cu_seqlens=None):
+    def fox_attention(
+        self,
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        log_f: jax.Array,
+        *,
+        scale: float | None = None,
+        cu_seqlens: tuple[int, ...] | None = None,
+    ) -> jax.Array:
         inputs = {"q": q, "k": k, "v": v, "log_f": log_f}
         return self._run("fox_attention", inputs, {"scale": scale, "cu_seqlens": cu_seqlens})["o"]
 
-    def fpa_decode(self, q, k, v, field, level, *, theta, scale=None):
+    def fpa_decode(
+        self,
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        field: jax.Array,
+        level: jax.Array,
+        *,
+        theta: float,
+        scale: float | None = None,
+    ) -> tuple[jax.Array, float]:
         with jax.enable_x64(True):
             inputs = {"q": q, "k": k, "v": v, "field": field, "level": level}
             fold = _fold_for("fpa_decode", inputs, {})
@@ -284,12 +327,24 @@ class JaxBackend:
         # the reference's mean over (b, h) of peak / T, in the same order and precision
         return o, float(np.mean(peaks / q.shape[2]))
 
-    def interdomain_legs(self, fq, fk, v, *, M):
+    def interdomain_legs(self, fq: jax.Array, fk: jax.Array, v: jax.Array, *, M: int) -> jax.Array:
         return self._run("interdomain_legs", {"fq": fq, "fk": fk, "v": v}, {"M": M})["o"]
 
     def interdomain_s4d(
-        self, fq, kt, vt, lam_re, lam_im, b_re, b_im, c_re, c_im, *, readout, cu_seqlens=None
-    ):
+        self,
+        fq: jax.Array,
+        kt: jax.Array,
+        vt: jax.Array,
+        lam_re: jax.Array,
+        lam_im: jax.Array,
+        b_re: jax.Array,
+        b_im: jax.Array,
+        c_re: jax.Array,
+        c_im: jax.Array,
+        *,
+        readout: str,
+        cu_seqlens: tuple[int, ...] | None = None,
+    ) -> jax.Array:
         inputs = dict(
             zip(
                 ("fq", "kt", "vt", "lam_re", "lam_im", "b_re", "b_im", "c_re", "c_im"),
@@ -300,17 +355,25 @@ class JaxBackend:
         params = {"readout": readout, "cu_seqlens": cu_seqlens}
         return self._run("interdomain_s4d", inputs, params)["o"]
 
-    def fpa_layer(self, x, params):
+    def fpa_layer(self, x: jax.Array, params: dict[str, jax.Array]) -> jax.Array:
         with jax.enable_x64(True):
             return layers.fpa_layer(x, params, implementation=self.implementation)
 
-    def interdomain_layer(self, x, params, *, readout="linear"):
+    def interdomain_layer(
+        self, x: jax.Array, params: dict[str, jax.Array], *, readout: str = "linear"
+    ) -> jax.Array:
         with jax.enable_x64(True):
             return layers.interdomain_layer(x, params, readout=readout)
 
     # ---------------------------------------------------------------- gradients
 
-    def vjp(self, op: str, inputs: dict, params: dict, cotangents: dict) -> dict:
+    def vjp(
+        self,
+        op: str,
+        inputs: dict[str, jax.Array],
+        params: dict[str, Any],
+        cotangents: dict[str, jax.Array],
+    ) -> dict[str, jax.Array]:
         """Input cotangents by name, from one jitted ``jax.vjp`` of the public function."""
         if op not in self.VJPS or op not in self.OPS:
             raise NotImplementedError(f"op: no VJP for {op!r} in the {self.name} backend")
