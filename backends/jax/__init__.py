@@ -1,1 +1,41 @@
-"""attnspec.backends.jax: JAX ops under jit, custom_vjp and Pallas kernels (the jax extra)."""
+"""attnspec.backends.jax: FPA, FoX and Interdomain Attention as pure JAX functions.
+
+Layout of ``jax.nn.dot_product_attention`` ([B, T, N, H]); they compose with jit, grad, vmap
+and sharding. FPA and FoX are blockwise with a custom VJP (spec/fpa.md sections 6-7) and have
+Pallas kernels behind ``implementation="pallas"``. Needs the ``jax`` extra.
+"""
+
+try:
+    import jax  # noqa: F401
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "attnspec.backends.jax needs jax; install the 'jax' extra: pip install 'attnspec[jax]'"
+    ) from exc
+
+from .decode import FPACache, fpa_cache, fpa_decode, fpa_decode_step
+from .fpa import AttentionConfig, fox_attention, fpa_attention
+from .interdomain import (
+    S4DState,
+    interdomain_legs,
+    interdomain_s4d,
+    interdomain_s4d_step,
+    s4d_state,
+)
+from .layers import fpa_layer, interdomain_layer
+
+__all__ = [
+    "AttentionConfig",
+    "FPACache",
+    "S4DState",
+    "fox_attention",
+    "fpa_attention",
+    "fpa_cache",
+    "fpa_decode",
+    "fpa_decode_step",
+    "fpa_layer",
+    "interdomain_layer",
+    "interdomain_legs",
+    "interdomain_s4d",
+    "interdomain_s4d_step",
+    "s4d_state",
+]

@@ -1,0 +1,400 @@
+"""Adapters of the JAX backend for the conformance kit (``attnspec.conformance.protocol``).
+
+The kit speaks the canonical layout (B, H, T, D) with NumPy at the boundary; the adapters put
+arrays on a JAX device in the tested dtype, fold them into the public layout [B, T, N, H], call
+the public functions and unfold the results. Every call runs inside ``jax.enable_x64(True)``
+(float64 is a tested dtype) without changing the process-wide setting. Gradients come from one
+jitted ``jax.vjp`` of the public function (the custom_vjp for FPA and FoX).
+
+Shape buckets [decision]: the kit runs many small shapes and every new shape recompiles, so the
+adapters zero-pad batch, T and head dims to powers of two before the jitted calls. This is
+exact: the ops are causal (real rows never see padded tokens, padded cotangents are zero), padded
+head dims leave every dot product unchanged, and padded value channels come out zero. Packed
+sequences and decoding keep their T (static offsets; kept fractions count real tokens only).
+
+``jax``: every op, by the XLA implementation. ``pallas``: FPA and FoX by the Pallas kernels
+(interpreted on CPU); the other ops have no kernel and are reported as not implemented.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from attnspec.conformance.protocol import S4D_PARAMS
+
+from . import decode, fpa, interdomain, layers
+
+ATTENTION = ("fpa_attention", "fox_attention")
+# A call's static parameters as sorted (name, value) pairs: hashable, a jit static argument.
+StaticParams = tuple[tuple[str, Any], ...]
+
+
+def _pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def time_bucket(T: int) -> int:
+    """T padded: a power of two >= 64 up to 512, then a multiple of 512 (quadratic cost)."""
+    return _pow2(max(T, 64)) if T <= 512 else -(-T // 512) * 512
+
+
+def _small(T: int) -> bool:
+    return time_bucket(T) <= 256
+
+
+def rows_bucket(Z: int, T: int) -> int:
+    """Batch rows padded to a power of two, at least 8 for short sequences."""
+    return _pow2(max(Z, 8 if _small(T) else 1))
+
+
+def width_bucket(d: int, T: int) -> int:
+    """Head dims padded to a power of two, at least 64 for short sequences (16 otherwise)."""
+    return _pow2(max(d, 64 if _small(T) else 16))
+
+
+class _Fold:
+    """Canonical (B, H, T, ...) arrays <-> padded public [Z, T', N, ...] arrays.
+
+    ``group`` query heads share a batch row: Z = B * H / group (attention folds the kv heads into
+    the batch, LegS every head, S4D none); ``pad_time`` pads T to a bucket.
+    """
+
+    def __init__(self, B: int, H: int, T: int, group: int, pad: bool, pad_time: bool) -> None:
+        self.B, self.H, self.T = B, H, T
+        self.Z = B * H // group
+        self.rows = rows_bucket(self.Z, T) if pad else self.Z
+        self.time = time_bucket(T) if pad and pad_time else T
+
+    def fold(self, x: jax.Array, width: int | None = None, fill: float = 0.0) -> jax.Array:
+        """(B, heads, T, ...) -> [Z', T', heads / (H / group), ...]; width pads the last axis
+        (with zeros), ``fill`` the padded rows and tokens."""
+        x = x.reshape(self.Z, -1, self.T, *x.shape[3:]).swapaxes(1, 2)
+        rows_and_time = [(0, self.rows - self.Z), (0, self.time - self.T)]
+        x = jnp.pad(x, rows_and_time + [(0, 0)] * (x.ndim - 2), constant_values=fill)
+        if x.ndim == 4:
+            x = jnp.pad(x, [(0, 0)] * 3 + [(0, (width or x.shape[-1]) - x.shape[-1])])
+        return x
+
+    def unfold(self, x: jax.Array, width: int | None = None, heads: int | None = None) -> jax.Array:
+        """The inverse of :meth:`fold` for an array of ``heads`` heads and last axis ``width``."""
+        x = x[: self.Z, : self.T]
+        if x.ndim == 4:
+            x = x[..., :width]
+        x = x.swapaxes(1, 2)
+        return x.reshape(self.B, heads or self.H, self.T, *x.shape[3:])
+
+
+def _fold_for(op: str, inputs: dict[str, jax.Array], params: dict[str, Any]) -> _Fold:
+    first = inputs["q"] if "q" in inputs else inputs["fq"]
+    B, H, T = first.shape[:3]
+    packed = params.get("cu_seqlens") is not None
+    if op in ATTENTION or op == "fpa_decode":
+        group = H // inputs["k"].shape[1] if not packed else H
+        return _Fold(B, H, T, group, pad=not packed, pad_time=op != "fpa_decode")
+    if op == "interdomain_legs":  # padded with positive features: the ratio's denominator > 0
+        return _Fold(B, H, T, 1, pad=True, pad_time=True)
+    # interdomain_s4d: heads own parameters; a ratio readout's padding could divide by zero
+    return _Fold(B, H, T, H, pad=not packed and params["readout"] == "linear", pad_time=True)
+
+
+FILL_ONE = ("fq", "fk")  # LegS features: positive padding keeps xi(q)^T u_0 > 0
+
+
+def _widths(inputs: dict[str, jax.Array]) -> dict[str, int]:
+    return {n: width_bucket(x.shape[-1], x.shape[2]) for n, x in inputs.items() if x.ndim == 4}
+
+
+def _fold_inputs(fold: _Fold, inputs: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    widths = _widths(inputs)
+    return {
+        n: x if n in S4D_PARAMS else fold.fold(x, widths.get(n), 1.0 if n in FILL_ONE else 0.0)
+        for n, x in inputs.items()
+    }
+
+
+def _call(
+    op: str, impl: str, static: StaticParams, folded: dict[str, jax.Array]
+) -> dict[str, jax.Array]:
+    """The public function on folded inputs; outputs by the kit's names."""
+    params = dict(static)
+    x = folded
+    if op in ATTENTION:
+        scalars = [x[n] for n in ("field", "level", "log_f") if n in x]
+        fn = fpa.fpa_attention if op == "fpa_attention" else fpa.fox_attention
+        o, lse = fn(
+            x["q"],
+            x["k"],
+            x["v"],
+            *scalars,
+            scale=params["scale"],
+            cu_seqlens=params.get("cu_seqlens"),
+            return_lse=True,
+            implementation=impl,
+            validate=False,
+        )
+        return {"o": o, "lse": lse} if op == "fpa_attention" else {"o": o}
+    if op == "interdomain_legs":
+        return {"o": interdomain.interdomain_legs(x["fq"], x["fk"], x["v"], params["M"])}
+    o = interdomain.interdomain_s4d(
+        x["fq"],
+        x["kt"],
+        x["vt"],
+        x["lam_re"] + 1j * x["lam_im"],
+        x["b_re"] + 1j * x["b_im"],
+        x["c_re"] + 1j * x["c_im"],
+        readout=params["readout"],
+        cu_seqlens=params.get("cu_seqlens"),
+        validate=False,
+    )
+    return {"o": o}
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _joint(
+    op: str,
+    impl: str,
+    static: StaticParams,
+    folded: dict[str, jax.Array],
+    cotangents: dict[str, jax.Array],
+) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
+    """Outputs and input cotangents in one compiled call: the kit asks for the outputs and then
+    the gradients of the same shapes, so one compilation serves both (zero cotangents when
+    only the outputs are wanted)."""
+    outputs, pullback = jax.vjp(lambda x: _call(op, impl, static, x), folded)
+    return outputs, pullback({n: cotangents[n].astype(outputs[n].dtype) for n in outputs})[0]
+
+
+def _zero_cotangents(
+    op: str, folded: dict[str, jax.Array], device: jax.Device
+) -> dict[str, jax.Array]:
+    """Zeros shaped like the folded outputs, typed and placed as the kit's cotangents arrive
+    (committed to the device: committed and uncommitted arrays compile separately)."""
+    first = folded["q" if "q" in folded else "fq"]
+    width = folded["v" if "v" in folded else "vt"].shape[-1]
+    zeros = {"o": jnp.zeros((*first.shape[:-1], width), first.dtype)}
+    if op == "fpa_attention":
+        zeros["lse"] = jnp.zeros(first.shape[:-1], first.dtype)
+    return jax.device_put(zeros, device)
+
+
+def _static(op: str, inputs: dict[str, jax.Array], params: dict[str, Any]) -> StaticParams:
+    """The static parameters of a call, spelled the same way for the outputs and the VJP so
+    that both hit one compilation."""
+    static = {"cu_seqlens": params.get("cu_seqlens")}
+    if op in ATTENTION:
+        scale = params.get("scale")
+        static["scale"] = 1.0 / float(np.sqrt(inputs["q"].shape[-1])) if scale is None else scale
+    elif op == "interdomain_legs":
+        static = {"M": params["M"]}
+    else:
+        static["readout"] = params["readout"]
+    return tuple(sorted(static.items()))
+
+
+class JaxBackend:
+    """The kit's view of ``attnspec.backends.jax`` with ``implementation="xla"``."""
+
+    name = "jax"
+    implementation = "xla"
+    dtypes: tuple[str, ...] = ("float64", "float32", "float16", "bfloat16")
+    OPS: tuple[str, ...] = (
+        "fpa_attention",
+        "fox_attention",
+        "fpa_decode",
+        "interdomain_legs",
+        "interdomain_s4d",
+        "fpa_layer",
+        "interdomain_layer",
+    )
+    VJPS = ("fpa_attention", "fox_attention", "interdomain_legs", "interdomain_s4d")
+    VARLEN = ("fpa_attention", "fox_attention", "interdomain_s4d")
+    GQA = ("fpa_attention", "fox_attention")
+
+    def __init__(self, device: str = "cpu") -> None:
+        platform, _, index = device.partition(":")
+        platform = {"cuda": "gpu"}.get(platform, platform)
+        try:
+            self._device = jax.devices(platform)[int(index or 0)]
+        except (RuntimeError, IndexError, ValueError) as exc:
+            raise ValueError(f"device: no JAX device {device!r} here ({exc})") from None
+        self.device = device
+
+    def capabilities(self) -> set[str]:
+        caps = set(self.OPS)
+        for suffix, ops in (("vjp", self.VJPS), ("varlen", self.VARLEN), ("gqa", self.GQA)):
+            caps |= {f"{op}.{suffix}" for op in ops if op in self.OPS}
+        return caps
+
+    def asarray(self, x: np.ndarray, dtype: str) -> jax.Array:
+        with jax.enable_x64(True):
+            return jax.device_put(jnp.asarray(np.asarray(x), dtype=jnp.dtype(dtype)), self._device)
+
+    def to_numpy(self, x: object) -> np.ndarray:
+        if isinstance(x, jax.Array) and x.dtype == jnp.bfloat16:
+            return np.asarray(x, dtype=np.float32)  # NumPy has no bfloat16: widen exactly
+        return np.asarray(x)
+
+    def dtype_name(self, x: jax.Array) -> str:
+        return jnp.dtype(x.dtype).name
+
+    def versions(self) -> dict[str, str]:
+        import jaxlib
+
+        return {
+            "jax": jax.__version__,
+            "jaxlib": jaxlib.__version__,
+            "implementation": self.implementation,
+            "device": str(self._device),
+        }
+
+    # ---------------------------------------------------------------- ops
+
+    def _run(
+        self, op: str, inputs: dict[str, jax.Array], params: dict[str, Any]
+    ) -> dict[str, jax.Array]:
+        with jax.enable_x64(True):
+            fold = _fold_for(op, inputs, params)
+            folded = _fold_inputs(fold, inputs)
+            static = _static(op, inputs, params)
+            if op in self.VJPS:
+                outputs, _ = _joint(
+                    op,
+                    self.implementation,
+                    static,
+                    folded,
+                    _zero_cotangents(op, folded, self._device),
+                )
+            else:
+                outputs = _call(op, self.implementation, static, folded)
+            width = inputs["v" if "v" in inputs else "vt"].shape[-1]
+            return {n: fold.unfold(y, width) for n, y in outputs.items()}
+
+    def fpa_attention(
+        self,
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        field: jax.Array,
+        level: jax.Array,
+        *,
+        scale: float | None = None,
+        cu_seqlens: tuple[int, ...] | None = None,
+        return_lse: bool = False,
+    ) -> jax.Array | tuple[jax.Array, jax.Array]:
+        inputs = {"q": q, "k": k, "v": v, "field": field, "level": level}
+        out = self._run("fpa_attention", inputs, {"scale": scale, "cu_seqlens": cu_seqlens})
+        return (out["o"], out["lse"]) if return_lse else out["o"]
+
+    def fox_attention(
+        self,
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        log_f: jax.Array,
+        *,
+        scale: float | None = None,
+        cu_seqlens: tuple[int, ...] | None = None,
+    ) -> jax.Array:
+        inputs = {"q": q, "k": k, "v": v, "log_f": log_f}
+        return self._run("fox_attention", inputs, {"scale": scale, "cu_seqlens": cu_seqlens})["o"]
+
+    def fpa_decode(
+        self,
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        field: jax.Array,
+        level: jax.Array,
+        *,
+        theta: float,
+        scale: float | None = None,
+    ) -> tuple[jax.Array, float]:
+        with jax.enable_x64(True):
+            inputs = {"q": q, "k": k, "v": v, "field": field, "level": level}
+            fold = _fold_for("fpa_decode", inputs, {})
+            x = _fold_inputs(fold, inputs)
+            scale = 1.0 / float(np.sqrt(q.shape[-1])) if scale is None else scale
+            o, cache = decode.fpa_decode(
+                x["q"], x["k"], x["v"], x["field"], x["level"], theta=theta, scale=scale
+            )
+            peaks = np.asarray(cache.peak[: fold.Z], dtype=np.float64).reshape(-1)  # (b, h)
+            o = fold.unfold(o, v.shape[-1])
+        # the reference's mean over (b, h) of peak / T, in the same order and precision
+        return o, float(np.mean(peaks / q.shape[2]))
+
+    def interdomain_legs(self, fq: jax.Array, fk: jax.Array, v: jax.Array, *, M: int) -> jax.Array:
+        return self._run("interdomain_legs", {"fq": fq, "fk": fk, "v": v}, {"M": M})["o"]
+
+    def interdomain_s4d(
+        self,
+        fq: jax.Array,
+        kt: jax.Array,
+        vt: jax.Array,
+        lam_re: jax.Array,
+        lam_im: jax.Array,
+        b_re: jax.Array,
+        b_im: jax.Array,
+        c_re: jax.Array,
+        c_im: jax.Array,
+        *,
+        readout: str,
+        cu_seqlens: tuple[int, ...] | None = None,
+    ) -> jax.Array:
+        inputs = dict(
+            zip(
+                ("fq", "kt", "vt", "lam_re", "lam_im", "b_re", "b_im", "c_re", "c_im"),
+                (fq, kt, vt, lam_re, lam_im, b_re, b_im, c_re, c_im),
+                strict=True,
+            )
+        )
+        params = {"readout": readout, "cu_seqlens": cu_seqlens}
+        return self._run("interdomain_s4d", inputs, params)["o"]
+
+    def fpa_layer(self, x: jax.Array, params: dict[str, jax.Array]) -> jax.Array:
+        with jax.enable_x64(True):
+            return layers.fpa_layer(x, params, implementation=self.implementation)
+
+    def interdomain_layer(
+        self, x: jax.Array, params: dict[str, jax.Array], *, readout: str = "linear"
+    ) -> jax.Array:
+        with jax.enable_x64(True):
+            return layers.interdomain_layer(x, params, readout=readout)
+
+    # ---------------------------------------------------------------- gradients
+
+    def vjp(
+        self,
+        op: str,
+        inputs: dict[str, jax.Array],
+        params: dict[str, Any],
+        cotangents: dict[str, jax.Array],
+    ) -> dict[str, jax.Array]:
+        """Input cotangents by name, from one jitted ``jax.vjp`` of the public function."""
+        if op not in self.VJPS or op not in self.OPS:
+            raise NotImplementedError(f"op: no VJP for {op!r} in the {self.name} backend")
+        with jax.enable_x64(True):
+            fold = _fold_for(op, inputs, params)
+            widths = _widths(inputs)
+            width = widths["v" if "v" in inputs else "vt"]
+            cts = {n: fold.fold(c, width) for n, c in cotangents.items()}
+            static = _static(op, inputs, params)
+            _, grads = _joint(op, self.implementation, static, _fold_inputs(fold, inputs), cts)
+            return {
+                n: fold.unfold(g, inputs[n].shape[-1], inputs[n].shape[1])
+                if n not in S4D_PARAMS
+                else g
+                for n, g in grads.items()
+            }
+
+
+class PallasBackend(JaxBackend):
+    """FPA and FoX by the Pallas kernels (interpreted on CPU)."""
+
+    name = "pallas"
+    implementation = "pallas"
+    OPS = ATTENTION

@@ -1,0 +1,182 @@
+"""The JAX backend's Interdomain ops, decode state and layers against the reference."""
+
+import itertools
+import os
+
+os.environ.setdefault(
+    "XLA_FLAGS",
+    "--xla_cpu_use_fusion_emitters=false --xla_backend_optimization_level=0",
+)
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attnspec.backends.jax import (
+    fpa_layer,
+    interdomain_layer,
+    interdomain_legs,
+    interdomain_s4d,
+    interdomain_s4d_step,
+    s4d_state,
+)
+from attnspec.reference import fpa as ref_fpa
+from attnspec.reference import hippo
+from attnspec.reference import interdomain as ref
+
+
+@pytest.fixture(autouse=True)
+def x64():
+    with jax.enable_x64(True):
+        yield
+
+
+def rel(x, r) -> float:
+    x = np.asarray(x, dtype=np.float64)
+    return float(np.linalg.norm(x - r) / max(np.linalg.norm(r), 1e-300))
+
+
+def canonical(x):
+    return np.swapaxes(np.asarray(x, dtype=np.float64), 1, 2)
+
+
+def ssm(N, M, rng, dt=(0.01, 0.3), ratio=False):
+    a_log, a_im = hippo.s4d_init(M)
+    lam = ref.s4d_lambda(np.log(rng.uniform(*dt, N)), np.tile(a_log, (N, 1)), np.tile(a_im, (N, 1)))
+    b = rng.standard_normal((N, M)) + 1j * rng.standard_normal((N, M))
+    c = (rng.standard_normal((N, M, M)) + 1j * rng.standard_normal((N, M, M))) / np.sqrt(2 * M)
+    if ratio:  # keeps the denominator of the ratio readout away from zero
+        b, c = np.abs(b) + 0j, np.eye(M) + 0.1 * c
+    return lam, b, c
+
+
+def features(shape, rng, positive):
+    x = rng.standard_normal(shape)
+    return np.exp(0.5 * x) if positive else x
+
+
+@pytest.mark.parametrize("readout", ["linear", "ratio"])
+def test_s4d_matches_the_reference_with_every_gradient(readout):
+    B, T, N, R, dv, M = 2, 37, 3, 4, 5, 6
+    rng = np.random.default_rng(0)
+    lam, b, c = ssm(N, M, rng, ratio=readout == "ratio")
+    fq, kt = (features((B, T, N, R), rng, readout == "ratio") for _ in range(2))
+    vt = rng.standard_normal((B, T, N, dv))
+    do = rng.standard_normal((B, T, N, dv))
+    pairs = (lam.real, lam.imag, b.real, b.imag, c.real, c.imag)
+
+    def op(fq, kt, vt, lr, li, br, bi, cr, ci):  # complex parameters as (re, im) pairs
+        lam, b, c = lr + 1j * li, br + 1j * bi, cr + 1j * ci
+        return interdomain_s4d(fq, kt, vt, lam, b, c, readout=readout, chunk=8, validate=False)
+
+    o, pullback = jax.vjp(op, *(jnp.asarray(x) for x in (fq, kt, vt, *pairs)))
+    grads = pullback(jnp.asarray(do))
+    args = (canonical(fq), canonical(kt), canonical(vt), lam, b, c)
+    assert rel(canonical(o), ref.interdomain_s4d(*args, readout=readout)) <= 1e-12
+    g = ref.interdomain_s4d_vjp(*args, canonical(do), readout=readout)
+    expected = [g.dfq, g.dkt, g.dvt]
+    expected += [part for z in (g.dlam, g.db, g.dc) for part in (z.real, z.imag)]
+    for got, want in zip(grads, expected, strict=True):
+        assert rel(canonical(got) if got.ndim == 4 else got, want) <= 1e-12
+
+
+def test_s4d_packed_sequences_and_long_memory_in_float32():
+    """Per-segment equality with the reference (a length-1 segment included), and T = 2048 with
+    |Lambda| ~ 0.999 in float32: the carried states keep the float32 tolerance."""
+    rng = np.random.default_rng(1)
+    N, R, M = 2, 4, 8
+    lam, b, c = ssm(N, M, rng)
+    cu = (0, 1, 40, 41, 70)
+    fq, kt, vt = rng.standard_normal((3, 1, 70, N, R))
+    o = interdomain_s4d(*(jnp.asarray(x) for x in (fq, kt, vt, lam, b, c)), cu_seqlens=cu, chunk=16)
+    for start, stop in itertools.pairwise(cu):
+        part = [canonical(x[:, start:stop]) for x in (fq, kt, vt)]
+        assert rel(canonical(o[:, start:stop]), ref.interdomain_s4d(*part, lam, b, c)) <= 1e-12
+
+    lam, b, c = ssm(N, M, rng, dt=(1e-3, 2e-3))
+    fq, kt, vt = rng.standard_normal((3, 1, 2048, N, R)).astype(np.float32)
+    complex64 = [jnp.asarray(x, jnp.complex64) for x in (lam, b, c)]
+    o = interdomain_s4d(*(jnp.asarray(x) for x in (fq, kt, vt)), *complex64)
+    expected = ref.interdomain_s4d(*(canonical(x) for x in (fq, kt, vt)), *complex64)
+    assert o.dtype == jnp.float32
+    assert rel(canonical(o), expected) <= 1e-5
+
+
+def test_s4d_decode_steps_equal_the_parallel_op():
+    """(H6): the fixed-size state, one token at a time, reproduces the chunked op."""
+    rng = np.random.default_rng(2)
+    B, T, N, R, dv, M = 2, 9, 2, 3, 4, 5
+    for readout in ("linear", "ratio"):
+        lam, b, c = ssm(N, M, rng, ratio=readout == "ratio")
+        fq, kt = (features((B, T, N, R), rng, readout == "ratio") for _ in range(2))
+        vt = rng.standard_normal((B, T, N, dv))
+        x = [jnp.asarray(a) for a in (fq, kt, vt, lam, b, c)]
+        full = interdomain_s4d(*x, readout=readout, chunk=4)
+        state = s4d_state(B, N, M, R, dv, readout=readout, dtype=jnp.complex128)
+        for t in range(T):
+            o, state = interdomain_s4d_step(
+                state, x[0][:, t], x[1][:, t], x[2][:, t], *x[3:], readout=readout
+            )
+            assert rel(o, np.asarray(full[:, t])) <= 1e-12
+        assert state.x.shape == (B, N, M, R + dv + (readout == "ratio"))  # does not grow with T
+
+
+@pytest.mark.parametrize("M", [1, 4, 16])
+def test_legs_matches_the_reference(M):
+    rng = np.random.default_rng(M)
+    B, T, N, R, dv = 2, 37, 2, 3, 4
+    fq, fk = np.exp(0.5 * rng.standard_normal((2, B, T, N, R)))
+    v = rng.standard_normal((B, T, N, dv))
+    do = rng.standard_normal((B, T, N, dv))
+    o, pullback = jax.vjp(
+        lambda *a: interdomain_legs(*a, M, chunk=8), *(jnp.asarray(x) for x in (fq, fk, v))
+    )
+    args = [canonical(x) for x in (fq, fk, v)]
+    assert rel(canonical(o), ref.interdomain_legs(*args, M)) <= 1e-12
+    if M > 1:  # with M = 1 the readout ignores fq and fk: their gradients vanish
+        expected = ref.interdomain_legs_vjp(*args, M, canonical(do))
+        for got, want in zip(pullback(jnp.asarray(do)), expected, strict=True):
+            assert rel(canonical(got), want) <= 1e-12
+
+
+def test_layers_take_the_reference_parameter_dicts():
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2, 11, 8))
+    params = ref_fpa.init_fpa_params(8, 2, 4, 3, seed=1)
+    for increments in ("signed", "logsigmoid"):
+        expected = ref_fpa.fpa_layer(x, params, increments=increments)
+        assert rel(fpa_layer(jnp.asarray(x), params, increments=increments), expected) <= 1e-12
+    params = ref.init_interdomain_params(8, 2, 4, 3, 5, seed=2, gate=True)
+    params["norm_k_b"] += 3.0  # positive k~: the ratio readout's denominator stays away from 0
+    params["c_re"] += np.eye(5)
+    for kw in ({"readout": "linear"}, {"readout": "ratio", "use_rope": True, "gate": True}):
+        expected = ref.interdomain_layer(x, params, **kw)
+        assert rel(interdomain_layer(jnp.asarray(x), params, **kw), expected) <= 1e-12
+    grads = jax.grad(lambda p: jnp.sum(interdomain_layer(jnp.asarray(x), p) ** 2))(
+        {k: jnp.asarray(v) for k, v in params.items()}
+    )
+    assert set(grads) == set(params) and all(np.all(np.isfinite(g)) for g in grads.values())
+
+
+def test_bad_input_is_named():
+    rng = np.random.default_rng(4)
+    lam, b, c = (jnp.asarray(x) for x in ssm(2, 3, rng))
+    fq = jnp.zeros((1, 5, 2, 4))
+    vt = jnp.zeros((1, 5, 2, 3))
+    cases = [
+        (lambda: interdomain_s4d(fq, fq, vt, lam, b, c, readout="soft"), "readout: expected"),
+        (lambda: interdomain_s4d(fq, fq[:, :4], vt, lam, b, c), "kt: expected shape"),
+        (lambda: interdomain_s4d(fq, fq, vt, lam[:1], b, c), r"lam: expected shape \(2, M\)"),
+        (lambda: interdomain_s4d(fq, fq, vt, lam, b, c[:, :2]), "c: expected shape"),
+        (lambda: interdomain_s4d(fq, fq, vt, 1.5 * lam / jnp.abs(lam), b, c), r"\|Lambda\| <= 1"),
+        (lambda: interdomain_s4d(fq, fq, vt, lam, b.at[0, 0].set(jnp.nan), c), "b: contains NaN"),
+        (lambda: interdomain_s4d(fq[:, :0], fq[:, :0], vt[:, :0], lam, b, c), "T >= 1"),
+        (lambda: interdomain_s4d(fq, fq, vt.astype(jnp.float16), lam, b, c), "vt: expected dtype"),
+        (lambda: interdomain_legs(fq, fq, vt, 0), "M: expected an integer >= 1"),
+        (lambda: interdomain_legs(fq, fq.astype(jnp.int32), vt, 4), "fk: expected dtype"),
+        (lambda: fpa_layer(jnp.zeros((1, 3, 8)), {"wq": jnp.zeros((8, 8))}), "params: missing"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ValueError, match=message):
+            call()

@@ -1,0 +1,80 @@
+"""The conformance kit on the ``jax`` and ``pallas`` backends, through its command line.
+
+CI budget [decision]: the full kit in float32 on ``jax``; the first case of every family (which
+still reaches every family, op and check) in float64 and bfloat16 on ``jax`` and in float32 and
+bfloat16 on ``pallas`` (float16 takes the bfloat16 path: loads widened to float32). Every run is
+a subprocess with XLA:CPU's quick compilation settings (each kit case is a new shape, so
+compilation dominates). The full runs on all four dtypes are ``attnspec conformance --backend
+jax`` and ``--backend pallas``.
+"""
+
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from attnspec.backends.registry import get_backend
+from attnspec.conformance import cases
+
+QUICK_COMPILE = "--xla_cpu_use_fusion_emitters=false --xla_backend_optimization_level=0"
+RUNS = [
+    ("jax", ("float32",), False),
+    ("jax", ("float64", "bfloat16"), True),
+    ("pallas", ("float32", "bfloat16"), True),
+]
+
+
+def first_of_each_family(backend: str) -> list[str]:
+    ops = list(get_backend(backend).OPS)
+    return [i for i in cases.case_ids(ops) if i.endswith("/0")]
+
+
+@pytest.mark.parametrize("backend, dtypes, subset", RUNS)
+def test_kit_passes(backend, dtypes, subset):
+    command = [sys.executable, "-m", "attnspec.conformance", "--backend", backend]
+    command += ["--dtypes", *dtypes]
+    if subset:
+        command += ["--cases", *first_of_each_family(backend)]
+    env = {**os.environ, "XLA_FLAGS": QUICK_COMPILE, "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert " 0 failed" in summary, summary
+
+
+def test_adapter_keeps_dtypes_and_the_process_settings():
+    """bfloat16 results are named bfloat16 and widen exactly; float64 works inside the adapter
+    while the process-wide x64 setting stays as it was."""
+    backend = get_backend("jax")
+    before = jax.config.jax_enable_x64
+    rng = np.random.default_rng(0)
+    q, k, v = rng.standard_normal((3, 1, 2, 5, 4))
+    field = np.cumsum(rng.standard_normal((1, 2, 5)), axis=-1)
+    for dtype in ("float64", "bfloat16"):
+        wide = "float64" if dtype == "float64" else "float32"
+        x = [backend.asarray(a, dtype) for a in (q, k, v)]
+        o, lse = backend.fpa_attention(
+            *x, *(backend.asarray(field, wide) for _ in range(2)), return_lse=True
+        )
+        assert backend.dtype_name(o) == dtype
+        assert backend.dtype_name(lse) == wide
+        widened = backend.to_numpy(o)
+        assert widened.dtype == np.dtype(wide)
+        if dtype == "bfloat16":  # every bfloat16 value is a float32 value: widened exactly
+            bits = widened.view(np.uint32)
+            assert np.all(bits & 0xFFFF == 0)
+    assert jax.config.jax_enable_x64 == before
+    assert backend.capabilities() >= {
+        "fpa_attention.gqa",
+        "interdomain_s4d.varlen",
+        "fpa_layer",
+        "fpa_decode",
+    }
+    assert get_backend("pallas").capabilities() == {
+        f"{op}{suffix}"
+        for op in ("fpa_attention", "fox_attention")
+        for suffix in ("", ".vjp", ".varlen", ".gqa")
+    }

@@ -1,0 +1,171 @@
+"""The Pallas kernels of FPA and FoX (interpreted on CPU) against the reference and their XLA twin.
+
+Small shapes with 16-position tiles, so every sweep crosses several tiles (the kernels run one
+program per tile in the interpreter).
+"""
+
+import itertools
+import os
+
+os.environ.setdefault(
+    "XLA_FLAGS",
+    "--xla_cpu_use_fusion_emitters=false --xla_backend_optimization_level=0",
+)
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attnspec.backends.jax import fox_attention, fpa_attention
+from attnspec.reference import fpa as ref
+
+
+@pytest.fixture(autouse=True)
+def x64():
+    with jax.enable_x64(True):
+        yield
+
+
+def rel(x, r) -> float:
+    x = np.asarray(x, dtype=np.float64)
+    return float(np.linalg.norm(x - r) / max(np.linalg.norm(r), 1e-300))
+
+
+def canonical(x):
+    return np.swapaxes(np.asarray(x, dtype=np.float64), 1, 2)
+
+
+def inputs(B, T, N, K, H, Hv, seed, kind="walk"):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((B, T, N, H))
+    k = rng.standard_normal((B, T, K, H))
+    v = rng.standard_normal((B, T, K, Hv))
+    if kind == "brackets":  # ties in every segment minimum, level = field
+        field = np.cumsum(rng.choice([1.0, -1.0, 0.0], (B, T, N)), axis=1)
+        return q, k, v, field, field.copy()
+    field = np.cumsum(rng.standard_normal((B, T, N)), axis=1)
+    return q, k, v, field, field + rng.standard_normal((B, T, N))
+
+
+def grads_of(fn, args, cotangent):
+    out, pullback = jax.vjp(fn, *(jnp.asarray(a) for a in args))
+    return out, pullback(cotangent)
+
+
+def expected_fpa(args, do, dlse, G):
+    q, k, v, field, level = (canonical(a) for a in args)
+    k, v = np.repeat(k, G, axis=1), np.repeat(v, G, axis=1)
+    o, lse = ref.fpa_attention(q, k, v, field, level, return_lse=True)
+    g = ref.fpa_attention_vjp(q, k, v, field, level, canonical(do), d_lse=canonical(dlse))
+    fold = lambda x: x.reshape(x.shape[0], -1, G, *x.shape[2:]).sum(2)  # noqa: E731
+    return o, lse, [g.dq, fold(g.dk), fold(g.dv), g.dfield, g.dlevel]
+
+
+@pytest.mark.parametrize(
+    "B, T, N, K, kind, cu",
+    [
+        (2, 45, 4, 2, "walk", None),  # GQA, ragged T over three tiles
+        (1, 40, 2, 2, "brackets", None),  # ties across tile borders (section 6)
+        (1, 45, 2, 1, "walk", (0, 1, 20, 45)),  # packed sequences, a length-1 segment
+    ],
+)
+def test_fpa_kernels_match_the_reference(B, T, N, K, kind, cu):
+    args = inputs(B, T, N, K, 8, 5, seed=T + N, kind=kind)
+    rng = np.random.default_rng(0)
+    do, dlse = rng.standard_normal((B, T, N, 5)), rng.standard_normal((B, T, N))
+
+    def fn(*a):
+        return fpa_attention(
+            *a, return_lse=True, implementation="pallas", block_size=16, cu_seqlens=cu
+        )
+
+    (o, lse), grads = grads_of(fn, args, (jnp.asarray(do), jnp.asarray(dlse)))
+    parts = [(0, T)] if cu is None else list(itertools.pairwise(cu))
+    for start, stop in parts:
+        window = slice(start, stop)
+        expected = expected_fpa(
+            [a[:, window] for a in args], do[:, window], dlse[:, window], N // K
+        )
+        assert rel(canonical(o[:, window]), expected[0]) <= 1e-12
+        assert rel(np.swapaxes(lse[:, window], 1, 2), expected[1]) <= 1e-12
+        for g, r in zip(grads, expected[2], strict=True):
+            g = np.asarray(g)[:, window]
+            assert rel(canonical(g) if g.ndim == 4 else np.swapaxes(g, 1, 2), r) <= 1e-12
+
+
+def test_fox_kernels_match_the_reference_with_unit_gates():
+    B, T, N, H = 1, 40, 2, 8
+    rng = np.random.default_rng(1)
+    q, k, v = rng.standard_normal((3, B, T, N, H))
+    log_f = -rng.exponential(0.5, (B, T, N))
+    log_f[rng.random(log_f.shape) < 0.4] = 0.0  # f = 1: ties of (F6)
+    do = rng.standard_normal((B, T, N, H))
+    fn = lambda *a: fox_attention(*a, implementation="pallas", block_size=16)  # noqa: E731
+    o, grads = grads_of(fn, (q, k, v, log_f), jnp.asarray(do))
+    args = [canonical(a) for a in (q, k, v, log_f)]
+    assert rel(canonical(o), ref.fox_attention_direct(*args)) <= 1e-12
+    for g, r in zip(grads, ref.fox_attention_vjp(*args, canonical(do)), strict=True):
+        assert rel(canonical(g) if g.ndim == 4 else np.swapaxes(g, 1, 2), r) <= 1e-12
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_kernels_equal_their_xla_twin_in_low_precision(dtype):
+    """Same partial sums from the kernels and the XLA loop: outputs, lse and every gradient
+    agree to float32 rounding, and each comes back in the dtype of its input."""
+    args = inputs(1, 40, 2, 1, 16, 8, seed=2)
+    typed = [jnp.asarray(a, dtype if i < 3 else "float32") for i, a in enumerate(args)]
+    rng = np.random.default_rng(3)
+    do = jnp.asarray(rng.standard_normal((1, 40, 2, 8)), dtype)
+    dlse = jnp.asarray(rng.standard_normal((1, 40, 2)), jnp.float32)
+    results = {}
+    for impl in ("pallas", "xla"):
+        fn = lambda *a, impl=impl: fpa_attention(  # noqa: E731
+            *a, return_lse=True, implementation=impl, block_size=16
+        )
+        (o, lse), pullback = jax.vjp(fn, *typed)
+        results[impl] = [o, lse, *pullback((do, dlse))]
+    for got, twin, x in zip(results["pallas"][2:], results["xla"][2:], typed, strict=True):
+        assert got.dtype == twin.dtype == x.dtype
+    for got, twin in zip(results["pallas"], results["xla"], strict=True):
+        assert rel(got, np.asarray(twin, np.float64)) <= 1e-5
+
+
+def test_vmap_of_grad_through_the_kernels():
+    """The kernels batch under vmap (the pallas_call batching rule) inside the custom VJP."""
+    E, T, N, H = 2, 20, 2, 8
+    args = inputs(E, T, N, N, H, H, seed=4)
+    args = [a[:, None] for a in args]  # an extra leading axis over examples, B = 1
+    w = np.random.default_rng(5).standard_normal((E, 1, T, N, H))
+
+    def loss(q, k, v, field, level, w):
+        o = fpa_attention(q, k, v, field, level, implementation="pallas", block_size=16)
+        return jnp.vdot(o, w)
+
+    grads = jax.vmap(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(*map(jnp.asarray, (*args, w)))
+    for e in range(E):
+        x = [canonical(a[e]) for a in args[:3]] + [np.swapaxes(a[e], 1, 2) for a in args[3:]]
+        expected = ref.fpa_attention_vjp(*x, canonical(w[e]))
+        for got, want in zip(grads, expected, strict=True):
+            got = np.asarray(got[e])
+            assert rel(canonical(got) if got.ndim == 4 else np.swapaxes(got, 1, 2), want) < 1e-12
+
+
+@pytest.mark.parametrize("kind", ["fpa", "fox"])
+def test_kernels_lower_through_the_gpu_triton_path(kind):
+    """Cross-platform lowering for CUDA on this CPU machine: the three kernels (forward, dq, dkv)
+    pass Pallas' Triton lowering (supported ops, block shapes) for bfloat16 inputs, GQA,
+    packed sequences and a ragged T. Compiling and running them needs the GPU check."""
+    q = jax.ShapeDtypeStruct((1, 300, 4, 96), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 300, 2, 96), jnp.bfloat16)
+    s = jax.ShapeDtypeStruct((1, 300, 4), jnp.float32)
+    op = fpa_attention if kind == "fpa" else fox_attention
+    scalars = (s, s) if kind == "fpa" else (s,)
+
+    def loss(*a):
+        o = op(*a, implementation="pallas", interpret=False, cu_seqlens=(0, 100, 300))
+        return jnp.sum(o.astype(jnp.float32))
+
+    step = jax.grad(loss, argnums=tuple(range(3 + len(scalars))))
+    lowered = jax.jit(step).trace(q, kv, kv, *scalars).lower(lowering_platforms=("cuda",))
+    assert lowered.as_text().count("xla.gpu.triton") == 3
