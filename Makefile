@@ -36,10 +36,12 @@ $(STAMP): pyproject.toml requirements-ci.txt $(FILE_LIST)
 
 install: $(STAMP)
 
-# The main job: theorem checks, then the conformance report of every backend available here.
+# The main job: theorem checks, then the conformance report of every backend available here
+# (or of a comma-separated list: make verify BACKENDS=numpy,torch,jax).
+BACKENDS ?= available
 verify: $(STAMP)
 	$(PY) -m attnspec.theory
-	$(PY) -m attnspec.conformance --backend available
+	$(PY) -m attnspec.conformance --backend $(BACKENDS)
 
 test: lint typecheck
 	$(PY) -m mkdocs build --strict --quiet

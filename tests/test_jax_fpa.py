@@ -311,3 +311,10 @@ def test_decode_steps_compose_and_report_overflow():
         fpa_decode_step(
             fpa_cache(2, 2, 4, 4, 3), q[:, 0], k[:, 0], v[:, 0], field[:, 0], level[:, 0]
         )
+
+
+@pytest.mark.parametrize("theta", [0.0, -1.0, float("nan"), 2 + 1j])
+def test_decode_rejects_a_threshold_that_is_not_positive(theta):
+    q, k, v, field, level = (jnp.asarray(x) for x in draw(1, 4, 2, 1, 4, 3, seed=11))
+    with pytest.raises(ValueError, match="theta: expected a positive threshold"):
+        fpa_decode(q, k, v, field, level, theta=theta)
