@@ -1,6 +1,7 @@
 """``bench/gpu_check.sh --dry-run``: the GPU check's own script path on CPU (Triton interpreter,
-tiny shapes, one timing repetition), with the sections of this project's FPA kernels; the S4D
-section's dry run has its own test (tests/test_triton_interdomain.py)."""
+tiny shapes, one timing repetition): the sections of the Triton FPA kernels, and the Pallas
+section on its own (so the two run in parallel); the S4D section's dry run has its own test
+(tests/test_triton_interdomain.py)."""
 
 import importlib.util
 import json
@@ -46,3 +47,23 @@ def test_gpu_check_dry_run(tmp_path):
     impls = {(r["impl"], r["mode"]) for r in fpa["rows"]}
     assert impls == {(i, m) for i in ("FPA", "FoX", "fla", "SDPA") for m in ("fwd", "fwd+bwd")}
     assert all(r["ms"] > 0 for r in fpa["rows"])
+
+
+def test_gpu_check_dry_run_of_the_pallas_section(tmp_path):
+    pytest.importorskip("jax")
+    env = os.environ | {"PYTHON": sys.executable, "OUT": str(tmp_path)}
+    result = subprocess.run(
+        ["bash", "bench/gpu_check.sh", "--dry-run", "--sections", "pallas"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert (tmp_path / "sections.txt").read_text().split()[:2] == ["pallas", "0"]
+    pallas = json.loads((tmp_path / "pallas.json").read_text())
+    assert {c["line"].split()[0] for c in pallas["checks"]} == {"fpa", "fox"}
+    assert all(c["passed"] for c in pallas["checks"])
+    assert {r["impl"] for r in pallas["timings"]} >= {"fpa pallas", "fox pallas"}
+    assert all(r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 for r in pallas["timings"])
