@@ -78,3 +78,27 @@ def test_adapter_keeps_dtypes_and_the_process_settings():
         for op in ("fpa_attention", "fox_attention")
         for suffix in ("", ".vjp", ".varlen", ".gqa")
     }
+
+
+def test_compiled_programs_stay_within_the_budget(monkeypatch):
+    """The adapters clear JAX's caches after PROGRAM_BUDGET distinct programs (each compiled
+    program keeps its code mapped; a process has a bounded number of maps), and the results
+    after a clear are still the reference's."""
+    from attnspec.backends.jax import kit
+    from attnspec.conformance import runner
+
+    monkeypatch.setattr(kit, "PROGRAM_BUDGET", 2)
+    monkeypatch.setattr(kit, "_programs", set())
+    ids = ["fpa/shapes/0", "fpa/headdim/0", "fox/shapes/0", "fpa/shapes/0"]
+    seen = []
+    original = kit._count_program
+
+    def watch(*args):
+        original(*args)
+        seen.append((len(kit._programs), kit._joint._cache_size()))
+
+    monkeypatch.setattr(kit, "_count_program", watch)
+    report = runner.run(get_backend("jax"), [cases.build_case(i) for i in ids], ["float32"])
+    assert all(r.verdict == "passed" for r in report.results), report.results
+    assert max(n for n, _ in seen) <= 2
+    assert any(size == 0 for _, size in seen[1:])  # a clear happened before a compilation

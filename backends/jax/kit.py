@@ -12,6 +12,11 @@ exact: the ops are causal (real rows never see padded tokens, padded cotangents 
 head dims leave every dot product unchanged, and padded value channels come out zero. Packed
 sequences and decoding keep their T (static offsets; kept fractions count real tokens only).
 
+Compilation budget [decision]: every compiled program keeps its machine code mapped (about 70
+memory maps each on XLA:CPU), and a process may hold 65,530 maps, so the full kit on four dtypes
+(about 1,000 programs) ended in "LLVM compilation error: Cannot allocate memory". The adapters
+count the distinct programs they ask for and clear JAX's caches every ``PROGRAM_BUDGET`` of them.
+
 ``jax``: every op, by the XLA implementation. ``pallas``: FPA and FoX by the Pallas kernels
 (interpreted on CPU); the other ops have no kernel and are reported as not implemented.
 """
@@ -100,6 +105,22 @@ def _fold_for(op: str, inputs: dict[str, jax.Array], params: dict[str, Any]) -> 
         return _Fold(B, H, T, 1, pad=True, pad_time=True)
     # interdomain_s4d: heads own parameters; a ratio readout's padding could divide by zero
     return _Fold(B, H, T, H, pad=not packed and params["readout"] == "linear", pad_time=True)
+
+
+PROGRAM_BUDGET = 128  # distinct compiled programs between two clears of JAX's caches
+_programs: set[tuple[Any, ...]] = set()
+
+
+def _count_program(op: str, impl: str, static: Any, arrays: dict[str, jax.Array]) -> None:
+    """Record the program a call compiles (or reuses); clear JAX's caches when the budget of
+    distinct programs is spent, before this one compiles."""
+    key = (op, impl, static, tuple((n, x.shape, x.dtype) for n, x in sorted(arrays.items())))
+    if key in _programs:
+        return
+    if len(_programs) >= PROGRAM_BUDGET:
+        jax.clear_caches()
+        _programs.clear()
+    _programs.add(key)
 
 
 FILL_ONE = ("fq", "fk")  # LegS features: positive padding keeps xi(q)^T u_0 > 0
@@ -261,6 +282,7 @@ class JaxBackend:
             fold = _fold_for(op, inputs, params)
             folded = _fold_inputs(fold, inputs)
             static = _static(op, inputs, params)
+            _count_program(op, self.implementation, static, folded)
             if op in self.VJPS:
                 outputs, _ = _joint(
                     op,
@@ -319,6 +341,7 @@ class JaxBackend:
             fold = _fold_for("fpa_decode", inputs, {})
             x = _fold_inputs(fold, inputs)
             scale = 1.0 / float(np.sqrt(q.shape[-1])) if scale is None else scale
+            _count_program("fpa_decode", self.implementation, theta, x)
             o, cache = decode.fpa_decode(
                 x["q"], x["k"], x["v"], x["field"], x["level"], theta=theta, scale=scale
             )
@@ -357,12 +380,14 @@ class JaxBackend:
 
     def fpa_layer(self, x: jax.Array, params: dict[str, jax.Array]) -> jax.Array:
         with jax.enable_x64(True):
+            _count_program("fpa_layer", self.implementation, None, {"x": x, **params})
             return layers.fpa_layer(x, params, implementation=self.implementation)
 
     def interdomain_layer(
         self, x: jax.Array, params: dict[str, jax.Array], *, readout: str = "linear"
     ) -> jax.Array:
         with jax.enable_x64(True):
+            _count_program("interdomain_layer", self.implementation, readout, {"x": x, **params})
             return layers.interdomain_layer(x, params, readout=readout)
 
     # ---------------------------------------------------------------- gradients
@@ -383,7 +408,9 @@ class JaxBackend:
             width = widths["v" if "v" in inputs else "vt"]
             cts = {n: fold.fold(c, width) for n, c in cotangents.items()}
             static = _static(op, inputs, params)
-            _, grads = _joint(op, self.implementation, static, _fold_inputs(fold, inputs), cts)
+            folded = _fold_inputs(fold, inputs)
+            _count_program(op, self.implementation, static, folded)
+            _, grads = _joint(op, self.implementation, static, folded, cts)
             return {
                 n: fold.unfold(g, inputs[n].shape[-1], inputs[n].shape[1])
                 if n not in S4D_PARAMS
