@@ -308,6 +308,25 @@ def _gram(c: torch.Tensor, BM: int, acc: torch.dtype) -> torch.Tensor:
 
 
 @triton.jit
+def _channel_block(
+    i_c: tl.tensor, NKB: tl.tensor, R: tl.tensor, V: tl.tensor, BC: tl.constexpr
+) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
+    """The state columns of channel block i_c: the first NKB blocks hold the R key-path channels,
+    the next ones the V value channels. Returns (index within its input, column of the state
+    [R + V], mask)."""
+    o_c = tl.arange(0, BC)
+    if i_c < NKB:
+        c_loc = i_c * BC + o_c
+        c_st = c_loc
+        m_c = c_loc < R
+    else:
+        c_loc = (i_c - NKB) * BC + o_c
+        c_st = R + c_loc
+        m_c = c_loc < V
+    return c_loc, c_st, m_c
+
+
+@triton.jit
 def _pow_at(
     tab: tl.tensor, k: tl.tensor, o_m: tl.tensor, TAB: tl.constexpr, BM: tl.constexpr
 ) -> tuple[tl.tensor, tl.tensor]:
@@ -752,16 +771,8 @@ def _s4d_state_pass(
     g0 = tl.load(chunk_offsets + i_n)
     o_m = tl.arange(0, BM)
     m_m = o_m < M
-    o_c = tl.arange(0, BC)
     o_t = tl.arange(0, BT)
-    if i_c < NKB:
-        c_loc = i_c * BC + o_c
-        c_st = c_loc
-        m_c = c_loc < R
-    else:
-        c_loc = (i_c - NKB) * BC + o_c
-        c_st = R + c_loc
-        m_c = c_loc < CV
+    c_loc, c_st, m_c = _channel_block(i_c, NKB, R, CV, BC)
     p_hm = (o_m[:, None] * C + c_st[None, :]) * 2
     m_hm = m_m[:, None] & m_c[None, :]
     b_re = tl.load(b + (i_h * M + o_m) * 2, mask=m_m, other=0.0).to(ACC)
@@ -1043,16 +1054,8 @@ def _s4d_reverse_state_pass(
     bos, eos = tl.load(cu + i_n), tl.load(cu + i_n + 1)
     g0 = tl.load(chunk_offsets + i_n)
     o_m = tl.arange(0, BM)
-    o_c = tl.arange(0, BC)
     o_t = tl.arange(0, BT)
-    if i_c < NKB:
-        c_loc = i_c * BC + o_c
-        c_st = c_loc
-        m_c = c_loc < R
-    else:
-        c_loc = (i_c - NKB) * BC + o_c
-        c_st = R + c_loc
-        m_c = c_loc < CV
+    c_loc, c_st, m_c = _channel_block(i_c, NKB, R, CV, BC)
     p_hm = (o_m[:, None] * C + c_st[None, :]) * 2
     m_hm = (o_m < M)[:, None] & m_c[None, :]
     pw_h = pw + i_h * 2 * TAB
@@ -1134,16 +1137,8 @@ def _s4d_chunk_grads(
     L = tl.load(chunk_info + i_g * 2 + 1) - t0
     o_m = tl.arange(0, BM)
     m_m = o_m < M
-    o_c = tl.arange(0, BC)
     o_t = tl.arange(0, BT)
-    if i_c < NKB:
-        c_loc = i_c * BC + o_c
-        c_st = c_loc
-        m_c = c_loc < R
-    else:
-        c_loc = (i_c - NKB) * BC + o_c
-        c_st = R + c_loc
-        m_c = c_loc < CV
+    c_loc, c_st, m_c = _channel_block(i_c, NKB, R, CV, BC)
     off = (i_g * H + i_h).to(tl.int64) * M * C * 2 + (o_m[:, None] * C + c_st[None, :]) * 2
     m_hm = m_m[:, None] & m_c[None, :]
     s_re = tl.load(states + off, mask=m_hm, other=0.0)
@@ -1734,16 +1729,8 @@ def _legs_state_pass(
     bos, eos = tl.load(cu + i_n), tl.load(cu + i_n + 1)
     g0 = tl.load(chunk_offsets + i_n)
     o_m = tl.arange(0, BM)
-    o_c = tl.arange(0, BC)
     o_t = tl.arange(0, BT)
-    if i_c < NKB:
-        c_loc = i_c * BC + o_c
-        c_st = c_loc
-        m_c = c_loc < R
-    else:
-        c_loc = (i_c - NKB) * BC + o_c
-        c_st = R + c_loc
-        m_c = c_loc < V
+    c_loc, c_st, m_c = _channel_block(i_c, NKB, R, V, BC)
     p_hm = o_m[:, None] * C + c_st[None, :]
     m_hm = (o_m < M)[:, None] & m_c[None, :]
     s = tl.zeros([BM, BC], dtype=ACC)
@@ -1925,16 +1912,8 @@ def _legs_reverse_state_pass(
     bos, eos = tl.load(cu + i_n), tl.load(cu + i_n + 1)
     g0 = tl.load(chunk_offsets + i_n)
     o_m = tl.arange(0, BM)
-    o_c = tl.arange(0, BC)
     o_t = tl.arange(0, BT)
-    if i_c < NKB:
-        c_loc = i_c * BC + o_c
-        c_st = c_loc
-        m_c = c_loc < R
-    else:
-        c_loc = (i_c - NKB) * BC + o_c
-        c_st = R + c_loc
-        m_c = c_loc < V
+    c_loc, c_st, m_c = _channel_block(i_c, NKB, R, V, BC)
     p_hm = o_m[:, None] * C + c_st[None, :]
     m_hm = (o_m < M)[:, None] & m_c[None, :]
     d = tl.zeros([BM, BC], dtype=ACC)
