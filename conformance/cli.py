@@ -10,6 +10,7 @@ import argparse
 import os
 import sys
 import textwrap
+import time
 from collections.abc import Callable
 from importlib import metadata
 from typing import TYPE_CHECKING, TextIO
@@ -55,10 +56,19 @@ def quiet_on_broken_pipe(command: Callable[[], int]) -> int:
         return BROKEN_PIPE
 
 
-def _progress(stream: TextIO) -> Callable[[int, int, CaseResult], None] | None:
-    """A one-line progress display on terminals; silent otherwise."""
+def _progress(stream: TextIO) -> Callable[[int, int, CaseResult], None]:
+    """A one-line progress display on terminals; elsewhere (logs, pipes) one line per tenth of
+    the run, with the time so far, so a long run is never silent for long."""
     if not stream.isatty():
-        return None
+        start = time.perf_counter()
+
+        def log(n: int, total: int, result: CaseResult) -> None:
+            if n * 10 // total > (n - 1) * 10 // total:
+                seconds = time.perf_counter() - start
+                stream.write(f"[{n:>5}/{total}] {n * 100 // total:>3}%  {seconds:.0f} s\n")
+                stream.flush()
+
+        return log
 
     def show(n: int, total: int, result: CaseResult) -> None:
         stream.write(f"\r[{n:>5}/{total}] {result.case_id:<32} {result.dtype:<8} {result.kind:<17}")

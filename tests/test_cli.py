@@ -211,3 +211,14 @@ def test_a_reader_that_leaves_before_the_first_line():
         err = proc.stderr.read()
         assert proc.wait(timeout=120) == BROKEN_PIPE
         assert err == ""
+
+
+def test_a_run_into_a_log_reports_progress_by_tenths(capsys):
+    # capsys's stderr is not a terminal: one line per tenth, the last at 100%, nothing else.
+    args = ["--cases", "fox/shapes", "fox/scale", "--dtypes", "float64", "float32"]
+    assert main(["conformance", "--backend", "numpy", *args]) == 0
+    out, err = capsys.readouterr()
+    lines = err.splitlines()
+    total = int(lines[-1].split("/")[1].split("]")[0])
+    assert len(lines) == min(10, total) and lines[-1].split()[-3] == "100%"
+    assert f"{total} passed, 0 failed" in out
