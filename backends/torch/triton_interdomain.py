@@ -352,6 +352,23 @@ def _rows(
 
 
 @triton.jit
+def _store_rows(
+    dst: tl.tensor,
+    x: tl.tensor,
+    tok: tl.tensor,
+    i_h: tl.tensor,
+    H: tl.tensor,
+    W: tl.tensor,
+    o_d: tl.tensor,
+    m_t: tl.tensor,
+) -> None:
+    """Store x into rows tok of a [T, H, W] tensor, head i_h, columns o_d (the mirror of
+    ``_rows``), in the tensor's dtype."""
+    ptr = dst + (tok.to(tl.int64)[:, None] * H + i_h) * W + o_d[None, :]
+    tl.store(ptr, x.to(dst.dtype.element_ty), mask=m_t[:, None] & (o_d < W)[None, :])
+
+
+@triton.jit
 def _modes_rows(
     buf: tl.tensor, tok: tl.tensor, i_h: tl.tensor, H: tl.tensor, m_t: tl.tensor, BM: tl.constexpr
 ) -> tuple[tl.tensor, tl.tensor]:
@@ -884,8 +901,7 @@ def _s4d_output(
     if RATIO:
         out = out / tl.where(m_t, den, 1.0)[:, None]  # (I13) ratio readout
     o_v = tl.arange(0, BV)
-    p_o = o + (tok.to(tl.int64)[:, None] * H + i_h) * V + o_v[None, :]
-    tl.store(p_o, out.to(o.dtype.element_ty), mask=m_t[:, None] & (o_v < V)[None, :])
+    _store_rows(o, out, tok, i_h, H, V, o_v, m_t)
 
 
 @triton.jit
@@ -979,8 +995,7 @@ def _s4d_bwd_modes(
         den = tl.where(m_t, den, 1.0)
         dnum = dnum / den[:, None]
         dden = -tl.sum(dnum * num, axis=1) / den  # -<do, o> / den
-        p_dn = dnum_buf + (tok.to(tl.int64)[:, None] * H + i_h) * V + o_v[None, :]
-        tl.store(p_dn, dnum, mask=m_t[:, None] & (o_v < V)[None, :])
+        _store_rows(dnum_buf, dnum, tok, i_h, H, V, o_v, m_t)
         tl.store(dden_buf + tok.to(tl.int64) * H + i_h, dden, mask=m_t)
     gq_re, gq_im, gqt_re, gqt_im, gqd_re, gqd_im = _s4d_modes(
         dnum, vt, V, s0, R, pw_h, dpw_h, b_re, b_im,
@@ -995,8 +1010,7 @@ def _s4d_bwd_modes(
         BT, BS, BR, BM, TAB, False, DIAG_LOOP, ACC, PREC,
     )  # fmt: skip
     o_r = tl.arange(0, BR)
-    p_dq = dfq + (tok.to(tl.int64)[:, None] * H + i_h) * R + o_r[None, :]
-    tl.store(p_dq, dq.to(dfq.dtype.element_ty), mask=m_t[:, None] & (o_r < R)[None, :])
+    _store_rows(dfq, dq, tok, i_h, H, R, o_r, m_t)
     _store_modes(p_buf, p_re, p_im, tok, i_h, H, m_t, BM)
     _store_modes(qe_buf, qe_re, qe_im, tok, i_h, H, m_t, BM)
     _store_modes(gq_buf, gq_re, gq_im, tok, i_h, H, m_t, BM)
@@ -1241,15 +1255,13 @@ def _s4d_bwd_inputs(
         t0, t1, j_s, tok, m_t, i_h, H, C, M, BT, BS, BR, BM, TAB, DIAG_LOOP, ACC, PREC,
     )  # fmt: skip
     o_r = tl.arange(0, BR)
-    p_dk = dkt + (tok.to(tl.int64)[:, None] * H + i_h) * R + o_r[None, :]
-    tl.store(p_dk, dk.to(dkt.dtype.element_ty), mask=m_t[:, None] & (o_r < R)[None, :])
+    _store_rows(dkt, dk, tok, i_h, H, R, o_r, m_t)
     dv = _s4d_adjoint_inputs(
         qe_buf, dnum, V, d_st, R, pw_h, b_re, b_im, fe_re, fe_im, bu_re, bu_im,
         t0, t1, j_s, tok, m_t, i_h, H, C, M, BT, BS, BV, BM, TAB, DIAG_LOOP, ACC, PREC,
     )  # fmt: skip
     o_v = tl.arange(0, BV)
-    p_dv = dvt + (tok.to(tl.int64)[:, None] * H + i_h) * V + o_v[None, :]
-    tl.store(p_dv, dv.to(dvt.dtype.element_ty), mask=m_t[:, None] & (o_v < V)[None, :])
+    _store_rows(dvt, dv, tok, i_h, H, V, o_v, m_t)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1799,8 +1811,7 @@ def _legs_output(
     )  # fmt: skip
     out = num / tl.where(m_t, den, 1.0)[:, None]  # (I3)
     o_v = tl.arange(0, BV)
-    p_o = o + (tok.to(tl.int64)[:, None] * H + i_h) * V + o_v[None, :]
-    tl.store(p_o, out.to(o.dtype.element_ty), mask=m_t[:, None] & (o_v < V)[None, :])
+    _store_rows(o, out, tok, i_h, H, V, o_v, m_t)
 
 
 @triton.jit
@@ -1873,13 +1884,11 @@ def _legs_bwd_modes(
         BT, BS, BR, BM, BMB, True, ACC, PREC,
     )  # fmt: skip
     o_r = tl.arange(0, BR)
-    p_dq = dfq + (tok.to(tl.int64)[:, None] * H + i_h) * R + o_r[None, :]
-    tl.store(p_dq, dq.to(dfq.dtype.element_ty), mask=m_t[:, None] & (o_r < R)[None, :])
+    _store_rows(dfq, dq, tok, i_h, H, R, o_r, m_t)
     p_m = (tok.to(tl.int64)[:, None] * H + i_h) * BM + o_m[None, :]
     tl.store(p_buf + p_m, p, mask=m_t[:, None])
     tl.store(gp_buf + p_m, gp, mask=m_t[:, None])
-    p_dn = dnum_buf + (tok.to(tl.int64)[:, None] * H + i_h) * V + o_v[None, :]
-    tl.store(p_dn, dnum, mask=m_t[:, None] & (o_v < V)[None, :])
+    _store_rows(dnum_buf, dnum, tok, i_h, H, V, o_v, m_t)
 
 
 @triton.jit
@@ -1977,15 +1986,13 @@ def _legs_bwd_inputs(
         BT, BS, BR, BM, ACC, PREC,
     )  # fmt: skip
     o_r = tl.arange(0, BR)
-    p_dk = dfk + (tok.to(tl.int64)[:, None] * H + i_h) * R + o_r[None, :]
-    tl.store(p_dk, dk.to(dfk.dtype.element_ty), mask=m_t[:, None] & (o_r < R)[None, :])
+    _store_rows(dfk, dk, tok, i_h, H, R, o_r, m_t)
     dz = _legs_adjoint_inputs(
         p_buf, dnum, V, d_st, R, ktab, t0, t1, j_s, tok, pos0, m_t, i_h, H, C, M,
         BT, BS, BV, BM, ACC, PREC,
     )  # fmt: skip
     o_v = tl.arange(0, BV)
-    p_dv = dv + (tok.to(tl.int64)[:, None] * H + i_h) * V + o_v[None, :]
-    tl.store(p_dv, dz.to(dv.dtype.element_ty), mask=m_t[:, None] & (o_v < V)[None, :])
+    _store_rows(dv, dz, tok, i_h, H, V, o_v, m_t)
 
 
 # --------------------------------------------------------------------------------------------
