@@ -9,30 +9,14 @@ import subprocess
 import sys
 import textwrap
 
-os.environ.setdefault(
-    "XLA_FLAGS",
-    "--xla_cpu_use_fusion_emitters=false --xla_backend_optimization_level=0",
-)
-
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
+from jax_support import rel, x64  # noqa: F401  (x64: autouse fixture)
 
 from attnspec.backends.jax import fox_attention, fpa_attention, interdomain_s4d
 from attnspec.reference import fpa as ref
 from attnspec.reference import interdomain as ref_idm
-
-
-@pytest.fixture(autouse=True)
-def x64():
-    with jax.enable_x64(True):
-        yield
-
-
-def rel(x, r) -> float:
-    x = np.asarray(x, dtype=np.float64)
-    return float(np.linalg.norm(x - r) / max(np.linalg.norm(r), 1e-300))
 
 
 def canonical(x):

@@ -5,19 +5,12 @@ formula; float64 runs inside ``jax.enable_x64`` for the test only (the fixture b
 """
 
 import itertools
-import os
-
-# XLA:CPU compiles these small programs several times faster with these settings (they change
-# code generation effort only, not results); they apply if jax has not started yet.
-os.environ.setdefault(
-    "XLA_FLAGS",
-    "--xla_cpu_use_fusion_emitters=false --xla_backend_optimization_level=0",
-)
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax_support import canonical, rel, x64  # noqa: F401  (x64: autouse fixture)
 
 from attnspec.backends.jax import (
     fox_attention,
@@ -30,22 +23,6 @@ from attnspec.reference import fpa as ref
 
 TOL = {"float64": 1e-12, "float32": 1e-5, "float16": 5e-3, "bfloat16": 2e-2}
 GRAD_TOL = {"float64": 1e-12, "float32": 1e-4, "float16": 5e-3, "bfloat16": 2e-2}
-
-
-@pytest.fixture(autouse=True)
-def x64():
-    with jax.enable_x64(True):
-        yield
-
-
-def rel(x, r) -> float:
-    x = np.asarray(x, dtype=np.float64)
-    return float(np.linalg.norm(x - r) / max(np.linalg.norm(r), 1e-300))
-
-
-def canonical(x):
-    """[B, T, N, ...] -> (B, N, T, ...), the reference's layout."""
-    return np.swapaxes(np.asarray(x, dtype=np.float64), 1, 2)
 
 
 def draw(B, T, N, K, H, Hv, seed=0, field_kind="walk"):

@@ -1,17 +1,12 @@
 """The JAX backend's Interdomain ops, decode state and layers against the reference."""
 
 import itertools
-import os
-
-os.environ.setdefault(
-    "XLA_FLAGS",
-    "--xla_cpu_use_fusion_emitters=false --xla_backend_optimization_level=0",
-)
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax_support import canonical, rel, x64  # noqa: F401  (x64: autouse fixture)
 
 from attnspec.backends.jax import (
     fpa_layer,
@@ -24,21 +19,6 @@ from attnspec.backends.jax import (
 from attnspec.reference import fpa as ref_fpa
 from attnspec.reference import hippo
 from attnspec.reference import interdomain as ref
-
-
-@pytest.fixture(autouse=True)
-def x64():
-    with jax.enable_x64(True):
-        yield
-
-
-def rel(x, r) -> float:
-    x = np.asarray(x, dtype=np.float64)
-    return float(np.linalg.norm(x - r) / max(np.linalg.norm(r), 1e-300))
-
-
-def canonical(x):
-    return np.swapaxes(np.asarray(x, dtype=np.float64), 1, 2)
 
 
 def ssm(N, M, rng, dt=(0.01, 0.3), ratio=False):

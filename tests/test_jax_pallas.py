@@ -5,35 +5,15 @@ program per tile in the interpreter).
 """
 
 import itertools
-import os
-
-os.environ.setdefault(
-    "XLA_FLAGS",
-    "--xla_cpu_use_fusion_emitters=false --xla_backend_optimization_level=0",
-)
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax_support import canonical, rel, x64  # noqa: F401  (x64: autouse fixture)
 
 from attnspec.backends.jax import fox_attention, fpa_attention
 from attnspec.reference import fpa as ref
-
-
-@pytest.fixture(autouse=True)
-def x64():
-    with jax.enable_x64(True):
-        yield
-
-
-def rel(x, r) -> float:
-    x = np.asarray(x, dtype=np.float64)
-    return float(np.linalg.norm(x - r) / max(np.linalg.norm(r), 1e-300))
-
-
-def canonical(x):
-    return np.swapaxes(np.asarray(x, dtype=np.float64), 1, 2)
 
 
 def inputs(B, T, N, K, H, Hv, seed, kind="walk"):
