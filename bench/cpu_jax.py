@@ -22,9 +22,6 @@ import importlib.util
 import json
 import os
 import platform
-import resource
-import statistics
-import subprocess
 import sys
 import time
 
@@ -36,31 +33,20 @@ from attnspec.backends.jax import fox_attention, fpa_attention, interdomain_legs
 from attnspec.reference import fpa, hippo
 from attnspec.reference import interdomain as idm
 
-B, H, D, M = 1, 2, 64, 64  # batch, heads, head dim (K = V = R), LegS/S4D modes
-REFERENCE_BUDGET = 4 * 2**30  # bytes the reference's intermediates may take
-ROW = "| {:<4} | {:>5} | {:<22} | {:>10} | {:>12} | {:>11} | {:>15} |"
-
-
-def median_time(fn, min_runs: int = 3, min_seconds: float = 1.0) -> float:
-    """Median wall time of ``fn()`` (which blocks until its results exist) after a warm-up."""
-    fn()
-    times = []
-    while len(times) < min_runs or (sum(times) < min_seconds and len(times) < 20):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def reference_bytes(op: str, T: int) -> int:
-    """What the reference allocates at its peak, roughly (float64 / complex128)."""
-    if op in ("FPA", "FoX"):
-        return 12 * B * H * T * T * 8  # (T, T) arrays of the VJP: m, p, G, masks, t*
-    C = B * H * (2 * D + 1)
-    if op == "LegS":
-        return 5 * T * M * C * 8
-    return 6 * T * M * C * 16
-
+if __package__ in (None, ""):  # run as a file: make the repository root importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.cpu_common import (
+    REFERENCE_BUDGET,
+    ROW,
+    B,
+    D,
+    H,
+    M,
+    median_time,
+    peak_memory,
+    peak_rss,
+    reference_bytes,
+)
 
 # --------------------------------------------------------------------------------------------
 # Inputs in the JAX layout [B, T, H, D] and the timed functions
@@ -195,19 +181,6 @@ def torch_pair(op: str, x: dict):
 # Peak memory of FPA forward+backward at T = 32768, in a child process
 
 
-def peak_rss() -> int:
-    """This process's peak resident set size in bytes: VmHWM of /proc/self/status (reset by
-    exec, unlike ru_maxrss, which a child started from a large parent inherits on Linux)."""
-    try:
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def peak_memory_child(T: int) -> None:
     rng = np.random.default_rng(0)
     q, k, v, do = (jnp.asarray(rng.standard_normal((1, T, 1, 64)), jnp.float32) for _ in range(4))
@@ -226,16 +199,6 @@ def peak_memory_child(T: int) -> None:
     seconds = time.perf_counter() - start
     peak = peak_rss()
     print(json.dumps({"before": before, "peak": peak, "scratch": scratch, "seconds": seconds}))
-
-
-def peak_memory(T: int) -> dict:
-    done = subprocess.run(
-        [sys.executable, __file__, "--peak-memory-child", str(T)],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 # --------------------------------------------------------------------------------------------
@@ -308,7 +271,7 @@ def main(argv=None) -> int:
     print("compilation (forward and forward+backward, once per shape): " + "; ".join(compile_notes))
     if not args.skip_peak_memory:
         T = 32768
-        m = peak_memory(T)
+        m = peak_memory(__file__, T)
         print(
             f"FPA forward+backward, T = {T}, B = H = 1, D = 64, float32: peak RSS "
             f"{m['peak'] / 2**30:.2f} GiB (process before the step {m['before'] / 2**30:.2f} GiB), "

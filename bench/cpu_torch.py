@@ -20,9 +20,6 @@ import datetime
 import json
 import os
 import platform
-import resource
-import statistics
-import subprocess
 import sys
 import time
 
@@ -40,31 +37,20 @@ from attnspec.backends.torch import (
 from attnspec.reference import fpa, hippo
 from attnspec.reference import interdomain as idm
 
-B, H, D, M = 1, 2, 64, 64  # batch, heads, head dim (K = V = R), S4D/LegS modes
-REFERENCE_BUDGET = 4 * 2**30  # bytes the reference's intermediates may take
-ROW = "| {:<4} | {:>5} | {:<22} | {:>10} | {:>12} | {:>11} | {:>15} |"
-
-
-def median_time(fn, min_runs: int = 3, min_seconds: float = 1.0) -> float:
-    """Median wall time of ``fn()`` after one warm-up call."""
-    fn()
-    times = []
-    while len(times) < min_runs or (sum(times) < min_seconds and len(times) < 20):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def reference_bytes(op: str, T: int) -> int:
-    """What the reference allocates at its peak, roughly (float64 / complex128)."""
-    if op in ("FPA", "FoX"):
-        return 12 * B * H * T * T * 8  # (T, T) arrays of the VJP: m, p, G, masks, t*
-    C = B * H * (2 * D + 1)
-    if op == "LegS":
-        return 5 * T * M * C * 8  # coefficients (T, M, C), readout and their cotangents
-    return 6 * T * M * C * 16  # complex states (T, M, C), C x, and their cotangents
-
+if __package__ in (None, ""):  # run as a file: make the repository root importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.cpu_common import (
+    REFERENCE_BUDGET,
+    ROW,
+    B,
+    D,
+    H,
+    M,
+    median_time,
+    peak_memory,
+    peak_rss,
+    reference_bytes,
+)
 
 # --------------------------------------------------------------------------------------------
 # Inputs and the timed functions of each implementation
@@ -173,19 +159,6 @@ def interdomain_rows(op: str, T: int, gen: torch.Generator):
 # Peak memory of FPA forward+backward at T = 32768, in a child process
 
 
-def peak_rss() -> int:
-    """This process's peak resident set size in bytes: VmHWM of /proc/self/status (reset by
-    exec, unlike ru_maxrss, which a child started from a large parent inherits on Linux)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def peak_memory_child(T: int) -> None:
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, T, 1, 64, generator=gen).requires_grad_() for _ in range(3))
@@ -197,16 +170,6 @@ def peak_memory_child(T: int) -> None:
     fpa_attention(q, k, v, field, level).backward(do)
     seconds = time.perf_counter() - start
     print(json.dumps({"before": before, "peak": peak_rss(), "seconds": seconds}))
-
-
-def peak_memory(T: int) -> dict:
-    out = subprocess.run(
-        [sys.executable, __file__, "--peak-memory-child", str(T)],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 # --------------------------------------------------------------------------------------------
@@ -311,7 +274,7 @@ def main(argv=None) -> int:
 
     if not args.skip_peak_memory:
         print("\n  measuring peak memory at T = 32768 ...", file=sys.stderr, flush=True)
-        mem = peak_memory(32768)
+        mem = peak_memory(__file__, 32768)
         gib = 2**30
         print(
             f"\nFPA forward+backward, T = 32768, B = H = 1, K = V = 64, float32: peak RSS "
