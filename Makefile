@@ -67,7 +67,7 @@ clean:
 	rm -rf $(VENV) build site *.egg-info .pytest_cache .ruff_cache .hypothesis .mypy_cache
 
 # The documentation site, into site/ (open site/index.html; no network needed to read it).
-# The first build fetches the pinned KaTeX package with npm into build/katex/.
+# Math is rendered by the KaTeX release vendored in docs/assets/katex/ (checked by docs/hooks/katex.py).
 docs: $(STAMP)
 	$(PY) -m mkdocs build --strict
 

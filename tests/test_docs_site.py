@@ -16,7 +16,9 @@ yaml = pytest.importorskip("yaml")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCREENSHOTS = os.path.join(ROOT, "build", "docs-check")
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-ENV = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+# The build needs nothing beyond the environment `make` installs: no npm, no Node.js (the PATH
+# holds only the interpreter's folder).
+ENV = {**os.environ, "NO_MKDOCS_2_WARNING": "1", "PATH": os.path.dirname(sys.executable)}
 
 
 def mkdocs_build(config: str, site: str) -> subprocess.CompletedProcess:
@@ -64,6 +66,28 @@ def test_math_is_left_for_the_bundled_katex(site):
     for asset in ("katex.min.js", "katex.min.css", "fonts/KaTeX_Main-Regular.woff2"):
         assert os.path.isfile(os.path.join(site, "assets", "katex", asset)), asset
     assert '<script src="../assets/katex/katex.min.js"' in fpa
+
+
+def test_the_vendored_katex_is_checked_file_by_file(tmp_path):
+    sys.path.insert(0, os.path.join(ROOT, "docs", "hooks"))
+    try:
+        import katex
+    finally:
+        sys.path.pop(0)
+    assert katex.check_vendored() == []
+    copy = tmp_path / "katex"
+    shutil.copytree(katex.VENDORED, copy)
+    with open(copy / "katex.min.js", "ab") as fh:
+        fh.write(b";")
+    (copy / "fonts" / "KaTeX_Main-Regular.woff2").unlink()
+    (copy / "extra.js").write_text("")
+    assert katex.check_vendored(str(copy)) == [
+        "fonts/KaTeX_Main-Regular.woff2 is missing",
+        "katex.min.js differs from the release (sha256)",
+        "extra.js is not part of the release",
+    ]
+    (copy / "SHA256SUMS").write_text("")
+    assert "expected sha256" in katex.check_vendored(str(copy))[0]
 
 
 def test_pages_load_nothing_from_the_network(site):
