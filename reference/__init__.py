@@ -54,6 +54,7 @@ from .interdomain import (
     interdomain_s4d_vjp,
     linear_attention,
     rms_norm,
+    s4d_b_bar,
     s4d_lambda,
     short_conv,
 )
@@ -100,6 +101,7 @@ __all__ = [
     "linear_attention",
     "live_keys",
     "rms_norm",
+    "s4d_b_bar",
     "s4d_init",
     "s4d_lambda",
     "segment_argmin",

@@ -4,7 +4,8 @@ The executable statement of ``shared/spec/fpa.md``; labels in comments (``# (F3)
 Everything is float64; positions are 0-based: the spec's segment (j, i] is ``range(j + 1, i + 1)``.
 
 Shapes: q, k (..., T, dk); v (..., T, dv); field, level (..., T). Any leading batch dims are allowed
-and must agree exactly across arguments; nothing is broadcast. No axis may be empty.
+and must agree exactly across arguments; nothing is broadcast. No axis may be empty but the
+batch dims: an empty batch (B = 0) gives empty results of the right shape, as SDPA does.
 
 Costs are stated per function with n = the product of the leading dims; the parallel forms hold a
 few (n, T, T) float64 arrays at once (8 n T^2 bytes each), e.g. about 1.1 GB for
@@ -22,6 +23,7 @@ from scipy.special import logsumexp
 
 from .validation import (
     check_shape,
+    empty_batch_call,
     finite_result,
     nonnegative_int,
     positive_int,
@@ -251,6 +253,15 @@ def fpa_attention(
     Inputs whose logits could overflow float64 (|s| max ||q_i|| max ||k_j|| >= 9e307) are a
     ValueError, not NaN.
     """
+    empty = empty_batch_call(
+        fpa_attention,
+        dict(q=q, k=k, v=v, field=field, level=level),
+        dict(q=2, k=2, v=2, field=1, level=1),
+        scale=scale,
+        return_lse=return_lse,
+    )
+    if empty is not None:  # B = 0
+        return empty
     q, k, v, field, level, s = _check_fpa(q, k, v, field, level, scale)
     # --8<-- [start:f3]
     pi = descent_depth(field, level)  # (F2) (..., T, T)
@@ -384,6 +395,16 @@ def fox_attention(
 
     Cost: that of :func:`fpa_attention`, O(n T^2 (dk + dv)) time and O(n T^2) memory.
     """
+    empty = empty_batch_call(
+        fox_attention,
+        dict(q=q, k=k, v=v, log_f=log_f),
+        dict(q=2, k=2, v=2, log_f=1),
+        fill={"log_f": 0.0},
+        scale=scale,
+        return_lse=return_lse,
+    )
+    if empty is not None:  # B = 0
+        return empty
     q, k, v, s = _check_qkv(q, k, v, scale=scale)
     log_f = _check_log_f(log_f, q)
     # --8<-- [start:f6]
@@ -565,6 +586,13 @@ def fpa_attention_vjp(
 
     Cost: O(n T^2 (dk + dv)) time, O(n T^2) memory (1.2 GB peak at n = 1, T = 4096).
     """
+    arrays = dict(q=q, k=k, v=v, field=field, level=level, d_out=d_out)
+    axes = dict(q=2, k=2, v=2, field=1, level=1, d_out=2)
+    if d_lse is not None:
+        arrays["d_lse"], axes["d_lse"] = d_lse, 1
+    empty = empty_batch_call(fpa_attention_vjp, arrays, axes, scale=scale)
+    if empty is not None:  # B = 0
+        return empty
     q, k, v, field, level, s = _check_fpa(q, k, v, field, level, scale)
     T = q.shape[-2]
     m = segment_min(field)  # (F1) (..., T, T)
@@ -621,6 +649,15 @@ def fox_attention_vjp(
 
     Cost: O(n T^2 (dk + dv)) time, O(n T^2) memory (0.96 GB peak at n = 1, T = 4096).
     """
+    empty = empty_batch_call(
+        fox_attention_vjp,
+        dict(q=q, k=k, v=v, log_f=log_f, d_out=d_out),
+        dict(q=2, k=2, v=2, log_f=1, d_out=2),
+        fill={"log_f": 0.0},
+        scale=scale,
+    )
+    if empty is not None:  # B = 0
+        return empty
     q, k, v, s = _check_qkv(q, k, v, scale=scale)
     log_f = _check_log_f(log_f, q)
     T = q.shape[-2]
@@ -995,6 +1032,9 @@ def fpa_layer(
     Cost: O(B T d H (dk + dv) + B H T^2 (dk + dv)) time, O(B H T^2) memory (that of
     :func:`fpa_attention`).
     """
+    empty = empty_batch_call(fpa_layer, dict(x=x), dict(x=2), params=params, increments=increments)
+    if empty is not None:  # B = 0
+        return empty
     x = real_array("x", x, min_ndim=3)
     missing = sorted(set(FPA_PARAMETER_SCHEMA) - set(params))
     if missing:

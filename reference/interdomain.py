@@ -1,7 +1,8 @@
 """Interdomain Attention: the HiPPO-LegS projection with U, Gamma, eta, and the S4D layer.
 
 The executable statement of ``shared/spec/interdomain.md``; labels (``# (I3)``) are the spec's.
-float64 / complex128 throughout. No axis may be empty. Costs are stated per function with n = the
+float64 / complex128 throughout. No axis may be empty but the batch dims (B = 0 gives empty
+results of the right shape, as SDPA does). Costs are stated per function with n = the
 product of the leading (batch) dims.
 
 Ratio readouts [decision]: where a denominator of (I1), (I3) or the ratio form of (I13) is exactly
@@ -27,6 +28,7 @@ from .validation import (
     ScalarT,
     check_shape,
     complex_array,
+    empty_batch_call,
     finite_result,
     positive_int,
     real_array,
@@ -191,6 +193,9 @@ def interdomain_legs(fq: ArrayLike, fk: ArrayLike, v: ArrayLike, M: int) -> NDAr
     Cost: that of :func:`basis_coefficients`, O(n T M^2 (R + dv) + T M^3) time,
     O(n T M (R + dv)) memory.
     """
+    empty = empty_batch_call(interdomain_legs, dict(fq=fq, fk=fk, v=v), dict(fq=2, fk=2, v=2), M=M)
+    if empty is not None:  # B = 0
+        return empty
     fq, fk, v = _check_fq_fk_v(fq, fk, v)
     return _ratio_readout(fq, basis_coefficients(fk, v, M), "fq, fk")
 
@@ -257,6 +262,14 @@ def interdomain_legs_vjp(
 
     Cost: that of :func:`interdomain_legs` (forward plus one reverse scan).
     """
+    empty = empty_batch_call(
+        interdomain_legs_vjp,
+        dict(fq=fq, fk=fk, v=v, d_out=d_out),
+        dict(fq=2, fk=2, v=2, d_out=2),
+        M=M,
+    )
+    if empty is not None:  # B = 0
+        return empty
     fq, fk, v = _check_fq_fk_v(fq, fk, v)
     M = positive_int("M", M)
     T = fq.shape[-2]
@@ -410,6 +423,27 @@ def s4d_lambda(log_dt: ArrayLike, a_log: ArrayLike, a_im: ArrayLike) -> NDArray[
         lam = np.exp(np.exp(log_dt)[:, None] * a)  # (I11) Lambda = exp(dt a)
         # --8<-- [end:i11]
     return finite_result(lam, "log_dt, a_log, a_im: dt * a overflows float64")
+
+
+def s4d_b_bar(
+    log_dt: ArrayLike, a_log: ArrayLike, a_im: ArrayLike, b: ArrayLike
+) -> NDArray[np.complex128]:
+    """(I11) the zero-order hold of b: b_bar = (Lambda - 1) / a (.) b, ~ dt b for small |dt a|.
+
+    Args:
+        log_dt: (H,); a_log, a_im: (H, M); b: (H, M) complex (or real).
+
+    Returns:
+        b_bar (H, M) complex128, the ``b`` that :func:`interdomain_s4d` takes. Cost: O(H M).
+    """
+    lam = s4d_lambda(log_dt, a_log, a_im)  # validates the three
+    b = complex_array("b", b, min_ndim=2)
+    check_shape("b", b, lam.shape, "(H, M), as a_log")
+    dt = np.exp(real_array("log_dt", log_dt))[:, None]
+    # --8<-- [start:zoh]
+    a = -np.exp(real_array("a_log", a_log)) + 1j * real_array("a_im", a_im)  # (I11)
+    return np.expm1(dt * a) / a * b  # (I11) (Lambda - 1) / a (.) b; expm1: no cancellation
+    # --8<-- [end:zoh]
 
 
 # --------------------------------------------------------------------------------------------
@@ -569,6 +603,17 @@ def interdomain_s4d(
 
     Cost: O(n H T M^2 (R + dv)) time in T steps, O(n H M (R + dv) + n H T dv) memory.
     """
+    empty = empty_batch_call(
+        interdomain_s4d,
+        dict(fq=fq, kt=kt, vt=vt),
+        dict(fq=3, kt=3, vt=3),
+        lam=lam,
+        b=b,
+        c=c,
+        readout=readout,
+    )
+    if empty is not None:  # B = 0
+        return empty
     readout = _check_readout(readout)
     fq, kt, vt, lam, b, c = _check_s4d(fq, kt, vt, lam, b, c)
     R, dv = kt.shape[-1], vt.shape[-1]
@@ -666,6 +711,18 @@ def interdomain_s4d_vjp(
     Cost: O(n H T M^2 (R + dv)) time, O(n H T M (R + dv)) memory: the states are kept, about
     seven complex128 arrays of that size (250 MB at n = 1, H = 2, T = 2048, R = dv = M = 16).
     """
+    empty = empty_batch_call(
+        interdomain_s4d_vjp,
+        dict(fq=fq, kt=kt, vt=vt, d_out=d_out),
+        dict(fq=3, kt=3, vt=3, d_out=3),
+        unbatched=("dlam", "db", "dc"),
+        lam=lam,
+        b=b,
+        c=c,
+        readout=readout,
+    )
+    if empty is not None:  # B = 0: the parameter gradients are empty sums, 0
+        return empty
     readout = _check_readout(readout)
     fq, kt, vt, lam, b, c = _check_s4d(fq, kt, vt, lam, b, c)
     d_out = real_array("d_out", d_out, min_ndim=2)
@@ -805,17 +862,28 @@ PARAMETER_SCHEMA = {
     "b_im": "(H, M) Im(b) (I11)",
     "c_re": "(H, M, M) Re(C) (I12)",
     "c_im": "(H, M, M) Im(C) (I12)",
+    "norm_o_g": "(H, dv) RMSNorm scale of the readout, only with output_norm=True (I14)",
     "wg": "(d, H*dv) output gate, only with gate=True (I13)",
 }
+OPTIONAL_PARAMETERS = {"norm_o_g": "output_norm", "wg": "gate"}  # parameter: the flag asking for it
 
 
 def init_interdomain_params(
-    d: int, H: int, R: int, dv: int, M: int, seed: int = 0, *, gate: bool = False
+    d: int,
+    H: int,
+    R: int,
+    dv: int,
+    M: int,
+    seed: int = 0,
+    *,
+    gate: bool = False,
+    output_norm: bool = True,
 ) -> dict[str, NDArray[np.float64]]:
     """Parameters of :func:`interdomain_layer` (schema :data:`PARAMETER_SCHEMA`), S4D-Inv init.
 
     a_log = log(1/2), a_im by S4D-Inv, log_dt ~ U[log 1e-3, log 1e-1], b = 1,
-    C ~ complex normal / sqrt(M); projections ~ normal / sqrt(fan-in); conv ~ normal / 2.
+    C ~ complex normal / sqrt(M); projections ~ normal / sqrt(fan-in); conv ~ normal / 2;
+    the readout's RMSNorm scale g_o = 1 (I14, with ``output_norm``); wg with ``gate``.
 
     d, H, R, dv, M: integers >= 1. Cost: O(d H (R + dv) + H M^2) time and memory.
     """
@@ -842,6 +910,8 @@ def init_interdomain_params(
         "c_re": rng.standard_normal((H, M, M)) / np.sqrt(2 * M),
         "c_im": rng.standard_normal((H, M, M)) / np.sqrt(2 * M),
     }
+    if output_norm:
+        p["norm_o_g"] = np.ones((H, dv))
     if gate:
         p["wg"] = rng.standard_normal((d, H * dv)) / np.sqrt(d)
     return p
@@ -859,25 +929,37 @@ def interdomain_layer(
     readout: str = "linear",
     use_rope: bool = False,
     gate: bool = False,
+    output_norm: bool = True,
 ) -> NDArray[np.float64]:
-    """The Interdomain layer (I8)-(I13): x (B, T, d) -> y (B, T, d).
+    """The Interdomain layer (I8)-(I14): x (B, T, d) -> y (B, T, d).
 
     Projections, short conv on q and k (I8), optional RoPE, feature map (I9), norms and biases
-    (I10), the S4D core (I11)-(I13), optional output gate, output projection.
+    (I10), b discretised by zero-order hold and the S4D core (I11)-(I13), the readout's per-head
+    RMSNorm (I14), optional output gate, output projection.
 
     Args:
-        x: (B, T, d) hidden states (any leading dims before T).
+        x: (B, T, d) hidden states (any leading dims before T; B = 0 gives an empty output).
         params: the arrays of :data:`PARAMETER_SCHEMA`; H and R from norm_k_g, dv from
-            norm_v_g, M from a_log.
+            norm_v_g, M from a_log; norm_o_g with ``output_norm``, wg with ``gate``.
+        output_norm: the RMSNorm of (I14), on by default; False gives the paper-literal layer
+            (its output at initialisation grows with T).
 
     Cost: O(B T d H (R + dv) + B H T M^2 (R + dv)) time, O(B H T (R + dv) + H M^2) memory.
     """
-    x = real_array("x", x, min_ndim=3)
-    missing = sorted(set(PARAMETER_SCHEMA) - {"wg"} - set(params)) + (
-        ["wg"] if gate and "wg" not in params else []
+    flags = {"gate": gate, "output_norm": output_norm}
+    empty = empty_batch_call(
+        interdomain_layer, dict(x=x), dict(x=2), params=params, readout=readout, **flags
     )
+    if empty is not None:  # B = 0
+        return empty
+    x = real_array("x", x, min_ndim=3)
+    optional = {name for name, flag in OPTIONAL_PARAMETERS.items() if not flags[flag]}
+    missing = sorted(set(PARAMETER_SCHEMA) - optional - set(params))
     if missing:
-        raise ValueError(f"params: missing {missing}; see PARAMETER_SCHEMA")
+        raise ValueError(
+            f"params: missing {missing}; see PARAMETER_SCHEMA (norm_o_g: output_norm=True, "
+            "wg: gate=True)"
+        )
     P = {name: real_array(f"params[{name!r}]", val) for name, val in params.items()}
     d = x.shape[-1]
     for name in ("norm_k_g", "norm_v_g", "a_log"):
@@ -905,6 +987,7 @@ def interdomain_layer(
         "b_im": (H, M),
         "c_re": (H, M, M),
         "c_im": (H, M, M),
+        "norm_o_g": (H, dv),
         "wg": (d, H * dv),
     }
     for name, shape in expected.items():
@@ -922,9 +1005,11 @@ def interdomain_layer(
     kt = rms_norm(fk, np.ones(R)) * P["norm_k_g"][:, None] + P["norm_k_b"][:, None]  # (I10)
     vt = rms_norm(v, np.ones(dv)) * P["norm_v_g"][:, None] + P["norm_v_b"][:, None]
     lam = s4d_lambda(P["log_dt"], P["a_log"], P["a_im"])
-    o = interdomain_s4d(
-        fq, kt, vt, lam, P["b_re"] + 1j * P["b_im"], P["c_re"] + 1j * P["c_im"], readout=readout
-    )  # (B, H, T, dv)
+    b_bar = s4d_b_bar(P["log_dt"], P["a_log"], P["a_im"], P["b_re"] + 1j * P["b_im"])  # (I11)
+    c = P["c_re"] + 1j * P["c_im"]
+    o = interdomain_s4d(fq, kt, vt, lam, b_bar, c, readout=readout)  # (B, H, T, dv)
+    if output_norm:
+        o = rms_norm(o, np.ones(dv)) * P["norm_o_g"][:, None]  # (I14) per head
     o = np.swapaxes(o, -2, -3).reshape(*x.shape[:-1], H * dv)  # concatenate heads
     if gate:
         g = x @ P["wg"]
@@ -934,6 +1019,7 @@ def interdomain_layer(
 
 
 __all__ = [
+    "OPTIONAL_PARAMETERS",
     "PARAMETER_SCHEMA",
     "Coefficients",
     "InterdomainDecoder",
@@ -954,6 +1040,7 @@ __all__ = [
     "ratio_readout",
     "rms_norm",
     "rope",
+    "s4d_b_bar",
     "s4d_lambda",
     "s4d_states",
     "s4d_states_chunked",

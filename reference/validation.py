@@ -9,6 +9,7 @@ reported against the arguments that caused it, so NaN never leaves one either.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import numpy as np
@@ -112,3 +113,60 @@ def finite_result(arr: NDArray[ScalarT], cause: str) -> NDArray[ScalarT]:
         index = tuple(int(i) for i in np.argwhere(bad)[0])
         raise ValueError(f"{cause} (first non-finite value at index {index})")
     return arr
+
+
+ResultT = TypeVar("ResultT")
+
+
+def empty_batch_call(
+    fn: Callable[..., ResultT],
+    batched: Mapping[str, ArrayLike],
+    trailing: Mapping[str, int],
+    *,
+    unbatched: tuple[str, ...] = (),
+    fill: Mapping[str, float] | None = None,
+    **rest: Any,
+) -> ResultT | None:
+    """An empty batch (B = 0) [decision: as SDPA, empty outputs of the right shape].
+
+    When a leading (batch) dim of ``batched`` is 0, the call ``fn(**batched, **rest)`` is
+    validated on a batch of one (ones as values, each array's dtype) and its results are
+    returned as zeros with the empty leading dims; otherwise None and the caller computes.
+
+    Args:
+        batched: the arrays with leading batch dims, which must agree exactly.
+        trailing: for each of them the number of its non-batch axes (2 for q (..., T, dk)).
+        unbatched: fields of a NamedTuple result that carry no batch dims (parameter
+            gradients, sums over the batch): returned as zeros of their shape.
+        fill: the stand-in value of an array where 1 is not valid (log_f = 0: gates f = 1).
+    """
+    shapes = {name: np.shape(x) for name, x in batched.items()}
+    lead = {name: s[: max(len(s) - trailing[name], 0)] for name, s in shapes.items()}
+    first = next(iter(lead))
+    if 0 not in lead[first]:
+        return None
+    for name, dims in lead.items():
+        if dims != lead[first]:
+            raise ValueError(
+                f"{name}: expected the leading dims {lead[first]} of {first}, got shape "
+                f"{shapes[name]}"
+            )
+    ones = (1,) * len(lead[first])
+    stand_in = {
+        name: np.full(
+            ones + shapes[name][len(ones) :], (fill or {}).get(name, 1.0), np.asarray(x).dtype
+        )
+        for name, x in batched.items()
+    }
+    result = fn(**stand_in, **rest)
+
+    def empty(r: NDArray[Any]) -> NDArray[Any]:
+        return np.zeros(lead[first] + r.shape[len(ones) :], dtype=r.dtype)
+
+    if isinstance(result, tuple) and hasattr(result, "_fields"):
+        fields = {f: getattr(result, f) for f in result._fields}
+        kept = {f: np.zeros_like(r) if f in unbatched else empty(r) for f, r in fields.items()}
+        return type(result)(**kept)  # type: ignore[no-any-return]
+    if isinstance(result, tuple):
+        return tuple(empty(r) for r in result)  # type: ignore[return-value]
+    return empty(result)  # type: ignore[arg-type]

@@ -423,12 +423,38 @@ EMPTY = {
 }
 
 
+# An empty batch gives empty results, as SDPA does [decision]; the loop and decode forms reject it.
+EMPTY_BATCH_OPS = ("fpa_attention", "fpa_attention_vjp", "fox_attention", "fox_attention_vjp")
+
+
 @pytest.mark.parametrize("op", sorted(OPS))
 @pytest.mark.parametrize("empty", sorted(EMPTY))
 def test_empty_axes_rejected(op, empty):
     # Before: dk = 0 gave scale 1/sqrt(0) and NaN; T = 0 or dv = 0 an empty answer.
+    if empty == "B = 0" and op in EMPTY_BATCH_OPS:
+        pytest.skip("an empty batch is accepted: test_empty_batch_gives_empty_results")
     with pytest.raises(ValueError, match="expected every axis to have length >= 1, got shape"):
         OPS[op](EMPTY[empty](good()))
+
+
+@pytest.mark.parametrize("op", EMPTY_BATCH_OPS)
+def test_empty_batch_gives_empty_results(op):
+    args = good()  # batch dims (2, 3)
+    full, empty = OPS[op](args), OPS[op](EMPTY["B = 0"](args))
+    if op.endswith("_vjp"):  # one gradient per input, shaped like it
+        assert [g.shape for g in empty] == [(0, *g.shape[1:]) for g in full]
+    else:
+        assert empty.shape == (0, *full.shape[1:])
+
+
+def test_empty_batch_lse_and_mismatched_batch():
+    args = EMPTY["B = 0"](good())
+    o, lse = fpa.fpa_attention(**args, return_lse=True)
+    assert (o.shape, lse.shape) == ((0, 3, 4, 5), (0, 3, 4))
+    with pytest.raises(ValueError, match=re.escape("k: expected the leading dims (0, 3) of q")):
+        fpa.fpa_attention(**{**args, "k": good()["k"]})
+    with pytest.raises(ValueError, match="q: expected a real floating-point array"):
+        fpa.fpa_attention(**{**args, "q": args["q"].astype(int)})
 
 
 @pytest.mark.parametrize("op", sorted(FIELD_OPS))

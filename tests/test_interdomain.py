@@ -443,8 +443,11 @@ def test_layer_shapes_and_causality(readout, use_rope, gate):
     assert not np.allclose(y2[:, 6:], y[:, 6:])
 
 
-def test_layer_equals_its_pieces():
-    p = I.init_interdomain_params(d=6, H=2, R=3, dv=2, M=4, seed=2)
+@pytest.mark.parametrize("output_norm", [True, False])
+def test_layer_equals_its_pieces(output_norm):
+    p = I.init_interdomain_params(d=6, H=2, R=3, dv=2, M=4, seed=2, output_norm=output_norm)
+    if output_norm:
+        p["norm_o_g"] = np.random.default_rng(3).uniform(0.5, 2.0, (2, 2))  # a scale, not 1
     x = np.random.default_rng(23).standard_normal((1, 7, 6))
     q = I.short_conv(x @ p["wq"], p["conv_q"]).reshape(1, 7, 2, 3).transpose(0, 2, 1, 3)
     k = I.short_conv(x @ p["wk"], p["conv_k"]).reshape(1, 7, 2, 3).transpose(0, 2, 1, 3)
@@ -455,11 +458,80 @@ def test_layer_equals_its_pieces():
     )
     vt = np.stack([I.rms_norm(v[:, h], p["norm_v_g"][h]) + p["norm_v_b"][h] for h in range(2)], 1)
     lam = I.s4d_lambda(p["log_dt"], p["a_log"], p["a_im"])
-    o = I.interdomain_s4d(
-        I.feature_map(q), kt, vt, lam, p["b_re"] + 1j * p["b_im"], p["c_re"] + 1j * p["c_im"]
-    )
+    a = -np.exp(p["a_log"]) + 1j * p["a_im"]
+    b_bar = (lam - 1) / a * (p["b_re"] + 1j * p["b_im"])  # (I11) zero-order hold, literally
+    o = I.interdomain_s4d(I.feature_map(q), kt, vt, lam, b_bar, p["c_re"] + 1j * p["c_im"])
+    if output_norm:  # (I14) per head, over dv
+        o = o / np.sqrt(np.mean(o**2, axis=-1, keepdims=True) + 1e-6) * p["norm_o_g"][:, None]
     want = o.transpose(0, 2, 1, 3).reshape(1, 7, 4) @ p["wo"]
-    np.testing.assert_allclose(I.interdomain_layer(x, p), want, rtol=1e-13)
+    got = I.interdomain_layer(x, p, output_norm=output_norm)
+    np.testing.assert_allclose(got, want, rtol=1e-11)
+
+
+def test_zero_order_hold_of_b_equals_scipy_discretisation():
+    # (I11): a complex mode a = alpha + i beta is the real 2x2 system [[alpha, -beta], [beta,
+    # alpha]] acting on (Re x, Im x); its ZOH input column is (Re b_bar, Im b_bar).
+    rng = np.random.default_rng(30)
+    log_dt = np.log(np.array([1e-3, 0.3]))
+    a_log, a_im = rng.normal(size=(2, 3)), rng.uniform(0, 50, (2, 3))
+    b = rng.standard_normal((2, 3)) + 1j * rng.standard_normal((2, 3))
+    got = I.s4d_b_bar(log_dt, a_log, a_im, b)
+    for h, m in itertools.product(range(2), range(3)):
+        alpha, beta = -np.exp(a_log[h, m]), a_im[h, m]
+        A = np.array([[alpha, -beta], [beta, alpha]])
+        B = np.array([[b[h, m].real, -b[h, m].imag], [b[h, m].imag, b[h, m].real]])
+        _, Bd, *_ = cont2discrete((A, B, np.eye(2), np.zeros((2, 2))), np.exp(log_dt[h]), "zoh")
+        np.testing.assert_allclose([got[h, m].real, got[h, m].imag], Bd[:, 0], rtol=1e-12)
+
+
+@pytest.mark.parametrize("readout", ["linear", "ratio"])
+def test_layer_output_rms_at_initialisation_is_order_one_for_every_length(readout):
+    # Before (I11) ZOH and (I14): RMS 89 at T = 16 and 8,900 at T = 4,096 (d = 16, M = 16).
+    p = I.init_interdomain_params(d=8, H=2, R=4, dv=4, M=8, seed=0)
+    for T in (16, 4096):
+        x = np.random.default_rng(T).standard_normal((1, T, 8))
+        rms = np.sqrt(np.mean(I.interdomain_layer(x, p, readout=readout) ** 2))
+        assert 0.1 <= rms <= 10, (T, rms)
+
+
+def test_layer_state_is_bounded_by_the_hold():
+    # (I11) with the hold |x_t| <= |b_bar| / (1 - |Lambda|), ~|b| / exp(a_log) = 2 at init;
+    # undiscretised b allowed |b| / (1 - |Lambda|), ~2 / dt (up to 2,000).
+    p = I.init_interdomain_params(d=4, H=2, R=2, dv=2, M=4, seed=1)
+    lam = I.s4d_lambda(p["log_dt"], p["a_log"], p["a_im"])
+    b_bar = I.s4d_b_bar(p["log_dt"], p["a_log"], p["a_im"], p["b_re"] + 1j * p["b_im"])
+    bound = np.abs(b_bar) / (1 - np.abs(lam))
+    assert np.all(bound <= 2.0 + 1e-9) and np.all(bound >= 1.9)
+    x = I.s4d_states(np.ones((2, 20000, 1)), lam, b_bar)  # a constant input, the worst case
+    assert np.all(np.abs(x) <= bound[:, None, :, None] + 1e-12)
+
+
+def test_layer_empty_batch_and_missing_output_norm():
+    p = I.init_interdomain_params(d=4, H=2, R=2, dv=2, M=3)
+    assert I.interdomain_layer(np.zeros((0, 5, 4)), p).shape == (0, 5, 4)
+    del p["norm_o_g"]
+    with pytest.raises(ValueError, match=re.escape("params: missing ['norm_o_g']")):
+        I.interdomain_layer(np.zeros((1, 3, 4)), p)
+    assert I.interdomain_layer(np.ones((1, 3, 4)), p, output_norm=False).shape == (1, 3, 4)
+
+
+def test_ops_accept_an_empty_batch():
+    rng = np.random.default_rng(31)
+    fq, kt, vt, lam, b, c = s4d_inputs(rng, lead=(2,))
+    empty = dict(fq=fq[:0], kt=kt[:0], vt=vt[:0])
+    for readout in ("linear", "ratio"):
+        assert I.interdomain_s4d(**empty, lam=lam, b=b, c=c, readout=readout).shape == (
+            0,
+            *vt.shape[1:],
+        )
+    grads = I.interdomain_s4d_vjp(**empty, lam=lam, b=b, c=c, d_out=vt[:0])
+    assert [g.shape for g in grads[:3]] == [(0, *x.shape[1:]) for x in (fq, kt, vt)]
+    for g, param in zip(grads[3:], (lam, b, c), strict=True):  # empty sums over the batch
+        assert np.array_equal(g, np.zeros_like(param))
+    f = positive_features(rng, (3, 5, 2))
+    assert I.interdomain_legs(f[:0], f[:0], f[:0], 3).shape == (0, 5, 2)
+    legs = I.interdomain_legs_vjp(f[:0], f[:0], f[:0], 3, f[:0])
+    assert [g.shape for g in legs] == [(0, 5, 2)] * 3
 
 
 # ------------------------------------------------------------------------- bad input
