@@ -208,3 +208,40 @@ def test_command_exit_code_on_failure(monkeypatch, capsys):
     monkeypatch.setitem(CHECKS, "H11", lambda: CHECKS["H10"](feature_map=feature_map_squared_norm))
     assert main(["--only", "H11"]) == 1
     assert "FAIL" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------- context parallelism
+
+
+def _cross_chunk_min_no_gap(field, key, query, chunks):
+    """(CP1) without the minima of the chunks strictly between key and query."""
+    return cp.cross_chunk_min(field, key, query, [])
+
+
+def _inclusive_scan(totals):
+    """(CP3) off by one chunk: the inclusive scan of chunk totals."""
+    return np.cumsum(totals, axis=-1)
+
+
+def _carry_not_propagated(decays, finals):
+    """(CP4) each shard receives only its left neighbour's final state, not the carried one."""
+    return [np.zeros_like(finals[0]), *finals[:-1]]
+
+
+def _owner_only(*args, **kw):
+    """(CP2) without the reduction: each chunk keeps only its owner's gradient contributions."""
+    return cp.sharded_fpa(*args, **kw, reduce=False)
+
+
+from attnspec.theory import context_parallel as cp  # noqa: E402
+
+WRONG["CP1"] = {"cross_chunk_min": _cross_chunk_min_no_gap}
+WRONG["CP2"] = {"sharded_fpa": _owner_only}
+WRONG["CP3"] = {"exclusive_scan": _inclusive_scan}
+WRONG["CP4"] = {"carry_scan": _carry_not_propagated}
+
+
+@pytest.mark.parametrize("check_id", ["CP1", "CP2", "CP3", "CP4"])
+def test_context_parallel_check_fails_for_a_wrong_implementation(check_id):
+    result = CHECKS[check_id](**WRONG[check_id])
+    assert not result.passed, f"{check_id} passed a wrong implementation: {result.measured}"

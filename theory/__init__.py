@@ -10,7 +10,14 @@ from .registry import CHECKS, CheckResult, run_checks
 
 def load_all() -> None:
     """Import every check module so that its checks register."""
-    from . import eviction, expressivity, fox_reduction, hippo_identities, stack  # noqa: F401
+    from . import (  # noqa: F401
+        context_parallel,
+        eviction,
+        expressivity,
+        fox_reduction,
+        hippo_identities,
+        stack,
+    )
 
 
 __all__ = ["CHECKS", "CheckResult", "load_all", "run_checks"]
