@@ -2,7 +2,7 @@
 
 :class:`FirstPassageAttention` is ``attnspec.reference.fpa.fpa_layer`` (spec/fpa.md section 3)
 and :class:`InterdomainAttention` is ``attnspec.reference.interdomain.interdomain_layer``
-((I8)-(I13)). ``from_reference_params`` takes the reference's parameter dicts
+((I8)-(I14)). ``from_reference_params`` takes the reference's parameter dicts
 (``init_fpa_params``, ``init_interdomain_params``); weights multiply from the right
 (``x @ wq``), as there. Both take ``cu_seqlens`` for packed sequences (B = 1) and decode one
 token at a time with a cache (``new_cache``, ``step``, ``prefill``).
@@ -285,10 +285,11 @@ class InterdomainLayerState:
 
 
 class InterdomainAttention(nn.Module):
-    """The Interdomain layer (I8)-(I13): x [B, T, d] -> y [B, T, d].
+    """The Interdomain layer (I8)-(I14): x [B, T, d] -> y [B, T, d].
 
     Projections, short conv on q and k (I8), optional RoPE, feature map (I9), norms and biases
-    (I10), the chunked S4D core (I11)-(I13), optional output gate, output projection.
+    (I10), b discretised by zero-order hold and the chunked S4D core (I11)-(I13), the
+    readout's per-head RMSNorm (I14), optional output gate, output projection.
     Feature maps and norms are computed in float32 (or wider) and cast back to the weights'
     dtype before the S4D op.
 
@@ -296,6 +297,8 @@ class InterdomainAttention(nn.Module):
         d_model, n_heads, head_dim: width d, heads H, feature size R.
         value_dim: dv (default head_dim). n_modes: M.
         readout: "linear" (I13) or "ratio". gate: SiLU output gate. use_rope: RoPE on q, k.
+        output_norm: the RMSNorm of (I14), on by default; False gives the paper-literal layer,
+            whose output at initialisation grows with T.
     """
 
     # the reference's parameters (PARAMETER_SCHEMA; wg only with the gate), registered in __init__
@@ -316,6 +319,7 @@ class InterdomainAttention(nn.Module):
     b_im: nn.Parameter
     c_re: nn.Parameter
     c_im: nn.Parameter
+    norm_o_g: nn.Parameter
     wg: nn.Parameter
 
     def __init__(
@@ -329,6 +333,7 @@ class InterdomainAttention(nn.Module):
         readout: str = "linear",
         gate: bool = False,
         use_rope: bool = False,
+        output_norm: bool = True,
         device: Device = None,
         dtype: torch.dtype | None = None,
     ):
@@ -339,6 +344,7 @@ class InterdomainAttention(nn.Module):
         dv = head_dim if value_dim is None else value_dim
         self.d_model, self.n_heads, self.head_dim, self.value_dim = d_model, n_heads, head_dim, dv
         self.n_modes, self.readout, self.gate, self.use_rope = n_modes, readout, gate, use_rope
+        self.output_norm = output_norm
         for name, value in self._initial_values().items():
             self.register_parameter(name, nn.Parameter(value.to(device=device, dtype=dtype)))
 
@@ -364,13 +370,16 @@ class InterdomainAttention(nn.Module):
             "c_re": (H, M, M),
             "c_im": (H, M, M),
         }
+        if self.output_norm:
+            shapes["norm_o_g"] = (H, dv)
         if self.gate:
             shapes["wg"] = (d, H * dv)
         return shapes
 
     def _initial_values(self) -> dict[str, Tensor]:
         """S4D-Inv, as init_interdomain_params: a_log = log(1/2), log_dt ~ U[log 1e-3, log 1e-1],
-        b = 1, C ~ complex normal / sqrt(M); projections normal / sqrt(fan-in); conv normal / 2."""
+        b = 1, C ~ complex normal / sqrt(M); projections normal / sqrt(fan-in); conv normal / 2;
+        the norm scales 1 and biases 0."""
         shapes = self.parameter_shapes()
         H, M = self.n_heads, self.n_modes
         a_log, a_im = (torch.from_numpy(x).float() for x in hippo.s4d_init(M, "inv"))
@@ -383,7 +392,7 @@ class InterdomainAttention(nn.Module):
                 values[name] = torch.randn(shape) / 2
             elif name.startswith("c_"):
                 values[name] = torch.randn(shape) / math.sqrt(2 * M)
-            elif name in ("norm_k_g", "norm_v_g", "b_re"):
+            elif name in ("norm_k_g", "norm_v_g", "norm_o_g", "b_re"):
                 values[name] = torch.ones(shape)
             elif name == "log_dt":
                 values[name] = torch.empty(shape).uniform_(math.log(1e-3), math.log(1e-1))
@@ -402,14 +411,18 @@ class InterdomainAttention(nn.Module):
         *,
         readout: str = "linear",
         use_rope: bool = False,
+        output_norm: bool = True,
         device: Device = None,
         dtype: torch.dtype | None = None,
     ) -> InterdomainAttention:
         """A layer holding ``params`` (the dict of ``init_interdomain_params``; with "wg" the
-        output gate is on)."""
-        missing = sorted(set(INTERDOMAIN_PARAMETER_SCHEMA) - {"wg"} - set(params))
+        output gate is on; "norm_o_g" is needed with ``output_norm``, as the reference layer)."""
+        optional = {"wg"} | (set() if output_norm else {"norm_o_g"})
+        missing = sorted(set(INTERDOMAIN_PARAMETER_SCHEMA) - optional - set(params))
         if missing:
-            raise ValueError(f"params: missing {missing}; see PARAMETER_SCHEMA")
+            raise ValueError(
+                f"params: missing {missing}; see PARAMETER_SCHEMA (norm_o_g: output_norm=True)"
+            )
         tensors = _tensors(params, [n for n in INTERDOMAIN_PARAMETER_SCHEMA if n in params])
         H, R = tensors["norm_k_g"].shape
         dv, M = tensors["norm_v_g"].shape[1], tensors["a_log"].shape[1]
@@ -422,22 +435,32 @@ class InterdomainAttention(nn.Module):
             readout=readout,
             gate="wg" in params,
             use_rope=use_rope,
+            output_norm=output_norm,
             device="meta",
         )
         _load(layer, tensors, layer.parameter_shapes(), device, dtype)
         return layer
 
     def ssm_parameters(self) -> tuple[Tensor, Tensor, Tensor]:
-        """(I11) Lambda = exp(dt a), a = -exp(a_log) + i a_im, dt = exp(log_dt); with b and C,
-        as (re, im) pairs [H, M, 2], [H, M, 2], [H, M, M, 2] in float32 (or wider)."""
+        """(I11) Lambda = exp(dt a), a = -exp(a_log) + i a_im, dt = exp(log_dt); the zero-order
+        hold b_bar = (Lambda - 1) / a (.) b; and C; as (re, im) pairs [H, M, 2], [H, M, 2],
+        [H, M, M, 2] in float32 (or wider): the operator's lam, b, c."""
         wide = torch.promote_types(self.a_log.dtype, torch.float32)
         dt = torch.exp(self.log_dt.to(wide))[:, None]
-        modulus = torch.exp(-dt * torch.exp(self.a_log.to(wide)))
-        phase = dt * self.a_im.to(wide)
+        a_re, a_im = -torch.exp(self.a_log.to(wide)), self.a_im.to(wide)
+        decay, phase = dt * a_re, dt * a_im  # dt a
+        modulus = torch.exp(decay)
         lam = torch.stack([modulus * torch.cos(phase), modulus * torch.sin(phase)], dim=-1)
-        b = torch.stack([self.b_re, self.b_im], dim=-1).to(wide)
+        # Lambda - 1 without cancellation for small |dt a|: expm1, and cos - 1 = -2 sin^2(/2)
+        minus_re = torch.expm1(decay) * torch.cos(phase) - 2 * torch.sin(phase / 2) ** 2
+        minus_im = modulus * torch.sin(phase)
+        norm = a_re.square() + a_im.square()
+        hold_re = (minus_re * a_re + minus_im * a_im) / norm  # (Lambda - 1) / a
+        hold_im = (minus_im * a_re - minus_re * a_im) / norm
+        b_re, b_im = self.b_re.to(wide), self.b_im.to(wide)
+        b = torch.stack([hold_re * b_re - hold_im * b_im, hold_re * b_im + hold_im * b_re], -1)
         c = torch.stack([self.c_re, self.c_im], dim=-1).to(wide)
-        return lam, b, c
+        return lam, b, c  # (I11) b_bar as the operator's b
 
     def _features(
         self, x: Tensor, q: Tensor, k: Tensor, positions: Tensor
@@ -455,7 +478,11 @@ class InterdomainAttention(nn.Module):
         return fq.to(x.dtype), kt.to(x.dtype), vt.to(x.dtype)
 
     def _output(self, x: Tensor, o: Tensor) -> Tensor:
-        o = o.reshape(*o.shape[:-2], -1)  # concatenate heads
+        """The readout o [..., H, dv]: (I14) RMSNorm per head, heads concatenated, the gate
+        and the output projection."""
+        if self.output_norm:
+            o = (rms_norm(o) * self.norm_o_g).to(o.dtype)  # (I14)
+        o = o.reshape(*o.shape[:-2], self.n_heads * self.value_dim)  # concatenate heads
         if self.gate:
             o = F.silu(x @ self.wg) * o
         return o @ self.wo
