@@ -67,7 +67,8 @@ MAX_HEAD_DIM = 256
 
 @dataclass(frozen=True)
 class Tiles:
-    """Tile sizes of one pass: a program owns ``own`` rows and visits tiles of ``visit`` rows.
+    """Tile sizes of one pass: a program owns ``own`` rows and visits tiles of ``visit`` rows,
+    with ``num_warps`` warps and a software pipeline of ``num_stages`` (Triton's default 3).
 
     Powers of two, at least 16 (the smallest ``tl.dot``), ``own`` a multiple of ``visit``.
     """
@@ -75,6 +76,7 @@ class Tiles:
     own: int
     visit: int
     num_warps: int = 4
+    num_stages: int = 3
 
     def __post_init__(self) -> None:
         for name in ("own", "visit"):
@@ -94,6 +96,8 @@ TILE_TABLE: dict[str, tuple[Tiles, Tiles]] = {
     "gpu": (Tiles(64, 32, 4), Tiles(64, 32, 4)),
     "interpreter": (Tiles(64, 64), Tiles(64, 64)),
 }
+PREPASS_WARPS = 4  # the per-token passes (block minima and sums, delta, dfield, segment sums)
+ROW_BLOCK = 64  # tokens per program of the delta pass; gap sums per step of the dfield pass
 _forced_tiles: tuple[Tiles, Tiles] | None = None
 
 
@@ -124,10 +128,23 @@ def device_class(device: torch.device) -> str:
     return {9: "hopper", 8: "ampere"}.get(major, "gpu")
 
 
-def tiles_for(device: torch.device, backward: bool) -> Tiles:
-    """The tile sizes a launch on ``device`` uses (forced ones first)."""
-    pair = _forced_tiles or TILE_TABLE[device_class(device)]
+def tile_choice(kind: str, backward: bool, K: int, V: int, dtype: torch.dtype) -> Tiles:
+    """The tile sizes of a launch on a device of class ``kind`` (a row of :data:`TILE_TABLE`)
+    for head dims K, V and input dtype; forced ones first. The static Hopper gate
+    (bench/gpu_static.py) compiles the kernels with exactly these."""
+    pair = _forced_tiles or TILE_TABLE[kind]
     return pair[1 if backward else 0]
+
+
+def tiles_for(
+    device: torch.device,
+    backward: bool,
+    K: int = 128,
+    V: int = 128,
+    dtype: torch.dtype = torch.bfloat16,
+) -> Tiles:
+    """The tile sizes a launch on ``device`` uses (forced ones first)."""
+    return tile_choice(device_class(device), backward, K, V, dtype)
 
 
 # ---------------------------------------------------------------------------- Triton kernels
@@ -991,12 +1008,12 @@ def _constants(
     return torch.tensor(values, dtype=dtype, device=device)
 
 
-def _dot_dtype(dtype: torch.dtype) -> tl.dtype:
+def _dot_dtype(dtype: torch.dtype, interpret: bool) -> tl.dtype:
     """Operand dtype of tl.dot: the input's, but float32 for bfloat16 under the interpreter,
     which stores bfloat16 as raw integers (arithmetic on them is wrong); computed operands are
     then rounded to bfloat16 first (ROUND_BF16), so the interpreter sees a GPU's rounding."""
     if dtype == torch.bfloat16:
-        return tl.float32 if interpreting() else tl.bfloat16
+        return tl.float32 if interpret else tl.bfloat16
     return {torch.float16: tl.float16, torch.float32: tl.float32, torch.float64: tl.float64}[dtype]
 
 
@@ -1024,6 +1041,30 @@ def _resolve_scale(scale: float | None, K: int) -> float:
     return float(scale)
 
 
+def kernel_sizes(
+    HQ: int, K: int, V: int, tiles: Tiles, dtype: torch.dtype, fox: bool, interpret: bool
+) -> dict[str, object]:
+    """The compile-time arguments (and launch options) shared by the forward, dq and dk/dv
+    kernels of one call; the static Hopper gate (bench/gpu_static.py) compiles with them."""
+    BT = tiles.own
+    return dict(
+        HQ=HQ,
+        K=K,
+        V=V,
+        BT=BT,
+        BS=tiles.visit,
+        BK=_block(K),
+        BV=_block(V),
+        LOG_BT=BT.bit_length() - 1,
+        FOX=fox,
+        DOT=_dot_dtype(dtype, interpret),
+        PRECISION=_precision(dtype),
+        ROUND_BF16=interpret and dtype == torch.bfloat16,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+    )
+
+
 def _block_minima(
     field: torch.Tensor,
     cu: torch.Tensor,
@@ -1037,8 +1078,9 @@ def _block_minima(
     minima = torch.empty(2 * log_bt, shape.HQ, shape.n_tok, dtype=field.dtype, device=field.device)
     links = torch.empty(2, shape.HQ, shape.n_tok, dtype=torch.int32, device=field.device)
     _block_minima_kernel[(tiles.shape[0], shape.HQ)](
-        field, minima, links, cu, tiles, shape.n_tok, shape.HQ, BT, log_bt, with_links
-    )
+        field, minima, links, cu, tiles, shape.n_tok, shape.HQ, BT, log_bt, with_links,
+        num_warps=PREPASS_WARPS,
+    )  # fmt: skip
     return minima, links
 
 
@@ -1048,7 +1090,7 @@ def _block_sums(
     """FoX: cumulative sums of log f local to each BT tile, see _block_sums_kernel."""
     sums = torch.empty(1, shape.HQ, shape.n_tok, dtype=log_f.dtype, device=log_f.device)
     _block_sums_kernel[(tiles.shape[0], shape.HQ)](
-        log_f, sums, cu, tiles, shape.n_tok, shape.HQ, BT
+        log_f, sums, cu, tiles, shape.n_tok, shape.HQ, BT, num_warps=PREPASS_WARPS
     )
     return sums
 
@@ -1078,8 +1120,8 @@ def _forward(
     wide = _per_token_scalars(field, level, fox)
     shape = _layout(q, k, v, wide, cu_seqlens)
     scale = _resolve_scale(scale, shape.K)
-    tiles = tiles_for(q.device, backward=False)
-    BT, BS = tiles.own, tiles.visit
+    tiles = tiles_for(q.device, backward=False, K=shape.K, V=shape.V, dtype=q.dtype)
+    BT = tiles.own
     cu, tile_list, _, _ = _sequences(shape.lengths, BT, q.device)
     consts = _constants(scale, math.inf if theta is None else theta, field.dtype, q.device)
     o = torch.empty(shape.B, shape.T, shape.HQ, shape.V, dtype=q.dtype, device=q.device)
@@ -1088,6 +1130,7 @@ def _forward(
         blocks = _block_sums(field, cu, tile_list, shape, BT)
     else:
         blocks = _block_minima(field, cu, tile_list, shape, BT, with_links=False)[0]
+    sizes = kernel_sizes(shape.HQ, shape.K, shape.V, tiles, q.dtype, fox, interpreting())
     _fwd_kernel[(tile_list.shape[0], shape.HQ)](
         q,
         k,
@@ -1102,21 +1145,9 @@ def _forward(
         tile_list,
         shape.n_tok,
         tile_list.shape[0],
-        HQ=shape.HQ,
         G=shape.G,
-        K=shape.K,
-        V=shape.V,
-        BT=BT,
-        BS=BS,
-        BK=_block(shape.K),
-        BV=_block(shape.V),
-        LOG_BT=BT.bit_length() - 1,
-        FOX=fox,
         SKIP=theta is not None,
-        DOT=_dot_dtype(q.dtype),
-        PRECISION=_precision(q.dtype),
-        ROUND_BF16=interpreting() and q.dtype == torch.bfloat16,
-        num_warps=tiles.num_warps,
+        **sizes,
     )
     return o, lse
 
@@ -1144,16 +1175,17 @@ def _backward(
     if dlse is not None:
         _check_tensor("dlse", dlse, (B, T, HQ), (field.dtype,), q.device)
     scale = _resolve_scale(scale, shape.K)
-    tiles = tiles_for(q.device, backward=True)
-    BT, BS = tiles.own, tiles.visit
+    tiles = tiles_for(q.device, backward=True, K=shape.K, V=shape.V, dtype=q.dtype)
+    BT = tiles.own
     cu, tile_list, tile_start, nt_max = _sequences(shape.lengths, BT, q.device)
     ntiles = tile_list.shape[0]
     consts = _constants(scale, math.inf, field.dtype, q.device)
     acc = field.dtype
     delta = torch.empty(B, T, HQ, dtype=acc, device=q.device)
-    _delta_kernel[(triton.cdiv(shape.n_tok, 64), HQ)](
-        o, do, dlse, delta, shape.n_tok, HQ, shape.V, 64, _block(shape.V), dlse is not None
-    )
+    _delta_kernel[(triton.cdiv(shape.n_tok, ROW_BLOCK), HQ)](
+        o, do, dlse, delta, shape.n_tok, HQ, shape.V, ROW_BLOCK, _block(shape.V), dlse is not None,
+        num_warps=PREPASS_WARPS,
+    )  # fmt: skip
     if fox:
         blocks, links = _block_sums(field, cu, tile_list, shape, BT), None
     else:
@@ -1166,22 +1198,7 @@ def _backward(
     d_cols = torch.empty(B, T, HQ, dtype=acc, device=q.device)
     d_level = torch.empty(B, T, HQ, dtype=acc, device=q.device)  # FoX: unused
     mid_sums = None if fox else torch.zeros(HQ, ntiles, nt_max, dtype=acc, device=q.device)
-    sizes = dict(
-        HQ=HQ,
-        G=G,
-        K=shape.K,
-        V=shape.V,
-        BT=BT,
-        BS=BS,
-        BK=_block(shape.K),
-        BV=_block(shape.V),
-        LOG_BT=BT.bit_length() - 1,
-        FOX=fox,
-        DOT=_dot_dtype(q.dtype),
-        PRECISION=_precision(q.dtype),
-        ROUND_BF16=interpreting() and q.dtype == torch.bfloat16,
-        num_warps=tiles.num_warps,
-    )
+    sizes = kernel_sizes(HQ, shape.K, shape.V, tiles, q.dtype, fox, interpreting())
     common = (q, k, v, field, level, blocks, links, do, lse, delta)
     _bwd_dq_kernel[(ntiles, HQ)](
         *common,
@@ -1194,11 +1211,12 @@ def _backward(
         shape.n_tok,
         ntiles,
         nt_max,
+        G=G,
         SUM_PRECISION=_sum_precision(q.dtype),
         **sizes,
     )
     _bwd_dkv_kernel[(ntiles, HQ)](
-        *common, dk, dv, d_cols, d_level, consts, cu, tile_list, shape.n_tok, **sizes
+        *common, dk, dv, d_cols, d_level, consts, cu, tile_list, shape.n_tok, G=G, **sizes
     )
     if G > 1:
         dk = dk.view(B, T, H, G, shape.K).sum(3).to(k.dtype)
@@ -1207,7 +1225,7 @@ def _backward(
         return dq, dk, dv, _reverse_segment_sums(d_rows - d_cols, cu, shape)
     _dfield_kernel[(ntiles, HQ)](
         field, d_rows, d_cols, mid_sums, d_rows, cu, tile_list, tile_start,
-        shape.n_tok, ntiles, nt_max, HQ, BT, 64,
+        shape.n_tok, ntiles, nt_max, HQ, BT, ROW_BLOCK, num_warps=PREPASS_WARPS,
     )  # fmt: skip
     return dq, dk, dv, d_rows, d_level
 

@@ -1,0 +1,399 @@
+"""Static Hopper gate of the Triton FPA/FoX kernels: compiled for sm_90 as an H100/H200 launch
+would compile them, without a GPU (bench/sm90.py).
+
+Every Triton kernel of backends/torch/triton_fpa.py (FPA and FoX forward, dq, dk/dv, the per-token
+passes) is compiled with exactly the tiles, warps and stages the launcher picks on Hopper
+(``triton_fpa.tile_choice("hopper", ...)`` and ``triton_fpa.kernel_sizes``), with the arguments
+of a launch at B = 1, T = 8192, HQ = H = 16 (pointers 16-byte aligned, as a launch specialises
+them); flash-linear-attention's ``parallel_attn`` forward, dq and dk/dv kernels (with a gate:
+the FoX case, ``USE_G``) at the same shapes and fla's own Hopper tiles are the peer. One table:
+dynamic shared memory, registers, stack bytes, tensor-core instructions (HGMMA = wgmma, HMMA =
+mma.sync), SASS instructions per iteration of the off-diagonal and diagonal loops, spill
+instructions (STL + LDL) in each loop, and the ratios to fla.
+
+Fails (exit 1) when a kernel of ours does not compile, asks for more shared memory than an
+H100/H200 block may have (232,448 B), has a bf16/fp16 dot not on wgmma, or exceeds an asserted
+budget (:data:`BUDGETS`: instructions per off-diagonal iteration over fla's at D = 128 bf16;
+spill instructions per loop no more than fla's matching loop).
+
+    python -m bench.gpu_static            # the D = 128 bf16 set (tests/test_gpu_static.py)
+    python -m bench.gpu_static --full     # bf16, fp16 at D = 64, 128, 256 and fp32
+    python -m bench.gpu_static --json build/gpu_static.json --jobs 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU, before triton is imported
+
+B, T, HEADS = 1, 8192, 16
+FULL_DIMS = (64, 128, 256)
+FULL_DTYPES = ("bf16", "fp16", "fp32")
+CI_SET = (("bf16", 128),)
+# Budgets at D = 128 bf16: SASS instructions per off-diagonal iteration, ours / fla's matching
+# kernel. Only the ones in ASSERTED fail the gate; the others are printed with their ratio.
+BUDGETS = {
+    ("FPA", "fwd"): 1.12,
+    ("FPA", "dq"): 1.30,
+    ("FPA", "dkv"): 1.30,
+    ("FoX", "fwd"): 1.05,
+    ("FoX", "dq"): 1.05,
+    ("FoX", "dkv"): 1.05,
+}
+ASSERTED: set[tuple[str, str]] = set()
+SPILLS_ASSERTED: set[tuple[str, str]] = set()  # (impl, kernel): loop spills <= fla's
+BUDGET_AT = ("bf16", 128)
+PEER = {"fwd": "fla fwd", "dq": "fla dq", "dkv": "fla dkv"}
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One kernel to compile: ``impl`` FPA, FoX or fla; ``role`` fwd, dq, dkv or a prepass name;
+    ``order`` names the mma loops in address order (``diag``/``off``)."""
+
+    impl: str
+    role: str
+    dtype: str
+    D: int
+    kernel: str  # "module:function"
+    args: dict[str, Any]
+    num_warps: int
+    num_stages: int
+    order: tuple[str, ...] = ()
+
+    @property
+    def key(self) -> str:
+        return f"{self.impl} {self.role} {self.dtype} D={self.D}"
+
+
+def _torch_dtype(name: str) -> Any:
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+
+
+def _resolve(path: str) -> Any:
+    import importlib
+
+    module, name = path.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+INPUTS = {"q", "k", "v", "o", "do", "dq", "dk", "dv"}
+INT32 = {"links", "tiles", "tile_start"}
+INT64 = {"cu_seqlens"}
+TF = "attnspec.backends.torch.triton_fpa"
+FLA = "fla.ops.attn.parallel"
+
+
+def _ours_args(fn: Any, dtype: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    """A launch's arguments: pointers by name (inputs in the input dtype, per-token scalars and
+    statistics in float32, index tables in int32/int64), then ``overrides``."""
+    import torch
+
+    from bench.sm90 import pointer
+
+    wide = torch.float32  # field's dtype for 16-bit and float32 inputs
+    args = {}
+    for name in fn.arg_names:
+        if name in overrides:
+            args[name] = overrides[name]
+        elif name in INPUTS:
+            args[name] = pointer(_torch_dtype(dtype))
+        elif name in INT32:
+            args[name] = pointer(torch.int32)
+        elif name in INT64:
+            args[name] = pointer(torch.int64)
+        else:
+            args[name] = pointer(wide)
+    return args
+
+
+def ours(dtype: str, D: int) -> list[Spec]:
+    """Every Triton kernel of triton_fpa.py at this dtype and head dim, as the launcher on
+    Hopper would launch it."""
+    from attnspec.backends.torch import triton_fpa as tf
+
+    torch_dtype = _torch_dtype(dtype)
+    n_tok = B * T
+    specs = []
+    for backward in (False, True):
+        tiles = tf.tile_choice("hopper", backward, D, D, torch_dtype)
+        ntiles = n_tok // tiles.own
+        for fox in (False, True):
+            impl = "FoX" if fox else "FPA"
+            sizes = tf.kernel_sizes(HEADS, D, D, tiles, torch_dtype, fox, interpret=False)
+            warps, stages = sizes.pop("num_warps"), sizes.pop("num_stages")
+            none = {"level": None, "links": None, "mid_sums": None} if fox else {}
+            ints = {"N_TOK": n_tok, "NTILES": ntiles, "NT_MAX": T // tiles.own, "G": 1}
+            if not backward:
+                kernels = [("fwd", tf._fwd_kernel, {"SKIP": False})]
+            else:
+                kernels = [
+                    ("dq", tf._bwd_dq_kernel, {"SUM_PRECISION": tf._sum_precision(torch_dtype)}),
+                    ("dkv", tf._bwd_dkv_kernel, {}),
+                ]
+            for role, fn, extra in kernels:
+                over = {k: v for k, v in (sizes | ints | none | extra).items() if k in fn.arg_names}
+                specs.append(
+                    Spec(impl, role, dtype, D, f"{TF}:{fn.__name__}", _ours_args(fn, dtype, over),
+                         warps, stages, ("diag", "off"))
+                )  # fmt: skip
+    # The per-token passes, at the tiles of the backward (the forward's BT is the same or
+    # smaller) and the launcher's warps.
+    bt = tf.tile_choice("hopper", True, D, D, torch_dtype).own
+    log_bt = bt.bit_length() - 1
+    common = {"N_TOK": n_tok, "HQ": HEADS, "BT": bt}
+    prepasses = [
+        ("FPA", "minima", tf._block_minima_kernel, {"LOG_BT": log_bt, "WITH_LINKS": True}),
+        ("FoX", "sums", tf._block_sums_kernel, {}),
+        ("both", "delta", tf._delta_kernel,
+         {"V": D, "BLOCK": tf.ROW_BLOCK, "BV": tf._block(D), "HAS_DLSE": False, "dlse": None}),
+        ("FPA", "dfield", tf._dfield_kernel,
+         {"NTILES": n_tok // bt, "NT_MAX": T // bt, "BN": tf.ROW_BLOCK}),
+    ]  # fmt: skip
+    if hasattr(tf, "_segment_sums_kernel"):
+        prepasses.append(("FoX", "segsums", tf._segment_sums_kernel, {}))
+    for impl, role, fn, extra in prepasses:
+        over = {k: v for k, v in (common | extra).items() if k in fn.arg_names}
+        specs.append(
+            Spec(impl, role, dtype, D, f"{TF}:{fn.__name__}", _ours_args(fn, dtype, over),
+                 tf.PREPASS_WARPS, 3)
+        )  # fmt: skip
+    return specs
+
+
+def fla(dtype: str, D: int) -> list[Spec]:
+    """flash-linear-attention's parallel_attn kernels with a gate (FoX), at its Hopper tiles
+    (fla/ops/attn/parallel.py: BT = 128, BS = 64, BK = BV = next power of two, 8 warps)."""
+    import torch
+
+    from bench.sm90 import pointer
+
+    x = _torch_dtype(dtype)
+    f32 = torch.float32
+    p = pointer
+    BK = max(16, 1 << (D - 1).bit_length())
+    sizes = dict(T=T, W=None, B=B, H=HEADS, HQ=HEADS, G=1, K=D, V=D, BT=128, BS=64, BK=BK, BV=BK)
+    flags = dict(USE_G=True, USE_WINDOW=False, IS_VARLEN=False)
+    common = dict(cu_seqlens=None, chunk_indices=None, scale=D**-0.5, **sizes, **flags)
+    fwd = dict(q=p(x), k=p(x), v=p(x), o=p(x), g_cumsum=p(f32), sink_bias=None, lse=p(f32))
+    fwd |= dict(USE_SINK_BIAS=False)
+    dq = dict(q=p(x), k=p(x), v=p(x), lse=p(f32), delta=p(f32), do=p(x), dq=p(x))
+    dq |= dict(dg_cumsum=p(f32), g_cumsum=p(f32))
+    dkv = dict(q=p(x), k=p(x), v=p(x), g_cumsum=p(f32), lse=p(f32), delta=p(f32), do=p(x))
+    dkv |= dict(dk=p(x), dv=p(x), dg_cumsum=p(f32))
+    return [
+        Spec("fla", "fwd", dtype, D, f"{FLA}:parallel_attn_fwd_kernel", fwd | common, 8, 3,
+             ("off", "diag")),
+        Spec("fla", "dq", dtype, D, f"{FLA}:parallel_attn_bwd_kernel_dq", dq | common, 8, 3,
+             ("off", "diag")),
+        Spec("fla", "dkv", dtype, D, f"{FLA}:parallel_attn_bwd_kernel_dkv", dkv | common, 8, 3,
+             ("diag", "off")),
+    ]  # fmt: skip
+
+
+def measure(spec: Spec) -> dict[str, Any]:
+    """Compile one spec and read its binary; a compile error is recorded, not raised."""
+    from bench import sm90
+
+    start = time.perf_counter()
+    row: dict[str, Any] = {
+        "impl": spec.impl, "role": spec.role, "dtype": spec.dtype, "D": spec.D,
+        "kernel": spec.kernel.split(":")[1], "num_warps": spec.num_warps,
+        "num_stages": spec.num_stages,
+    }  # fmt: skip
+    for name in ("BT", "BS", "BK", "BV"):
+        if isinstance(spec.args.get(name), int):
+            row[name] = spec.args[name]
+    try:
+        launch = sm90.Launch(_resolve(spec.kernel), spec.args, spec.num_warps, spec.num_stages)
+        report = sm90.build(launch)
+    except Exception as exc:  # every kernel is reported; the gate then fails
+        row["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300]}"
+        return row
+    row |= {
+        "shared": report.shared,
+        "registers": report.registers,
+        "stack": report.stack,
+        "hgmma": report.hgmma,
+        "hmma": report.hmma,
+        "stl": report.spills[0],
+        "ldl": report.spills[1],
+        "seconds": round(time.perf_counter() - start, 1),
+    }
+    loops = sm90.mma_loops(report)
+    if spec.order and len(loops) == len(spec.order):
+        for name, loop in zip(spec.order, loops, strict=True):
+            row[name] = {
+                "instructions": loop.instructions,
+                "hgmma": loop.opcodes["HGMMA"],
+                "hmma": loop.opcodes["HMMA"],
+                "stl": loop.opcodes["STL"],
+                "ldl": loop.opcodes["LDL"],
+                "ldg": loop.opcodes["LDG"],
+                "bar": loop.opcodes["BAR"],
+                "shfl": loop.opcodes["SHFL"],
+            }
+    elif spec.order:
+        row["error"] = f"expected {len(spec.order)} tensor-core loops, found {len(loops)}"
+    return row
+
+
+def run(specs: list[Spec], jobs: int) -> list[dict[str, Any]]:
+    if jobs <= 1:
+        return [measure(s) for s in specs]
+    with concurrent.futures.ProcessPoolExecutor(jobs) as pool:
+        return list(pool.map(measure, specs))
+
+
+def judge(rows: list[dict[str, Any]]) -> tuple[list[str], list[str]]:
+    """(failures, notes): the limit, wgmma and asserted budgets; ratios of every budget."""
+    from bench.sm90 import SHARED_LIMIT
+
+    fails, notes = [], []
+    peers = {(r["role"], r["dtype"], r["D"]): r for r in rows if r["impl"] == "fla"}
+    for r in rows:
+        key = f"{r['impl']} {r['role']} {r['dtype']} D={r['D']}"
+        if "error" in r:
+            (notes if r["impl"] == "fla" else fails).append(f"{key}: {r['error']}")
+            continue
+        if r["impl"] == "fla":
+            if r["shared"] > SHARED_LIMIT:
+                notes.append(f"{key}: fla asks {r['shared']:,} B shared > {SHARED_LIMIT:,}")
+            continue
+        if r["shared"] > SHARED_LIMIT:
+            fails.append(f"{key}: {r['shared']:,} B shared memory > {SHARED_LIMIT:,}")
+        if r["dtype"] in ("bf16", "fp16") and r["role"] in PEER and (r["hmma"] or not r["hgmma"]):
+            fails.append(f"{key}: dots not on wgmma (HGMMA {r['hgmma']}, HMMA {r['hmma']})")
+        peer = peers.get((r["role"], r["dtype"], r["D"]))
+        if r["role"] not in PEER or peer is None or "error" in peer or "off" not in r:
+            continue
+        if (r["dtype"], r["D"]) != BUDGET_AT or "off" not in peer:
+            continue
+        ratio = r["off"]["instructions"] / peer["off"]["instructions"]
+        budget = BUDGETS[r["impl"], r["role"]]
+        asserted = (r["impl"], r["role"]) in ASSERTED
+        verdict = "met" if ratio <= budget else "MISSED"
+        notes.append(
+            f"budget {r['impl']} {r['role']} off-diagonal instructions <= {budget}x fla: "
+            f"{ratio:.2f}x {verdict}{' (asserted)' if asserted else ' (not asserted)'}"
+        )
+        if asserted and ratio > budget:
+            fails.append(f"{key}: {ratio:.2f}x fla's instructions per iteration > {budget}")
+        for loop in ("off", "diag"):
+            if loop not in peer or loop not in r:
+                continue
+            mine = r[loop]["stl"] + r[loop]["ldl"]
+            theirs = peer[loop]["stl"] + peer[loop]["ldl"]
+            spilled = (r["impl"], r["role"]) in SPILLS_ASSERTED
+            if mine > theirs:
+                notes.append(
+                    f"spills {r['impl']} {r['role']} {loop} loop: {mine} STL+LDL > fla's {theirs}"
+                    f"{' (asserted)' if spilled else ' (not asserted)'}"
+                )
+                if spilled:
+                    fails.append(f"{key}: {mine} spill instructions in its {loop} loop > {theirs}")
+    return fails, notes
+
+
+def table(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per kernel: resources, tensor cores, per-iteration instructions and spills."""
+    peers = {(r["role"], r["dtype"], r["D"]): r for r in rows if r["impl"] == "fla"}
+    head = (
+        f"{'kernel':<17}{'dtype':>5}{'D':>4}{'tiles':>12}{'shared B':>9}{'reg':>5}{'stack':>6}"
+        f"{'HGMMA':>6}{'HMMA':>5}{'off/it':>7}{'diag/it':>8}{'off spill':>10}{'diag spill':>11}"
+        f"{'off/fla':>8}{'diag/fla':>9}"
+    )
+    lines = [head]
+    for r in rows:
+        name = f"{r['impl']} {r['role']}"
+        tiles = "x".join(str(r[n]) for n in ("BT", "BS") if n in r) + f"/{r['num_warps']}w"
+        if "error" in r:
+            lines.append(f"{name:<17}{r['dtype']:>5}{r['D']:>4}{tiles:>12}  {r['error'][:90]}")
+            continue
+        cells = ""
+        for loop in ("off", "diag"):
+            cells += f"{r[loop]['instructions']:>{7 if loop == 'off' else 8}}" if loop in r else (
+                f"{'-':>{7 if loop == 'off' else 8}}")  # fmt: skip
+        for loop, width in (("off", 10), ("diag", 11)):
+            cell = f"{r[loop]['stl']}+{r[loop]['ldl']}" if loop in r else "-"
+            cells += f"{cell:>{width}}"
+        peer = peers.get((r["role"], r["dtype"], r["D"]))
+        for loop, width in (("off", 8), ("diag", 9)):
+            if r["impl"] != "fla" and peer and loop in r and loop in peer:
+                cells += f"{r[loop]['instructions'] / peer[loop]['instructions']:>{width}.2f}"
+            else:
+                cells += f"{'-':>{width}}"
+        lines.append(
+            f"{name:<17}{r['dtype']:>5}{r['D']:>4}{tiles:>12}{r['shared']:>9}{r['registers']:>5}"
+            f"{r['stack']:>6}{r['hgmma']:>6}{r['hmma']:>5}{cells}"
+        )
+    return lines
+
+
+def versions() -> dict[str, str]:
+    import torch
+    import triton
+
+    try:
+        from importlib.metadata import version
+
+        fla_version = version("fla-core")
+    except Exception:
+        fla_version = "not installed"
+    return {"triton": triton.__version__, "torch": torch.__version__, "fla-core": fla_version}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--full", action="store_true", help="bf16, fp16, fp32 at D = 64, 128, 256")
+    parser.add_argument("--json", default="build/gpu_static.json", help="where the JSON goes")
+    parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
+    parser.add_argument("--no-fla", action="store_true", help="ours only (no peer columns)")
+    args = parser.parse_args(argv)
+    sets = [(t, d) for t in FULL_DTYPES for d in FULL_DIMS] if args.full else list(CI_SET)
+    specs = []
+    for dtype, D in sets:
+        specs += ours(dtype, D)
+        if not args.no_fla:
+            specs += fla(dtype, D)
+    start = time.perf_counter()
+    rows = run(specs, args.jobs)
+    took = time.perf_counter() - start
+    fails, notes = judge(rows)
+    info = versions()
+    print(
+        f"static sm_90 gate: {len(rows)} kernels compiled in {took:.0f} s; B={B} T={T} "
+        f"HQ=H={HEADS}; " + ", ".join(f"{k} {v}" for k, v in info.items())
+    )
+    print("\n".join(table(rows)))
+    print("\n".join(notes))
+    print("\n".join(f"FAIL {f}" for f in fails) or "static sm_90 gate: passed")
+    if args.json:
+        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+        with open(args.json, "w") as fh:
+            report = {
+                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                "versions": info,
+                "shape": {"B": B, "T": T, "HQ": HEADS, "H": HEADS},
+                "shared_limit": 232_448,
+                "asserted": sorted(f"{i} {k}" for i, k in ASSERTED),
+                "rows": rows,
+                "notes": notes,
+                "failures": fails,
+            }
+            json.dump(report, fh, indent=1)
+    return 1 if fails else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
