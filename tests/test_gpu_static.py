@@ -2,13 +2,8 @@
 compiled for sm_90 as an H100/H200 launch would compile them, at D = 128 bf16 (the full sweep is
 ``python -m bench.gpu_static --full``), and the SASS reader on literal SASS."""
 
-import json
-import os
 import pathlib
-import subprocess
 import sys
-
-import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
