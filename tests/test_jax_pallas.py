@@ -5,6 +5,7 @@ program per tile in the interpreter).
 """
 
 import itertools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +13,8 @@ import numpy as np
 import pytest
 from jax_support import canonical, rel, x64  # noqa: F401  (x64: autouse fixture)
 
-from attnspec.backends.jax import fox_attention, fpa_attention
+from attnspec.backends.jax import fox_attention, fpa_attention, fpa_pallas
+from attnspec.conformance.tolerances import tolerance
 from attnspec.reference import fpa as ref
 
 
@@ -89,10 +91,8 @@ def test_fox_kernels_match_the_reference_with_unit_gates():
         assert rel(canonical(g) if g.ndim == 4 else np.swapaxes(g, 1, 2), r) <= 1e-12
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_kernels_equal_their_xla_twin_in_low_precision(dtype):
-    """Same partial sums from the kernels and the XLA loop: outputs, lse and every gradient
-    agree to float32 rounding, and each comes back in the dtype of its input."""
+def _pallas_and_xla(dtype):
+    """Outputs, lse and gradients of the kernels and of the XLA loop on the same inputs."""
     args = inputs(1, 40, 2, 1, 16, 8, seed=2)
     typed = [jnp.asarray(a, dtype if i < 3 else "float32") for i, a in enumerate(args)]
     rng = np.random.default_rng(3)
@@ -105,10 +105,41 @@ def test_kernels_equal_their_xla_twin_in_low_precision(dtype):
         )
         (o, lse), pullback = jax.vjp(fn, *typed)
         results[impl] = [o, lse, *pullback((do, dlse))]
-    for got, twin, x in zip(results["pallas"][2:], results["xla"][2:], typed, strict=True):
+    return typed, do, dlse, results["pallas"], results["xla"]
+
+
+def test_kernels_equal_their_xla_twin_in_float32():
+    """float32 inputs keep float32 products (no TF32): the kernels and the XLA loop produce the
+    same partial sums, so outputs, lse and every gradient agree to float32 rounding."""
+    typed, _, _, pallas, xla = _pallas_and_xla("float32")
+    for got, twin, x in zip(pallas[2:], xla[2:], typed, strict=True):
         assert got.dtype == twin.dtype == x.dtype
-    for got, twin in zip(results["pallas"], results["xla"], strict=True):
+    for got, twin in zip(pallas, xla, strict=True):
         assert rel(got, np.asarray(twin, np.float64)) <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_kernels_round_the_second_products_operands_in_low_precision(dtype):
+    """16-bit inputs: the kernels multiply 16-bit operands (tensor cores) and round p and G to
+    the input dtype before p v, G k, G^T q and p^T do, as the torch Triton kernels do; the XLA
+    loop keeps them in float32. So the kernels differ from their twin by at most one rounding of
+    those operands and one of the result (2u, u the unit roundoff of the dtype; lse not at all),
+    and both stay within the kit's tolerance of the float64 reference on the inputs as rounded."""
+    typed, do, dlse, pallas, xla = _pallas_and_xla(dtype)
+    u = float(jnp.finfo(dtype).eps) / 2
+    seen = [np.asarray(a, np.float64) for a in typed]
+    expected = expected_fpa(seen, np.asarray(do, np.float64), np.asarray(dlse, np.float64), 2)
+    for got, twin, x in zip(pallas[2:], xla[2:], typed, strict=True):
+        assert got.dtype == twin.dtype == x.dtype
+    o_err = rel(canonical(pallas[0]), expected[0])
+    for got, twin in zip(pallas, xla, strict=True):
+        assert rel(got, np.asarray(twin, np.float64)) <= 2 * u
+    assert o_err <= tolerance("fpa_attention", dtype, "output")
+    assert rel(np.swapaxes(pallas[1], 1, 2), expected[1]) <= 1e-5
+    for g, r in zip(pallas[2:], expected[2], strict=True):
+        g = np.asarray(g, np.float64)
+        g = canonical(g) if g.ndim == 4 else np.swapaxes(g, 1, 2)
+        assert rel(g, r) <= tolerance("fpa_attention", dtype, "gradient")
 
 
 def test_vmap_of_grad_through_the_kernels():
@@ -131,6 +162,47 @@ def test_vmap_of_grad_through_the_kernels():
             assert rel(canonical(got) if got.ndim == 4 else np.swapaxes(got, 1, 2), want) < 1e-12
 
 
+def triton_dots(lowered):
+    """(lhs, rhs, result, inputPrecision) of every tt.dot in the Triton modules of a lowering:
+    each Pallas kernel is a custom call whose backend config holds its Triton IR as bytecode."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.triton import dialect as triton_dialect
+
+    calls = []
+
+    def walk(op):
+        for region in op.regions:
+            for block in region.blocks:
+                for inner in block.operations:
+                    if inner.operation.name == "stablehlo.custom_call":
+                        calls.append(inner.operation)
+                    walk(inner.operation)
+
+    walk(lowered.compiler_ir("stablehlo").operation)
+    dots = []
+    for call in calls:
+        config = ir.DictAttr(call.attributes["mhlo.backend_config"])
+        with ir.Context() as ctx:
+            triton_dialect.register_dialect(ctx)
+            text = str(ir.Module.parse(ir.StringAttr(config["ir"]).value_bytes))
+        # the printer leaves out inputPrecision at its default, IEEE
+        pattern = (
+            r"tt\.dot [^:]*?(?:inputPrecision = (\w+) )?"
+            r": tensor<(\S+)> \* tensor<(\S+)> -> tensor<(\S+)>"
+        )
+        for precision, lhs, rhs, out in re.findall(pattern, text):
+            types = (lhs.split("x")[-1], rhs.split("x")[-1], out.split("x")[-1])
+            dots.append((*types, precision or "ieee"))
+    return len(calls), dots
+
+
+triton_only = pytest.mark.skipif(
+    not fpa_pallas.triton_lowering_available(),
+    reason="Pallas' Triton lowering is deprecated on this JAX (>= 0.11)",
+)
+
+
+@triton_only
 @pytest.mark.parametrize("kind", ["fpa", "fox"])
 def test_kernels_lower_through_the_gpu_triton_path(kind):
     """Cross-platform lowering for CUDA on this CPU machine: the three kernels (forward, dq, dkv)
@@ -149,3 +221,25 @@ def test_kernels_lower_through_the_gpu_triton_path(kind):
     step = jax.grad(loss, argnums=tuple(range(3 + len(scalars))))
     lowered = jax.jit(step).trace(q, kv, kv, *scalars).lower(lowering_platforms=("cuda",))
     assert lowered.as_text().count("xla.gpu.triton") == 3
+    # bfloat16 operands and float32 accumulators in every product: tensor cores. Forward: q k^T
+    # and p v; dq: q k^T, do v^T, G k; dkv: the same two and G^T q, p^T do; each on the
+    # diagonal tile and in the loop.
+    calls, dots = triton_dots(lowered)
+    assert calls == 3 and len(dots) == 2 * (2 + 3 + 4)
+    assert set(dots) == {("bf16", "bf16", "f32", "tf32")}
+
+
+@triton_only
+def test_float32_products_stay_float32_in_the_gpu_lowering():
+    """float32 inputs: float32 operands at IEEE precision (no TF32) in every product."""
+    q = jax.ShapeDtypeStruct((1, 128, 2, 64), jnp.float32)
+    s = jax.ShapeDtypeStruct((1, 128, 2), jnp.float32)
+
+    def loss(*a):
+        return jnp.sum(fox_attention(*a, implementation="pallas", interpret=False))
+
+    step = jax.grad(loss, argnums=(0, 1, 2, 3))
+    lowered = jax.jit(step).trace(q, q, q, s).lower(lowering_platforms=("cuda",))
+    calls, dots = triton_dots(lowered)
+    assert calls == 3 and len(dots) == 18
+    assert set(dots) == {("f32", "f32", "f32", "ieee")}

@@ -12,12 +12,21 @@ style and atomic-free:
 
 The kernels only do tile arithmetic: every sequential quantity (prefix and suffix minima, the
 diagonal tiles' segment minima) comes precomputed from ``tiles``; the XLA loop in ``blockwise``
-is their twin and produces the same partial sums. No complex numbers, no atomics. Loads are cast
-to the compute dtype (float32, float64 for float64 inputs) right after reading.
+is their twin and produces the same partial sums. No complex numbers, no atomics.
 
-Pallas' Triton lowering is deprecated from JAX 0.11: this module is the only one that knows about
-Pallas, so a Mosaic GPU port replaces this file and nothing else. On CPU the kernels run with
-``interpret=True``; autodiff never runs through ``pallas_call`` (``fpa.py`` holds the custom_vjp).
+Precision, as in the torch Triton kernels: penalties, logits, softmax statistics and accumulators
+are in the compute dtype (float32, float64 for float64 inputs). The four products (q k^T, p v in
+the forward; do v^T, g k, g^T q, p^T do in the backward) take bfloat16 and float16 operands as
+stored, with the probabilities p and the logit cotangents g rounded to the input dtype first, and
+accumulate in float32: tensor-core matmuls on a GPU. Float32 and float64 operands keep their
+precision (``Precision.HIGHEST``: no TF32).
+
+On a GPU the kernels compile through Pallas' Triton lowering, which JAX deprecates from 0.11 (a
+DeprecationWarning at every lowering, removal announced): ``triton_lowering_available`` says
+whether the installed JAX has it without the deprecation, and compiling for a GPU on a later JAX
+raises NotImplementedError naming the alternatives (``fpa_mosaic``, the Mosaic GPU kernels, and
+the XLA loop). On CPU the kernels run with ``interpret=True`` on every JAX; autodiff never runs
+through ``pallas_call`` (``fpa.py`` holds the custom_vjp).
 """
 
 from __future__ import annotations
@@ -52,14 +61,24 @@ def _pad_last(x: jax.Array, width: int) -> jax.Array:
     return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])])
 
 
-def _dot(a: jax.Array, b: jax.Array) -> jax.Array:
-    """a (m, k) @ b (n, k)^T, written as the transposed-operand matmul Triton lowers."""
-    return jnp.dot(a, b.T, precision=HIGHEST)
+NARROW = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# The arrays whose loads keep the input dtype: the products' operands.
+_DATA = frozenset({"q", "k", "v", "do"})
 
 
-def _dot_tn(a: jax.Array, b: jax.Array) -> jax.Array:
-    """a (m, n)^T @ b (m, k)."""
-    return jnp.dot(a.T, b, precision=HIGHEST)
+def operand_dtype(data: jnp.dtype, ct: jnp.dtype) -> jnp.dtype:
+    """The dtype of the products' operands: a 16-bit input dtype as stored (tensor cores), the
+    compute dtype otherwise."""
+    return jnp.dtype(data) if jnp.dtype(data) in NARROW else jnp.dtype(ct)
+
+
+def _product(a: jax.Array, b: jax.Array, od: jnp.dtype, ct: jnp.dtype) -> jax.Array:
+    """a (m, k) @ b (k, n) on od operands, accumulated in float32 (16-bit operands, default
+    precision: tensor cores) or in od itself at full precision; returned in ct."""
+    a, b = a.astype(od), b.astype(od)
+    if od in NARROW:
+        return jnp.dot(a, b, preferred_element_type=jnp.float32).astype(ct)
+    return jnp.dot(a, b, precision=HIGHEST, preferred_element_type=od).astype(ct)
 
 
 def _last(x: jax.Array) -> jax.Array:
@@ -134,6 +153,16 @@ def _penalty_arrays(
         layout.tile("diag_sum", decay.diag_sum)
 
 
+def _jax_version() -> tuple[int, ...]:
+    return tuple(int(part) for part in jax.__version_info__[:2])
+
+
+def triton_lowering_available() -> bool:
+    """Whether the installed JAX lowers Pallas kernels through Triton without a deprecation:
+    JAX < 0.11 (from 0.11 every such lowering warns, and the backend is to be removed)."""
+    return _jax_version() < (0, 11)
+
+
 def _call(
     kernel: Callable[..., None],
     layout: _Layout,
@@ -145,6 +174,12 @@ def _call(
 ) -> list[jax.Array]:
     compiler_params = None
     if not interpret:  # the Triton lowering, kept out of the CPU path
+        if not triton_lowering_available():
+            raise NotImplementedError(
+                f"implementation='pallas': Pallas' Triton lowering is deprecated in JAX "
+                f"{jax.__version__} (JAX >= 0.11); use implementation='mosaic' (the Mosaic GPU "
+                "kernels) or 'xla' on a GPU, or interpret=True"
+            )
         from jax.experimental.pallas import triton as plgpu
 
         compiler_params = plgpu.CompilerParams(num_warps=4, num_stages=2)
@@ -164,25 +199,42 @@ def _call(
 
 
 class _Refs:
-    """Named access to a kernel's input refs, cast to the compute dtype on load."""
+    """Named access to a kernel's input refs, cast on load: q, k, v and do to the operand dtype
+    of the products, everything else to the compute dtype ct."""
 
     def __init__(
         self, names: tuple[str, ...], refs: Sequence[jax.Ref], ct: jnp.dtype, bs: int
     ) -> None:
         self.refs = dict(zip(names, refs, strict=False))
-        self.ct, self.bs = ct, bs
+        self.ct, self.bs = jnp.dtype(ct), bs
+        self.od = operand_dtype(self.refs["q"].dtype, self.ct)
 
     def has(self, name: str) -> bool:
         return name in self.refs
 
+    def _cast(self, name: str, x: jax.Array) -> jax.Array:
+        return x.astype(self.od if name in _DATA else self.ct)
+
     def block(self, name: str, n: jax.Array, cast: bool = True) -> jax.Array:
         """Block n of a whole-sequence ref (rows of a head, or keys of a kv head)."""
         x = self.refs[name][pl.ds(n * self.bs, self.bs), ...]
-        return x.astype(self.ct) if cast else x
+        return self._cast(name, x) if cast else x
 
     def all(self, name: str, cast: bool = True) -> jax.Array:
         x = self.refs[name][...]
-        return x.astype(self.ct) if cast else x
+        return self._cast(name, x) if cast else x
+
+    def dot(self, a: jax.Array, b: jax.Array) -> jax.Array:
+        """a (m, k) @ b (n, k)^T, the transposed-operand product (logits, dp)."""
+        return _product(a, b.T, self.od, self.ct)
+
+    def dot_nn(self, a: jax.Array, b: jax.Array) -> jax.Array:
+        """a (m, n) @ b (n, k), a (p or g) rounded to the operand dtype first."""
+        return _product(a, b, self.od, self.ct)
+
+    def dot_tn(self, a: jax.Array, b: jax.Array) -> jax.Array:
+        """a (m, n)^T @ b (m, k), a (p or g) rounded to the operand dtype first."""
+        return _product(a.T, b, self.od, self.ct)
 
 
 def _segment_mask(r: _Refs, i: jax.Array, j: jax.Array) -> jax.Array | None:
@@ -241,22 +293,22 @@ def _forward_kernel(
     prefix = r.all("prefix_min" if kind == "fpa" else "prefix_sum")
     penalty, _ = _diag_penalty(kind, r, i)
     mask = _causal(bs, _segment_mask(r, i, i))
-    logits = _masked(scale * _dot(q, r.block("k", i)) - penalty, mask)  # (F3)
+    logits = _masked(scale * r.dot(q, r.block("k", i)) - penalty, mask)  # (F3)
     m = jnp.max(logits, axis=1)
     p = jnp.exp(logits - m[:, None])
     l = jnp.sum(p, axis=1)
-    acc = jnp.dot(p, r.block("v", i), precision=HIGHEST)
+    acc = r.dot_nn(p, r.block("v", i))
 
     def key_block(t: jax.Array, carry: _Online) -> _Online:
         m, l, acc, gap = carry
         j = i - 1 - t  # from the diagonal outward
         penalty, _ = _offdiag_penalty(kind, r, prefix, j, gap)
-        logits = _masked(scale * _dot(q, r.block("k", j)) - penalty, _segment_mask(r, i, j))
+        logits = _masked(scale * r.dot(q, r.block("k", j)) - penalty, _segment_mask(r, i, j))
         m_new = jnp.maximum(m, jnp.max(logits, axis=1))
         correction = jnp.exp(m - m_new)
         p = jnp.exp(logits - m_new[:, None])
         l = l * correction + jnp.sum(p, axis=1)
-        acc = acc * correction[:, None] + jnp.dot(p, r.block("v", j), precision=HIGHEST)
+        acc = acc * correction[:, None] + r.dot_nn(p, r.block("v", j))
         return m_new, l, acc, tiles.extend_gap(kind, gap, _gap_stat(kind, r, j))
 
     gap = tiles.empty_gap(kind, jnp.zeros((), ct))
@@ -344,9 +396,9 @@ def _tile_grads(
     k_j = r.block("k", j)
     logits = logits_fn(k_j)
     p = jnp.exp(logits - lse[:, None])  # (F4)
-    dp = _dot(do, r.block("v", j))
+    dp = r.dot(do, r.block("v", j))
     g = tiles.logit_cotangent(p, dp, delta)  # (G1), (G4)
-    return p, g, jnp.dot(g, k_j, precision=HIGHEST)
+    return p, g, r.dot_nn(g, k_j)
 
 
 def _dq_kernel(
@@ -370,7 +422,7 @@ def _dq_kernel(
     penalty, m = _diag_penalty(kind, r, i)
     mask = _causal(bs, _segment_mask(r, i, i))
     _, g, dq = _tile_grads(
-        r, q, do, lse, delta, i, lambda k_j: _masked(scale * _dot(q, k_j) - penalty, mask)
+        r, q, do, lse, delta, i, lambda k_j: _masked(scale * r.dot(q, k_j) - penalty, mask)
     )
     if kind == "fpa":
         assert m is not None  # fpa tiles carry their segment minimum
@@ -388,7 +440,7 @@ def _dq_kernel(
         penalty, m = _offdiag_penalty(kind, r, prefix, j, gap)
         seg_mask = _segment_mask(r, i, j)
         _, g, dq_j = _tile_grads(
-            r, q, do, lse, delta, j, lambda k_j: _masked(scale * _dot(q, k_j) - penalty, seg_mask)
+            r, q, do, lse, delta, j, lambda k_j: _masked(scale * r.dot(q, k_j) - penalty, seg_mask)
         )
         dq = dq + dq_j
         if kind == "fpa":
@@ -448,10 +500,10 @@ def _dkv_kernel(
         i: jax.Array, penalty: jax.Array, mask: jax.Array | None
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         q, do = r.block("q", i), r.block("do", i)
-        logits = _masked(scale * _dot(q, k) - penalty, mask)
+        logits = _masked(scale * r.dot(q, k) - penalty, mask)
         p = jnp.exp(logits - r.block("lse", i)[:, None])  # (F4)
-        g = tiles.logit_cotangent(p, _dot(do, v), r.block("delta", i))  # (G1), (G4)
-        return g, _dot_tn(g, q), _dot_tn(p, do)
+        g = tiles.logit_cotangent(p, r.dot(do, v), r.block("delta", i))  # (G1), (G4)
+        return g, r.dot_tn(g, q), r.dot_tn(p, do)
 
     penalty, m = _diag_penalty(kind, r, j)
     g, dk, dv = tile(j, penalty, _causal(bs, _segment_mask(r, j, j)))
