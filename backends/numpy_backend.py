@@ -28,13 +28,15 @@ Result = TypeVar("Result")
 
 
 def segments(cu_seqlens: ArrayLike, T: int) -> list[slice]:
-    """The packed sequences named by FlashAttention-style offsets (0, ..., T) as slices of T."""
+    """The non-empty packed sequences named by FlashAttention-style offsets (0, ..., T) as
+    slices of T."""
     offsets = [int(x) for x in np.asarray(cu_seqlens).ravel()]
     if len(offsets) < 2 or offsets[0] != 0 or offsets[-1] != T:
         raise ValueError(f"cu_seqlens: expected offsets from 0 to T = {T}, got {offsets}")
-    if any(b <= a for a, b in pairwise(offsets)):
-        raise ValueError(f"cu_seqlens: expected strictly increasing offsets, got {offsets}")
-    return [slice(a, b) for a, b in pairwise(offsets)]
+    if any(b < a for a, b in pairwise(offsets)):
+        raise ValueError(f"cu_seqlens: expected non-decreasing offsets, got {offsets}")
+    # a zero-length sequence contributes nothing [decision, as FlashAttention's varlen]
+    return [slice(a, b) for a, b in pairwise(offsets) if b > a]
 
 
 def _per_segment(
@@ -100,6 +102,8 @@ class NumpyBackend:
         "fpa_attention.varlen",
         "fox_attention.varlen",
         "interdomain_s4d.varlen",
+        "fpa_layer.varlen",
+        "interdomain_layer.varlen",
         "fpa_attention.gqa",
         "fox_attention.gqa",
     )
@@ -114,6 +118,19 @@ class NumpyBackend:
 
     def asarray(self, x: NDArray[Any], dtype: str) -> NDArray[Any]:
         return np.asarray(x, dtype=dtype)
+
+    def asarray_strided(self, x: NDArray[Any], dtype: str, layout: str) -> NDArray[Any]:
+        """``x`` (B, H, T, D) as a non-contiguous view with the same values: ``"slice"`` the
+        middle third of a (B, H, T, 3 D) array (q of a fused qkv projection), ``"transpose"``
+        a (B, H, T, D) view of a (B, T, H, D) array."""
+        if layout == "slice":
+            D = x.shape[-1]
+            wide = np.zeros((*x.shape[:-1], 3 * D), dtype=dtype)
+            wide[..., D : 2 * D] = x
+            return wide[..., D : 2 * D]
+        if layout == "transpose":
+            return np.ascontiguousarray(np.swapaxes(x, 1, 2), dtype=dtype).swapaxes(1, 2)
+        raise NotImplementedError(f"layout: unknown {layout!r}")
 
     def to_numpy(self, x: ArrayLike) -> NDArray[Any]:
         return np.asarray(x)
@@ -249,13 +266,38 @@ class NumpyBackend:
         )
         return np.concatenate(parts, axis=-2).astype(fq.dtype)
 
-    def fpa_layer(self, x: FloatArray, params: Mapping[str, FloatArray]) -> FloatArray:
-        return fpa.fpa_layer(x, params).astype(x.dtype)
+    def fpa_layer(
+        self,
+        x: FloatArray,
+        params: Mapping[str, FloatArray],
+        *,
+        cu_seqlens: ArrayLike | None = None,
+        **options: Any,
+    ) -> FloatArray:
+        """The reference layer; packed sequences (B = 1) layer by layer on each segment."""
+        parts = _per_segment(
+            lambda x: fpa.fpa_layer(x, params, **options), {"x": x}, cu_seqlens, {"x": -2}
+        )
+        return np.concatenate(parts, axis=-2).astype(x.dtype)
 
     def interdomain_layer(
-        self, x: FloatArray, params: Mapping[str, FloatArray], *, readout: str = "linear"
+        self,
+        x: FloatArray,
+        params: Mapping[str, FloatArray],
+        *,
+        readout: str = "linear",
+        cu_seqlens: ArrayLike | None = None,
+        **options: Any,
     ) -> FloatArray:
-        return idm.interdomain_layer(x, params, readout=readout).astype(x.dtype)
+        """The reference layer (options: gate, use_rope, output_norm); packed sequences (B = 1)
+        on each segment, with its own conv window, positions and state."""
+        parts = _per_segment(
+            lambda x: idm.interdomain_layer(x, params, readout=readout, **options),
+            {"x": x},
+            cu_seqlens,
+            {"x": -2},
+        )
+        return np.concatenate(parts, axis=-2).astype(x.dtype)
 
     # ---------------------------------------------------------------- gradients
 

@@ -655,3 +655,20 @@ def test_skippable_tiles_are_evictable_for_every_later_query():
                     skipped += 1
                     assert (pi[i0:, j0 : j0 + block] >= theta).all()
     assert skipped > 50  # the statement was exercised
+
+
+def test_the_numpy_backend_skips_a_zero_length_packed_sequence():
+    # [decision, as FlashAttention's varlen]: offsets (0, 2, 2, 4) are (0, 2), (2, 4) and an
+    # empty sequence that contributes nothing.
+    from attnspec.backends.numpy_backend import NumpyBackend
+
+    args = {name: x[:1, :1] for name, x in good().items()}  # B = 1, T = 4
+    backend = NumpyBackend()
+    got = backend.fpa_attention(**args, cu_seqlens=(0, 2, 2, 4))
+    parts = [
+        fpa.fpa_attention(*(x[..., a:e, :] if x.ndim == 4 else x[..., a:e] for x in args.values()))
+        for a, e in [(0, 2), (2, 4)]
+    ]
+    np.testing.assert_array_equal(got, np.concatenate(parts, axis=-2))
+    with pytest.raises(ValueError, match=re.escape("expected non-decreasing offsets")):
+        backend.fpa_attention(**args, cu_seqlens=(0, 3, 2, 4))

@@ -336,7 +336,7 @@ BAD = [
     (changed(v=lambda x: x[:, :9]), {}, "v: expected shape"),
     (changed(q=lambda x: x[:, :0]), {}, "T >= 1"),
     (changed(q=lambda x: x.int()), {}, "q: expected dtype"),
-    (changed(field=lambda x: x.half()), {}, "field: expected dtype float32, float64"),
+    (changed(field=lambda x: x.int()), {}, "field: expected dtype float64, float32, float16"),
     (changed(level=lambda x: x[..., :2]), {}, "level: expected shape"),
     (changed(level=lambda x: x.double()), {}, "level: expected the dtype of field"),
     (changed(field=lambda x: _set(x, (0, 3, 1), float("nan"))), {}, "field: contains NaN"),
@@ -348,7 +348,7 @@ BAD = [
     (good_inputs(), {"cu_seqlens": torch.tensor([0, 4, 10.0])}, "cu_seqlens: expected dtype"),
     (good_inputs(), {"cu_seqlens": torch.tensor([1, 10])}, "cu_seqlens: expected offsets from 0"),
     (good_inputs(), {"cu_seqlens": torch.tensor([0, 9])}, "to T = 10"),
-    (good_inputs(), {"cu_seqlens": torch.tensor([0, 6, 6, 10])}, "strictly increasing"),
+    (good_inputs(), {"cu_seqlens": torch.tensor([0, 6, 5, 10])}, "non-decreasing offsets"),
     (good_inputs(), {"cu_seqlens": torch.tensor([[0, 10]])}, "cu_seqlens: expected 1 dim"),
 ]
 
@@ -370,3 +370,88 @@ def test_bad_fox_and_packed_input():
     with pytest.raises(ValueError, match="cu_seqlens: packed sequences need B = 1"):
         two = [torch.cat([t, t]) for t in (q, k, v, gates)]
         fox_attention(*two, cu_seqlens=torch.tensor([0, 10]))
+
+
+# ------------------------------------------------- drop-in gates, empty batches and sequences
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_gates_are_widened_to_float32(dtype):
+    # parallel_forgetting_attn(q, k, v, g) takes g in the input dtype: the drop-in call works
+    # and equals the call with the gates widened first (they carry no more precision).
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 24, 2, 8, generator=gen).to(dtype) for _ in range(3))
+    g = torch.nn.functional.logsigmoid(torch.randn(1, 24, 2, generator=gen)).to(dtype)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, g)]
+    o = fox_attention(*leaves)
+    wide = [x.clone().requires_grad_() for x in (q, k, v, g.float())]
+    assert torch.equal(o, fox_attention(*wide))
+    o.float().sum().backward()
+    fox_attention(*wide).float().sum().backward()
+    assert leaves[3].grad.dtype == dtype
+    assert torch.equal(leaves[3].grad, wide[3].grad.to(dtype))
+    field = torch.cumsum(g.float(), 1)
+    half_field = fpa_attention(q, k, v, field.to(dtype), field.to(dtype))
+    assert torch.equal(
+        half_field, fpa_attention(q, k, v, field.to(dtype).float(), field.to(dtype).float())
+    )
+    naive = pytest.importorskip("fla.ops.forgetting_attn.naive").naive_forgetting_attn
+    theirs = naive(q, k, v, g)  # float32 inside, whatever it is given
+    assert torch.linalg.norm(o.float() - theirs) / torch.linalg.norm(theirs) < 1e-2
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_an_empty_batch_gives_empty_outputs_and_gradients_as_sdpa(device):
+    q, k, v = (torch.randn(0, 7, 4, 8, device=device, requires_grad=True) for _ in range(3))
+    field, level = (torch.randn(0, 7, 4, device=device, requires_grad=True) for _ in range(2))
+    o, lse = fpa_attention(q, k, v, field, level, return_lse=True)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert (o.shape, lse.shape, o.dtype) == (sdpa.shape, (0, 7, 4), sdpa.dtype)
+    assert fox_attention(q, k, v, -field.abs()).shape == (0, 7, 4, 8)
+    if device == "cpu":
+        (o.sum() + lse.sum()).backward()
+        assert [x.grad.shape for x in (q, k, v, field, level)] == [
+            x.shape for x in (q, k, v, field, level)
+        ]
+    with pytest.raises(ValueError, match="k: expected shape"):
+        fpa_attention(q, k[:, :3], v, field, level)
+
+
+def test_the_meta_device_infers_shapes():
+    q, k = torch.empty(2, 9, 4, 8, device="meta"), torch.empty(2, 9, 2, 8, device="meta")
+    v, field = torch.empty(2, 9, 2, 5, device="meta"), torch.empty(2, 9, 4, device="meta")
+    o, lse = fpa_attention(q, k, v, field, field, return_lse=True)
+    assert (o.shape, o.device.type, lse.shape) == ((2, 9, 4, 5), "meta", (2, 9, 4))
+    assert fox_attention(q.half(), k.half(), v.half(), field.half()).dtype == torch.float16
+
+
+@pytest.mark.parametrize("impl", ["eager", "triton"])
+@pytest.mark.parametrize("op", ["fpa", "fox"])
+def test_a_zero_length_packed_sequence_contributes_nothing(op, impl):
+    # [decision, as FlashAttention's varlen]: offsets (0, 8, 8, 16) are the sequences (0, 8)
+    # and (8, 16) and an empty one; outputs and gradients are those of the reference per
+    # non-empty sequence.
+    if impl == "triton":
+        pytest.importorskip("triton")
+    rng = np.random.default_rng(6)
+    q, k, v, f, lev = draw(rng, 1, 16, 2, 2, 8, 4)
+    if op == "fox":
+        log_f = -np.abs(rng.standard_normal((1, 2, 16)))
+        f = lev = np.cumsum(log_f, axis=-1)
+    do = rng.standard_normal((1, 2, 16, 4))
+    o_ref, _, g_ref = reference(q, k, v, f, lev, do, np.zeros((1, 2, 16)), None, [(0, 8), (8, 16)])
+    leaves = [to_torch(x).float().requires_grad_() for x in (q, k, v)]
+    cu = torch.tensor([0, 8, 8, 16], dtype=torch.int32)
+    if op == "fpa":
+        wide = [to_torch(x).float().requires_grad_() for x in (f, lev)]
+        o = fpa_attention(*leaves, *wide, cu_seqlens=cu, impl=impl)
+    else:
+        wide = [to_torch(log_f).float().requires_grad_()]
+        o = fox_attention(*leaves, *wide, cu_seqlens=cu, impl=impl)
+    o.backward(to_torch(do).float())
+    assert relative(to_ref(o), o_ref) < 1e-5
+    for leaf, want in zip(leaves, g_ref[:3], strict=True):
+        assert relative(to_ref(leaf.grad), want) < 1e-5
+    if op == "fpa":
+        for leaf, want in zip(wide, g_ref[3:], strict=True):
+            assert relative(to_ref(leaf.grad), want) < 1e-5

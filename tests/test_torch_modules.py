@@ -104,3 +104,44 @@ def test_bad_parameters_and_input():
         FirstPassageAttention(16, 2, 4, increments="cumsum")
     with pytest.raises(ValueError, match="readout: expected 'linear' or 'ratio'"):
         InterdomainAttention(16, 2, 4, readout="softmax")
+
+
+def test_interdomain_layer_without_output_norm_is_the_paper_literal_reference_layer():
+    params = idm.init_interdomain_params(16, 2, 4, 3, 8, seed=2, output_norm=False)
+    want = idm.interdomain_layer(X, params, output_norm=False)
+    layer = InterdomainAttention.from_reference_params(params, output_norm=False)
+    assert not hasattr(layer, "norm_o_g")
+    x = torch.from_numpy(X)
+    with torch.no_grad():
+        np.testing.assert_allclose(layer(x).numpy(), want, rtol=1e-11, atol=1e-14)
+        np.testing.assert_allclose(decode(layer, x, 5).numpy(), want, rtol=1e-11, atol=1e-14)
+    with pytest.raises(ValueError, match=r"params: missing \['norm_o_g'\]"):
+        InterdomainAttention.from_reference_params(params)
+
+
+@pytest.mark.parametrize("readout", ["linear", "ratio"])
+def test_interdomain_output_rms_at_initialisation_is_order_one_for_every_length(readout):
+    # (I11) zero-order hold and (I14) output norm. Before: RMS 89 at T = 16, 2,000 at T = 256
+    # and 8,900 at T = 4,096 with the linear readout (these sizes, seed 0).
+    torch.manual_seed(0)
+    layer = InterdomainAttention(16, 2, 8, n_modes=16, readout=readout)
+    for T in (16, 4096):
+        x = torch.randn(1, T, 16)
+        with torch.no_grad():
+            rms = layer(x).square().mean().sqrt().item()
+        assert 0.1 <= rms <= 10, (T, rms)
+
+
+@pytest.mark.parametrize("layer_type", [FirstPassageAttention, InterdomainAttention])
+def test_layers_take_an_empty_batch_and_the_meta_device(layer_type):
+    torch.manual_seed(2)
+    layer = layer_type(16, 2, 4, 3)
+    y = layer(torch.randn(0, 7, 16))
+    assert y.shape == (0, 7, 16)
+    y.sum().backward()
+    grads = [p.grad for p in layer.parameters()]
+    assert all(g is not None and not g.any() for g in grads)  # an empty sum: zero gradients
+    meta = layer_type(16, 2, 4, 3, device="meta")
+    for B in (0, 3):
+        y = meta(torch.empty(B, 9, 16, device="meta"))
+        assert (y.shape, y.device.type) == ((B, 9, 16), "meta")

@@ -113,11 +113,15 @@ def attention_inputs(q: Tensor, k: Tensor, v: Tensor) -> AttentionDims:
 
 
 def per_token(name: str, x: Tensor, q: Tensor) -> Tensor:
-    """A per-token scalar of every query head: [B, T, HQ], float32 or float64, on q's device."""
-    x = tensor(name, x, 3, WIDE_DTYPES, "[B, T, HQ] (float32 or wider: penalty arithmetic)")
+    """A per-token scalar of every query head: [B, T, HQ] on q's device, float32 or float64.
+
+    float16 and bfloat16 (a drop-in call passes gates in the input's dtype) are widened to
+    float32 for the penalty arithmetic; they carry no more precision than they arrive with.
+    """
+    x = tensor(name, x, 3, QKV_DTYPES, "[B, T, HQ]")
     shape(name, x, tuple(q.shape[:3]), "[B, T, HQ]: B, T and the query heads of q")
     same_device(("q", name), (q, x))
-    return x
+    return x if x.dtype in WIDE_DTYPES else x.to(torch.float32)
 
 
 def cu_seqlens(x: Tensor | None, B: int, q: Tensor) -> Tensor | None:
@@ -139,13 +143,14 @@ def cu_seqlens(x: Tensor | None, B: int, q: Tensor) -> Tensor | None:
 
 
 def cu_seqlens_values(x: Tensor, T: int) -> list[int]:
-    """Offsets start at 0, end at T and strictly increase (no empty sequence)."""
+    """Offsets start at 0, end at T and never decrease: a zero-length sequence is allowed and
+    contributes nothing, as in FlashAttention's varlen functions [decision]."""
     offsets = x.tolist()
     if offsets[0] != 0 or offsets[-1] != T:
         raise ValueError(f"cu_seqlens: expected offsets from 0 to T = {T}, got {offsets}")
     steps = [b - a for a, b in itertools.pairwise(offsets)]
-    if min(steps) < 1:
-        raise ValueError(f"cu_seqlens: expected strictly increasing offsets, got {offsets}")
+    if min(steps) < 0:
+        raise ValueError(f"cu_seqlens: expected non-decreasing offsets, got {offsets}")
     return offsets
 
 

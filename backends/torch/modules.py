@@ -208,7 +208,7 @@ class FirstPassageAttention(nn.Module):
         o = fpa_attention(
             q, k, v, field, field + offset, scale=self.scale, cu_seqlens=cu_seqlens, impl=impl
         )
-        return o.reshape(*x.shape[:2], -1) @ self.wo
+        return o.reshape(*x.shape[:2], self.n_heads * self.value_dim) @ self.wo
 
     def new_cache(self, *, theta: float = float("inf")) -> FPALayerCache:
         """An empty decode cache evicting keys at depth >= theta (spec/fpa.md F7, T3)."""
@@ -221,7 +221,7 @@ class FirstPassageAttention(nn.Module):
         phi = delta[:, 0] if cache.field is None else cache.field + delta[:, 0]
         cache.field = phi
         o = cache.attention.step(q[:, 0], k[:, 0], v[:, 0], phi, phi + offset[:, 0])
-        return o.reshape(x.shape[0], -1) @ self.wo
+        return o.reshape(x.shape[0], self.n_heads * self.value_dim) @ self.wo
 
     def prefill(self, x: Tensor, cache: FPALayerCache) -> Tensor:
         """A whole prompt x [B, T, d] into an empty ``cache``; equals T calls of :meth:`step`."""
@@ -230,7 +230,7 @@ class FirstPassageAttention(nn.Module):
         field = torch.cumsum(delta, dim=1)
         o = cache.attention.prefill(q, k, v, field, field + offset)
         cache.field = field[:, -1]
-        return o.reshape(*x.shape[:2], -1) @ self.wo
+        return o.reshape(*x.shape[:2], self.n_heads * self.value_dim) @ self.wo
 
 
 # --------------------------------------------------------------------------------------------

@@ -30,7 +30,9 @@ from . import eager_interdomain as _eager_interdomain  # noqa: F401  (and the In
 
 TRITON_MODULES = (
     "attnspec.backends.torch.triton_fpa",
-    "attnspec.backends.torch.triton_interdomain",
+    "attnspec.backends.torch.triton_s4d",
+    "attnspec.backends.torch.triton_s4d_bwd",
+    "attnspec.backends.torch.triton_legs",
 )
 _triton_loaded = False
 
@@ -86,7 +88,7 @@ def _backward_impl(kernel: str, impl: str) -> str:
 def _autocast(*xs: Tensor) -> tuple[Tensor, ...]:
     """Cast to the autocast dtype if autocast is on for the device (float64 left alone)."""
     device_type = xs[0].device.type
-    if not torch.is_autocast_enabled(device_type):
+    if device_type == "meta" or not torch.is_autocast_enabled(device_type):  # meta: no autocast
         return xs
     dtype = torch.get_autocast_dtype(device_type)
     return tuple(x if x.dtype == torch.float64 else x.to(dtype) for x in xs)
@@ -98,6 +100,27 @@ def _no_autocast(x: Tensor) -> torch.autocast:
 
 def _empty(x: Tensor) -> Tensor:
     return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _empty_batch(shape: tuple[int, ...], dtype: torch.dtype, *inputs: Tensor) -> Tensor:
+    """An empty batch (B = 0) [decision, as SDPA]: the empty output, computed before any
+    kernel, tied to every input so that backward gives each its gradient (empty, or zero for
+    parameters such as lam, b, c)."""
+    tie = sum((x.sum() * 0).to(dtype) for x in inputs)  # 0 with a path to every input
+    return inputs[0].new_zeros(shape, dtype=dtype) + tie
+
+
+def _drop_empty_sequences(cu_seqlens: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
+    """Offsets without their zero-length sequences, which contribute nothing [decision, as
+    FlashAttention's varlen], and the indices of the sequences kept (None when none is
+    dropped). It reads the offsets, so it runs inside the custom ops, before the kernel."""
+    if cu_seqlens is None:
+        return None, None
+    nonempty = cu_seqlens.diff() > 0
+    if bool(nonempty.all()):
+        return cu_seqlens, None
+    keep = nonempty.nonzero().flatten()
+    return torch.cat([cu_seqlens[:1], cu_seqlens[1:][keep]]), keep
 
 
 # --------------------------------------------------------------------------------------------
@@ -124,6 +147,7 @@ def _fpa_fwd(
     checks.finite("level", level)
     if cu_seqlens is not None:
         checks.cu_seqlens_values(cu_seqlens, q.shape[1])
+    cu_seqlens, _ = _drop_empty_sequences(cu_seqlens)
     with _no_autocast(q):
         return dispatch.lookup("fpa_fwd", impl)(q, k, v, field, level, scale, cu_seqlens)
 
@@ -164,6 +188,7 @@ def _fpa_bwd(
     cu_seqlens: Tensor | None,
     impl: str,
 ) -> tuple[Tensor, ...]:
+    cu_seqlens, _ = _drop_empty_sequences(cu_seqlens)
     with _no_autocast(q):
         kernel = dispatch.lookup("fpa_bwd", impl)
         return tuple(kernel(q, k, v, field, level, o, lse, do, dlse, scale, cu_seqlens))
@@ -264,14 +289,17 @@ def fpa_attention(
         q: [B, T, HQ, K]; k: [B, T, H, K]; v: [B, T, H, V]; HQ a multiple of H (GQA: query head
             h reads key/value head h // (HQ / H)). float64, float32, float16 or bfloat16, one
             dtype, one device.
-        field, level: [B, T, HQ], float32 or float64 (promoted to float64 when q is float64).
+        field, level: [B, T, HQ], float32 or float64 (promoted to float64 when q is float64);
+            float16 and bfloat16 are widened to float32 (they carry no more precision than
+            they arrive with).
         scale: softmax scale; default 1/sqrt(K).
         cu_seqlens: int32/int64 offsets [N + 1] of N packed sequences (B must be 1).
         return_lse: also return lse [B, T, HQ] (natural log, field's dtype).
         impl: "eager", "triton", or None (Triton on CUDA when registered, else eager).
 
     Returns:
-        o [B, T, HQ, V] in q's dtype, or (o, lse).
+        o [B, T, HQ, V] in q's dtype, or (o, lse). An empty batch (B = 0) gives empty outputs
+        with gradients, as SDPA does; a zero-length packed sequence contributes nothing.
 
     Time O(T^2 (K + V)) per sequence; memory O(T * block) (eager) beyond inputs and outputs.
     """
@@ -285,6 +313,10 @@ def fpa_attention(
     q, k, v = _autocast(q, k, v)
     if q.dtype == torch.float64:
         field, level = field.to(torch.float64), level.to(torch.float64)
+    if dims.B == 0:
+        o = _empty_batch((0, dims.T, dims.HQ, dims.V), q.dtype, q, k, v, field, level)
+        lse = _empty_batch((0, dims.T, dims.HQ), field.dtype, field, level)
+        return (o, lse) if return_lse else o
     o, lse = _fpa_fwd(
         q.contiguous(),
         k.contiguous(),
@@ -320,6 +352,7 @@ def _fox_fwd(
     checks.log_gates(log_f)
     if cu_seqlens is not None:
         checks.cu_seqlens_values(cu_seqlens, q.shape[1])
+    cu_seqlens, _ = _drop_empty_sequences(cu_seqlens)
     with _no_autocast(q):
         return dispatch.lookup("fox_fwd", impl)(q, k, v, log_f, scale, cu_seqlens)
 
@@ -357,6 +390,7 @@ def _fox_bwd(
     cu_seqlens: Tensor | None,
     impl: str,
 ) -> tuple[Tensor, ...]:
+    cu_seqlens, _ = _drop_empty_sequences(cu_seqlens)
     with _no_autocast(q):
         kernel = dispatch.lookup("fox_bwd", impl)
         return tuple(kernel(q, k, v, log_f, o, lse, do, dlse, scale, cu_seqlens))
@@ -414,7 +448,9 @@ def fox_attention(
 
     Args:
         q: [B, T, HQ, K]; k: [B, T, H, K]; v: [B, T, H, V] (GQA as in :func:`fpa_attention`).
-        log_f: [B, T, HQ] log forget gates <= 0, float32 or float64 (float64 when q is).
+        log_f: [B, T, HQ] log forget gates <= 0, float32 or float64 (float64 when q is);
+            float16 and bfloat16 gates, as ``parallel_forgetting_attn`` takes them, are
+            widened to float32 (they carry no more precision than they arrive with).
         scale, cu_seqlens, impl: as in :func:`fpa_attention`.
 
     Returns:
@@ -428,6 +464,8 @@ def fox_attention(
     q, k, v = _autocast(q, k, v)
     if q.dtype == torch.float64:
         log_f = log_f.to(torch.float64)
+    if dims.B == 0:
+        return _empty_batch((0, dims.T, dims.HQ, dims.V), q.dtype, q, k, v, log_f)
     o, _ = _fox_fwd(
         q.contiguous(), k.contiguous(), v.contiguous(), log_f.contiguous(), s, cu_seqlens, impl
     )
@@ -465,9 +503,18 @@ def _s4d_fwd(
     checks.decays(lam)
     if cu_seqlens is not None:
         checks.cu_seqlens_values(cu_seqlens, fq.shape[1])
+    offsets, keep = _drop_empty_sequences(cu_seqlens)
+    kept_initial = initial_state if keep is None or initial_state is None else initial_state[keep]
     with _no_autocast(fq):
         kernel = dispatch.lookup("s4d_fwd", impl)
-        return kernel(fq, kt, vt, lam, b, c, readout, cu_seqlens, initial_state)
+        o, final = kernel(fq, kt, vt, lam, b, c, readout, offsets, kept_initial)
+    if keep is None:
+        return o, final
+    # a zero-length sequence ends in the state it started from
+    N = len(cu_seqlens) - 1
+    full = final.new_zeros(N, *final.shape[1:]) if initial_state is None else initial_state.clone()
+    full[keep] = final
+    return o, full
 
 
 @_s4d_fwd.register_fake
@@ -511,11 +558,20 @@ def _s4d_bwd(
     dfinal_state: Tensor | None,
     impl: str,
 ) -> tuple[Tensor, ...]:
+    offsets, keep = _drop_empty_sequences(cu_seqlens)
+    kept_initial, kept_dfinal = initial_state, dfinal_state
+    if keep is not None:
+        kept_initial = None if initial_state is None else initial_state[keep]
+        kept_dfinal = None if dfinal_state is None else dfinal_state[keep]
     with _no_autocast(fq):
         kernel = dispatch.lookup("s4d_bwd", impl)
         *grads, d_initial = kernel(
-            fq, kt, vt, lam, b, c, readout, cu_seqlens, initial_state, do, dfinal_state
+            fq, kt, vt, lam, b, c, readout, offsets, kept_initial, do, kept_dfinal
         )
+    if keep is not None and initial_state is not None:  # final = initial where T = 0
+        full = torch.zeros_like(initial_state) if dfinal_state is None else dfinal_state.clone()
+        full[keep] = d_initial
+        d_initial = full
     # the schema has no optional output: no initial state, an empty cotangent
     return (*grads, lam.new_empty(0) if d_initial is None else d_initial)
 
@@ -604,6 +660,11 @@ def s4d_pairs(
         lam, b, c = lam.to(torch.float64), b.to(torch.float64), c.to(torch.float64)
         if initial_state is not None:
             initial_state = initial_state.to(torch.float64)
+    if B == 0:
+        params = (lam, b, c) if initial_state is None else (lam, b, c, initial_state)
+        o = _empty_batch((0, *fq.shape[1:3], V), fq.dtype, fq, kt, vt, *params)
+        C = _s4d_state_channels(R, V, readout)
+        return o, _empty_batch((0, H, M, C, 2), lam.dtype, *params)
     contiguous = (x.contiguous() for x in (fq, kt, vt, lam, b, c))
     return _s4d_fwd(
         *contiguous,
@@ -721,6 +782,7 @@ def _legs_fwd(
 ) -> Tensor:
     if cu_seqlens is not None:
         checks.cu_seqlens_values(cu_seqlens, fq.shape[1])
+    cu_seqlens, _ = _drop_empty_sequences(cu_seqlens)
     with _no_autocast(fq):
         return dispatch.lookup("legs_fwd", impl)(fq, fk, v, M, cu_seqlens)
 
@@ -739,6 +801,7 @@ def _(fq: Tensor, fk: Tensor, v: Tensor, M: int, cu_seqlens: Tensor | None, impl
 def _legs_bwd(
     fq: Tensor, fk: Tensor, v: Tensor, M: int, cu_seqlens: Tensor | None, do: Tensor, impl: str
 ) -> tuple[Tensor, ...]:
+    cu_seqlens, _ = _drop_empty_sequences(cu_seqlens)
     with _no_autocast(fq):
         return tuple(dispatch.lookup("legs_bwd", impl)(fq, fk, v, M, cu_seqlens, do))
 
@@ -794,4 +857,6 @@ def interdomain_legs(
     cu_seqlens = checks.cu_seqlens(cu_seqlens, dims.B, fq)
     impl = resolve_impl("legs_fwd", impl, fq.device)
     fq, fk, v = _autocast(fq, fk, v)
+    if dims.B == 0:
+        return _empty_batch(tuple(v.shape), v.dtype, fq, fk, v)
     return _legs_fwd(fq.contiguous(), fk.contiguous(), v.contiguous(), M, cu_seqlens, impl)
