@@ -2,8 +2,12 @@
 shown beside it, the README and tutorial examples run, the citation metadata agree."""
 
 import ast
+import contextlib
+import io
 import os
 import re
+import shlex
+import sys
 import tomllib
 
 import numpy as np
@@ -227,3 +231,97 @@ def test_spec_copies_match_the_shared_spec():
             open(os.path.join(ROOT, "docs/spec", name)) as b,
         ):
             assert a.read() == b.read(), f"docs/spec/{name} differs from ../shared/spec/{name}"
+
+
+# ------------------------------------------------------------------ outputs shown in the tutorial
+
+# A ```text block right after this comment shows (part of) the output of the command that
+# precedes the comment, or of the block's own `repro:` line; tests/test_docs.py compares it with
+# a fresh run, and `python tests/test_docs.py` rewrites it from one.
+GENERATED = (
+    "<!-- output of a run: tests/test_docs.py checks it, python tests/test_docs.py rewrites it -->"
+)
+GENERATED_BLOCK = re.compile(
+    r"(?P<before>(?:^|\n)(?P<command>[^\n]*)\n\n" + re.escape(GENERATED) + r"\n```text\n)"
+    r"(?P<body>.*?)\n```",
+    re.S,
+)
+
+
+def _kit_output(command):
+    """stdout of ``attnspec ...`` run in-process from the repository root."""
+    argv = shlex.split(command)
+    assert argv[0] == "attnspec", command
+    out = io.StringIO()
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+            main(argv[1:])
+    finally:
+        os.chdir(cwd)
+    return out.getvalue()
+
+
+def _generated_body(command, body):
+    """What the block should show: the report's table for a command line, or the failure and
+    repro lines of the block's case when it shows one."""
+    repro = re.search(r"^\s*repro: (.*)$", body, re.M)
+    if repro:
+        lines = _kit_output(repro.group(1)).splitlines()
+        case = shlex.split(repro.group(1))[shlex.split(repro.group(1)).index("--cases") + 1]
+        first = next(i for i, line in enumerate(lines) if line.startswith(f"  {case} ["))
+        return "\n".join(line[2:] for line in lines[first : first + 2])
+    lines = _kit_output(command.strip()).splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("op "))
+    last = lines.index("", first)
+    return "\n".join(lines[first:last])
+
+
+def _tokens(text):
+    return text.split()
+
+
+def _agree(shown, run):
+    """Same text, integers equal, decimals within 5 % (another BLAS may round differently)."""
+    a, b = _tokens(shown), _tokens(run)
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b, strict=True):
+        if x == y:
+            continue
+        number = re.fullmatch(r"-?\d+\.\d+(e[-+]\d+)?[,;]?", x) and re.fullmatch(
+            r"-?\d+\.\d+(e[-+]\d+)?[,;]?", y
+        )
+        if not number or x[-1] != y[-1]:
+            return False
+        u, v = float(x.rstrip(",;")), float(y.rstrip(",;"))
+        if abs(u - v) > 0.05 * max(abs(u), abs(v)):
+            return False
+    return True
+
+
+def test_tutorial_outputs_come_from_a_run():
+    text = read("docs/tutorial.md")
+    blocks = list(GENERATED_BLOCK.finditer(text))
+    assert len(blocks) == 2, "docs/tutorial.md: expected two generated output blocks"
+    for block in blocks:
+        run = _generated_body(block["command"], block["body"])
+        assert _agree(block["body"], run), (
+            f"docs/tutorial.md shows\n{block['body']}\na run gives\n{run}\n"
+            "(python tests/test_docs.py rewrites the block)"
+        )
+
+
+def rewrite_tutorial():
+    path = os.path.join(ROOT, "docs", "tutorial.md")
+    text = read("docs/tutorial.md")
+    text = GENERATED_BLOCK.sub(
+        lambda m: m["before"] + _generated_body(m["command"], m["body"]) + "\n```", text
+    )
+    with open(path, "w") as fh:
+        fh.write(text)
+
+
+if __name__ == "__main__":
+    sys.exit(rewrite_tutorial())
