@@ -243,3 +243,179 @@ def test_float32_products_stay_float32_in_the_gpu_lowering():
     calls, dots = triton_dots(lowered)
     assert calls == 3 and len(dots) == 18
     assert set(dots) == {("f32", "f32", "f32", "ieee")}
+
+
+# ------------------------------------------------------------------ Mosaic GPU kernels (forward)
+
+
+def mosaic_wgmmas(lowered):
+    """The wgmma instructions (e.g. "m64n64k16.f32.bf16.bf16") and the count of TMA copies in
+    the Mosaic GPU kernels of a lowering: each kernel is a custom call whose backend config
+    holds its module as serialized bytecode, read back with Mosaic GPU's own pass."""
+    from jax._src.interpreters import mlir
+    from jax._src.lib.mlir import ir
+    from jax.experimental.mosaic.gpu import core as mosaic_core
+    from jax.experimental.mosaic.gpu import dialect as mosaic_dialect
+
+    calls = []
+
+    def walk(op):
+        for region in op.regions:
+            for block in region.blocks:
+                for inner in block.operations:
+                    name = inner.operation.attributes
+                    if inner.operation.name == "stablehlo.custom_call" and "mosaic_gpu" in str(
+                        name["call_target_name"]
+                    ):
+                        calls.append(inner.operation)
+                    walk(inner.operation)
+
+    walk(lowered.compiler_ir("stablehlo").operation)
+    wgmmas, copies = [], 0
+    for call in calls:
+        config = ir.DictAttr(call.attributes["mhlo.backend_config"])
+        with mlir.make_ir_context() as ctx:
+            mosaic_dialect.register_dialect(ctx)
+            ctx.allow_unregistered_dialects = True
+            module = ir.Module.parse(ir.StringAttr(config["module"]).value_bytes)
+            text = str(mosaic_core._run_serde_pass(module, serialize=False))
+        wgmmas += re.findall(r"wgmma\.mma_async\.sync\.aligned\.([\w.]+)", text)
+        copies += len(re.findall(r"nvvm\.cp\.async\.bulk\.tensor\.shared\.cluster\.global", text))
+    return len(calls), wgmmas, copies
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_mosaic_kernels_lower_for_cuda_with_16bit_wgmma(dtype):
+    """Cross-platform lowering of the Mosaic GPU forward for CUDA on this CPU machine (layouts,
+    TMA and wgmma are resolved by Mosaic GPU at this stage): 16-bit operands and float32
+    accumulators in every warpgroup matmul, operands brought in by TMA. Head dim 96 is padded
+    to 128: q k^T is 8 k-steps of m64n64k16 and p v 4 of m64n128k16, on the diagonal tile and
+    in the loop. Compiling and running them needs the GPU check."""
+    q = jax.ShapeDtypeStruct((1, 300, 4, 96), dtype)
+    kv = jax.ShapeDtypeStruct((1, 300, 2, 96), dtype)
+    s = jax.ShapeDtypeStruct((1, 300, 4), jnp.float32)
+
+    def forward(*a):
+        return fpa_attention(*a, implementation="mosaic", interpret=False, cu_seqlens=(0, 99, 300))
+
+    lowered = jax.jit(forward).trace(q, kv, kv, s, s).lower(lowering_platforms=("cuda",))
+    short = {"bfloat16": "bf16", "float16": "f16"}[dtype]
+    calls, wgmmas, copies = mosaic_wgmmas(lowered)
+    assert calls == 1 and copies == 5  # q once; k^T and v for the diagonal and in the loop
+    assert sorted(wgmmas) == sorted(
+        [f"m64n64k16.f32.{short}.{short}"] * 16 + [f"m64n128k16.f32.{short}.{short}"] * 8
+    )
+
+
+@pytest.mark.parametrize(
+    "kind, cu", [("fpa", (0, 37, 100)), ("fox", None)], ids=["fpa-packed", "fox"]
+)
+def test_mosaic_forward_matches_the_reference(kind, cu):
+    """The Mosaic GPU forward under Mosaic GPU's interpreter (shared memory, TMA, barriers and
+    wgmma simulated): bfloat16, GQA, head dims padded to 64, a ragged T over two tiles, packed
+    sequences for fpa. Output and lse against the float64 reference on the inputs as rounded;
+    the output against the Pallas kernels, which round p the same way (at most one rounding
+    of p apart, u); and the gradients of implementation="mosaic" (its backward runs on the
+    Pallas kernels here) against the reference."""
+    B, T, N, K, H, Hv, dtype = 1, 100, 2, 1, 32, 16, "bfloat16"
+    q, k, v, field, level = inputs(B, T, N, K, H, Hv, seed=6)
+    if kind == "fpa":
+        args = [jnp.asarray(a, dtype) for a in (q, k, v)] + [
+            jnp.asarray(a, jnp.float32) for a in (field, level)
+        ]
+        op = fpa_attention
+    else:
+        log_f = -np.random.default_rng(7).exponential(0.3, (B, T, N))
+        args = [jnp.asarray(a, dtype) for a in (q, k, v)] + [jnp.asarray(log_f, jnp.float32)]
+        op = fox_attention
+    do = jnp.asarray(np.random.default_rng(8).standard_normal((B, T, N, Hv)), dtype)
+    u = float(jnp.finfo(dtype).eps) / 2
+
+    def run(impl):
+        fn = lambda *a: op(*a, return_lse=True, implementation=impl, cu_seqlens=cu)  # noqa: E731
+        (o, lse), pullback = jax.vjp(fn, *args)
+        return o, lse, pullback((do, jnp.zeros_like(lse)))
+
+    o, lse, grads = run("mosaic")
+    o_pallas, _, _ = run("pallas")
+    assert rel(o, np.asarray(o_pallas, np.float64)) <= u
+    seen = [np.asarray(a, np.float64) for a in args]
+    cot = np.asarray(do, np.float64)
+    for start, stop in [(0, T)] if cu is None else list(itertools.pairwise(cu)):
+        w = slice(start, stop)
+        x = [canonical(a[:, w]) for a in seen[:3]] + [np.swapaxes(a[:, w], 1, 2) for a in seen[3:]]
+        x[1], x[2] = np.repeat(x[1], N // K, axis=1), np.repeat(x[2], N // K, axis=1)
+        if kind == "fpa":
+            o_ref, lse_ref = ref.fpa_attention(*x, return_lse=True)
+            g = ref.fpa_attention_vjp(*x, canonical(cot[:, w]))
+            expected = [g.dq, g.dk, g.dv, g.dfield, g.dlevel]
+        else:
+            o_ref = ref.fox_attention_direct(*x)
+            lse_ref = None
+            expected = list(ref.fox_attention_vjp(*x, canonical(cot[:, w])))
+        assert rel(canonical(o[:, w]), o_ref) <= tolerance(f"{kind}_attention", dtype, "output")
+        if lse_ref is not None:
+            assert rel(np.swapaxes(lse[:, w], 1, 2), lse_ref) <= 1e-5
+        fold = lambda y: y.reshape(y.shape[0], K, N // K, *y.shape[2:]).sum(2)  # noqa: E731
+        expected[1], expected[2] = fold(expected[1]), fold(expected[2])
+        for got, want in zip(grads, expected, strict=True):
+            got = np.asarray(got, np.float64)[:, w]
+            got = canonical(got) if got.ndim == 4 else np.swapaxes(got, 1, 2)
+            assert rel(got, want) <= tolerance(f"{kind}_attention", dtype, "gradient")
+
+
+def test_mosaic_rejects_what_its_kernels_do_not_take():
+    q = jnp.zeros((1, 64, 2, 64), jnp.float32)
+    s = jnp.zeros((1, 64, 2), jnp.float32)
+    with pytest.raises(ValueError, match=r"implementation='mosaic'.*bfloat16 or float16"):
+        fox_attention(q, q, q, s, implementation="mosaic")
+    q = q.astype(jnp.bfloat16)
+    with pytest.raises(ValueError, match="block_size"):
+        fox_attention(q, q, q, s, implementation="mosaic", block_size=128)
+
+
+def test_on_jax_011_the_gpu_paths_avoid_the_triton_lowering(monkeypatch):
+    """With the Triton lowering deprecated (JAX >= 0.11, simulated): implementation="pallas"
+    refuses to compile for a GPU, naming the alternatives, and "mosaic" differentiates with
+    the Mosaic GPU forward and the XLA loop's backward, no Triton kernel in the lowering."""
+    monkeypatch.setattr(fpa_pallas, "_jax_version", lambda: (0, 11))
+    q = jax.ShapeDtypeStruct((1, 128, 2, 64), jnp.bfloat16)
+    s = jax.ShapeDtypeStruct((1, 128, 2), jnp.float32)
+
+    def loss(impl):
+        def f(*a):
+            o = fox_attention(*a, implementation=impl, interpret=False)
+            return jnp.sum(o.astype(jnp.float32))
+
+        return jax.jit(jax.grad(f, argnums=(0, 1, 2, 3)))
+
+    with pytest.raises(NotImplementedError, match="mosaic"):
+        loss("pallas").trace(q, q, q, s).lower(lowering_platforms=("cuda",))
+    text = loss("mosaic").trace(q, q, q, s).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("mosaic_gpu") >= 1 and "xla.gpu.triton" not in text
+
+
+def test_the_gpu_paths_import_and_lower_without_warnings():
+    """No deprecation (or other) warning from importing the JAX backend and lowering its GPU
+    kernels for CUDA: the Pallas kernels where this JAX lowers them through Triton, and the
+    Mosaic GPU kernels; a fresh process with warnings as errors."""
+    import subprocess
+    import sys
+
+    script = """
+import jax, jax.numpy as jnp
+from attnspec.backends.jax import fox_attention, fpa_pallas
+q = jax.ShapeDtypeStruct((1, 128, 2, 64), jnp.bfloat16)
+s = jax.ShapeDtypeStruct((1, 128, 2), jnp.float32)
+impls = ["mosaic"] + (["pallas"] if fpa_pallas.triton_lowering_available() else [])
+for impl in impls:
+    f = lambda *a: jnp.sum(fox_attention(*a, implementation=impl, interpret=False))
+    step = jax.jit(jax.grad(f, argnums=(0, 1, 2, 3)))
+    step.trace(q, q, q, s).lower(lowering_platforms=("cuda",))
+print("lowered", impls)
+"""
+    done = subprocess.run(
+        [sys.executable, "-W", "error", "-c", script], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "lowered" in done.stdout

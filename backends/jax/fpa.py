@@ -10,7 +10,9 @@ Both ops are blockwise (spec/fpa.md section 7): time O(T^2 (dk + dv) / 2), memor
 the forward and the backward. Gradients are a ``jax.custom_vjp`` that follows spec section 6
 (active at zero, latest argmin); autodiff never runs through a min. ``implementation`` picks the
 XLA loop (``blockwise``) or the Pallas kernels (``fpa_pallas``); both produce the same partial
-sums, assembled into the field cotangent here.
+sums, assembled into the field cotangent here. ``"mosaic"`` runs the forward on the Mosaic GPU
+kernels (``fpa_mosaic``, 16-bit inputs) and the backward on the Pallas kernels where the installed
+JAX lowers them without a deprecation (JAX < 0.11, or the interpreter), else on the XLA loop.
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ from jax.typing import ArrayLike, DTypeLike
 from . import blockwise, tiles
 from . import validation as check
 
-IMPLEMENTATIONS = ("xla", "pallas")
-DEFAULT_BLOCK = {"xla": 128, "pallas": 64}
+IMPLEMENTATIONS = ("xla", "pallas", "mosaic")
+DEFAULT_BLOCK = {"xla": 128, "pallas": 64, "mosaic": 64}
 
 
 @dataclass(frozen=True)
@@ -40,8 +42,8 @@ class AttentionConfig:
 
     kind: "fpa" or "fox". scale: softmax scale s. block: the largest tile size (positions per
     block; short sequences use the next power of two >= 16). cu_seqlens: static packed-sequence
-    offsets or None. implementation: "xla" or "pallas". interpret: run Pallas kernels in the
-    Pallas interpreter (the CPU path of the kernels).
+    offsets or None. implementation: "xla", "pallas" or "mosaic". interpret: run Pallas kernels
+    in the Pallas interpreter (the CPU path of the kernels).
     """
 
     kind: str
@@ -60,6 +62,18 @@ def tile_size(block: int, T: int) -> int:
 def compute_dtype(*arrays: jax.Array) -> jnp.dtype:
     """float64 when any input is float64, else float32: accumulation is never narrower."""
     return jnp.result_type(jnp.float32, *(a.dtype for a in arrays))
+
+
+def _pass_implementation(cfg: AttentionConfig, backward: bool) -> str:
+    """The implementation of one pass: "mosaic" has no backward kernels yet; its backward runs
+    on the Pallas kernels where they lower without a deprecation, else on the XLA loop."""
+    if cfg.implementation != "mosaic":
+        return cfg.implementation
+    if not backward:
+        return "mosaic"
+    from . import fpa_pallas
+
+    return "pallas" if cfg.interpret or fpa_pallas.triton_lowering_available() else "xla"
 
 
 def _pad(x: jax.Array, Tp: int, axis: int) -> jax.Array:
@@ -92,12 +106,13 @@ class _Blocked:
     ) -> None:
         Z, G, T, dk = q.shape
         self.shape = (Z, G, T)
-        self.bs = bs = tile_size(cfg.block, T)
+        # the Mosaic GPU kernels take whole 64-position tiles, short sequences padded
+        self.bs = bs = cfg.block if cfg.implementation == "mosaic" else tile_size(cfg.block, T)
         self.Tp = Tp = -(-T // bs) * bs
         self.nb = nb = Tp // bs
         self.ct = ct = compute_dtype(q, *scalars)
         # The XLA loop computes in ct throughout; kernels load q, k, v as stored and cast.
-        data = ct if cfg.implementation == "xla" else q.dtype
+        data = ct if _pass_implementation(cfg, backward) == "xla" else q.dtype
         self.q = _pad(q.astype(data), Tp, 2).reshape(Z, G, nb, bs, dk)
         self.k = _pad(k.astype(data), Tp, 1).reshape(Z, nb, bs, dk)
         self.v = _pad(v.astype(data), Tp, 1).reshape(Z, nb, bs, v.shape[-1])
@@ -131,7 +146,11 @@ def _forward(
 ) -> tuple[jax.Array, jax.Array]:
     x = _Blocked(cfg, q, k, v, scalars)
     args = (cfg.kind, x.q, x.k, x.v, x.pen, x.seg, cfg.scale)
-    if cfg.implementation == "pallas":
+    if cfg.implementation == "mosaic":
+        from . import fpa_mosaic
+
+        o, lse = fpa_mosaic.forward(*args, interpret=cfg.interpret)
+    elif cfg.implementation == "pallas":
         from . import fpa_pallas
 
         o, lse = fpa_pallas.forward(*args, interpret=cfg.interpret)
@@ -188,7 +207,7 @@ def _backward(
         x.rows(do, x.q.dtype),
         x.rows(delta),
     )
-    if cfg.implementation == "pallas":
+    if _pass_implementation(cfg, backward=True) == "pallas":
         from . import fpa_pallas
 
         parts = fpa_pallas.backward(*args, interpret=cfg.interpret)
@@ -365,7 +384,7 @@ def _config(
     interpret: bool | None,
 ) -> AttentionConfig:
     if implementation is None:
-        implementation = "pallas" if jax.default_backend() == "gpu" else "xla"
+        implementation = _default_implementation(q)
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(
             f"implementation: expected one of {IMPLEMENTATIONS}, got {implementation!r}"
@@ -373,6 +392,14 @@ def _config(
     block = DEFAULT_BLOCK[implementation] if block_size is None else block_size
     if isinstance(block, bool) or not isinstance(block, int) or block < 16 or block & (block - 1):
         raise ValueError(f"block_size: expected a power of two >= 16, got {block_size!r}")
+    if implementation == "mosaic":
+        from . import fpa_mosaic
+
+        if block != fpa_mosaic.BLOCK:
+            raise ValueError(f"block_size: the Mosaic GPU kernels use 64, got {block_size!r}")
+        reason = fpa_mosaic.supports(q.dtype, jnp.float32, block)
+        if reason is not None:
+            raise ValueError(f"implementation='mosaic': {reason}")
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     return AttentionConfig(
@@ -383,6 +410,18 @@ def _config(
         implementation,
         bool(interpret),
     )
+
+
+def _default_implementation(q: jax.Array) -> str:
+    """On a GPU: the Pallas kernels where JAX lowers them through Triton without a deprecation
+    (JAX < 0.11), else the Mosaic GPU kernels for 16-bit inputs; the XLA loop otherwise."""
+    if jax.default_backend() != "gpu":
+        return "xla"
+    from . import fpa_mosaic, fpa_pallas
+
+    if fpa_pallas.triton_lowering_available():
+        return "pallas"
+    return "mosaic" if fpa_mosaic.supports(q.dtype, jnp.float32, 64) is None else "xla"
 
 
 @overload
@@ -445,8 +484,10 @@ def fpa_attention(
         scale: softmax scale s (static); default 1/sqrt(H).
         cu_seqlens: static offsets (0, ..., T) of packed sequences; needs B = 1.
         return_lse: also return lse [B, T, N] (float32, float64 for float64 inputs).
-        implementation: "xla" (the blockwise XLA loop), "pallas" (the Pallas kernels), or None
-            (Pallas on GPU, XLA elsewhere).
+        implementation: "xla" (the blockwise XLA loop), "pallas" (the Pallas kernels, compiled
+            through Triton on JAX < 0.11), "mosaic" (the Mosaic GPU forward, Hopper, 16-bit
+            inputs, float32 field and level; its backward as described in the module notes), or
+            None (on a GPU: pallas on JAX < 0.11, else mosaic where it applies; XLA elsewhere).
         block_size: the largest tile size, a power of two >= 16 (default 128 for XLA, 64 for
             Pallas). interpret: run Pallas in its interpreter (default: on CPU).
         validate: check field and level for NaN/Inf when called eagerly (see ``validation``).
