@@ -192,7 +192,7 @@ BAD = [
     (lambda a: {**a, "k": jnp.concatenate([a["k"]] * 3, axis=2)}, "k: expected a number of heads"),
     (lambda a: {**a, "v": a["v"][:, :, :, :0]}, "v: expected shape"),
     (lambda a: {**a, "v": a["v"].astype(jnp.float16)}, "v: expected dtype float32"),
-    (lambda a: {**a, "field": a["field"].astype(jnp.bfloat16)}, "field: expected dtype"),
+    (lambda a: {**a, "field": a["field"].astype(jnp.int32)}, "field: expected dtype"),
     (lambda a: {**a, "level": a["level"][:, :, :1]}, "level: expected shape"),
     (lambda a: {**a, "field": a["field"].at[0, 3, 1].set(jnp.nan)}, "field: contains NaN"),
     (lambda a: {**a, "level": a["level"].at[0, 2, 0].set(jnp.inf)}, "level: contains NaN or Inf"),
@@ -295,3 +295,76 @@ def test_decode_rejects_a_threshold_that_is_not_positive(theta):
     q, k, v, field, level = (jnp.asarray(x) for x in draw(1, 4, 2, 1, 4, 3, seed=11))
     with pytest.raises(ValueError, match="theta: expected a positive threshold"):
         fpa_decode(q, k, v, field, level, theta=theta)
+
+
+# ------------------------------------------------- drop-in gates, empty batches and sequences
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_half_precision_gates_are_widened_to_float32(dtype):
+    # parallel_forgetting_attn(q, k, v, g) takes g in the input dtype: the drop-in call equals
+    # the call with the gates widened first (they carry no more precision), gradients included
+    a = {n: x.astype(dtype) for n, x in _good().items()}
+    g = -jnp.abs(a["field"])
+    o, lse = fox_attention(a["q"], a["k"], a["v"], g, return_lse=True)
+    wide = fox_attention(a["q"], a["k"], a["v"], g.astype(jnp.float32), return_lse=True)
+    assert o.dtype == dtype and lse.dtype == jnp.float32
+    assert bool(jnp.array_equal(o, wide[0])) and bool(jnp.array_equal(lse, wide[1]))
+    grad = jax.grad(lambda g: jnp.sum(fox_attention(a["q"], a["k"], a["v"], g)))(g)
+    assert grad.dtype == dtype
+    half = fpa_attention(a["q"], a["k"], a["v"], a["field"], a["level"])
+    widened = (a[n].astype(jnp.float32) for n in ("field", "level"))
+    assert bool(jnp.array_equal(half, fpa_attention(a["q"], a["k"], a["v"], *widened)))
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_empty_batch_gives_empty_outputs_and_gradients(implementation):
+    a = {n: x[:0] for n, x in _good().items()}
+    o, lse = fpa_attention(**a, return_lse=True, implementation=implementation)
+    assert (o.shape, o.dtype, lse.shape, lse.dtype) == (
+        (0, 12, 2, 4),
+        a["q"].dtype,
+        (0, 12, 2),
+        jnp.float32,
+    )
+    gates = -jnp.abs(a["field"])
+    assert fox_attention(a["q"], a["k"], a["v"], gates, implementation=implementation).shape == (
+        0,
+        12,
+        2,
+        4,
+    )
+    grads = jax.grad(lambda q, f: jnp.sum(fpa_attention(q, a["k"], a["v"], f, a["level"])), (0, 1))(
+        a["q"], a["field"]
+    )
+    assert [g.shape for g in grads] == [a["q"].shape, a["field"].shape]
+
+
+def test_traced_scale_is_named():
+    a = _good()
+    with pytest.raises(ValueError, match="scale must be a static Python number"):
+        jax.jit(lambda s: fpa_attention(**a, scale=s))(0.5)
+    fixed = jax.jit(fpa_attention, static_argnames="scale")(**a, scale=0.5)
+    assert bool(jnp.array_equal(fixed, fpa_attention(**a, scale=0.5)))
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_a_zero_length_packed_sequence_contributes_nothing(implementation):
+    # [decision, as FlashAttention's varlen]: (0, 5, 5, 12) is (0, 5), (5, 12) and an empty one
+    args = draw(1, 12, 2, 2, 4, 4, seed=8)
+    rng = np.random.default_rng(9)
+    do, dlse = rng.standard_normal((1, 12, 2, 4)), rng.standard_normal((1, 12, 2))
+    kw = dict(cu_seqlens=(0, 5, 5, 12), implementation=implementation, block_size=16)
+    o, _, grads, _ = run_fpa(args, do, dlse, "float64", **kw)
+    for start, stop in [(0, 5), (5, 12)]:
+        part = [x[:, start:stop] for x in args]
+        r_o, _, r_grads = reference_fpa(*part, do[:, start:stop], dlse[:, start:stop])
+        assert rel(canonical(o[:, start:stop]), r_o) <= 1e-12
+        for g, r in zip(grads, r_grads, strict=True):
+            g = np.asarray(g)[:, start:stop]
+            assert rel(canonical(g) if g.ndim == 4 else np.swapaxes(g, 1, 2), r) <= 1e-12
+    gates = -np.abs(args[3])
+    got = fox_attention(*(jnp.asarray(x) for x in (*args[:3], gates)), **kw)
+    for start, stop in [(0, 5), (5, 12)]:
+        want = fox_attention(*(jnp.asarray(x[:, start:stop]) for x in (*args[:3], gates)))
+        assert rel(got[:, start:stop], np.asarray(want)) <= 1e-12

@@ -10,6 +10,8 @@ from jax_support import canonical, rel, x64  # noqa: F401  (x64: autouse fixture
 
 from attnspec.backends.jax import (
     fpa_layer,
+    init_fpa_params,
+    init_interdomain_params,
     interdomain_layer,
     interdomain_legs,
     interdomain_s4d,
@@ -160,3 +162,74 @@ def test_bad_input_is_named():
     for call, message in cases:
         with pytest.raises(ValueError, match=message):
             call()
+
+
+def test_interdomain_layer_without_output_norm_is_the_paper_literal_reference_layer():
+    x = np.random.default_rng(5).standard_normal((2, 9, 8))
+    params = ref.init_interdomain_params(8, 2, 4, 3, 5, seed=3, output_norm=False)
+    expected = ref.interdomain_layer(x, params, output_norm=False)
+    assert rel(interdomain_layer(jnp.asarray(x), params, output_norm=False), expected) <= 1e-12
+    with pytest.raises(ValueError, match=r"params: missing \['norm_o_g'\]"):
+        interdomain_layer(jnp.asarray(x), params)
+
+
+@pytest.mark.parametrize("readout", ["linear", "ratio"])
+def test_interdomain_output_rms_at_initialisation_is_order_one_for_every_length(readout):
+    # (I11) zero-order hold and (I14) output norm; before, the linear readout's RMS grew from
+    # ~90 at T = 16 to ~9,000 at T = 4,096. float32, as a model would run.
+    params = init_interdomain_params(jax.random.key(0), 16, 2, 8, 8, 16)
+    for T in (16, 4096):
+        x = jax.random.normal(jax.random.key(T), (1, T, 16), jnp.float32)
+        y = interdomain_layer(x, params, readout=readout)
+        rms = float(jnp.sqrt(jnp.mean(y.astype(jnp.float32) ** 2)))
+        assert y.dtype == jnp.float32 and 0.1 <= rms <= 10, (T, rms)
+
+
+def test_initialisers_draw_the_reference_schema_from_a_key():
+    p = init_interdomain_params(jax.random.key(1), 8, 2, 4, 3, 5, gate=True)
+    assert set(p) == set(ref.PARAMETER_SCHEMA)
+    assert all(v.dtype == jnp.float32 for v in p.values())
+    assert p["norm_o_g"].shape == (2, 3) and bool(jnp.all(p["b_re"] == 1.0))
+    again = init_interdomain_params(jax.random.key(1), 8, 2, 4, 3, 5, gate=True)
+    assert all(bool(jnp.array_equal(p[k], again[k])) for k in p)
+    other = init_interdomain_params(jax.random.key(2), 8, 2, 4, 3, 5)
+    assert "wg" not in other and not bool(jnp.array_equal(p["wq"], other["wq"]))
+    q = init_fpa_params(jax.random.key(1), 8, 2, 4, 3, dtype=jnp.float64)
+    assert {k: v.shape for k, v in q.items()} == {
+        k: v.shape for k, v in ref_fpa.init_fpa_params(8, 2, 4, 3).items()
+    }
+    x = jnp.ones((1, 5, 8))
+    assert fpa_layer(x, q).shape == (1, 5, 8)
+
+
+def test_empty_batch_gives_empty_outputs_and_gradients():
+    rng = np.random.default_rng(6)
+    lam, b, c = (jnp.asarray(x) for x in ssm(2, 3, rng))
+    fq = jnp.ones((0, 5, 2, 4))
+    vt = jnp.ones((0, 5, 2, 3))
+    assert interdomain_s4d(fq, fq, vt, lam, b, c).shape == (0, 5, 2, 3)
+    assert interdomain_legs(fq, fq, vt, 3).shape == (0, 5, 2, 3)
+    g = jax.grad(lambda f, b: jnp.sum(interdomain_s4d(f, f, vt, lam, b, c)), (0, 1))(fq, b)
+    assert g[0].shape == fq.shape and bool(jnp.all(g[1] == 0))
+    params = init_interdomain_params(0, 8, 2, 4, 3, 5)
+    x = jnp.ones((0, 7, 8))
+    assert interdomain_layer(x, params).shape == (0, 7, 8)
+    grads = jax.grad(lambda p: jnp.sum(interdomain_layer(x, p)))(params)
+    assert all(bool(jnp.all(v == 0)) for v in grads.values())
+    assert fpa_layer(x, init_fpa_params(0, 8, 2, 4, 3)).shape == (0, 7, 8)
+
+
+def test_a_zero_length_packed_sequence_contributes_nothing():
+    # [decision, as FlashAttention's varlen]: offsets (0, 4, 4, 9) are (0, 4), (4, 9) and an
+    # empty sequence
+    rng = np.random.default_rng(7)
+    lam, b, c = ssm(2, 3, rng)
+    fq, kt, vt = (rng.standard_normal((1, 9, 2, d)) for d in (4, 4, 3))
+    got = interdomain_s4d(
+        *(jnp.asarray(x) for x in (fq, kt, vt, lam, b, c)), cu_seqlens=(0, 4, 4, 9)
+    )
+    parts = [
+        ref.interdomain_s4d(*(np.swapaxes(x[:, a:e], 1, 2) for x in (fq, kt, vt)), lam, b, c)
+        for a, e in [(0, 4), (4, 9)]
+    ]
+    assert rel(canonical(got), np.concatenate(parts, axis=-2)) <= 1e-12

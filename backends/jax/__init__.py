@@ -2,7 +2,8 @@
 
 Layout of ``jax.nn.dot_product_attention`` ([B, T, N, H]); they compose with jit, grad, vmap
 and sharding. FPA and FoX are blockwise with a custom VJP (spec/fpa.md sections 6-7) and have
-Pallas kernels behind ``implementation="pallas"``. Needs the ``jax`` extra.
+Pallas kernels behind ``implementation="pallas"``. The layers are pure functions of a parameter
+dict drawn by ``init_fpa_params`` / ``init_interdomain_params``. Needs the ``jax`` extra.
 """
 
 try:
@@ -21,7 +22,7 @@ from .interdomain import (
     interdomain_s4d_step,
     s4d_state,
 )
-from .layers import fpa_layer, interdomain_layer
+from .layers import fpa_layer, init_fpa_params, init_interdomain_params, interdomain_layer
 
 __all__ = [
     "AttentionConfig",
@@ -33,6 +34,8 @@ __all__ = [
     "fpa_decode",
     "fpa_decode_step",
     "fpa_layer",
+    "init_fpa_params",
+    "init_interdomain_params",
     "interdomain_layer",
     "interdomain_legs",
     "interdomain_s4d",

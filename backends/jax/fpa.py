@@ -2,9 +2,10 @@
 
 Public layout (as ``jax.nn.dot_product_attention``): q ``[B, T, N, H]``; k ``[B, T, K, H]`` and
 v ``[B, T, K, Hv]`` with K dividing N (GQA: query head n reads kv head n // (N / K)); per-token
-scalars (field, level, log_f) ``[B, T, N]``, float32 or float64; o ``[B, T, N, Hv]`` in q's
-dtype; lse ``[B, T, N]`` float32 (float64 for float64 inputs). Packed sequences: B = 1 and static
-``cu_seqlens`` offsets (0, ..., T), each segment an independent sequence.
+scalars (field, level, log_f) ``[B, T, N]``, float32 or float64 (half precision is widened to
+float32); o ``[B, T, N, Hv]`` in q's dtype; lse ``[B, T, N]`` float32 (float64 for float64
+inputs). Packed sequences: B = 1 and static ``cu_seqlens`` offsets (0, ..., T), each segment an
+independent sequence (a zero-length one contributes nothing).
 
 Both ops are blockwise (spec/fpa.md section 7): time O(T^2 (dk + dv) / 2), memory O(T * bs) for
 the forward and the backward. Gradients are a ``jax.custom_vjp`` that follows spec section 6
@@ -367,11 +368,21 @@ def _check_qkv(q: ArrayLike, k: ArrayLike, v: ArrayLike) -> tuple[jax.Array, jax
 def _check_scalar(
     name: str, x: ArrayLike, q: jax.Array, validate: bool, nonpositive: bool = False
 ) -> jax.Array:
-    x = check.array(name, x, 3, dtypes=check.WIDE, meaning="[B, T, N]")
+    x = check.array(name, x, 3, meaning="[B, T, N]")
     check.shape(name, x, q.shape[:3], "[B, T, N]: B, T and N of q")
     if validate:
         check.check_values(name, x, nonpositive=nonpositive)
-    return x
+    return check.widened(x)
+
+
+def _empty_batch(
+    q: jax.Array, v: jax.Array, scalars: tuple[jax.Array, ...]
+) -> tuple[jax.Array, jax.Array]:
+    """B = 0 [decision, as jax.nn.dot_product_attention]: empty o and lse, no kernel run; the
+    gradients of the empty inputs are empty."""
+    B, T, N, _ = q.shape
+    lse_dtype = compute_dtype(q, *scalars)
+    return jnp.zeros((B, T, N, v.shape[-1]), q.dtype), jnp.zeros((B, T, N), lse_dtype)
 
 
 def _config(
@@ -480,7 +491,9 @@ def fpa_attention(
     Args:
         q: [B, T, N, H] queries (float64, float32, float16 or bfloat16).
         k: [B, T, K, H] keys, v: [B, T, K, Hv] values, dtype of q; K divides N (GQA).
-        field, level: [B, T, N] float32 or float64: the field phi and the key levels l.
+        field, level: [B, T, N] float32 or float64: the field phi and the key levels l;
+            float16 and bfloat16 are widened to float32 (they carry no more precision than
+            they arrive with).
         scale: softmax scale s (static); default 1/sqrt(H).
         cu_seqlens: static offsets (0, ..., T) of packed sequences; needs B = 1.
         return_lse: also return lse [B, T, N] (float32, float64 for float64 inputs).
@@ -493,7 +506,8 @@ def fpa_attention(
         validate: check field and level for NaN/Inf when called eagerly (see ``validation``).
 
     Returns:
-        o [B, T, N, Hv] in q's dtype, or (o, lse).
+        o [B, T, N, Hv] in q's dtype, or (o, lse). An empty batch (B = 0) gives empty outputs,
+        as ``jax.nn.dot_product_attention``; a zero-length packed sequence contributes nothing.
 
     Time O(B N T^2 (H + Hv) / 2); memory O(B N T (H + Hv + block)).
     """
@@ -501,7 +515,10 @@ def fpa_attention(
     field = _check_scalar("field", field, q, validate)
     level = _check_scalar("level", level, q, validate)
     cfg = _config("fpa", q, scale, cu_seqlens, implementation, block_size, interpret)
-    o, lse = _fpa_public(q, k, v, field, level, cfg)
+    if q.shape[0] == 0:
+        o, lse = _empty_batch(q, v, (field, level))
+    else:
+        o, lse = _fpa_public(q, k, v, field, level, cfg)
     return (o, lse) if return_lse else o
 
 
@@ -561,7 +578,9 @@ def fox_attention(
 
     Args:
         q: [B, T, N, H]; k: [B, T, K, H]; v: [B, T, K, Hv] (K divides N).
-        log_f: [B, T, N] float32 or float64 log forget gates, all <= 0.
+        log_f: [B, T, N] log forget gates, all <= 0: float32 or float64, or float16 and
+            bfloat16 as ``parallel_forgetting_attn`` takes them, widened to float32 (they
+            carry no more precision than they arrive with).
         scale, cu_seqlens, return_lse, implementation, block_size, interpret, validate:
             as for :func:`fpa_attention` (validate also rejects log gates > 0).
 
@@ -573,7 +592,10 @@ def fox_attention(
     q, k, v = _check_qkv(q, k, v)
     log_f = _check_scalar("log_f", log_f, q, validate, nonpositive=True)
     cfg = _config("fox", q, scale, cu_seqlens, implementation, block_size, interpret)
-    o, lse = _fox_public(q, k, v, log_f, cfg)
+    if q.shape[0] == 0:
+        o, lse = _empty_batch(q, v, (log_f,))
+    else:
+        o, lse = _fox_public(q, k, v, log_f, cfg)
     return (o, lse) if return_lse else o
 
 

@@ -275,6 +275,8 @@ def interdomain_s4d(
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"chunk: expected a positive int, got {chunk!r}")
     offsets = check.offsets(cu_seqlens, fq.shape[0], fq.shape[1])
+    if fq.shape[0] == 0:  # an empty batch [decision, as SDPA]: gradients are empty or zero
+        return jnp.zeros(vt.shape, fq.dtype)
     return _s4d_public(fq, kt, vt, lam, b, c, readout=readout, cu_seqlens=offsets, chunk=chunk)
 
 
@@ -461,6 +463,8 @@ def interdomain_legs(
         raise ValueError(f"M: expected an integer >= 1, got {M!r}")
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"chunk: expected a positive int, got {chunk!r}")
+    if fq.shape[0] == 0:  # an empty batch [decision, as SDPA]
+        return jnp.zeros(v.shape, fq.dtype)
     T = fq.shape[1]
     L = chunk_size(chunk, T)
     entry, inject = legs_chunk_operators(-(-T // L) * L, int(M), L)

@@ -6,7 +6,9 @@ dict of NumPy arrays from the reference, or of JAX arrays being trained, can be 
 gradients with respect to the parameters come from ``jax.grad`` of these functions.
 
 Projections accumulate in float32 (float64 for float64 inputs); q, k, v enter the ops in the
-input's dtype; field, level and the SSM parameters stay float32 or wider.
+input's dtype; field, level and the SSM parameters stay float32 or wider. An empty batch (B = 0)
+gives an empty output. :func:`init_fpa_params` and :func:`init_interdomain_params` draw a
+parameter dict from a PRNG key.
 """
 
 from __future__ import annotations
@@ -16,11 +18,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
-from jax.typing import ArrayLike
+from jax.typing import ArrayLike, DTypeLike
 
+from attnspec.reference import fpa as reference_fpa
+from attnspec.reference import interdomain as reference_interdomain
 from attnspec.reference.fpa import FPA_PARAMETER_SCHEMA
-from attnspec.reference.interdomain import PARAMETER_SCHEMA
+from attnspec.reference.interdomain import OPTIONAL_PARAMETERS, PARAMETER_SCHEMA
 
 from . import validation as check
 from .fpa import fpa_attention
@@ -53,6 +58,47 @@ def _expect(
 
 def _project(x: jax.Array, w: jax.Array, ct: jnp.dtype) -> jax.Array:
     return jnp.matmul(x.astype(ct), w.astype(ct), precision=HIGHEST)
+
+
+def _seed(key: jax.Array | int) -> int:
+    """A NumPy seed from a JAX PRNG key (typed or raw uint32) or an int."""
+    if isinstance(key, int):
+        return key
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.key_data(key)
+    return int(np.asarray(key, np.uint64).ravel()[-1])
+
+
+def init_fpa_params(
+    key: jax.Array | int, d: int, H: int, dk: int, dv: int, *, dtype: DTypeLike = jnp.float32
+) -> dict[str, jax.Array]:
+    """Parameters of :func:`fpa_layer` (``FPA_PARAMETER_SCHEMA``): the reference's
+    initialisation (``attnspec.reference.fpa.init_fpa_params``, normal / sqrt(fan-in)) drawn
+    with a seed taken from ``key`` and cast to ``dtype``. Time and memory O(d H (dk + dv))."""
+    params = reference_fpa.init_fpa_params(d, H, dk, dv, seed=_seed(key))
+    return {name: jnp.asarray(value, dtype) for name, value in params.items()}
+
+
+def init_interdomain_params(
+    key: jax.Array | int,
+    d: int,
+    H: int,
+    R: int,
+    dv: int,
+    M: int,
+    *,
+    gate: bool = False,
+    output_norm: bool = True,
+    dtype: DTypeLike = jnp.float32,
+) -> dict[str, jax.Array]:
+    """Parameters of :func:`interdomain_layer` (``PARAMETER_SCHEMA``): the reference's S4D-Inv
+    initialisation (``attnspec.reference.interdomain.init_interdomain_params``) drawn with a
+    seed taken from ``key`` and cast to ``dtype``; norm_o_g (I14) with ``output_norm``, wg with
+    ``gate``. Time and memory O(d H (R + dv) + H M^2)."""
+    params = reference_interdomain.init_interdomain_params(
+        d, H, R, dv, M, seed=_seed(key), gate=gate, output_norm=output_norm
+    )
+    return {name: jnp.asarray(value, dtype) for name, value in params.items()}
 
 
 def fpa_layer(
@@ -98,7 +144,7 @@ def _fpa_layer(
     ct = jnp.result_type(jnp.float32, x.dtype)
     B, T, _ = x.shape
     H = P["b_delta"].shape[0]
-    heads = lambda y: y.reshape(B, T, H, -1).astype(x.dtype)  # noqa: E731  [B, T, N, .]
+    heads = lambda y: y.reshape(B, T, H, y.shape[-1] // H).astype(x.dtype)  # noqa: E731
     delta = _project(x, P["w_delta"], ct) + P["b_delta"].astype(ct)  # [B, T, N]
     if increments == "logsigmoid":
         delta = jax.nn.log_sigmoid(delta)
@@ -106,7 +152,7 @@ def _fpa_layer(
     level = field + _project(x, P["w_lam"], ct) + P["b_lam"].astype(ct)  # l = phi + lam
     q, k, v = (heads(_project(x, P[w], ct)) for w in ("wq", "wk", "wv"))
     o = fpa_attention(q, k, v, field, level, implementation=implementation, validate=False)
-    return _project(o.reshape(B, T, -1), P["wo"], ct).astype(x.dtype)
+    return _project(o.reshape(B, T, P["wo"].shape[0]), P["wo"], ct).astype(x.dtype)
 
 
 def short_conv(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -147,16 +193,21 @@ def interdomain_layer(
     readout: str = "linear",
     use_rope: bool = False,
     gate: bool = False,
+    output_norm: bool = True,
 ) -> jax.Array:
-    """The Interdomain layer (I8)-(I13): x [B, T, d] -> y [B, T, d] in x's dtype.
+    """The Interdomain layer (I8)-(I14): x [B, T, d] -> y [B, T, d] in x's dtype.
 
     Projections, short conv on q and k (I8), optional RoPE, feature map (I9), norms and biases
-    (I10), :func:`attnspec.backends.jax.interdomain_s4d`, optional output gate, output
-    projection. Matches ``attnspec.reference.interdomain.interdomain_layer``. Time
+    (I10), b discretised by zero-order hold and :func:`attnspec.backends.jax.interdomain_s4d`
+    (I11)-(I13), the readout's per-head RMSNorm (I14; ``output_norm=False`` gives the
+    paper-literal layer), optional output gate, output projection. Matches
+    ``attnspec.reference.interdomain.interdomain_layer``. Time
     O(B T (d H (R + dv) + H M (M + R + dv + L))) for S4D chunks of L; memory O(B T H (R + dv + M)).
     """
     x = check.array("x", x, 3, meaning="[B, T, d]")
-    P = _params("PARAMETER_SCHEMA", params, PARAMETER_SCHEMA, optional=() if gate else ("wg",))
+    flags = {"gate": gate, "output_norm": output_norm}
+    optional = tuple(name for name, flag in OPTIONAL_PARAMETERS.items() if not flags[flag])
+    P = _params("PARAMETER_SCHEMA", params, PARAMETER_SCHEMA, optional=optional)
     if readout not in ("linear", "ratio"):
         raise ValueError(f"readout: expected 'linear' or 'ratio', got {readout!r}")
     if use_rope and P["norm_k_g"].shape[1] % 2:
@@ -180,33 +231,42 @@ def interdomain_layer(
         "b_im": (H, M),
         "c_re": (H, M, M),
         "c_im": (H, M, M),
+        "norm_o_g": (H, dv),
         "wg": (d, H * dv),
     }
     _expect(P, shapes, PARAMETER_SCHEMA)
-    return _interdomain_layer(x, P, readout, use_rope, gate)
+    return _interdomain_layer(x, P, readout, use_rope, gate, output_norm)
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3, 4))
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5))
 def _interdomain_layer(
-    x: jax.Array, P: dict[str, jax.Array], readout: str, use_rope: bool, gate: bool
+    x: jax.Array,
+    P: dict[str, jax.Array],
+    readout: str,
+    use_rope: bool,
+    gate: bool,
+    output_norm: bool,
 ) -> jax.Array:
     ct = jnp.result_type(jnp.float32, x.dtype)
     cc = jnp.result_type(ct, jnp.complex64)
     B, T, _ = x.shape
-    H = P["norm_k_g"].shape[0]
+    H, R = P["norm_k_g"].shape
+    dv = P["norm_v_g"].shape[1]
     wide = {key: value.astype(ct) for key, value in P.items()}
     q = short_conv(_project(x, P["wq"], ct), wide["conv_q"])  # (I8)
     k = short_conv(_project(x, P["wk"], ct), wide["conv_k"])
     v = _project(x, P["wv"], ct)  # values are not convolved
-    q, k, v = (y.reshape(B, T, H, -1) for y in (q, k, v))  # [B, T, N, .]
+    q, k, v = q.reshape(B, T, H, R), k.reshape(B, T, H, R), v.reshape(B, T, H, dv)
     if use_rope:
         q, k = rope(q), rope(k)
     fq, fk = feature_map(q), feature_map(k)  # (I9)
     kt = rms_norm(fk, 1.0) * wide["norm_k_g"] + wide["norm_k_b"]  # (I10)
     vt = rms_norm(v, 1.0) * wide["norm_v_g"] + wide["norm_v_b"]
     a = -jnp.exp(wide["a_log"]) + 1j * wide["a_im"]  # (I11)
-    lam = jnp.exp(jnp.exp(wide["log_dt"])[:, None] * a).astype(cc)
-    b = (wide["b_re"] + 1j * wide["b_im"]).astype(cc)
+    dt_a = jnp.exp(wide["log_dt"])[:, None] * a
+    lam = jnp.exp(dt_a).astype(cc)  # (I11) Lambda = exp(dt a)
+    b_bar = jnp.expm1(dt_a) / a * (wide["b_re"] + 1j * wide["b_im"])  # (I11) zero-order hold
+    b = b_bar.astype(cc)
     c = (wide["c_re"] + 1j * wide["c_im"]).astype(cc)
     o = interdomain_s4d(
         fq.astype(x.dtype),
@@ -218,7 +278,9 @@ def _interdomain_layer(
         readout=readout,
         validate=False,
     )  # [B, T, N, dv]
-    o = o.reshape(B, T, -1).astype(ct)
+    if output_norm:
+        o = rms_norm(o.astype(ct), wide["norm_o_g"])  # (I14) per head
+    o = o.reshape(B, T, H * dv).astype(ct)
     if gate:
         o = jax.nn.silu(_project(x, P["wg"], ct)) * o  # SiLU(W_g x) * o
     return _project(o, P["wo"], ct).astype(x.dtype)

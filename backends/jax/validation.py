@@ -62,6 +62,12 @@ def scale(value: float | None, head_dim: int) -> float:
     """The softmax scale as a Python float (static); default 1/sqrt(head_dim)."""
     if value is None:
         return 1.0 / math.sqrt(head_dim)
+    if isinstance(value, jax.core.Tracer):
+        raise ValueError(
+            "scale must be a static Python number, got a traced array: pass it as a static "
+            "argument (jax.jit(..., static_argnames=...)) or close over it; a learned "
+            "temperature can scale q instead"
+        )
     if isinstance(value, bool) or not isinstance(value, int | float | np.floating | np.integer):
         raise ValueError(f"scale: expected a real number (a static Python float), got {value!r}")
     value = float(value)
@@ -99,6 +105,13 @@ def concrete(x: object) -> bool:
     return not isinstance(x, jax.core.Tracer)
 
 
+def widened(x: jax.Array) -> jax.Array:
+    """A per-token scalar (field, level, log_f) in float32 or float64: float16 and bfloat16,
+    as a drop-in call passes gates in the input's dtype, are widened to float32; they carry no
+    more precision than they arrive with. Its gradient returns in the dtype it arrived in."""
+    return x if jnp.dtype(x.dtype) in WIDE else x.astype(jnp.float32)
+
+
 def check_values(name: str, x: jax.Array, *, nonpositive: bool = False) -> None:
     """ValueError when a concrete ``x`` holds NaN or Inf (or, with ``nonpositive``, a value > 0).
 
@@ -106,12 +119,17 @@ def check_values(name: str, x: jax.Array, *, nonpositive: bool = False) -> None:
     """
     if not concrete(x):
         return
-    bad = ~jnp.isfinite(x)
-    if bool(jnp.any(bad)):
-        index = tuple(int(i) for i in np.argwhere(np.asarray(bad))[0])
+    # on the host: inside a trace a concrete (closed-over) array would turn jnp results into
+    # tracers, which cannot be branched on
+    values = np.asarray(x)
+    if not np.issubdtype(values.dtype, np.inexact):  # bfloat16 (ml_dtypes)
+        values = values.astype(np.float32)
+    bad = ~np.isfinite(values)
+    if bad.any():
+        index = tuple(int(i) for i in np.argwhere(bad)[0])
         raise ValueError(f"{name}: contains NaN or Inf (first at index {index})")
-    if nonpositive and bool(jnp.any(x > 0)):
-        index = tuple(int(i) for i in np.argwhere(np.asarray(x > 0))[0])
+    if nonpositive and (values > 0).any():
+        index = tuple(int(i) for i in np.argwhere(values > 0)[0])
         raise ValueError(
-            f"{name}: expected log forget gates <= 0, got {float(x[index]):.6g} at index {index}"
+            f"{name}: expected log forget gates <= 0, got {values[index]:.6g} at index {index}"
         )
