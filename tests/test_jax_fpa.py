@@ -313,8 +313,14 @@ def test_half_precision_gates_are_widened_to_float32(dtype):
     grad = jax.grad(lambda g: jnp.sum(fox_attention(a["q"], a["k"], a["v"], g)))(g)
     assert grad.dtype == dtype
     half = fpa_attention(a["q"], a["k"], a["v"], a["field"], a["level"])
-    widened = (a[n].astype(jnp.float32) for n in ("field", "level"))
+    widened = [a[n].astype(jnp.float32) for n in ("field", "level")]
     assert bool(jnp.array_equal(half, fpa_attention(a["q"], a["k"], a["v"], *widened)))
+    token = [a[n][:, 0] for n in ("q", "k", "v", "field", "level")]
+    step, _ = fpa_decode_step(fpa_cache(1, 2, 4, 4, 4), *token)
+    wide_step, _ = fpa_decode_step(
+        fpa_cache(1, 2, 4, 4, 4), *token[:3], *(x[:, 0] for x in widened)
+    )
+    assert bool(jnp.array_equal(step, wide_step))
 
 
 @pytest.mark.parametrize("implementation", ["xla", "pallas"])

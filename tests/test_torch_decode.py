@@ -116,6 +116,20 @@ def test_bad_decode_input():
         FPADecodeCache(theta=0.0)
 
 
+def test_half_precision_field_and_levels_are_widened_as_by_the_parallel_op():
+    rng = np.random.default_rng(8)
+    q, k, v, f, lev = (torch.from_numpy(x) for x in draw(rng, B=1, H=2, T=12))
+    q, k, v = (x.to(torch.bfloat16) for x in (q, k, v))
+    f, lev = f.to(torch.bfloat16), lev.to(torch.bfloat16)
+    half, wide = FPADecodeCache(), FPADecodeCache()
+    for t in range(12):
+        o = half.step(q[:, :, t], k[:, :, t], v[:, :, t], f[:, :, t], lev[:, :, t])
+        want = wide.step(
+            q[:, :, t], k[:, :, t], v[:, :, t], f[:, :, t].float(), lev[:, :, t].float()
+        )
+        assert o.dtype == torch.bfloat16 and torch.equal(o, want)
+
+
 # ------------------------------------------------------------------------- Interdomain
 
 

@@ -162,9 +162,12 @@ def fpa_decode_step(
     check.same_dtype("v", v, q, "q")
     if v.shape[:2] != k.shape[:2]:
         raise ValueError(f"v: expected shape {k.shape[:2]} + (Hv,) (B, K of k), got {v.shape}")
+    scalars = []
     for name, x in (("field", field), ("level", level)):
-        x = check.array(name, x, 2, dtypes=check.WIDE, meaning="[B, N]")
+        x = check.array(name, x, 2, meaning="[B, N]")
         check.shape(name, x, (B, N), "[B, N]: B, N of q")
+        scalars.append(check.widened(x))  # half precision: float32, as the parallel ops
+    field, level = scalars
     expected = (B, N, cache.keys.shape[2])
     check.shape("cache", cache.live, expected, "live slots [B, N, S] for q's B and N")
     if cache.keys.shape[-1] != H or cache.values.shape[-1] != v.shape[-1]:

@@ -119,7 +119,8 @@ class FPADecodeCache:
         checks.shape("k", k, (B, H, K), "[B, H, K]: B and K of q")
         checks.shape("v", v, (B, H, V), "[B, H, V]: B of q, H of k")
         for name, x in (("field", field), ("level", level)):
-            checks.tensor(name, x, 2, checks.WIDE_DTYPES, "[B, HQ] (float32 or wider)")
+            # half precision is widened below, as by the parallel ops
+            checks.tensor(name, x, 2, checks.QKV_DTYPES, "[B, HQ]")
             checks.shape(name, x, (B, HQ), "[B, HQ]: B and the query heads of q")
         checks.same_device(("q", "k", "v", "field", "level"), (q, k, v, field, level))
         dims = (B, HQ, H, K, V, q.dtype, q.device)
