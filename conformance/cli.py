@@ -1,4 +1,4 @@
-"""The ``attnspec`` command: ``conformance``, ``theory`` and ``vectors`` subcommands.
+"""The ``attnspec`` command: ``verify``, ``conformance``, ``theory`` and ``vectors`` subcommands.
 
 Exit status: 0 all passed, 1 some case failed, 2 a usage error (bad arguments, a backend that
 does not load, a dtype it does not declare), 141 the reader of the output went away (``| head``).
@@ -8,17 +8,19 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from collections.abc import Callable
-from importlib import metadata
 from typing import TYPE_CHECKING, TextIO
 
 from .protocol import OPS, Backend
 from .tolerances import DTYPES
 
 if TYPE_CHECKING:  # the runner loads only when a command needs it
+    from .cases import Case
     from .runner import CaseResult
 
 BROKEN_PIPE = 141  # 128 + SIGPIPE: what the shell reports for a writer whose reader left
@@ -35,11 +37,33 @@ BACKEND_HELP = """which backend to check:
 A class or factory is called with device=DEVICE."""
 
 
+# The smoke subset: the first case of every family (ids ending in /0), in these dtypes (those the
+# backend declares), outputs and VJPs. It reaches every family, op and check at a fraction of
+# the cost; the Triton and Pallas kernels get it when they run under an interpreter.
+SMOKE_DTYPES = ("float32", "bfloat16")
+SMOKE_TEXT = "the first case of every family, in float32 and bfloat16, outputs and VJPs"
+# Backends whose kernels run natively on a GPU and under an interpreter on CPU (Triton with
+# TRITON_INTERPRET=1, Pallas with interpret=True), with the framework that says if a GPU is here.
+KERNEL_BACKENDS = {"triton": "torch", "pallas": "jax"}
+FULL_RUN = "make verify FULL=1 (or: attnspec verify --full)"
+
+
+def smoke_cases(cases: list[Case]) -> list[Case]:
+    """The first case of every family among ``cases``."""
+    return [case for case in cases if case.id.rpartition("/")[2] == "0"]
+
+
+def smoke_dtypes(declared: tuple[str, ...]) -> list[str]:
+    """float32 and bfloat16 where the backend declares them, else its first declared dtype."""
+    return [d for d in SMOKE_DTYPES if d in declared] or list(declared[:1])
+
+
 def _version() -> str:
-    try:
-        return metadata.version("attnspec")
-    except metadata.PackageNotFoundError:
-        return "unknown (attnspec is not installed; pip install -e .)"
+    from . import __version__
+
+    if __version__ == "unknown":
+        return "unknown (attnspec is not installed: pip install . in its checkout)"
+    return __version__
 
 
 def quiet_on_broken_pipe(command: Callable[[], int]) -> int:
@@ -122,6 +146,11 @@ def conformance_parser(prog: str = "attnspec conformance") -> argparse.ArgumentP
         metavar="FILE",
         default=[],
         help="extra skip files (<case-id prefix> [dtype]  # reason)",
+    )
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help=f"the smoke subset: {SMOKE_TEXT}\n(--dtypes, when given, replaces the two dtypes)",
     )
     p.add_argument("--no-gradients", action="store_true", help="outputs only")
     p.add_argument(
@@ -219,6 +248,9 @@ def conformance_main(argv: list[str] | None = None, prog: str = "attnspec confor
     if args.cases and not cases:
         print(f"{prog}: --cases matched no case id", file=sys.stderr)
         return 2
+    every = len(cases)
+    if args.smoke:
+        cases = smoke_cases(cases)
     if args.list:
         for case in cases:
             print(f"{case.id:<32} {case.op:<18} {case.note}")
@@ -252,7 +284,9 @@ def conformance_main(argv: list[str] | None = None, prog: str = "attnspec confor
         return 2
     status = 0
     for name, backend, skips in loaded:
-        dtypes = args.dtypes or list(backend.dtypes)
+        dtypes = args.dtypes or (
+            smoke_dtypes(tuple(backend.dtypes)) if args.smoke else list(backend.dtypes)
+        )
         fd = args.finite_differences == "on" or (
             args.finite_differences == "auto" and backend.name == "numpy"
         )
@@ -268,6 +302,11 @@ def conformance_main(argv: list[str] | None = None, prog: str = "attnspec confor
             progress=_progress(sys.stderr),
             probes=[] if args.dtypes else probe_dtypes(backend),
         )
+        if args.smoke:
+            report.notes.append(
+                f"smoke subset: {len(cases)} of {every} cases (the first of every "
+                f"family) in {', '.join(dtypes)}; the full run drops --smoke"
+            )
         print(format_report(report))
         several = len(names) > 1
         if args.json:
@@ -277,6 +316,189 @@ def conformance_main(argv: list[str] | None = None, prog: str = "attnspec confor
         if not report.ok:
             status = max(status, 1)
     return status
+
+
+def native_device(name: str) -> str:
+    """Where a registered backend runs natively: the GPU for the Triton and Pallas kernels when
+    their framework sees one, the CPU otherwise (where the kernels are interpreted)."""
+    framework = KERNEL_BACKENDS.get(name)
+    try:
+        if framework == "torch":
+            import torch
+
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        if framework == "jax":
+            import jax
+
+            return "cuda" if any(d.platform == "gpu" for d in jax.devices()) else "cpu"
+    except (ImportError, RuntimeError):
+        pass
+    return "cpu"
+
+
+class _Job:
+    """One command of ``attnspec verify``, run as a child process with its output in a file."""
+
+    def __init__(self, label: str, scope: str, argv: list[str], env: dict[str, str]) -> None:
+        self.label, self.scope, self.argv, self.env = label, scope, argv, env
+        self.output = tempfile.TemporaryFile(mode="w+")
+        self.process: subprocess.Popen[str] | None = None
+        self.start = self.seconds = 0.0
+        self.status: int | None = None
+
+    def launch(self) -> None:
+        self.start = time.perf_counter()
+        self.process = subprocess.Popen(
+            self.argv, stdout=self.output, stderr=subprocess.STDOUT, env=self.env, text=True
+        )
+
+    def poll(self) -> bool:
+        """True once the child has ended (status and time recorded)."""
+        if self.status is None and self.process is not None and self.process.poll() is not None:
+            self.status = self.process.returncode
+            self.seconds = time.perf_counter() - self.start
+        return self.status is not None
+
+    def text(self) -> str:
+        self.output.seek(0)
+        # Progress lines (by tenths, on stderr) say nothing once the report is there.
+        lines = [line for line in self.output if not line.startswith("[")]
+        return "".join(lines).rstrip("\n")
+
+
+def _verdict(status: int | None) -> str:
+    return {0: "passed", 1: "FAILED", 2: "did not run (usage error)"}.get(
+        status if status is not None else -1, f"ERROR (exit status {status})"
+    )
+
+
+def verify_jobs(
+    names: list[str], *, full: bool, cases: list[str] | None, env: dict[str, str]
+) -> tuple[list[_Job], list[str]]:
+    """The commands of ``attnspec verify`` for the registered ``names`` (each must load on its
+    native device), and the backends among them that get the smoke subset."""
+    python = [sys.executable, "-m"]
+    jobs = [_Job("theory", "every check", [*python, "attnspec.theory"], env)]
+    smoke = []
+    for name in names:
+        device = native_device(name)
+        command = [*python, "attnspec.conformance", "--backend", name, "--device", device]
+        if cases:
+            command += ["--cases", *cases]
+        scope = "full kit"
+        if name in KERNEL_BACKENDS and device == "cpu":
+            scope = "full kit, interpreted" if full else "smoke subset, interpreted"
+            if not full:
+                command.append("--smoke")
+                smoke.append(name)
+        jobs.append(_Job(f"{name} on {device}", scope, command, env))
+    return jobs, smoke
+
+
+def run_jobs(jobs: list[_Job], parallel: int) -> float:
+    """Run ``jobs``, ``parallel`` at a time, longest first (the kernels' and JAX's kits, then
+    torch, numpy and the theory checks); print each one's output when it ends. Seconds taken."""
+    order = ["jax", "triton", "pallas", "torch", "numpy", "theory"]
+    rank = {name: i for i, name in enumerate(order)}
+    pending = sorted(jobs, key=lambda j: rank.get(j.label.split()[0], 0))
+    start = time.perf_counter()
+    running: list[_Job] = []
+    try:
+        while pending or running:
+            while pending and len(running) < parallel:
+                running.append(pending.pop(0))
+                running[-1].launch()
+                print(f"  started {running[-1].label} ({running[-1].scope})", flush=True)
+            time.sleep(0.2)
+            for job in [j for j in running if j.poll()]:
+                running.remove(job)
+                print(
+                    f"\n==== {job.label} ({job.scope}): {_verdict(job.status)} in "
+                    f"{job.seconds:.0f} s\n{job.text()}",
+                    flush=True,
+                )
+    finally:
+        for job in running:
+            if job.process is not None:
+                job.process.kill()
+    return time.perf_counter() - start
+
+
+def verify_main(argv: list[str] | None = None, prog: str = "attnspec verify") -> int:
+    from attnspec.backends.registry import BUILTIN, get_backend
+
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="The main check: the theorem checks and the conformance kit on every "
+        "backend available here, several at a time. Backends that run natively here get the "
+        "full kit; kernels that run under an interpreter (Triton and Pallas without a GPU) get "
+        f"the smoke subset, {SMOKE_TEXT}, unless --full. On a GPU they run natively, in full.",
+        epilog="exit status: 0 all passed, 1 a check failed, 2 a backend did not load",
+    )
+    p.add_argument(
+        "--full",
+        action="store_true",
+        help="the full kit on interpreted kernels too (about 40 minutes on 2 cores)",
+    )
+    p.add_argument(
+        "--backend",
+        default="available",
+        metavar="BACKEND",
+        help="registered names, comma-separated (default: every one available here)",
+    )
+    p.add_argument(
+        "--cases",
+        nargs="+",
+        metavar="PREFIX",
+        help="only case ids starting with one of these, on every backend",
+    )
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=os.cpu_count() or 1,
+        metavar="N",
+        help="commands run at the same time (default: the number of CPUs)",
+    )
+    args = p.parse_args(argv)
+    if args.jobs < 1:
+        p.error("--jobs must be at least 1")
+    everything = args.backend == "available"
+    names = list(BUILTIN) if everything else [n.strip() for n in args.backend.split(",")]
+    unknown = [n for n in names if n not in BUILTIN]
+    if unknown:
+        p.error(f"--backend: {', '.join(unknown)} not registered ({', '.join(BUILTIN)})")
+    unavailable = []
+    for name in list(names):
+        try:
+            get_backend(name, native_device(name))
+        except (ImportError, ValueError) as exc:
+            if not everything:
+                print(f"{prog}: {_load_error(name, exc)}", file=sys.stderr)
+                return 2
+            names.remove(name)
+            unavailable.append(name)
+    # Each child uses its share of the CPUs (torch and XLA start a thread per CPU otherwise).
+    threads = str(max(1, (os.cpu_count() or 1) // args.jobs))
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", threads)}
+    jobs, smoke = verify_jobs(names, full=args.full, cases=args.cases, env=env)
+    print(
+        f"{prog}: {len(jobs)} commands, {args.jobs} at a time: "
+        + ", ".join(f"{j.label} ({j.scope})" for j in jobs),
+        flush=True,
+    )
+    total = run_jobs(jobs, args.jobs)
+    print(f"\n==== summary: {total / 60:.1f} minutes, {args.jobs} commands at a time")
+    for job in jobs:
+        print(f"  {job.label:<16} {job.scope:<26} {_verdict(job.status):<8} {job.seconds:>5.0f} s")
+    if unavailable:
+        print(f"  not available here: {', '.join(unavailable)} (a framework is not installed)")
+    if smoke:
+        print(
+            f"  {' and '.join(smoke)}: kernels interpreted on this CPU (no GPU), so only the "
+            f"smoke subset ran: {SMOKE_TEXT}.\n  The full run: {FULL_RUN}."
+        )
+    statuses = [job.status for job in jobs]
+    return 2 if 2 in statuses else int(any(s != 0 for s in statuses))
 
 
 def vectors_main(argv: list[str] | None = None, prog: str = "attnspec vectors") -> int:
@@ -365,13 +587,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _dispatch(argv: list[str]) -> int:
-    commands = {"conformance": conformance_main, "vectors": vectors_main}
+    commands = {"verify": verify_main, "conformance": conformance_main, "vectors": vectors_main}
     if argv and argv[0] == "--version":
         print(f"attnspec {_version()}")
         return 0
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in (*commands, "theory"):
         print(
-            "usage: attnspec {conformance,theory,vectors} ... | --version\n\n"
+            "usage: attnspec {verify,conformance,theory,vectors} ... | --version\n\n"
+            "  verify       the theory checks and the kit on every backend available here\n"
             "  conformance  check a backend against the reference (see --help)\n"
             "  theory       verify the theorems and identities numerically\n"
             "  vectors      export golden vectors / check results from other languages",

@@ -158,6 +158,74 @@ def test_version_comes_from_the_package_metadata(capsys):
     assert exit_.value.code == 0
     assert capsys.readouterr().out == f"attnspec {version}\n"
     assert run_cli("--version") == (0, f"attnspec {version}\n", "")
+    import attnspec.conformance
+
+    assert attnspec.conformance.__version__ == version
+
+
+def test_a_missing_framework_names_the_install_that_works(monkeypatch):
+    """attnspec is not on a package index: the hint is the checkout's extra."""
+    from attnspec.backends import registry
+
+    real = registry.importlib.util.find_spec
+    monkeypatch.setattr(
+        registry.importlib.util, "find_spec", lambda n: None if n == "jax" else real(n)
+    )
+    with pytest.raises(ImportError) as missing:
+        registry.get_backend("pallas")
+    message = str(missing.value)
+    assert "pip install '.[jax]'" in message and "pip install jax" in message
+    assert "attnspec[" not in message
+
+
+def test_the_smoke_subset_is_the_first_case_of_every_family(capsys):
+    from attnspec.conformance.cases import FAMILIES
+
+    assert main(["conformance", "--backend", "numpy", "--list", "--smoke"]) == 0
+    ids = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+    families = [(op, name) for op, fam in FAMILIES.items() for name in fam]
+    assert len(ids) == len(families) and all(i.endswith("/0") for i in ids)
+    assert len({i.rsplit("/", 1)[0] for i in ids}) == len(ids)
+
+
+def test_a_smoke_run_says_so_and_uses_float32_and_bfloat16(tmp_path, capsys):
+    mine = tmp_path / "mine.py"
+    mine.write_text(HALF_ONLY.replace('("float16", "bfloat16")', '("float32", "bfloat16")'))
+    args = ["--backend", f"{mine}:HalfOnly", "--smoke", "--ops", "fox_attention"]
+    assert main(["conformance", *args]) == 0
+    out = capsys.readouterr().out
+    assert "note: smoke subset:" in out and "the full run drops --smoke" in out
+    rows = [line.split() for line in out.splitlines() if line.startswith("fox_attention ")]
+    assert {row[1] for row in rows} == {"float32", "bfloat16"}
+
+
+def test_verify_gives_interpreted_kernels_the_smoke_subset(monkeypatch):
+    from attnspec.conformance import cli
+
+    monkeypatch.setattr(cli, "native_device", lambda name: "cpu")
+    jobs, smoke = cli.verify_jobs(["numpy", "triton", "pallas"], full=False, cases=None, env={})
+    assert smoke == ["triton", "pallas"]
+    scopes = {job.label: (job.scope, "--smoke" in job.argv) for job in jobs}
+    assert scopes == {
+        "theory": ("every check", False),
+        "numpy on cpu": ("full kit", False),
+        "triton on cpu": ("smoke subset, interpreted", True),
+        "pallas on cpu": ("smoke subset, interpreted", True),
+    }
+    jobs, smoke = cli.verify_jobs(["triton"], full=True, cases=None, env={})
+    assert smoke == [] and "--smoke" not in jobs[1].argv
+    monkeypatch.setattr(cli, "native_device", lambda name: "cuda")
+    jobs, smoke = cli.verify_jobs(["triton"], full=False, cases=None, env={})
+    assert smoke == [] and jobs[1].scope == "full kit" and "cuda" in jobs[1].argv
+
+
+def test_verify_runs_the_theory_and_the_kit_and_summarises(capsys):
+    assert main(["verify", "--backend", "numpy", "--cases", "fox/shapes/0", "--jobs", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "==== numpy on cpu (full kit): passed" in out
+    assert "==== theory (every check): passed" in out
+    summary = out.split("==== summary:")[1]
+    assert "numpy on cpu" in summary and "theory" in summary and "smoke" not in summary
 
 
 def help_text(argv, capsys):
