@@ -65,8 +65,9 @@ def _require_extra(name: str) -> None:
     framework = {"torch": "torch", "jax": "jax"}[EXTRAS[name]]
     if importlib.util.find_spec(framework) is None:
         raise ImportError(
-            f"backend: {name!r} needs {framework}; install the {EXTRAS[name]!r} extra: "
-            f"pip install 'attnspec[{EXTRAS[name]}]'"
+            f"backend: {name!r} needs {framework}; install the {EXTRAS[name]!r} extra from the "
+            f"attnspec checkout: pip install '.[{EXTRAS[name]}]' (attnspec is not on a package "
+            f"index; pip install {framework} also works)"
         )
 
 

@@ -26,7 +26,8 @@ def _pyplot() -> ModuleType:
         import matplotlib
     except ImportError:  # pragma: no cover - exercised only without the extra
         raise ImportError(
-            "attnspec theory --plots needs matplotlib: pip install 'attnspec[plots]'"
+            "attnspec theory --plots needs matplotlib: pip install matplotlib, or from the "
+            "attnspec checkout pip install '.[plots]'"
         ) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

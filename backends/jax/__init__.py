@@ -10,7 +10,8 @@ try:
     import jax  # noqa: F401
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
-        "attnspec.backends.jax needs jax; install the 'jax' extra: pip install 'attnspec[jax]'"
+        "attnspec.backends.jax needs jax; install the 'jax' extra from the attnspec checkout: "
+        "pip install '.[jax]' (attnspec is not on a package index; pip install jax also works)"
     ) from exc
 
 from .decode import FPACache, fpa_cache, fpa_decode, fpa_decode_step
