@@ -111,15 +111,17 @@ def _s4d_core(
     fq, kt, vt = (_chunks(_pad_time(x, Tp), L) for x in (fq, kt, vt))  # (B, N, nc, L, .)
     gates = _segment_gates(cu_seqlens, Tp, L)
 
-    log_lam = jnp.log(lam)  # (N, M); Lambda^n = exp(n log Lambda) for integer n
+    # Lambda^n for n = 0..L by cumulative products, not exp(n log Lambda): a mode with
+    # Lambda = 0 (it forgets at once) has no logarithm, and its gradient stays finite.
+    steps = jnp.broadcast_to(lam[:, None, :], (lam.shape[0], L, lam.shape[1]))
+    powers = jnp.cumprod(jnp.concatenate([jnp.ones_like(steps[:, :1]), steps], axis=1), axis=1)
     p = jnp.arange(L)
     lag = p[:, None] - p[None, :]  # (L, L): p - q
     causal = lag >= 0
-    # exponents clamped to >= 0 before exp, so masked entries never overflow (nor their grads)
-    decay = jnp.exp(jnp.where(causal, lag, 0)[None, :, :, None] * log_lam[:, None, None, :])
+    decay = powers[:, jnp.where(causal, lag, 0)]  # (N, L, L, M): Lambda^(p - q)
     kernel = jnp.where(causal[None, :, :, None], decay, 0) * b[:, None, None, :]  # (N, L, L, M)
-    entry = jnp.exp((p + 1)[None, :, None] * log_lam[:, None, :])  # (N, L, M): Lambda^(p+1)
-    tail = jnp.exp((L - 1 - p)[None, :, None] * log_lam[:, None, :]) * b[:, None, :]  # (N, L, M)
+    entry = powers[:, 1:]  # (N, L, M): Lambda^(p+1)
+    tail = powers[:, L - 1 - p] * b[:, None, :]  # (N, L, M): Lambda^(L-1-p) b
     gram = _einsum("nkm,nkl->nml", jnp.conj(c), c)  # Q = C^H C (N, M, M)
 
     scores = _einsum("bncpr,bncqr->bncpq", fq, kt)  # fq_p . kt_q (B, N, nc, L, L)
@@ -132,7 +134,7 @@ def _s4d_core(
     # state increments of each chunk, then the states before each chunk by a scan over chunks
     d_key = _einsum(f"{inputs},bnclr->bncmr", tail, kt)  # (B, N, nc, M, R)
     d_val = _einsum(f"{inputs},bncld->bncmd", tail, vt)
-    through = jnp.exp(L * log_lam)[None, :, :, None]  # (1, N, M, 1): Lambda^L
+    through = powers[:, L][None, :, :, None]  # (1, N, M, 1): Lambda^L
     keep = jnp.ones(fq.shape[2], fq.dtype) if gates is None else gates["carry_out"].astype(fq.dtype)
 
     def carry(
@@ -234,8 +236,6 @@ def _check_ssm(
             check.check_values(name, x)
         if check.concrete(lam) and bool(jnp.any(jnp.abs(lam) > 1)):
             raise ValueError("lam: expected |Lambda| <= 1 (a stable recurrence), got a larger one")
-        if check.concrete(lam) and bool(jnp.any(lam == 0)):
-            raise ValueError("lam: expected non-zero Lambda (powers are taken through log)")
     return lam, b, c
 
 
