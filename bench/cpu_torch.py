@@ -3,9 +3,10 @@
 Prints one table measured in one process: forward and forward+backward times of FPA, FoX, LegS
 and S4D at T = 512, 2048, 8192 for torch eager (float32) and the NumPy reference (float64, where
 its O(T^2) or O(T M C) intermediates fit in memory), with the ratio of each row to torch eager
-(> 1: torch is faster); for FoX also flash-linear-attention's naive torch form and torch SDPA
-with the FoX decay as a float mask. Then the peak memory of FPA forward+backward at T = 32768
-(B = H = 1, K = V = 64), measured as the high-water RSS of a child process.
+(> 1: torch is faster); for FPA and FoX also torch SDPA with a plain causal mask (no decay: the
+floor of softmax attention here), and for FoX flash-linear-attention's naive torch form and
+torch SDPA with the FoX decay as a float mask. Then the peak memory of FPA forward+backward at
+T = 32768 (B = H = 1, K = V = 64), measured as the high-water RSS of a child process.
 
 Each time is the median of repeated runs after one warm-up run (which also builds the LegS step
 products, cached per (T, M); their one-time build is reported separately).
@@ -85,6 +86,14 @@ def ref_layout(x: torch.Tensor) -> np.ndarray:
     return np.ascontiguousarray(np.swapaxes(x.double().numpy(), 1, 2))
 
 
+def causal_sdpa(q, k, v):
+    """Softmax attention with a causal mask and no decay: torch SDPA's own causal path."""
+    o = torch.nn.functional.scaled_dot_product_attention(
+        *(x.transpose(1, 2) for x in (q, k, v)), is_causal=True
+    )
+    return o.transpose(1, 2)
+
+
 def fox_sdpa(q, k, v, log_f):
     """FoX with torch SDPA: the decay c_i - c_j as a float mask, -inf above the diagonal."""
     c = torch.cumsum(log_f, dim=1).transpose(1, 2)  # [B, H, T]
@@ -103,6 +112,8 @@ def attention_rows(op: str, T: int, gen: torch.Generator, peers: bool):
     rows = []
     if op == "FPA":
         rows.append(("torch eager", *torch_pair(fpa_attention, (q, k, v, field, level), do)))
+        if peers:
+            rows.append(("SDPA causal (no decay)", *torch_pair(causal_sdpa, (q, k, v), do)))
         args = [ref_layout(x) for x in (q, k, v, field, level)]
         ref_fwd = lambda: fpa.fpa_attention(*args)  # noqa: E731
         ref_bwd = lambda: fpa.fpa_attention_vjp(*args, ref_layout(do))  # noqa: E731
@@ -116,6 +127,7 @@ def attention_rows(op: str, T: int, gen: torch.Generator, peers: bool):
 
             rows.append(("fla naive FoX", *torch_pair(naive_forgetting_attn, (q, k, v, log_f), do)))
             rows.append(("torch SDPA + FoX mask", *torch_pair(fox_sdpa, (q, k, v, log_f), do)))
+            rows.append(("SDPA causal (no decay)", *torch_pair(causal_sdpa, (q, k, v), do)))
     if reference_bytes(op, T) <= REFERENCE_BUDGET:
         rows.append(("reference (NumPy f64)", ref_fwd, lambda: (ref_fwd(), ref_bwd())))
     return rows

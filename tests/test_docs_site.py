@@ -68,6 +68,17 @@ def test_math_is_left_for_the_bundled_katex(site):
     assert '<script src="../assets/katex/katex.min.js"' in fpa
 
 
+def test_performance_page_shows_the_results_as_written(site):
+    """One title; bench/RESULTS.md's lines render as its tables and paragraphs (a line starting
+    with '>' would be a quotation); the tables sit in the narrow-cell wrapper of attnspec.css."""
+    performance = page(site, "performance")
+    assert performance.count("<h1") == 1
+    assert "<blockquote" not in performance
+    body = performance.split('<div class="bench">', 1)[1]
+    assert body.count("<table>") >= 2
+    assert "Benchmark results" not in performance
+
+
 def test_the_vendored_katex_is_checked_file_by_file(tmp_path):
     sys.path.insert(0, os.path.join(ROOT, "docs", "hooks"))
     try:
