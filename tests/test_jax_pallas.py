@@ -245,7 +245,7 @@ def test_float32_products_stay_float32_in_the_gpu_lowering():
     assert set(dots) == {("f32", "f32", "f32", "ieee")}
 
 
-# ------------------------------------------------------------------ Mosaic GPU kernels (forward)
+# ------------------------------------------------------------------ Mosaic GPU kernels
 
 
 def mosaic_wgmmas(lowered):
@@ -307,6 +307,31 @@ def test_mosaic_kernels_lower_for_cuda_with_16bit_wgmma(dtype):
     )
 
 
+def test_mosaic_fox_backward_lowers_for_cuda_with_bf16_wgmma():
+    """The FoX gradient on implementation="mosaic": forward, dq and dkv kernels, all three
+    Mosaic GPU, every product on bfloat16 operands with float32 accumulators. Head dim 96 is
+    padded to 128. Per tile, forward: q k^T (8 k-steps, n64) and p v (4, n128); dq: q k^T and
+    do v^T (8 + 8, n64) and G k (4, n128); dkv: k q^T and v do^T (8 + 8, n64), p^T do and G^T q
+    (4 + 4, n128); each on the diagonal tile and in the loop. TMA: q once and k^T, v per tile
+    (forward); q, do once and k^T, v^T, k per tile (dq); k, v once and q^T, q, do^T, do per tile
+    (dkv)."""
+    q = jax.ShapeDtypeStruct((1, 300, 4, 96), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 300, 2, 96), jnp.bfloat16)
+    s = jax.ShapeDtypeStruct((1, 300, 4), jnp.float32)
+
+    def loss(*a):
+        o = fox_attention(*a, implementation="mosaic", interpret=False, cu_seqlens=(0, 99, 300))
+        return jnp.sum(o.astype(jnp.float32))
+
+    step = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+    lowered = step.trace(q, kv, kv, s).lower(lowering_platforms=("cuda",))
+    calls, wgmmas, copies = mosaic_wgmmas(lowered)
+    assert calls == 3 and copies == (1 + 2 * 2) + (2 + 2 * 3) + (2 + 2 * 4)
+    n64, n128 = "m64n64k16.f32.bf16.bf16", "m64n128k16.f32.bf16.bf16"
+    assert sorted(wgmmas) == sorted([n64] * 2 * (8 + 16 + 16) + [n128] * 2 * (4 + 4 + 8))
+    assert "xla.gpu.triton" not in lowered.as_text()
+
+
 @pytest.mark.parametrize(
     "kind, cu", [("fpa", (0, 37, 100)), ("fox", None)], ids=["fpa-packed", "fox"]
 )
@@ -315,8 +340,8 @@ def test_mosaic_forward_matches_the_reference(kind, cu):
     wgmma simulated): bfloat16, GQA, head dims padded to 64, a ragged T over two tiles, packed
     sequences for fpa. Output and lse against the float64 reference on the inputs as rounded;
     the output against the Pallas kernels, which round p the same way (at most one rounding
-    of p apart, u); and the gradients of implementation="mosaic" (its backward runs on the
-    Pallas kernels here) against the reference."""
+    of p apart, u); and the gradients of implementation="mosaic" (FoX's backward on the
+    Mosaic GPU kernels, FPA's on the Pallas kernels here) against the reference."""
     B, T, N, K, H, Hv, dtype = 1, 100, 2, 1, 32, 16, "bfloat16"
     q, k, v, field, level = inputs(B, T, N, K, H, Hv, seed=6)
     if kind == "fpa":

@@ -11,9 +11,10 @@ Both ops are blockwise (spec/fpa.md section 7): time O(T^2 (dk + dv) / 2), memor
 the forward and the backward. Gradients are a ``jax.custom_vjp`` that follows spec section 6
 (active at zero, latest argmin); autodiff never runs through a min. ``implementation`` picks the
 XLA loop (``blockwise``) or the Pallas kernels (``fpa_pallas``); both produce the same partial
-sums, assembled into the field cotangent here. ``"mosaic"`` runs the forward on the Mosaic GPU
-kernels (``fpa_mosaic``, 16-bit inputs) and the backward on the Pallas kernels where the installed
-JAX lowers them without a deprecation (JAX < 0.11, or the interpreter), else on the XLA loop.
+sums, assembled into the field cotangent here. ``"mosaic"`` runs the forward and FoX's backward
+on the Mosaic GPU kernels (``fpa_mosaic``, 16-bit inputs), and FPA's backward on the Pallas
+kernels where the installed JAX lowers them without a deprecation (JAX < 0.11, or the
+interpreter), else on the XLA loop.
 """
 
 from __future__ import annotations
@@ -66,11 +67,11 @@ def compute_dtype(*arrays: jax.Array) -> jnp.dtype:
 
 
 def _pass_implementation(cfg: AttentionConfig, backward: bool) -> str:
-    """The implementation of one pass: "mosaic" has no backward kernels yet; its backward runs
-    on the Pallas kernels where they lower without a deprecation, else on the XLA loop."""
+    """The implementation of one pass: "mosaic" has no FPA backward kernels yet; that backward
+    runs on the Pallas kernels where they lower without a deprecation, else on the XLA loop."""
     if cfg.implementation != "mosaic":
         return cfg.implementation
-    if not backward:
+    if not backward or cfg.kind == "fox":
         return "mosaic"
     from . import fpa_pallas
 
@@ -208,7 +209,12 @@ def _backward(
         x.rows(do, x.q.dtype),
         x.rows(delta),
     )
-    if _pass_implementation(cfg, backward=True) == "pallas":
+    implementation = _pass_implementation(cfg, backward=True)
+    if implementation == "mosaic":
+        from . import fpa_mosaic
+
+        parts = fpa_mosaic.backward(*args, interpret=cfg.interpret)
+    elif implementation == "pallas":
         from . import fpa_pallas
 
         parts = fpa_pallas.backward(*args, interpret=cfg.interpret)
@@ -498,8 +504,8 @@ def fpa_attention(
         cu_seqlens: static offsets (0, ..., T) of packed sequences; needs B = 1.
         return_lse: also return lse [B, T, N] (float32, float64 for float64 inputs).
         implementation: "xla" (the blockwise XLA loop), "pallas" (the Pallas kernels, compiled
-            through Triton on JAX < 0.11), "mosaic" (the Mosaic GPU forward, Hopper, 16-bit
-            inputs, float32 field and level; its backward as described in the module notes), or
+            through Triton on JAX < 0.11), "mosaic" (the Mosaic GPU kernels, Hopper, 16-bit
+            inputs, float32 field and level; FPA's backward as in the module notes), or
             None (on a GPU: pallas on JAX < 0.11, else mosaic where it applies; XLA elsewhere).
         block_size: the largest tile size, a power of two >= 16 (default 128 for XLA, 64 for
             Pallas). interpret: run Pallas in its interpreter (default: on CPU).

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .blockwise import Penalties
+from .blockwise import Partials, Penalties
 
 BLOCK = 64  # rows of a wgmma tile (one warpgroup), and the positions of a key block
 NARROW = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -80,6 +80,101 @@ def _interpret_params() -> Any:
     return InterpretGPUParams()
 
 
+class _Tile:
+    """What every kernel here does on 64 x 64 tiles: loads into the wgmma accumulator's layouts,
+    broadcasts of row and column vectors, TMA copies waited on, and warpgroup matmuls.
+
+    Under the interpreter, which has no layouts, no ``plgpu.load`` and reads wgmma's left
+    operand from shared memory only, loads read the ref and a register operand goes through
+    the ``a_smem`` scratch first; the arithmetic is the same.
+    """
+
+    def __init__(self, refs: dict[str, Any], a_smem: Any, barriers: Any, interpret: bool):
+        from jax.experimental import pallas as pl
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+
+        self.pl, self.plgpu = pl, plgpu
+        self.r, self.a_smem, self.barriers, self.interpret = refs, a_smem, barriers, interpret
+        self.wg = plgpu.Layout.WGMMA
+        self.row_layout, self.col_layout = self.wg.reduce(1), self.wg.reduce(0)
+        self.zg = lax.axis_index("zg")
+
+    def load(self, ref: Any, idx: tuple[Any, ...], layout: Any) -> jax.Array:
+        """Global memory straight into registers in a wgmma layout."""
+        if self.interpret:
+            return ref[idx]
+        if _load_takes_index():  # JAX 0.10: load(ref, idx); 0.11 deprecates idx for ref.at[idx]
+            return self.plgpu.load(ref.at[idx], (), layout=layout, optimized=False)
+        return self.plgpu.load(ref.at[idx], layout=layout, optimized=False)
+
+    def cast(self, x: jax.Array, layout: Any) -> jax.Array:
+        """A register array into a wgmma layout."""
+        return x if self.interpret else self.plgpu.layout_cast(x, layout)
+
+    def rows(self, name: str, n: jax.Array) -> jax.Array:
+        """Block n of a per-position array (Z*G, Tp), one entry per row of a tile."""
+        return self.load(self.r[name], (self.zg, self.pl.ds(n * BLOCK, BLOCK)), self.row_layout)
+
+    def cols(self, name: str, n: jax.Array) -> jax.Array:
+        """The same, one entry per column."""
+        return self.load(self.r[name], (self.zg, self.pl.ds(n * BLOCK, BLOCK)), self.col_layout)
+
+    def tile(self, name: str, n: jax.Array) -> jax.Array:
+        """Diagonal tile n of a (Z*G, nb, bs, bs) array."""
+        return self.load(self.r[name], (self.zg, n), self.wg)
+
+    @staticmethod
+    def by_row(x: jax.Array) -> jax.Array:
+        return lax.broadcast_in_dim(x, (BLOCK, BLOCK), [0])
+
+    @staticmethod
+    def by_col(x: jax.Array) -> jax.Array:
+        return lax.broadcast_in_dim(x, (BLOCK, BLOCK), [1])
+
+    def ids(self, dimension: int) -> jax.Array:
+        return self.cast(lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), dimension), self.wg)
+
+    def zeros(self, width: int) -> jax.Array:
+        return self.cast(jnp.zeros((BLOCK, width), jnp.float32), self.wg)
+
+    def constant(self, value: float) -> jax.Array:
+        """A row vector of one value."""
+        return self.cast(jnp.full((BLOCK,), value, jnp.float32), self.row_layout)
+
+    def fetch(self, copies: list[tuple[Any, Any]], first: int = 0) -> None:
+        """TMA copies (global view, shared buffer) on barriers first, first+1, ...; waited."""
+        for n, (src, dst) in enumerate(copies):
+            self.plgpu.copy_gmem_to_smem(src, dst, self.barriers.at[first + n])
+        for n in range(len(copies)):
+            self.plgpu.barrier_wait(self.barriers.at[first + n])
+
+    def product_of_registers(self, a: jax.Array, b_smem: Any, width: int) -> jax.Array:
+        """``product`` with a a 16-bit register array in the accumulator's layout."""
+        if self.interpret:
+            self.a_smem[...] = a
+            self.plgpu.commit_smem()
+            return self.product(self.a_smem, b_smem, width)
+        return self.product(a, b_smem, width)
+
+    def product(self, a: Any, b_smem: Any, width: int) -> jax.Array:
+        """a (64, k) @ b (k, width) on the tensor cores, float32 accumulators; a in shared
+        memory (or, from ``product_of_registers``, in registers)."""
+        plgpu = self.plgpu
+
+        def body(acc_ref: Any) -> jax.Array:
+            plgpu.wgmma(acc_ref, a, b_smem)
+            return acc_ref[...]
+
+        return self.pl.run_scoped(body, plgpu.ACC((BLOCK, width), jnp.float32))
+
+    def segment_mask(self, rows_block: jax.Array, cols_block: jax.Array) -> jax.Array | None:
+        if "seg" not in self.r:
+            return None
+        return self.by_row(self.rows("seg", rows_block)) == self.by_col(
+            self.cols("seg", cols_block)
+        )
+
+
 def _forward_kernel(
     *refs: Any, names: tuple[str, ...], kind: str, scale: float, G: int, interpret: bool
 ) -> None:
@@ -90,55 +185,20 @@ def _forward_kernel(
     r = dict(zip(names, refs[:n_in], strict=True))
     o_ref, lse_ref = refs[n_in : n_in + 2]
     q_smem, kt_smem, v_smem, p_smem, o_smem, lse_smem, barriers = refs[n_in + 2 :]
-    bs = BLOCK
-    wg = plgpu.Layout.WGMMA
-    row_layout, col_layout = wg.reduce(1), wg.reduce(0)
-    zg = lax.axis_index("zg")
+    t = _Tile(r, p_smem, barriers, interpret)
+    bs, zg = BLOCK, t.zg
     i = lax.axis_index("blk")
     z = lax.div(zg, jnp.array(G, zg.dtype))
     dtype = q_smem.dtype
 
-    def load(ref: Any, idx: tuple[Any, ...], layout: Any) -> jax.Array:
-        """Global memory straight into registers in a wgmma layout (the interpreter, which has
-        no layouts and no plgpu.load, reads the ref)."""
-        if interpret:
-            return ref[idx]
-        if _load_takes_index():  # JAX 0.10: load(ref, idx); 0.11 deprecates idx for ref.at[idx]
-            return plgpu.load(ref.at[idx], (), layout=layout, optimized=False)
-        return plgpu.load(ref.at[idx], layout=layout, optimized=False)
-
-    def cast(x: jax.Array, layout: Any) -> jax.Array:  # a register array into a wgmma layout
-        return x if interpret else plgpu.layout_cast(x, layout)
-
-    def rows(name: str, n: jax.Array) -> jax.Array:  # block n of a per-position array, by row
-        return load(r[name], (zg, pl.ds(n * bs, bs)), row_layout)
-
-    def cols(name: str, n: jax.Array) -> jax.Array:  # the same, by column
-        return load(r[name], (zg, pl.ds(n * bs, bs)), col_layout)
-
-    def bcast_rows(x: jax.Array) -> jax.Array:
-        return lax.broadcast_in_dim(x, (bs, bs), [0])
-
-    def bcast_cols(x: jax.Array) -> jax.Array:
-        return lax.broadcast_in_dim(x, (bs, bs), [1])
-
-    def fetch(j: jax.Array) -> None:  # k^T and v of key block j into shared memory
-        plgpu.copy_gmem_to_smem(r["kt"].at[z, :, pl.ds(j * bs, bs)], kt_smem, barriers.at[1])
-        plgpu.copy_gmem_to_smem(r["v"].at[z, pl.ds(j * bs, bs)], v_smem, barriers.at[2])
-        plgpu.barrier_wait(barriers.at[1])
-        plgpu.barrier_wait(barriers.at[2])
-
-    def logits_of(j: jax.Array) -> jax.Array:
-        def product(acc_ref: Any) -> jax.Array:
-            plgpu.wgmma(acc_ref, q_smem, kt_smem)
-            return acc_ref[...]
-
-        return scale * pl.run_scoped(product, plgpu.ACC((bs, bs), jnp.float32))
-
-    def segment_mask(j: jax.Array) -> jax.Array | None:
-        if "seg" not in r:
-            return None
-        return bcast_rows(rows("seg", i)) == bcast_cols(cols("seg", j))
+    def fetch(j: jax.Array) -> None:  # k^T and v of key block j
+        t.fetch(
+            [
+                (r["kt"].at[z, :, pl.ds(j * bs, bs)], kt_smem),
+                (r["v"].at[z, pl.ds(j * bs, bs)], v_smem),
+            ],
+            first=1,
+        )
 
     def fold(
         logits: jax.Array, m: jax.Array, l: jax.Array, acc: jax.Array
@@ -146,61 +206,47 @@ def _forward_kernel(
         """The online softmax over one more key block (FlashAttention-2)."""
         m_new = jnp.maximum(m, jnp.max(logits, axis=1))
         correction = jnp.exp(m - m_new)
-        p = jnp.exp(logits - bcast_rows(m_new))
+        p = jnp.exp(logits - t.by_row(m_new))
         l = l * correction + jnp.sum(p, axis=1)
-        p16 = p.astype(dtype)  # rounded to the input dtype for the second product
-        if interpret:  # the interpreter's wgmma reads its operands from shared memory only
-            p_smem[...] = p16
-            plgpu.commit_smem()
-
-        def product(acc_ref: Any) -> jax.Array:
-            plgpu.wgmma(acc_ref, p_smem if interpret else p16, v_smem)
-            return acc_ref[...]
-
-        pv = pl.run_scoped(product, plgpu.ACC(acc.shape, jnp.float32))
+        pv = t.product_of_registers(p.astype(dtype), v_smem, acc.shape[1])  # p rounded
         return m_new, l, acc * lax.broadcast_in_dim(correction, acc.shape, [0]) + pv
 
-    plgpu.copy_gmem_to_smem(r["q"].at[zg, pl.ds(i * bs, bs)], q_smem, barriers.at[0])
-    plgpu.barrier_wait(barriers.at[0])
-    prefix = rows("prefix", i)
+    t.fetch([(r["q"].at[zg, pl.ds(i * bs, bs)], q_smem)])
+    prefix = t.rows("prefix", i)
 
     # The diagonal tile: causal, penalty from the in-block pieces.
     fetch(i)
-    logits = logits_of(i)
-    diag = load(r["diag"], (zg, i), wg)
+    logits = scale * t.product(q_smem, kt_smem, bs)
+    diag = t.tile("diag", i)
     if kind == "fpa":
-        penalty = jnp.maximum(0.0, bcast_cols(cols("level", i)) - diag)  # (F2)
+        penalty = jnp.maximum(0.0, t.by_col(t.cols("level", i)) - diag)  # (F2)
     else:
         penalty = diag
-    row_ids = cast(lax.broadcasted_iota(jnp.int32, (bs, bs), 0), wg)
-    col_ids = cast(lax.broadcasted_iota(jnp.int32, (bs, bs), 1), wg)
-    mask = col_ids <= row_ids
-    seg = segment_mask(i)
+    mask = t.ids(1) <= t.ids(0)
+    seg = t.segment_mask(i, i)
     mask = mask if seg is None else mask & seg
     logits = jnp.where(mask, logits - penalty, -jnp.inf)  # (F3)
     m = jnp.max(logits, axis=1)  # the diagonal itself is never masked
-    zeros = cast(jnp.zeros((bs, o_smem.shape[1]), jnp.float32), wg)
-    m, l, acc = fold(logits, m, jnp.zeros_like(m), zeros)
-    empty = jnp.inf if kind == "fpa" else 0.0
-    gap = cast(jnp.full((bs,), empty, jnp.float32), row_layout)
+    m, l, acc = fold(logits, m, jnp.zeros_like(m), t.zeros(o_smem.shape[1]))
+    gap = t.constant(jnp.inf if kind == "fpa" else 0.0)
 
-    def key_block(t: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+    def key_block(step: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
         m, l, acc, gap = carry
-        j = i - t  # from the diagonal outward
+        j = i - step  # from the diagonal outward
         fetch(j)
-        logits = logits_of(j)
-        suffix = bcast_cols(cols("suffix", j))
+        logits = scale * t.product(q_smem, kt_smem, bs)
+        suffix = t.by_col(t.cols("suffix", j))
         if kind == "fpa":
-            low = jnp.minimum(jnp.minimum(suffix, bcast_rows(gap)), bcast_rows(prefix))  # (F1)
-            penalty = jnp.maximum(0.0, bcast_cols(cols("level", j)) - low)  # (F2)
+            low = jnp.minimum(jnp.minimum(suffix, t.by_row(gap)), t.by_row(prefix))  # (F1)
+            penalty = jnp.maximum(0.0, t.by_col(t.cols("level", j)) - low)  # (F2)
         else:
-            penalty = suffix + bcast_rows(gap) + bcast_rows(prefix)  # (F6)
+            penalty = suffix + t.by_row(gap) + t.by_row(prefix)  # (F6)
         logits = logits - penalty
-        seg = segment_mask(j)
+        seg = t.segment_mask(i, j)
         if seg is not None:
             logits = jnp.where(seg, logits, -jnp.inf)
         m, l, acc = fold(logits, m, l, acc)
-        stat = rows("stat", j)  # the block's minimum (fpa) or decay sum (fox), on every row
+        stat = t.rows("stat", j)  # the block's minimum (fpa) or decay sum (fox), on every row
         gap = jnp.minimum(gap, stat) if kind == "fpa" else gap + stat
         return m, l, acc, gap
 
@@ -292,3 +338,263 @@ def forward(
     )
     o, lse = kernel(*arrays.values())
     return o[..., :dv].reshape(Z, G, nb, bs, dv), lse.reshape(Z, G, nb, bs)
+
+
+# ------------------------------------------------------------------------------ backward (FoX)
+
+
+def _fox_dq_kernel(
+    *refs: Any, names: tuple[str, ...], scale: float, G: int, interpret: bool
+) -> None:
+    """dq and the row sums of G for one query block: key blocks i, i-1, ..., 0."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    n_in = len(names)
+    r = dict(zip(names, refs[:n_in], strict=True))
+    dq_ref, row_ref = refs[n_in : n_in + 2]
+    q_smem, do_smem, kt_smem, vt_smem, k_smem, a_smem, dq_smem, row_smem, barriers = refs[
+        n_in + 2 :
+    ]
+    t = _Tile(r, a_smem, barriers, interpret)
+    bs, zg = BLOCK, t.zg
+    i = lax.axis_index("blk")
+    z = lax.div(zg, jnp.array(G, zg.dtype))
+    dtype = q_smem.dtype
+    t.fetch(
+        [(r["q"].at[zg, pl.ds(i * bs, bs)], q_smem), (r["do"].at[zg, pl.ds(i * bs, bs)], do_smem)]
+    )
+    prefix, lse, delta = t.rows("prefix", i), t.rows("lse", i), t.rows("delta", i)
+
+    def grads(j: jax.Array, penalty: jax.Array, mask: jax.Array | None) -> tuple[jax.Array, ...]:
+        keys = pl.ds(j * bs, bs)
+        t.fetch(
+            [
+                (r["kt"].at[z, :, keys], kt_smem),
+                (r["vt"].at[z, :, keys], vt_smem),
+                (r["k"].at[z, keys], k_smem),
+            ],
+            first=2,
+        )
+        logits = scale * t.product(q_smem, kt_smem, bs) - penalty
+        if mask is not None:
+            logits = jnp.where(mask, logits, -jnp.inf)
+        p = jnp.exp(logits - t.by_row(lse))  # (F4)
+        g = p * (t.product(do_smem, vt_smem, bs) - t.by_row(delta))  # (G1), (G4)
+        return g, t.product_of_registers(g.astype(dtype), k_smem, dq_smem.shape[1])
+
+    mask = t.ids(1) <= t.ids(0)
+    seg = t.segment_mask(i, i)
+    g, dq = grads(i, t.tile("diag", i), mask if seg is None else mask & seg)
+    row = jnp.sum(g, axis=1)
+
+    def key_block(step: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+        dq, row, gap = carry
+        j = i - step
+        penalty = t.by_col(t.cols("suffix", j)) + t.by_row(gap) + t.by_row(prefix)  # (F6)
+        g, dq_j = grads(j, penalty, t.segment_mask(i, j))
+        return dq + dq_j, row + jnp.sum(g, axis=1), gap + t.rows("stat", j)
+
+    dq, row, _ = lax.fori_loop(1, i + 1, key_block, (dq, row, t.constant(0.0)))
+    dq_smem[...] = dq
+    row_smem[...] = row
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(dq_smem, dq_ref.at[zg, pl.ds(i * bs, bs)])
+    plgpu.copy_smem_to_gmem(row_smem, row_ref.at[zg, pl.ds(i * bs, bs)])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _fox_dkv_kernel(
+    *refs: Any, names: tuple[str, ...], scale: float, G: int, nb: int, interpret: bool
+) -> None:
+    """dk, dv (per query head) and the column sums of G for one key block: query blocks j,
+    j+1, ..., nb-1, each tile computed transposed (keys on rows) so that G^T and p^T are the
+    left operands of the products."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    n_in = len(names)
+    r = dict(zip(names, refs[:n_in], strict=True))
+    dk_ref, dv_ref, col_ref = refs[n_in : n_in + 3]
+    (k_smem, v_smem, qt_smem, q_smem, dot_smem, do_smem, a_smem, dk_smem, dv_smem, col_smem) = refs[
+        n_in + 3 : -1
+    ]
+    barriers = refs[-1]
+    t = _Tile(r, a_smem, barriers, interpret)
+    bs, zg = BLOCK, t.zg
+    j = lax.axis_index("blk")
+    z = lax.div(zg, jnp.array(G, zg.dtype))
+    dtype = k_smem.dtype
+    t.fetch([(r["k"].at[z, pl.ds(j * bs, bs)], k_smem), (r["v"].at[z, pl.ds(j * bs, bs)], v_smem)])
+    suffix = t.rows("suffix", j)
+
+    def grads(i: jax.Array, penalty: jax.Array, mask: jax.Array | None) -> tuple[jax.Array, ...]:
+        queries = pl.ds(i * bs, bs)
+        t.fetch(
+            [
+                (r["qt"].at[zg, :, queries], qt_smem),
+                (r["q"].at[zg, queries], q_smem),
+                (r["dot"].at[zg, :, queries], dot_smem),
+                (r["do"].at[zg, queries], do_smem),
+            ],
+            first=2,
+        )
+        logits = scale * t.product(k_smem, qt_smem, bs) - penalty  # (keys, queries)
+        if mask is not None:
+            logits = jnp.where(mask, logits, -jnp.inf)
+        p = jnp.exp(logits - t.by_col(t.cols("lse", i)))  # (F4)
+        dv_i = t.product_of_registers(p.astype(dtype), do_smem, dv_smem.shape[1])
+        g = p * (t.product(v_smem, dot_smem, bs) - t.by_col(t.cols("delta", i)))  # (G1), (G4)
+        dk_i = t.product_of_registers(g.astype(dtype), q_smem, dk_smem.shape[1])
+        return g, dk_i, dv_i
+
+    mask = t.ids(1) >= t.ids(0)  # query >= key
+    seg = t.segment_mask(j, j)
+    g, dk, dv = grads(j, t.tile("diagt", j), mask if seg is None else mask & seg)
+    col = jnp.sum(g, axis=1)
+
+    def query_block(i: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+        dk, dv, col, gap = carry
+        penalty = t.by_row(suffix) + t.by_row(gap) + t.by_col(t.cols("prefix", i))  # (F6)
+        g, dk_i, dv_i = grads(i, penalty, t.segment_mask(j, i))
+        return dk + dk_i, dv + dv_i, col + jnp.sum(g, axis=1), gap + t.rows("stat", i)
+
+    dk, dv, col, _ = lax.fori_loop(j + 1, nb, query_block, (dk, dv, col, t.constant(0.0)))
+    dk_smem[...] = scale * dk
+    dv_smem[...] = dv
+    col_smem[...] = col
+    plgpu.commit_smem()
+    rows = pl.ds(j * bs, bs)
+    plgpu.copy_smem_to_gmem(dk_smem, dk_ref.at[zg, rows])
+    plgpu.copy_smem_to_gmem(dv_smem, dv_ref.at[zg, rows])
+    plgpu.copy_smem_to_gmem(col_smem, col_ref.at[zg, rows])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def backward(
+    kind: str,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    pen: Penalties,
+    seg: jax.Array | None,
+    scale: float,
+    lse: jax.Array,
+    do: jax.Array,
+    delta: jax.Array,
+    *,
+    interpret: bool,
+) -> Partials:
+    """Same contract as ``blockwise.backward``, FoX only (the FPA backward's argmin bookkeeping
+    is not ported yet: NotImplementedError)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    if kind != "fox":
+        raise NotImplementedError("the Mosaic GPU backward covers FoX only")
+    Z, G, nb, bs, dk = q.shape
+    dv = v.shape[-1]
+    decay = pen.fox()
+    reason = supports(q.dtype, decay.prefix_sum.dtype, bs)
+    if reason is not None:
+        raise NotImplementedError(reason)
+    dtype = q.dtype
+    Tp = nb * bs
+    dkp, dvp = _round_up(dk, 64), _round_up(dv, 64)
+    flat = lambda x: x.reshape(Z * G, Tp)  # noqa: E731
+    qf = _pad_last(q.reshape(Z * G, Tp, dk), dkp)
+    dof = _pad_last(do.reshape(Z * G, Tp, dv), dvp)
+    kf = _pad_last(k.reshape(Z, Tp, dk), dkp)
+    vf = _pad_last(v.reshape(Z, Tp, dv), dvp)
+    common = {
+        "prefix": flat(decay.prefix_sum),
+        "suffix": flat(decay.suffix_sum),
+        "stat": flat(jnp.broadcast_to(decay.block_sum[..., None], decay.prefix_sum.shape)),
+        "lse": flat(lse),
+        "delta": flat(delta),
+    }
+    if seg is not None:
+        common["seg"] = jnp.broadcast_to(seg.reshape(1, Tp), (Z * G, Tp)).astype(jnp.int32)
+    swizzle = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+    def smem(rows: int, width: int) -> Any:
+        return plgpu.SMEM((rows, width), dtype, transforms=swizzle)
+
+    params = {
+        "grid": (Z * G, nb),
+        "grid_names": ("zg", "blk"),
+        "compiler_params": plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+        "interpret": _interpret_params() if interpret else None,
+    }
+    dq_in = {
+        "q": qf,
+        "do": dof,
+        "kt": jnp.swapaxes(kf, 1, 2),
+        "vt": jnp.swapaxes(vf, 1, 2),
+        "k": kf,
+        "diag": decay.diag_sum.reshape(Z * G, nb, bs, bs),
+        **common,
+    }
+    dq_out, row = plgpu.kernel(
+        functools.partial(
+            _fox_dq_kernel, names=tuple(dq_in), scale=float(scale), G=G, interpret=interpret
+        ),
+        out_type=(
+            jax.ShapeDtypeStruct((Z * G, Tp, dkp), jnp.float32),
+            jax.ShapeDtypeStruct((Z * G, Tp), jnp.float32),
+        ),
+        scratch_types=(
+            smem(bs, dkp),  # q
+            smem(bs, dvp),  # do
+            smem(dkp, bs),  # k^T
+            smem(dvp, bs),  # v^T
+            smem(bs, dkp),  # k
+            smem(bs, bs),  # G (interpreter only)
+            plgpu.SMEM((bs, dkp), jnp.float32),  # dq
+            plgpu.SMEM((bs,), jnp.float32),  # row sums
+            plgpu.Barrier(num_barriers=5),
+        ),
+        **params,
+    )(*dq_in.values())
+    dkv_in = {
+        "k": kf,
+        "v": vf,
+        "qt": jnp.swapaxes(qf, 1, 2),
+        "q": qf,
+        "dot": jnp.swapaxes(dof, 1, 2),
+        "do": dof,
+        "diagt": jnp.swapaxes(decay.diag_sum, -1, -2).reshape(Z * G, nb, bs, bs),
+        **common,
+    }
+    dk_out, dv_out, col = plgpu.kernel(
+        functools.partial(
+            _fox_dkv_kernel,
+            names=tuple(dkv_in),
+            scale=float(scale),
+            G=G,
+            nb=nb,
+            interpret=interpret,
+        ),
+        out_type=(
+            jax.ShapeDtypeStruct((Z * G, Tp, dkp), jnp.float32),
+            jax.ShapeDtypeStruct((Z * G, Tp, dvp), jnp.float32),
+            jax.ShapeDtypeStruct((Z * G, Tp), jnp.float32),
+        ),
+        scratch_types=(
+            smem(bs, dkp),  # k
+            smem(bs, dvp),  # v
+            smem(dkp, bs),  # q^T
+            smem(bs, dkp),  # q
+            smem(dvp, bs),  # do^T
+            smem(bs, dvp),  # do
+            smem(bs, bs),  # p^T, G^T (interpreter only)
+            plgpu.SMEM((bs, dkp), jnp.float32),  # dk
+            plgpu.SMEM((bs, dvp), jnp.float32),  # dv
+            plgpu.SMEM((bs,), jnp.float32),  # column sums
+            plgpu.Barrier(num_barriers=6),
+        ),
+        **params,
+    )(*dkv_in.values())
+    dq = scale * dq_out[..., :dk].reshape(Z, G, nb, bs, dk)
+    dk_ = dk_out[..., :dk].reshape(Z, G, Tp, dk).sum(1).reshape(Z, nb, bs, dk)
+    dv_ = dv_out[..., :dv].reshape(Z, G, Tp, dv).sum(1).reshape(Z, nb, bs, dv)
+    return Partials(dq, dk_, dv_, row.reshape(Z, G, nb, bs), col.reshape(Z, G, nb, bs))
