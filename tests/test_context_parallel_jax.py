@@ -1,0 +1,149 @@
+"""Context parallelism in JAX under shard_map on 4 forced host devices: kit cases against the
+float64 reference (float64 and float32), composition with jit, grad and head sharding, a wrong
+sharded FPA caught, and bad input refused.
+
+XLA reads the host device count once, when JAX starts, so everything runs in one child process
+(bounded by a timeout) and reports JSON; the other tests of the session are unaffected.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+CHILD = r"""
+import json
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from attnspec.backends.jax import context_parallel as cp
+from attnspec.conformance import context_parallel as kit
+from attnspec.reference import fpa
+
+report = {"devices": len(jax.devices())}
+
+# kit cases: the hard borders of every op, both dtypes, on 4 devices (and one on 2)
+PICK = {
+    ("fpa/cp/global-min-between/P4", "float64"), ("fpa/cp/zigzag/P4", "float32"),
+    ("fpa/cp/varlen/P4", "float64"), ("fox/cp/gqa-varlen/P4", "float64"),
+    ("fox/cp/zigzag/P4", "float32"), ("interdomain/cp/varlen/P4", "float64"),
+    ("interdomain/cp/ratio/P4", "float32"), ("fpa/cp/plateau-ties/P2", "float64"),
+}
+claimed = cp.KitBackend().capabilities()
+rows = []
+for world in (4, 2):
+    jobs, refs, _ = kit.prepare(world, kit.DTYPES, kit.CP_OPS, claimed)
+    chosen = [n for n, j in enumerate(jobs) if (j.case_id, j.dtype) in PICK]
+    got = cp.run_jobs([jobs[n] for n in chosen], world)
+    for r in kit.judge([jobs[n] for n in chosen], got, [refs[n] for n in chosen], world):
+        rows.append([r.case_id, r.dtype, r.verdict, r.message])
+    if world == 4:  # a wrong sharding: (CP1) without the gap minimum
+        class NoGap(cp.Sharding):
+            def gap(self, mu, argmu):
+                mid, argmid = super().gap(mu, argmu)
+                return jnp.full_like(mid, jnp.inf), argmid
+        wrong = [n for n, j in enumerate(jobs)
+                 if j.case_id == "fpa/cp/global-min-between/P4" and j.dtype == "float64"]
+        res = cp.run_jobs([jobs[n] for n in wrong], world, NoGap())
+        report["no_gap"] = [r.verdict for r in kit.judge([jobs[n] for n in wrong], res,
+                                                         [refs[n] for n in wrong], world)]
+report["kit"] = rows
+
+# composition: jit(grad) with the sequence on one mesh axis and the heads on another
+with jax.enable_x64(True):
+    rng = np.random.default_rng(0)
+    B, N, T, H = 2, 2, 8, 4
+    q, k = rng.standard_normal((2, B, T, N, H))
+    v = rng.standard_normal((B, T, N, 3))
+    field = np.cumsum(rng.integers(-1, 2, (B, T, N)), axis=1).astype(float)
+    level = field + rng.choice([0.0, 1.0], field.shape)
+    d_out = rng.standard_normal(v.shape)
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("seq", "heads"))
+
+    def loss(q, k, v, field, level):
+        o = cp.fpa_attention(q, k, v, field, level, mesh=mesh, head_axis="heads")
+        return jnp.sum(o * d_out)
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(q, k, v, field, level)
+    t = lambda x: np.swapaxes(x, 1, 2)
+    ref = fpa.fpa_attention_vjp(*(t(x) for x in (q, k, v, field, level)), t(d_out))
+    report["composed"] = max(
+        float(np.abs(t(np.asarray(g)) - r).max() / np.abs(r).max()) for g, r in zip(grads, ref)
+    )
+
+# bad input: a clear ValueError naming the argument
+mesh4 = Mesh(np.array(jax.devices()), ("seq",))
+x = jnp.zeros((1, 6, 2, 4))
+s = jnp.zeros((1, 6, 2))
+bad = {
+    "T not divisible": lambda: cp.fpa_attention(x, x, x, s, s, mesh=mesh4),
+    "zigzag needs 2P chunks": lambda: cp.fox_attention(
+        jnp.zeros((1, 12, 2, 4)), jnp.zeros((1, 12, 2, 4)), jnp.zeros((1, 12, 2, 4)),
+        jnp.zeros((1, 12, 2)), mesh=mesh4, layout="zigzag"),
+    "cu_seqlens": lambda: cp.fpa_attention(
+        *(jnp.zeros((1, 8, 2, 4)),) * 3, jnp.zeros((1, 8, 2)), jnp.zeros((1, 8, 2)),
+        mesh=mesh4, cu_seqlens=(0, 3, 7)),
+    "seq_axis": lambda: cp.fpa_attention(x, x, x, s, s, mesh=mesh4, seq_axis="time"),
+    "layout": lambda: cp.fpa_attention(x, x, x, s, s, mesh=mesh4, layout="ring"),
+}
+messages = {}
+for name, fn in bad.items():
+    try:
+        fn()
+        messages[name] = "no error"
+    except ValueError as exc:
+        messages[name] = str(exc)
+report["bad"] = messages
+print("REPORT" + json.dumps(report))
+"""
+
+
+@pytest.fixture(scope="module")
+def report():
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (
+        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+    ).strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=900
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = next(ln for ln in done.stdout.splitlines() if ln.startswith("REPORT"))
+    return json.loads(line.removeprefix("REPORT"))
+
+
+def test_sharded_ops_equal_the_reference_on_host_devices(report):
+    assert report["devices"] == 4
+    rows = report["kit"]
+    assert len(rows) == 8
+    assert {r[0].split("/")[0] for r in rows} == {"fpa", "fox", "interdomain"}
+    assert {r[1] for r in rows} == {"float64", "float32"}
+    failed = [r for r in rows if r[2] != "passed"]
+    assert not failed, failed
+
+
+def test_a_wrong_gap_minimum_is_caught(report):
+    assert report["no_gap"] == ["failed"]
+
+
+def test_composes_with_jit_grad_and_head_sharding(report):
+    assert report["composed"] < 1e-12
+
+
+EXPECTED = {
+    "T not divisible": "T: the sequence length 6 must be divisible by the 4 chunks",
+    "zigzag needs 2P chunks": "T: the sequence length 12 must be divisible by the 8 chunks",
+    "cu_seqlens": "cu_seqlens: expected global offsets from 0 to T = 8",
+    "seq_axis": "seq_axis: 'time' is not an axis of the mesh",
+    "layout": "layout: expected one of",
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_bad_input_is_a_value_error(report, name):
+    assert EXPECTED[name] in report["bad"][name]
