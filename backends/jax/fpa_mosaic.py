@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -103,9 +104,10 @@ class _Tile:
         """Global memory straight into registers in a wgmma layout."""
         if self.interpret:
             return ref[idx]
+        load: Callable[..., jax.Array] = self.plgpu.load  # its signature depends on the version
         if _load_takes_index():  # JAX 0.10: load(ref, idx); 0.11 deprecates idx for ref.at[idx]
-            return self.plgpu.load(ref.at[idx], (), layout=layout, optimized=False)
-        return self.plgpu.load(ref.at[idx], layout=layout, optimized=False)
+            return load(ref.at[idx], (), layout=layout, optimized=False)
+        return load(ref.at[idx], layout=layout, optimized=False)
 
     def cast(self, x: jax.Array, layout: Any) -> jax.Array:
         """A register array into a wgmma layout."""
@@ -519,7 +521,7 @@ def backward(
     def smem(rows: int, width: int) -> Any:
         return plgpu.SMEM((rows, width), dtype, transforms=swizzle)
 
-    params = {
+    params: dict[str, Any] = {
         "grid": (Z * G, nb),
         "grid_names": ("zg", "blk"),
         "compiler_params": plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
