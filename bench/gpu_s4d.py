@@ -11,9 +11,9 @@ Goals (issue 11): forward+backward within 2x of chunk_gla, time(32K)/time(8K) <=
 Run from the repository root: ``python -m bench.gpu_s4d`` or ``python bench/gpu_s4d.py``;
 ``--dry-run`` runs the same steps on CPU under the Triton interpreter at tiny shapes, with fla's
 naive recurrent GLA standing in for chunk_gla (which needs a GPU) and wall-clock timing.
-``--compile-only`` needs no GPU either: it compiles every Interdomain kernel for sm_90 at the
-GPU tiles (Triton's compiler and its bundled ptxas) and prints registers, spilled bytes per
-thread and shared memory per kernel (an H200 allows 227 KiB of shared memory per block).
+``--compile-only`` needs no GPU either: it runs the static Hopper gate of the Interdomain
+kernels, ``python -m bench.gpu_static_interdomain`` (every kernel compiled for sm_90 at the
+Hopper tiles beside fla's chunk_gla; registers, spills, shared memory, tensor-core kind).
 Exit status 1 when the reference check or a compilation fails.
 """
 
@@ -24,6 +24,7 @@ import math
 import os
 import sys
 import time
+from types import SimpleNamespace
 
 if __package__ in (None, ""):  # run as a file: make the repository root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -212,91 +213,6 @@ def summary(rows: list[dict], Ts, label: str) -> None:
     print("goals: fwd+bwd ratio <= 2.0; linearity <= 4.4 for T 8K -> 32K")
 
 
-def compile_sm90(dtype: str = "bf16") -> bool:
-    """Compile the kernels for sm_90 with the GPU tiles at M = 64, R = 64, dv = 128, the ratio
-    readout; print the resource usage of each. True when all compile."""
-    import subprocess
-    import tempfile
-
-    import triton
-    import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-
-    from attnspec.backends.torch import triton_interdomain as ti
-
-    blocks = ti.DEVICE_BLOCKS[(9, 0)]
-    M = R = 64
-    V = 128
-    acc_ptr = "*fp32"
-    common = dict(BT=blocks.chunk, BM=M, ACC=tl.float32, PREC="tf32")
-    sub = dict(BS=blocks.sub_chunk, BR=R, BV=V, DIAG_LOOP=blocks.diag_loop, **common)
-    state = dict(BC=blocks.channels, RATIO=True, **common)
-    tab = dict(TAB=(blocks.chunk + 2) * M)
-    kernels = [
-        (ti._s4d_state_pass, dict(USE_H0=True, **state, **tab)),
-        (ti._s4d_output, dict(RATIO=True, **sub, **tab)),
-        (ti._s4d_bwd_modes, dict(RATIO=True, **sub, **tab)),
-        (ti._s4d_reverse_state_pass, dict(USE_DHT=True, STORE_DH0=True, **state, **tab)),
-        (ti._s4d_chunk_grads, dict(**state, **tab)),
-        (ti._s4d_bwd_inputs, dict(**sub, **tab)),
-        (ti._s4d_step, dict(BR=R, BV=2 * V, BM=M, RATIO=True, ACC=tl.float32, **tab)),
-        (ti._legs_state_pass, dict(BC=blocks.channels, **common)),
-        (ti._legs_output, dict(BMB=16, **sub)),
-        (ti._legs_bwd_modes, dict(BMB=16, **sub)),
-        (ti._legs_reverse_state_pass, dict(BC=blocks.channels, **common)),
-        (ti._legs_bwd_inputs, dict(**sub)),
-        (ti._legs_step, dict(BR=R, BV=V, BM=M, FIRST=False, ACC=tl.float32, PREC="tf32")),
-    ]
-    inputs = {"fq", "kt", "vt", "do", "o", "dfq", "dkt", "dvt", "fk", "v", "dfk", "dv"}
-    ints = {"cu", "chunk_offsets", "sub_info", "chunk_info"}
-    target = GPUTarget("cuda", 90, 32)
-    backend = triton.compiler.make_backend(target)
-    options = backend.parse_options({"num_warps": blocks.num_warps}).__dict__
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
-    ok = True
-    print(f"compile for sm_90 ({dtype} inputs, {blocks}):")
-    for kernel, consts in kernels:
-        consts = {k: v for k, v in consts.items() if k in kernel.arg_names}
-        signature = {}
-        for name in kernel.arg_names:
-            if name in consts:
-                signature[name] = "constexpr"
-            elif name in inputs:
-                signature[name] = f"*{dtype}"
-            elif name in ints:
-                signature[name] = "*i32"
-            elif name in ("H", "R", "V", "CV", "M", "C", "NKB"):
-                signature[name] = "i32"
-            else:
-                signature[name] = acc_ptr
-        source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=consts)
-        t0 = time.perf_counter()
-        try:
-            compiled = triton.compile(source, target=target, options=options)
-        except Exception as exc:  # report every kernel, then fail
-            ok = False
-            print(f"  {kernel.__name__:<26} FAILED: {str(exc).splitlines()[-1][:200]}")
-            continue
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(compiled.asm["cubin"])
-            f.flush()
-            usage = subprocess.run(
-                [cuobjdump, "-res-usage", f.name], capture_output=True, text=True
-            )
-        fields = dict(
-            item.split(":") for line in usage.stdout.splitlines() if "REG:" in line
-            for item in line.split() if ":" in item
-        )  # fmt: skip
-        shared = compiled.metadata.shared
-        ok &= shared <= 227 * 1024
-        print(
-            f"  {kernel.__name__:<26} {time.perf_counter() - t0:5.1f} s  registers "
-            f"{fields.get('REG', '?'):>3}  spilled {fields.get('STACK', '?'):>5} B/thread  "
-            f"shared {shared / 1024:6.1f} KiB"
-        )
-    return ok
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -307,15 +223,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.compile_only:
-        os.environ.pop("TRITON_INTERPRET", None)  # before triton is imported
-        return 0 if compile_sm90() else 1
+        from bench import gpu_static_interdomain
+
+        return gpu_static_interdomain.main([])
     if args.dry_run:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
     import torch
     import triton
 
-    from attnspec.backends.torch import triton_interdomain as ti
+    from attnspec.backends.torch import triton_s4d, triton_s4d_bwd
 
+    ti = SimpleNamespace(s4d_fwd=triton_s4d.s4d_fwd, s4d_bwd=triton_s4d_bwd.s4d_bwd)
     dry = args.dry_run
     if not dry and not torch.cuda.is_available():
         print("gpu_s4d: no CUDA device; use --dry-run on CPU", file=sys.stderr)

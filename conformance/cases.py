@@ -10,6 +10,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -34,6 +35,10 @@ class Case:
     finite_difference: the reference VJP is also checked by central differences (inputs are
     away from kinks); False for tie cases, which check the conventions of spec/fpa.md sec. 6.
     requires: optional capabilities beyond the op ("fpa_attention.varlen", ...).
+    call_order: also checked for independence of call history (a second input set of the same
+    shape, forwards and VJPs of both interleaved in a shuffled order; see :func:`partner`).
+    layout: "" for fresh contiguous inputs, else the strided variant ("slice", "transpose")
+    the backend's ``asarray_strided`` is asked for (protocol.py).
     """
 
     id: str
@@ -45,6 +50,8 @@ class Case:
     finite_difference: bool = False
     note: str = ""
     requires: tuple[str, ...] = ()
+    call_order: bool = False
+    layout: str = ""
 
     @property
     def family(self) -> str:
@@ -56,7 +63,8 @@ class Case:
 
 @dataclass(frozen=True)
 class Family:
-    """count cases built by ``build(rng, n) -> (inputs, params)``; flags as on :class:`Case`."""
+    """count cases built by ``build(rng, n) -> (inputs, params)``; flags as on :class:`Case`;
+    ``layouts``: case n gets the strided input layout ``layouts[n % len(layouts)]``."""
 
     count: int
     build: Builder
@@ -64,6 +72,8 @@ class Family:
     gradient: bool = False
     finite_difference: bool = False
     requires: tuple[str, ...] = ()
+    call_order: bool = False
+    layouts: tuple[str, ...] = ()
 
 
 def case_seed(case_id: str) -> int:
@@ -664,6 +674,400 @@ S4D_FAMILIES = {
 }
 
 
+# ------------------------------------------------------------------------ round three
+# Families of combined features, drawn packings, big head dims, long-row gradients, call
+# order, strided inputs, a Lambda = 0 mode and near-threshold decoding (docs/conformance.md).
+
+
+def draw_packing(rng: np.random.Generator, n: int) -> tuple[int, ...]:
+    """cu_seqlens drawn from a length menu: tile multiples (64, 128) and non-multiples, the
+    longest segment never last, a length-1 segment first (n % 3 = 0), inside (1) or last (2),
+    so borders fall inside late chunks of 128 as well as early ones."""
+    menu = [(128, 64, 37, 90), (200, 64, 27, 129), (63, 256, 45, 64)][n % 3]
+    while True:
+        lengths = [int(x) for x in rng.permutation(menu)]
+        if lengths[-1] != max(lengths):
+            break
+    lengths.insert([0, 2, len(lengths)][n % 3], 1)
+    return tuple(int(x) for x in np.concatenate([[0], np.cumsum(lengths)]))
+
+
+def _fpa_packings(rng: np.random.Generator, n: int) -> Built:
+    offsets = draw_packing(rng, n)
+    return _fpa_inputs(rng, (1, 2, offsets[-1], 16, 16)), {"cu_seqlens": offsets}
+
+
+def _fox_packings(rng: np.random.Generator, n: int) -> Built:
+    offsets = draw_packing(rng, n)
+    return _fox_inputs(rng, 1, 2, offsets[-1], decay=0.05), {"cu_seqlens": offsets}
+
+
+# Varlen x GQA: (H of q, H of k and v) with a drawn packing; GQA with B > 1 and several
+# key/value heads: (B, H, H_kv, T).
+VARLEN_GQA_HEADS = [(4, 2), (6, 2)]
+GQA_BATCH_SHAPES = [(2, 6, 3, 65), (3, 4, 2, 130)]
+
+
+def _fpa_varlen_gqa(rng: np.random.Generator, n: int) -> Built:
+    H, H_kv = VARLEN_GQA_HEADS[n]
+    offsets = draw_packing(rng, n + 1)
+    inputs = _fpa_inputs(rng, (1, H, offsets[-1], 16, 16))
+    inputs["k"], inputs["v"] = inputs["k"][:, :H_kv], inputs["v"][:, :H_kv]
+    return inputs, {"cu_seqlens": offsets}
+
+
+def _fox_varlen_gqa(rng: np.random.Generator, n: int) -> Built:
+    H, H_kv = VARLEN_GQA_HEADS[n]
+    offsets = draw_packing(rng, n + 1)
+    return _fox_inputs(rng, 1, H, offsets[-1], decay=0.05, H_kv=H_kv), {"cu_seqlens": offsets}
+
+
+def _fpa_gqa_batch(rng: np.random.Generator, n: int) -> Built:
+    B, H, H_kv, T = GQA_BATCH_SHAPES[n]
+    inputs = _fpa_inputs(rng, (B, H, T, 16, 16), margin=1e-4)
+    inputs["k"], inputs["v"] = inputs["k"][:, :H_kv], inputs["v"][:, :H_kv]
+    return inputs, {}
+
+
+def _fox_gqa_batch(rng: np.random.Generator, n: int) -> Built:
+    B, H, H_kv, T = GQA_BATCH_SHAPES[n]
+    return _fox_inputs(rng, B, H, T, H_kv=H_kv), {}
+
+
+# Head dims above 128 (FlashAttention-class kernels split them), dk != dv: (dk, dv, T).
+HEADDIM_BIG = [(192, 128, 130), (256, 192, 130), (128, 256, 65)]
+
+
+def _fpa_headdim_big(rng: np.random.Generator, n: int) -> Built:
+    dk, dv, T = HEADDIM_BIG[n]
+    return _fpa_inputs(rng, (1, 2, T, dk, dv), margin=1e-4), {}
+
+
+def _fox_headdim_big(rng: np.random.Generator, n: int) -> Built:
+    dk, dv, T = HEADDIM_BIG[n]
+    return _fox_inputs(rng, 1, 2, T, dk, dv), {}
+
+
+# Gradients on long rows: kernels change strategy past 512 keys. (B, H, T, dk, dv), small.
+LONG_GRADIENT_SHAPES = [(1, 1, 1024, 16, 16), (1, 1, 1100, 8, 16)]
+
+
+def _fpa_long_gradient(rng: np.random.Generator, n: int) -> Built:
+    return _fpa_inputs(rng, LONG_GRADIENT_SHAPES[n]), {}
+
+
+def _fox_long_gradient(rng: np.random.Generator, n: int) -> Built:
+    B, H, T, dk, dv = LONG_GRADIENT_SHAPES[n]
+    return _fox_inputs(rng, B, H, T, dk, dv, decay=0.02), {}
+
+
+def _fpa_call_order(rng: np.random.Generator, n: int) -> Built:
+    return _fpa_inputs(rng, (2, 2, 65, 16, 16), margin=1e-4), {}
+
+
+def _fox_call_order(rng: np.random.Generator, n: int) -> Built:
+    return _fox_inputs(rng, 2, 2, 65), {}
+
+
+STRIDED_LAYOUTS = ("slice", "transpose")
+CALL_ORDER = (
+    "call order: a second input set of the same shape, forwards and VJPs of both interleaved "
+    "in a shuffled order, each compared with its own reference"
+)
+STRIDED = (
+    "inputs as non-contiguous views in the backend's own arrays: 'slice' (a slice of a wider "
+    "array, as q from a fused qkv projection), 'transpose' (a (B, H, T, D) view of (B, T, H, D))"
+)
+PACKINGS = (
+    "drawn packings: tile-multiple and other lengths, longest segment not last, a length-1 "
+    "segment first, inside or last, borders inside late chunks"
+)
+
+FPA_FAMILIES.update(
+    {
+        "packings": Family(3, _fpa_packings, PACKINGS, True, requires=("fpa_attention.varlen",)),
+        "varlen_gqa": Family(
+            2,
+            _fpa_varlen_gqa,
+            "packed sequences with 4/2 and 6/2 query/key-value heads",
+            True,
+            requires=("fpa_attention.varlen", "fpa_attention.gqa"),
+        ),
+        "gqa_batch": Family(
+            2,
+            _fpa_gqa_batch,
+            "GQA with B > 1 and several key/value heads (2 x 6/3, 3 x 4/2); " + SMOOTH,
+            True,
+            True,
+            ("fpa_attention.gqa",),
+        ),
+        "headdim_big": Family(
+            3, _fpa_headdim_big, "dk/dv 192/128, 256/192, 128/256; " + SMOOTH, True, True
+        ),
+        "long_gradient": Family(
+            2, _fpa_long_gradient, "gradients at T = 1024 and 1100 (small B, H, D)", True
+        ),
+        "call_order": Family(
+            1, _fpa_call_order, CALL_ORDER + "; " + SMOOTH, True, True, call_order=True
+        ),
+        "strided": Family(
+            2,
+            _fpa_family([(2, 2, 65, 16, 16)], margin=1e-4),
+            STRIDED,
+            True,
+            layouts=STRIDED_LAYOUTS,
+        ),
+    }
+)
+FOX_FAMILIES.update(
+    {
+        "packings": Family(3, _fox_packings, PACKINGS, True, requires=("fox_attention.varlen",)),
+        "varlen_gqa": Family(
+            2,
+            _fox_varlen_gqa,
+            "packed sequences with 4/2 and 6/2 query/key-value heads",
+            True,
+            requires=("fox_attention.varlen", "fox_attention.gqa"),
+        ),
+        "gqa_batch": Family(
+            2,
+            _fox_gqa_batch,
+            "GQA with B > 1 and several key/value heads (2 x 6/3, 3 x 4/2)",
+            True,
+            True,
+            ("fox_attention.gqa",),
+        ),
+        "headdim_big": Family(3, _fox_headdim_big, "dk/dv 192/128, 256/192, 128/256", True, True),
+        "long_gradient": Family(
+            2, _fox_long_gradient, "gradients at T = 1024 and 1100 (small B, H, D)", True
+        ),
+        "call_order": Family(1, _fox_call_order, CALL_ORDER, True, True, call_order=True),
+        "strided": Family(
+            2,
+            lambda rng, n: (_fox_inputs(rng, 2, 2, 65), {}),
+            STRIDED,
+            True,
+            layouts=STRIDED_LAYOUTS,
+        ),
+    }
+)
+
+
+def _decode_theta_near(rng: np.random.Generator, n: int) -> Built:
+    """Integer depths (exact in float32) and theta just off an occurring depth d: d + 1e-4,
+    d - 1e-4, d + 1/3, none of them exactly representable in binary."""
+    B, H, T, dk, dv = [(1, 2, 65, 8, 8), (2, 2, 130, 8, 8), (1, 1, 33, 8, 8)][n]
+    f = _bracket_walk(rng, (B, H, T))
+    level = f + rng.choice([-1.0, 0.0, 0.0, 1.0], size=f.shape)
+    depths = fpa.descent_depth(f, level)
+    d = 2.0 if (depths == 2.0).any() else float(depths[depths > 0].min())
+    theta = d + [1e-4, -1e-4, 1.0 / 3.0][n]
+    q, k = rng.standard_normal((2, B, H, T, dk))
+    v = rng.standard_normal((B, H, T, dv))
+    return {"q": q, "k": k, "v": v, "field": f, "level": level}, {"theta": theta}
+
+
+DECODE_FAMILIES["theta_near"] = Family(
+    3,
+    _decode_theta_near,
+    "integer depths, theta = d + 1e-4, d - 1e-4, d + 1/3 for an occurring depth d (not exactly "
+    "representable; a backend that rounds theta to half precision sees a tie)",
+)
+
+
+def _legs_strided(rng: np.random.Generator, n: int) -> Built:
+    return _legs_family([(2, 2, 33, 4, 8, 8)])(rng, n)
+
+
+LEGS_FAMILIES["strided"] = Family(
+    2, _legs_strided, "positive features; " + STRIDED, True, layouts=STRIDED_LAYOUTS
+)
+
+
+def _s4d_packings(rng: np.random.Generator, n: int) -> Built:
+    readout = ("linear", "ratio")[n % 2]
+    offsets = draw_packing(rng, n)
+    inputs, params = _s4d_family([(1, 2, offsets[-1], 4, 4, 8)], readout=readout)(rng, n)
+    return inputs, {**params, "cu_seqlens": offsets}
+
+
+def _s4d_zero_mode(rng: np.random.Generator, n: int) -> Built:
+    """Mode h of head h has Lambda = 0 (it forgets at once); the rest as usual."""
+    readout = ("linear", "ratio")[n]
+    menu = [(2, 2, 65, 4, 4, 8), (1, 3, 33, 4, 8, 4)]
+    inputs, params = _s4d_family(menu, readout=readout)(rng, n)
+    for h in range(inputs["lam_re"].shape[0]):
+        inputs["lam_re"][h, h] = inputs["lam_im"][h, h] = 0.0
+    return inputs, params
+
+
+def _s4d_call_order(rng: np.random.Generator, n: int) -> Built:
+    return _s4d_family([(2, 2, 65, 4, 4, 8)])(rng, n)
+
+
+S4D_FAMILIES.update(
+    {
+        "packings": Family(
+            3,
+            _s4d_packings,
+            PACKINGS + "; linear and ratio readouts",
+            True,
+            requires=("interdomain_s4d.varlen",),
+        ),
+        "zero_mode": Family(
+            2,
+            _s4d_zero_mode,
+            "a mode with Lambda = 0 in each head, linear and ratio readouts",
+            True,
+            True,
+        ),
+        "call_order": Family(1, _s4d_call_order, CALL_ORDER, True, True, call_order=True),
+        "strided": Family(1, _s4d_family([(2, 2, 33, 4, 4, 8)]), STRIDED, True, layouts=("slice",)),
+    }
+)
+
+
+def trained(
+    params: dict[str, NDArray[np.float64]], rng: np.random.Generator
+) -> dict[str, NDArray[np.float64]]:
+    """Every entry of every parameter moved away from its initial value, entry by entry (so
+    per head and per channel distinct): p + (0.1 rms(p) + 0.1) N(0, 1). Generic over the dict,
+    so parameters added to a layer later are covered too."""
+    return {
+        name: p + (0.1 * float(np.sqrt(np.mean(p**2))) + 0.1) * rng.standard_normal(p.shape)
+        for name, p in sorted(params.items())
+    }
+
+
+def _layer_inputs(
+    rng: np.random.Generator, params: dict[str, NDArray[np.float64]], B: int, T: int, d: int
+) -> Inputs:
+    inputs = {"x": rng.standard_normal((B, T, d))}
+    inputs.update({f"params.{k}": v for k, v in params.items()})
+    return inputs
+
+
+# FPA layer options: (increments,); Interdomain: (readout, gate, use_rope, output_norm).
+FPA_LAYER_OPTIONS = ["signed", "logsigmoid"]
+INTERDOMAIN_LAYER_OPTIONS = [
+    ("linear", False, False, True),
+    ("ratio", False, False, True),
+    ("linear", True, False, True),
+    ("linear", False, True, False),
+    ("ratio", True, True, False),
+]
+
+
+def _fpa_layer_trained(B: int, T: int, d: int, packed: bool = False) -> Builder:
+    def build(rng: np.random.Generator, n: int) -> Built:
+        increments = FPA_LAYER_OPTIONS[n % 2]
+        params = trained(fpa.init_fpa_params(d, 2, 4, 4, int(rng.integers(2**31))), rng)
+        options: dict[str, Any] = {"increments": increments}
+        if packed:
+            options["cu_seqlens"] = draw_packing(rng, n)
+            T_ = options["cu_seqlens"][-1]
+        else:
+            T_ = T
+        return _layer_inputs(rng, params, B, T_, d), options
+
+    return build
+
+
+def _interdomain_layer_trained(
+    B: int, T: int, d: int, menu: Sequence[int], packed: bool = False
+) -> Builder:
+    def build(rng: np.random.Generator, n: int) -> Built:
+        readout, gate, use_rope, output_norm = INTERDOMAIN_LAYER_OPTIONS[menu[n % len(menu)]]
+        options: dict[str, Any] = {
+            "readout": readout,
+            "gate": gate,
+            "use_rope": use_rope,
+            "output_norm": output_norm,
+        }
+        T_ = T
+        if packed:
+            options["cu_seqlens"] = draw_packing(rng, n)
+            T_ = options["cu_seqlens"][-1]
+        for _ in range(50):
+            init = idm.init_interdomain_params(
+                d, 2, 4, 4, 8, int(rng.integers(2**31)), gate=gate, output_norm=output_norm
+            )
+            params = trained(init, rng)
+            if readout == "ratio":
+                params["norm_k_b"] += 3.0  # positive k~ keeps the denominator away from zero
+                params["c_re"] += np.eye(8)
+            inputs = _layer_inputs(rng, params, B, T_, d)
+            if readout != "ratio" or _layer_well_conditioned(inputs, options, rng):
+                return inputs, options
+        raise RuntimeError("could not draw a well-conditioned ratio layer")
+
+    return build
+
+
+RATIO_LAYER = (
+    "ratio readout drawn so that a relative perturbation of 1e-3 of x and of every parameter "
+    "moves no output row by more than 2% of the typical row (denominators away from zero)"
+)
+
+
+def _layer_well_conditioned(
+    inputs: Inputs, options: dict[str, Any], rng: np.random.Generator
+) -> bool:
+    """The condition of RATIO_LAYER, by the reference layer (on each packed segment)."""
+    params = {k.removeprefix("params."): v for k, v in inputs.items() if k != "x"}
+    layer_options = {k: v for k, v in options.items() if k != "cu_seqlens"}
+    offsets = options.get("cu_seqlens") or (0, inputs["x"].shape[-2])
+
+    def layer(x: NDArray[np.float64], p: Inputs) -> NDArray[np.float64]:
+        parts = [
+            idm.interdomain_layer(x[..., a:b, :], p, **layer_options) for a, b in pairwise(offsets)
+        ]
+        return np.concatenate(parts, axis=-2)
+
+    y = layer(inputs["x"], params)
+    noise = np.random.default_rng(int(rng.integers(2**31)))
+    x2 = inputs["x"] * (1 + 1e-3 * noise.standard_normal(inputs["x"].shape))
+    p2 = {k: v * (1 + 1e-3 * noise.standard_normal(v.shape)) for k, v in params.items()}
+    moved = np.linalg.norm(layer(x2, p2) - y, axis=-1)
+    typical = np.sqrt(np.mean(np.sum(y**2, axis=-1)))
+    return bool(moved.max() <= 0.02 * typical)
+
+
+TRAINED = "parameters as trained (every entry moved off its initial value, distinct per entry)"
+FPA_LAYER_FAMILIES = {
+    "trained": Family(
+        2, _fpa_layer_trained(2, 17, 16), TRAINED + "; signed and logsigmoid increments"
+    ),
+    "long": Family(2, _fpa_layer_trained(2, 130, 16), TRAINED + "; T = 130 (both increments)"),
+    "varlen": Family(
+        1,
+        _fpa_layer_trained(1, 0, 16, packed=True),
+        TRAINED + "; packed sequences, each its own conv window and field",
+        requires=("fpa_layer.varlen",),
+    ),
+}
+INTERDOMAIN_LAYER_FAMILIES = {
+    "trained": Family(
+        5,
+        _interdomain_layer_trained(2, 17, 16, range(5)),
+        TRAINED
+        + "; readouts linear and ratio, output gate, RoPE, output norm on and off; "
+        + RATIO_LAYER,
+    ),
+    "long": Family(
+        2,
+        _interdomain_layer_trained(1, 130, 16, [0, 4]),
+        TRAINED + "; T = 130 across conv and chunk borders, both readouts; " + RATIO_LAYER,
+    ),
+    "varlen": Family(
+        1,
+        _interdomain_layer_trained(1, 0, 16, [2], packed=True),
+        TRAINED + "; packed sequences, each its own conv window, positions and state",
+        requires=("interdomain_layer.varlen",),
+    ),
+}
+
+
 def _layer_family(kind: str, readout: str = "linear") -> Builder:
     def build(rng: np.random.Generator, n: int) -> Built:
         B, T, d = [(1, 9, 8), (2, 17, 16)][n % 2]
@@ -691,10 +1095,14 @@ FAMILIES: dict[str, dict[str, Family]] = {
     "interdomain_legs": LEGS_FAMILIES,
     "interdomain_s4d": S4D_FAMILIES,
     # Layers have no reference VJP: forward only [decision].
-    "fpa_layer": {"shapes": Family(2, _layer_family("fpa"), "random layer, H = 2")},
+    "fpa_layer": {
+        "shapes": Family(2, _layer_family("fpa"), "random layer, H = 2"),
+        **FPA_LAYER_FAMILIES,
+    },
     "interdomain_layer": {
         "shapes": Family(2, _layer_family("interdomain"), "S4D-Inv init, linear readout"),
         "ratio": Family(1, _layer_family("interdomain", "ratio"), "ratio readout, positive k~"),
+        **INTERDOMAIN_LAYER_FAMILIES,
     },
 }
 PREFIX = {
@@ -726,7 +1134,15 @@ def build_case(case_id: str, seed: int | None = None) -> Case:
     if gradient and _vanishing_gradients(op, inputs, params):
         gradient, fd = False, False
         note += "; output only: " + VANISHING
-    return Case(case_id, op, seed, inputs, params, gradient, fd, note, fam.requires)
+    layout = fam.layouts[n % len(fam.layouts)] if fam.layouts else ""
+    return Case(
+        case_id, op, seed, inputs, params, gradient, fd, note, fam.requires, fam.call_order, layout
+    )
+
+
+def partner(case: Case) -> Case:
+    """The second input set of a call-order case: the same family and shape, another seed."""
+    return build_case(case.id, seed=(case.seed + 1) % 2**32)
 
 
 VANISHING = (

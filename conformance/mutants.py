@@ -17,7 +17,8 @@ float32; half-precision accumulation needs float16).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
+from itertools import pairwise
 from typing import Any, ClassVar, cast
 from unittest import mock
 
@@ -55,6 +56,9 @@ class Mutant(NumpyBackend):
     FEATURES: ClassVar[tuple[str, ...]] = ()
     ops: ClassVar[tuple[str, ...]] = ()
     caught_in: ClassVar[str] = "float64"
+    # Case-id prefixes that catch it (each of their cases fails), for the mutants written
+    # with the families that catch them; the earlier mutants are run on every case of their ops.
+    caught_by: ClassVar[tuple[str, ...]] = ()
 
 
 # ----------------------------------------------------------------------------------- FPA/FoX
@@ -576,15 +580,20 @@ def _s4d_variant(
     lag: int = 0,
     denominator: bool = True,
     state: np.dtype[Any] | None = None,
+    log_powers: bool = False,
+    late_borders: tuple[int, ...] | None = None,
 ) -> NDArray[np.float64]:
     """The S4D core with optional errors: transposed pairing, an input lag, no denominator, a
-    state rounded to the dtype ``state`` after every step."""
+    state rounded to the dtype ``state`` after every step, powers of Lambda through its
+    logarithm, packed sequences whose borders inside a later chunk let the carried state in."""
     z = np.concatenate(
         [kt, vt] + ([np.ones((*kt.shape[:-1], 1))] if readout == "ratio" else []), axis=-1
     )
     if lag:
         z = np.concatenate([np.zeros_like(z[..., :lag, :]), z[..., :-lag, :]], axis=-2)
-    if state is None:
+    if late_borders is not None:
+        x = _late_border_states(z, lam, b, late_borders)
+    elif state is None:
         x = idm.s4d_states(z, lam, b)  # (..., H, T, M, C)
     else:
         x = np.zeros((*z.shape[:-2], z.shape[-2], lam.shape[1], z.shape[-1]), complex)
@@ -593,6 +602,9 @@ def _s4d_variant(
             h = lam[:, :, None] * h + b[:, :, None] * z[..., t, None, :]  # (I11)
             h = h.real.astype(state) + 1j * h.imag.astype(state)  # the stored state
             x[..., t, :, :] = h
+    if log_powers:  # each state times Lambda^0 = exp(0 log Lambda): NaN where Lambda = 0
+        with np.errstate(divide="ignore", invalid="ignore"):
+            x = x * np.exp(0.0 * np.log(lam))[:, None, :, None]
     Y = np.einsum("hmn,...htnc->...htmc", c, x)
     R, dv = kt.shape[-1], vt.shape[-1]
     a = np.einsum("...tmr,...tr->...tm", Y[..., :R], fq)
@@ -602,6 +614,36 @@ def _s4d_variant(
         with np.errstate(invalid="ignore", divide="ignore"):  # a wrong pairing can give 0 / 0
             o = o / np.einsum("...tm,...tm->...t", a, Y[..., R + dv]).real[..., None]
     return o
+
+
+CHUNK = 128  # the chunk length of the mutants that imitate chunked scans
+
+
+def _late_border_states(
+    z: NDArray[np.float64],
+    lam: NDArray[np.complex128],
+    b: NDArray[np.complex128],
+    offsets: tuple[int, ...],
+) -> NDArray[np.complex128]:
+    """(I11) over packed sequences in chunks of 128, with the state carried into a chunk
+    masked by one flag per chunk (does its first token continue a segment?) instead of per
+    token: a segment that starts inside a later chunk starts from the carried state."""
+    T = z.shape[-2]
+    starts = set(offsets[:-1])
+    x = np.zeros((*z.shape[:-2], T, lam.shape[1], z.shape[-1]), complex)
+    state = np.zeros(x[..., 0, :, :].shape, complex)
+    for cs in range(0, T, CHUNK):
+        carry = np.zeros_like(state) if cs in starts else state
+        intra = np.zeros_like(state)
+        power = np.ones(lam.shape, complex)
+        for t in range(cs, min(cs + CHUNK, T)):
+            if t in starts:
+                intra = np.zeros_like(state)
+            intra = lam[:, :, None] * intra + b[:, :, None] * z[..., t, None, :]
+            power = power * lam
+            x[..., t, :, :] = intra + power[:, :, None] * carry
+        state = x[..., min(cs + CHUNK, T) - 1, :, :]
+    return x
 
 
 class _S4DMutant(Mutant):
@@ -693,6 +735,394 @@ class EulerLegs(Mutant):
         return out.astype(fq.dtype)
 
 
+# ----------------------------------------------------------------------------------- round three
+
+
+class _Heads:
+    """GQA head maps: the kv row each (batch, query head) reads, and its adjoint."""
+
+    @staticmethod
+    def batch_stride_one(x: FloatArray, H: int, name: str) -> FloatArray:
+        """kv row b + h // group of the flattened (B * H_kv) heads: the batch stride taken as
+        1 instead of H_kv on the GQA path (right for B = 1 or H_kv = 1)."""
+        B, H_kv = x.shape[0], x.shape[-3]
+        if H_kv == H:
+            return x
+        flat = x.reshape(-1, *x.shape[-2:])
+        return flat[_Heads.rows(B, H, H_kv)]
+
+    @staticmethod
+    def rows(B: int, H: int, H_kv: int) -> NDArray[np.intp]:
+        return np.arange(B)[:, None] + np.arange(H)[None, :] // (H // H_kv)
+
+    @staticmethod
+    def sum_batch_stride_one(g: NDArray[np.float64], H_kv: int) -> NDArray[np.float64]:
+        B, H, T, D = g.shape
+        if H_kv == H:
+            return g
+        out = np.zeros((B * H_kv, T, D))
+        np.add.at(out, _Heads.rows(B, H, H_kv).ravel(), g.reshape(-1, T, D))
+        return out.reshape(B, H_kv, T, D)
+
+
+class _PatchedHeads(Mutant):
+    """Ops and VJPs of attention with the GQA head map of :meth:`_patched`, where it applies."""
+
+    def _patched(self, params: Mapping[str, Any]) -> AbstractContextManager[Any]:
+        raise NotImplementedError
+
+    def fpa_attention(self, *args: Any, **kwargs: Any) -> Any:
+        with self._patched(kwargs):
+            return super().fpa_attention(*args, **kwargs)
+
+    def fox_attention(self, *args: Any, **kwargs: Any) -> Any:
+        with self._patched(kwargs):
+            return super().fox_attention(*args, **kwargs)
+
+    def vjp(
+        self,
+        op: str,
+        inputs: Mapping[str, FloatArray],
+        params: Mapping[str, Any],
+        cotangents: Mapping[str, FloatArray],
+    ) -> dict[str, FloatArray]:
+        with self._patched(params):
+            return super().vjp(op, inputs, params, cotangents)
+
+
+class GQABatchStride(_PatchedHeads):
+    """GQA indexing the flattened key/value heads with batch stride 1 instead of H_kv: right
+    when B = 1 or H_kv = 1 (every GQA case of the second round), wrong for B > 1 with several
+    key/value heads."""
+
+    caught_by: ClassVar[tuple[str, ...]] = ("fpa/gqa_batch/", "fox/gqa_batch/")
+
+    FEATURES: ClassVar[tuple[str, ...]] = ("fpa_attention.gqa", "fox_attention.gqa")
+    ops: ClassVar[tuple[str, ...]] = ("fpa_attention", "fox_attention")
+
+    def _patched(self, params: Mapping[str, Any]) -> AbstractContextManager[Any]:
+        from attnspec.backends import numpy_backend
+
+        return mock.patch.multiple(
+            numpy_backend,
+            _heads_for_queries=_Heads.batch_stride_one,
+            _sum_groups=_Heads.sum_batch_stride_one,
+        )
+
+
+class VarlenGQAModulo(_PatchedHeads):
+    """Packed sequences and GQA each right on their own, but the packed path has its own head
+    map, h % H_kv instead of h // (H / H_kv): wrong only when both are used together."""
+
+    caught_by: ClassVar[tuple[str, ...]] = ("fpa/varlen_gqa/", "fox/varlen_gqa/")
+
+    FEATURES: ClassVar[tuple[str, ...]] = (
+        "fpa_attention.varlen",
+        "fox_attention.varlen",
+        "fpa_attention.gqa",
+        "fox_attention.gqa",
+    )
+    ops: ClassVar[tuple[str, ...]] = ("fpa_attention", "fox_attention")
+
+    def _patched(self, params: Mapping[str, Any]) -> AbstractContextManager[Any]:
+        if params.get("cu_seqlens") is None:
+            return nullcontext()
+        return GQAWrongHead()._patched()
+
+
+def _rows_past_last_length(cu_seqlens: ArrayLike) -> NDArray[np.bool_]:
+    """Rows of packed sequences at local positions past the last segment's length rounded up
+    to tiles of 64: those a grid sized by the last segment's length never computes."""
+    offsets = [int(x) for x in np.asarray(cu_seqlens).ravel()]
+    covered = -(-(offsets[-1] - offsets[-2]) // BLOCK) * BLOCK
+    lost = np.zeros(offsets[-1], dtype=bool)
+    for a, b in pairwise(offsets):
+        lost[a + covered : b] = True
+    return lost
+
+
+class MaxSeqlenFromLast(Mutant):
+    """Packed sequences with the kernel grid sized by the LAST segment's length instead of the
+    longest: query tiles past it are never computed (rows stay zero). Right whenever the
+    longest segment is last (both packings of the second round)."""
+
+    caught_by: ClassVar[tuple[str, ...]] = (
+        "fpa/packings/1",
+        "fpa/packings/2",
+        "fox/packings/",
+        "fpa/varlen_gqa/",
+        "fox/varlen_gqa/",
+    )
+
+    FEATURES: ClassVar[tuple[str, ...]] = VarlenGQAModulo.FEATURES
+    ops: ClassVar[tuple[str, ...]] = ("fpa_attention", "fox_attention")
+
+    def fpa_attention(self, *args: Any, **kwargs: Any) -> Any:
+        o, lse = super().fpa_attention(*args, **{**kwargs, "return_lse": True})
+        if kwargs.get("cu_seqlens") is not None:
+            lost = _rows_past_last_length(kwargs["cu_seqlens"])
+            o, lse = o.copy(), lse.copy()
+            o[..., lost, :], lse[..., lost] = 0.0, 0.0
+        return (o, lse) if kwargs.get("return_lse") else o
+
+    def fox_attention(self, *args: Any, **kwargs: Any) -> Any:
+        o = super().fox_attention(*args, **kwargs)
+        if kwargs.get("cu_seqlens") is not None:
+            o = o.copy()
+            o[..., _rows_past_last_length(kwargs["cu_seqlens"]), :] = 0.0
+        return o
+
+
+class S4DLateBorderCarry(_S4DMutant):
+    """Packed S4D in chunks of 128 whose carried state is masked per chunk, not per token: a
+    segment starting inside a later chunk inherits the previous segment's state. Right when
+    every border lies in the first chunk or on a chunk start (the second round's packings)."""
+
+    caught_by: ClassVar[tuple[str, ...]] = ("s4d/packings/1", "s4d/packings/2")
+
+    FEATURES: ClassVar[tuple[str, ...]] = ("interdomain_s4d.varlen",)
+
+    def interdomain_s4d(  # type: ignore[override]
+        self, *, readout: str, cu_seqlens: ArrayLike | None = None, **arrays: Any
+    ) -> FloatArray:
+        if cu_seqlens is None:
+            return NumpyBackend.interdomain_s4d(self, **arrays, readout=readout)
+        offsets = tuple(int(x) for x in np.asarray(cu_seqlens).ravel())
+        self.options = {"late_borders": offsets}  # type: ignore[misc]  # this call only
+        try:
+            return super().interdomain_s4d(**arrays, readout=readout)
+        finally:
+            del self.options
+
+
+class HeadDimOver128(_FPAMutant):
+    """A kernel with head-dim blocks of 128 whose loop stops after the first: key dims past
+    128 never reach the logits (right up to dk = 128, the largest of the second round)."""
+
+    caught_by: ClassVar[tuple[str, ...]] = (
+        "fpa/headdim_big/0",
+        "fpa/headdim_big/1",
+        "fox/headdim_big/0",
+        "fox/headdim_big/1",
+    )
+
+    def logits(
+        self, q: NDArray[np.float64], k: NDArray[np.float64], s: float
+    ) -> NDArray[np.float64]:
+        return s * q[..., :128] @ np.swapaxes(k[..., :128], -1, -2)
+
+
+def _attention_parts(
+    op: str, inputs: Mapping[str, FloatArray], params: Mapping[str, Any]
+) -> tuple[NDArray[np.float64], ...]:
+    """(q, k, v, probabilities P, scale) of FPA or FoX (through F6) in float64."""
+    q, k, v = (np.asarray(inputs[n], float) for n in ("q", "k", "v"))
+    if op == "fox_attention":
+        field = level = np.cumsum(np.asarray(inputs["log_f"], float), axis=-1)
+    else:
+        field, level = np.asarray(inputs["field"], float), np.asarray(inputs["level"], float)
+    scale = params.get("scale")
+    s = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
+    a = s * q @ np.swapaxes(k, -1, -2) - fpa.descent_depth(field, level)
+    a = np.where(_causal(a.shape[-1]), a, -np.inf)
+    P = np.exp(a - logsumexp(a, axis=-1, keepdims=True))
+    return q, k, v, P, np.asarray(s)
+
+
+class LongRowSplitBackward(Mutant):
+    """Past T = 512 the backward splits the keys at 512 (a split-K strategy for long rows) and
+    stores the second split's dq over the first split's instead of adding to it: rows past 512
+    lose the gradient through keys before 512. Right for every T <= 512."""
+
+    caught_by: ClassVar[tuple[str, ...]] = ("fpa/long_gradient/", "fox/long_gradient/")
+
+    ops: ClassVar[tuple[str, ...]] = ("fpa_attention", "fox_attention")
+    SPLIT = 512
+
+    def vjp(
+        self,
+        op: str,
+        inputs: Mapping[str, FloatArray],
+        params: Mapping[str, Any],
+        cotangents: Mapping[str, FloatArray],
+    ) -> dict[str, FloatArray]:
+        grads = super().vjp(op, inputs, params, cotangents)
+        T = inputs["q"].shape[-2]
+        if T <= self.SPLIT:
+            return grads
+        _, k, v, P, s = _attention_parts(op, inputs, params)
+        d_out = np.asarray(cotangents["o"], float)
+        d_lse = np.asarray(cotangents["lse"], float) if "lse" in cotangents else 0.0
+        o = P @ v
+        D = np.sum(d_out * o, axis=-1) - d_lse  # (G1): dS = P (dP - D)
+        dS = P * (d_out @ np.swapaxes(v, -1, -2) - D[..., None])
+        dq = s * dS @ k
+        late = s * dS[..., self.SPLIT :, self.SPLIT :] @ k[..., self.SPLIT :, :]
+        dq[..., self.SPLIT :, :] = late  # stored, not added
+        grads["q"] = dq.astype(inputs["q"].dtype)
+        return grads
+
+
+class SavedForwardByShape(Mutant):
+    """A backward that reuses the inputs saved by the last forward of the same shapes and
+    dtypes (a cache keyed by shape): right whenever each VJP directly follows the forward of
+    its own inputs, as every case of the second round did."""
+
+    caught_by: ClassVar[tuple[str, ...]] = ("fpa/call_order/", "fox/call_order/")
+
+    ops: ClassVar[tuple[str, ...]] = ("fpa_attention", "fox_attention")
+
+    def __init__(self, device: str = "cpu") -> None:
+        super().__init__(device)
+        self._saved: dict[tuple[Any, ...], dict[str, FloatArray]] = {}
+
+    @staticmethod
+    def _key(op: str, inputs: Mapping[str, FloatArray]) -> tuple[Any, ...]:
+        return (op, tuple((n, x.shape, x.dtype.str) for n, x in sorted(inputs.items())))
+
+    def _save(self, op: str, inputs: dict[str, FloatArray]) -> None:
+        self._saved[self._key(op, inputs)] = {n: np.array(x) for n, x in inputs.items()}
+
+    def fpa_attention(self, q: Any, k: Any, v: Any, field: Any, level: Any, **kw: Any) -> Any:
+        self._save("fpa_attention", {"q": q, "k": k, "v": v, "field": field, "level": level})
+        return super().fpa_attention(q, k, v, field, level, **kw)
+
+    def fox_attention(self, q: Any, k: Any, v: Any, log_f: Any, **kw: Any) -> Any:
+        self._save("fox_attention", {"q": q, "k": k, "v": v, "log_f": log_f})
+        return super().fox_attention(q, k, v, log_f, **kw)
+
+    def vjp(
+        self,
+        op: str,
+        inputs: Mapping[str, FloatArray],
+        params: Mapping[str, Any],
+        cotangents: Mapping[str, FloatArray],
+    ) -> dict[str, FloatArray]:
+        saved = self._saved.get(self._key(op, inputs), inputs)
+        return super().vjp(op, saved, params, cotangents)
+
+
+_SHORT_CONV = idm.short_conv
+
+
+def _chunked_short_conv(x: ArrayLike, w: ArrayLike) -> NDArray[np.float64]:
+    """(I8) computed chunk by chunk (64 tokens), each chunk zero-padded on its own: the taps
+    reaching back into the previous chunk are lost."""
+    x = np.asarray(x, dtype=float)
+    T = x.shape[-2]
+    parts = [_SHORT_CONV(x[..., a : a + BLOCK, :], w) for a in range(0, T, BLOCK)]
+    return np.concatenate(parts, axis=-2)
+
+
+class ChunkedShortConv(Mutant):
+    """The Interdomain layer's short convolution done in chunks of 64 tokens that forget the
+    previous chunk's last tokens: right for every layer case of the second round (T <= 17)."""
+
+    caught_by: ClassVar[tuple[str, ...]] = ("interdomain_layer/long/",)
+
+    ops: ClassVar[tuple[str, ...]] = ("interdomain_layer",)
+
+    def interdomain_layer(self, *args: Any, **kwargs: Any) -> Any:
+        with mock.patch.object(idm, "short_conv", _chunked_short_conv):
+            return super().interdomain_layer(*args, **kwargs)
+
+
+class LogPowers(_S4DMutant):
+    """Powers of Lambda taken through its logarithm (Lambda^n = exp(n log Lambda)): NaN for a
+    mode with Lambda = 0, a valid mode that forgets at once."""
+
+    caught_by: ClassVar[tuple[str, ...]] = ("s4d/zero_mode/",)
+
+    options: ClassVar[dict[str, Any]] = {"log_powers": True}
+
+
+class ThetaInInputDtype(Mutant):
+    """Decoding with the eviction threshold rounded to the dtype of q: theta = 2.0001 becomes
+    2 in float16, a tie, and keys of depth 2 are evicted."""
+
+    caught_by: ClassVar[tuple[str, ...]] = ("decode/theta_near/0",)
+
+    ops: ClassVar[tuple[str, ...]] = ("fpa_decode",)
+    caught_in: ClassVar[str] = "float16"
+
+    def fpa_decode(
+        self,
+        q: FloatArray,
+        k: FloatArray,
+        v: FloatArray,
+        field: FloatArray,
+        level: FloatArray,
+        *,
+        theta: float,
+        scale: float | None = None,
+    ) -> tuple[FloatArray, float]:
+        rounded = float(np.asarray(theta, dtype=q.dtype))
+        return super().fpa_decode(q, k, v, field, level, theta=rounded, scale=scale)
+
+
+class LayerDropsBias(Mutant):
+    """Layers that ignore a bias which is zero at initialisation: FPA's level offset b_lam and
+    the Interdomain value-norm bias norm_v_b. Right on every layer at its initial values."""
+
+    caught_by: ClassVar[tuple[str, ...]] = (
+        "fpa_layer/trained/",
+        "fpa_layer/long/",
+        "interdomain_layer/trained/",
+        "interdomain_layer/long/",
+    )
+
+    ops: ClassVar[tuple[str, ...]] = ("fpa_layer", "interdomain_layer")
+
+    def fpa_layer(self, x: Any, params: Mapping[str, Any], **kwargs: Any) -> Any:
+        params = {**params, "b_lam": np.zeros_like(params["b_lam"])}
+        return super().fpa_layer(x, params, **kwargs)
+
+    def interdomain_layer(self, x: Any, params: Mapping[str, Any], **kwargs: Any) -> Any:
+        params = {**params, "norm_v_b": np.zeros_like(params["norm_v_b"])}
+        return super().interdomain_layer(x, params, **kwargs)
+
+
+def _row_major(x: Any) -> Any:
+    """``x`` read as row-major from its data pointer, whatever its strides (the bug)."""
+    x = np.asarray(x)
+    if x.flags.c_contiguous:
+        return x
+    root = x
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    offset = x.__array_interface__["data"][0] - root.__array_interface__["data"][0]
+    if not root.flags.c_contiguous or offset < 0 or offset + x.nbytes > root.nbytes:
+        return np.ascontiguousarray(x)  # would read past the buffer: not this bug's concern
+    return np.ndarray(x.shape, x.dtype, buffer=root, offset=offset)
+
+
+class IgnoresStrides(Mutant):
+    """Attention that reads q, k, v (and the output cotangent) as row-major from their base
+    pointer, ignoring strides: right on fresh contiguous arrays, wrong on a slice of a fused
+    qkv array or a transposed layout."""
+
+    caught_by: ClassVar[tuple[str, ...]] = ("fpa/strided/", "fox/strided/")
+
+    ops: ClassVar[tuple[str, ...]] = ("fpa_attention", "fox_attention")
+
+    def fpa_attention(self, q: Any, k: Any, v: Any, *args: Any, **kw: Any) -> Any:
+        return super().fpa_attention(_row_major(q), _row_major(k), _row_major(v), *args, **kw)
+
+    def fox_attention(self, q: Any, k: Any, v: Any, *args: Any, **kw: Any) -> Any:
+        return super().fox_attention(_row_major(q), _row_major(k), _row_major(v), *args, **kw)
+
+    def vjp(
+        self,
+        op: str,
+        inputs: Mapping[str, FloatArray],
+        params: Mapping[str, Any],
+        cotangents: Mapping[str, FloatArray],
+    ) -> dict[str, FloatArray]:
+        inputs = {n: _row_major(x) for n, x in inputs.items()}
+        cotangents = {n: _row_major(x) for n, x in cotangents.items()}
+        return super().vjp(op, inputs, params, cotangents)
+
+
 # ----------------------------------------------------------------------------------- dtypes
 
 
@@ -755,6 +1185,18 @@ MUTANTS: dict[str, type[Mutant]] = {
         DroppedDenominator,
         EulerLegs,
         HalfOnlySlightScale,
+        GQABatchStride,
+        VarlenGQAModulo,
+        MaxSeqlenFromLast,
+        S4DLateBorderCarry,
+        HeadDimOver128,
+        LongRowSplitBackward,
+        SavedForwardByShape,
+        ChunkedShortConv,
+        LogPowers,
+        ThetaInInputDtype,
+        LayerDropsBias,
+        IgnoresStrides,
     ]
 }
 for _name, _cls in MUTANTS.items():

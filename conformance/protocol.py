@@ -6,10 +6,15 @@ A backend is any object with:
   float16, bfloat16);
 - ``capabilities() -> set[str]``: the op names it implements, plus ``"<op>.vjp"`` for each op
   whose gradients it provides, ``"<op>.varlen"`` (packed sequences, for fpa_attention,
-  fox_attention and interdomain_s4d) and ``"<op>.gqa"`` (fewer key/value heads, for
+  fox_attention, interdomain_s4d and the two layers) and ``"<op>.gqa"`` (fewer key/value heads, for
   fpa_attention and fox_attention). Anything absent is reported as "not implemented";
 - ``asarray(x: numpy.ndarray, dtype: str)`` and ``to_numpy(x) -> numpy.ndarray``: the adapter,
   the only place where arrays cross between NumPy and the backend;
+- optionally ``asarray_strided(x, dtype, layout)``: ``x`` (B, H, T, D) as a non-contiguous view
+  in the backend's own array type with the same values, for the strided cases: ``"slice"`` (a
+  slice of a wider array's last axis, as q of a fused qkv projection) or ``"transpose"`` (a
+  (B, H, T, D) view of a (B, T, H, D) array). Raising NotImplementedError (JAX arrays have no
+  strides), or not having it, makes those cases "not implemented";
 - optionally ``dtype_name(x) -> str``: the dtype of a returned array in the kit's names
   ("bfloat16", ...). Without it the dtype of ``to_numpy(x)`` is used, and a bfloat16 result
   that arrives widened to float32 is accepted;
@@ -24,6 +29,11 @@ Conventions the runner checks:
 - Inputs and cotangents are never modified.
 - varlen: the case has B = 1 and ``params["cu_seqlens"]`` is a tuple of ints (0, ..., T),
   FlashAttention's convention; each segment is an independent sequence.
+- Layers take x, the parameter dict and their options as keywords: ``increments`` for
+  fpa_layer; ``readout``, ``gate``, ``use_rope``, ``output_norm`` for interdomain_layer (the
+  optional parameters wg and norm_o_g are in the dict only when their flag is on).
+- Results do not depend on call history: call-order cases interleave the forwards and VJPs of
+  two input sets of the same shape.
 - GQA: k and v have H_kv heads, H_kv dividing the H heads of q; query head h reads key/value
   head h // (H / H_kv); per-token scalars (field, level, log_f) have the H heads of q.
 

@@ -96,6 +96,8 @@ def selected_items(config: pytest.Config) -> list[object]:
             items.append(Item(case.id, dtype, "output", probe))
             if case.gradient:
                 items.append(Item(case.id, dtype, "gradient", probe))
+            if case.call_order:
+                items.append(Item(case.id, dtype, "call_order", probe))
     return [pytest.param(item, id=item.id) for item in items]
 
 

@@ -22,6 +22,7 @@ def summary_rows(report: RunReport) -> list[dict]:
         counts = {v: sum(r.verdict == v for r in results) for v in VERDICTS}
         compared = [r for r in results if r.verdict in ("passed", "failed") and r.ratio == r.ratio]
         worst = max(compared, key=lambda r: r.ratio, default=None)
+        raised = [r.raised for r in results if r.verdict == "failed" and r.raised]
         rows.append(
             {
                 "op": op,
@@ -31,6 +32,8 @@ def summary_rows(report: RunReport) -> list[dict]:
                 "worst_error": worst.error if worst else None,
                 "tolerance": worst.tolerance if worst else None,
                 "worst_case": worst.case_id if worst else None,
+                "raised": len(raised),
+                "first_raised": raised[0] if raised else None,
             }
         )
     return rows
@@ -50,8 +53,11 @@ def format_report(report: RunReport, *, max_failures: int = 30) -> str:
     for row in summary_rows(report):
         err = "" if row["worst_error"] is None else f"{row['worst_error']:.2e}"
         tol = "" if row["tolerance"] is None else f"{row['tolerance']:.0e}"
-        if row["failed"]:
-            verdict = "FAILED"
+        if row["failed"] and row["raised"] == row["failed"]:  # no error to show: exceptions
+            err = tol = ""
+            verdict = f"raised {_clip(row['first_raised'])}"
+        elif row["failed"]:
+            verdict = "FAILED" + (f" ({row['raised']} raised)" if row["raised"] else "")
         elif row["passed"]:
             verdict = "passed"
         else:
@@ -81,6 +87,11 @@ def format_report(report: RunReport, *, max_failures: int = 30) -> str:
         f"in {report.seconds:.1f} s"
     )
     return "\n".join(lines)
+
+
+def _clip(text: str, width: int = 70) -> str:
+    line = text.splitlines()[0] if text else ""
+    return line if len(line) <= width else line[: width - 3] + "..."
 
 
 def write_json(report: RunReport, path: str) -> None:

@@ -7,13 +7,17 @@ backend does not claim the op).
 
 from __future__ import annotations
 
+import inspect
+import os
 import platform
 import sys
+import sysconfig
 import time
 import traceback
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
+from itertools import pairwise
 from typing import Any, TypeVar
 
 import numpy as np
@@ -21,14 +25,14 @@ from numpy.typing import NDArray
 
 from attnspec.backends.numpy_backend import NumpyBackend
 
-from .cases import Case
+from .cases import Case, partner
 from .gradcheck import directional_check
 from .metrics import Comparison, compare, compare_count, gradient_floors, row_ndim
 from .protocol import OPS, Backend, call_op
 from .skips import SkipList
 from .tolerances import round_to, tolerance, wide_dtype
 
-KINDS = ("output", "gradient", "finite_difference")
+KINDS = ("output", "gradient", "finite_difference", "call_order")
 Result = TypeVar("Result")
 REFERENCE = NumpyBackend()
 
@@ -46,6 +50,7 @@ class CaseResult:
     tolerance: float = float("nan")
     ratio: float = float("nan")  # worst error / tolerance over the compared quantities
     message: str = ""
+    raised: str = ""  # "<type>: <message>" when the backend raised
     repro: str = ""
     seed: int = 0
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
@@ -70,14 +75,35 @@ def rounded_inputs(case: Case, dtype: str) -> dict[str, np.ndarray]:
     }
 
 
+class NotOffered(Exception):
+    """The backend's adapter does not offer what a case needs (a strided input layout)."""
+
+
+def native_array(backend: Backend, x: np.ndarray, dtype: str, layout: str = "") -> Any:
+    """``x`` as the backend's array: fresh and contiguous, or for a token array (ndim 4) in the
+    strided ``layout`` from ``backend.asarray_strided`` (optional; NotImplementedError or its
+    absence declines, reported as not implemented)."""
+    if not layout or x.ndim != 4:
+        return backend.asarray(x, dtype)
+    strided = getattr(backend, "asarray_strided", None)
+    if strided is None:
+        raise NotOffered(f"strided inputs ({layout!r}): the adapter has no asarray_strided")
+    try:
+        return strided(x, dtype, layout)
+    except NotImplementedError as exc:
+        raise NotOffered(f"strided inputs ({layout!r}) declined by the adapter: {exc}") from None
+
+
 def native_inputs(
     backend: Backend, case: Case, inputs: dict[str, np.ndarray], dtype: str
 ) -> dict[str, Any]:
     """The backend's arrays; each made from a copy, so nothing the backend does reaches the
-    kit's own arrays."""
+    kit's own arrays. Token arrays come in the case's strided layout when it has one."""
     spec = OPS[case.op]
     return {
-        name: backend.asarray(x.copy(), wide_dtype(dtype) if name in spec.wide else dtype)
+        name: native_array(
+            backend, x.copy(), wide_dtype(dtype) if name in spec.wide else dtype, case.layout
+        )
         for name, x in inputs.items()
     }
 
@@ -196,7 +222,7 @@ def _mutation_comparison(what: str, names: list[str]) -> Comparison:
     )
 
 
-def _run_output(backend: Backend, case: Case, dtype: str, result: CaseResult) -> CaseResult:
+def _output_comparisons(backend: Backend, case: Case, dtype: str) -> dict[str, Comparison]:
     inputs, ref = reference_for(case, dtype)
     native = native_inputs(backend, case, inputs, dtype)
     before = _snapshot(backend, native)
@@ -221,20 +247,24 @@ def _run_output(backend: Backend, case: Case, dtype: str, result: CaseResult) ->
     changed = _mutated(backend, native, before)
     if changed:
         comparisons["inputs"] = _mutation_comparison("inputs", changed)
-    return _summarise(result, comparisons)
+    return comparisons
 
 
-def _run_gradient(backend: Backend, case: Case, dtype: str, result: CaseResult) -> CaseResult:
+def _run_output(backend: Backend, case: Case, dtype: str, result: CaseResult) -> CaseResult:
+    return _summarise(result, _output_comparisons(backend, case, dtype))
+
+
+def _gradient_comparisons(backend: Backend, case: Case, dtype: str) -> dict[str, Comparison]:
     spec = OPS[case.op]
     inputs, _ = reference_for(case, dtype)
     cot, ref = reference_vjp_for(case, dtype)
     native = native_inputs(backend, case, inputs, dtype)
-    native_cot = {n: backend.asarray(c.copy(), dtype) for n, c in cot.items()}
+    native_cot = {n: native_array(backend, c.copy(), dtype, case.layout) for n, c in cot.items()}
     before = _snapshot(backend, native)
     before_cot = _snapshot(backend, native_cot)
     got = backend.vjp(case.op, native, case.params, native_cot)
     tol = tolerance(case.op, dtype, "gradient")
-    floors = gradient_floors({n: ref[n] for n in spec.differentiable}, tol)
+    floors = gradient_floors({n: ref[n] for n in spec.differentiable})
     comparisons = {}
     for name in spec.differentiable:
         if name not in got:
@@ -255,6 +285,39 @@ def _run_gradient(backend: Backend, case: Case, dtype: str, result: CaseResult) 
     changed = _mutated(backend, native_cot, before_cot)
     if changed:
         comparisons["cotangents"] = _mutation_comparison("cotangents", changed)
+    return comparisons
+
+
+def _run_gradient(backend: Backend, case: Case, dtype: str, result: CaseResult) -> CaseResult:
+    return _summarise(result, _gradient_comparisons(backend, case, dtype))
+
+
+def call_sequence(seed: int) -> list[tuple[str, int]]:
+    """A shuffled order of forwards and VJPs of two input sets (0 and 1), each call twice, in
+    which each input set's VJP at least once directly follows a call on the other set: a
+    backend that reuses what it saved for the last call of a shape cannot pass."""
+    rng = np.random.default_rng(seed)
+    calls = [(kind, which) for kind in ("output", "gradient") for which in (0, 1)] * 2
+    while True:
+        order = [calls[i] for i in rng.permutation(len(calls))]
+        exposed = {
+            which
+            for (_, before), (kind, which) in pairwise(order)
+            if kind == "gradient" and before != which
+        }
+        if exposed == {0, 1}:
+            return order
+
+
+def _run_call_order(backend: Backend, case: Case, dtype: str, result: CaseResult) -> CaseResult:
+    """Forwards and VJPs of the case and its partner interleaved; each compared with its own
+    reference (names: "<call number> <output|gradient> <A|B>: <quantity>")."""
+    pair = (case, partner(case))
+    comparisons = {}
+    for number, (kind, which) in enumerate(call_sequence(case.seed + 3), 1):
+        run = _output_comparisons if kind == "output" else _gradient_comparisons
+        for name, comparison in run(backend, pair[which], dtype).items():
+            comparisons[f"call {number} {kind} {'AB'[which]}: {name}"] = comparison
     return _summarise(result, comparisons)
 
 
@@ -328,9 +391,13 @@ def run_case(
     )
     try:
         caps = set(backend.capabilities())
-        needed = case.op if kind == "output" else f"{case.op}.vjp"
+        needed = {
+            "output": (case.op,),
+            "gradient": (f"{case.op}.vjp",),
+            "call_order": (case.op, f"{case.op}.vjp"),
+        }.get(kind, ())
         if kind != "finite_difference":
-            missing = [c for c in (needed, *case.requires) if c not in caps]
+            missing = [c for c in (*needed, *case.requires) if c not in caps]
             if missing:
                 result.verdict = "not implemented"
                 result.message = f"{', '.join(missing)} not in the backend's capabilities()"
@@ -344,16 +411,71 @@ def run_case(
             return _run_output(backend, case, dtype, result)
         if kind == "gradient":
             return _run_gradient(backend, case, dtype, result)
+        if kind == "call_order":
+            return _run_call_order(backend, case, dtype, result)
         return _run_finite_difference(case, result)
+    except NotOffered as exc:
+        result.verdict = "not implemented"
+        result.message = str(exc)
+        return result
     except Exception as exc:  # a fault of the backend under test, reported per case
-        frame = traceback.extract_tb(exc.__traceback__)[-1]
         result.verdict = "not implemented" if probe else "failed"
+        result.raised = f"{type(exc).__name__}: {exc}"
         result.message = (
             f"{'probe of an undeclared dtype: ' if probe else ''}"
-            f"{type(exc).__name__} raised: {exc} "
-            f"({frame.filename.rsplit('/', 1)[-1]}:{frame.lineno})"
+            f"{type(exc).__name__} raised: {exc} ({raise_site(exc, backend, case.op)})"
         )
         return result
+
+
+KIT_DIR = os.path.dirname(os.path.abspath(__file__))
+LIBRARY_DIRS = tuple(
+    os.path.abspath(p)
+    for p in {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+)
+
+
+def _is_library(filename: str) -> bool:
+    path = os.path.abspath(filename)
+    return path.startswith(LIBRARY_DIRS) or filename.startswith("<")
+
+
+def raise_site(exc: BaseException, backend: Backend, op: str) -> str:
+    """Where a backend's exception comes from, for its author: the innermost frame of code
+    that is neither the kit's nor a library's (the backend's own file and line), then the
+    library frame that raised if it is deeper ("via numpy/...:123"). When every frame is the
+    kit's or a library's (the kit could not even call the op: a wrong signature, an attribute
+    that is not callable), the op's definition in the backend is named instead."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    own = [f for f in frames if not os.path.abspath(f.filename).startswith(KIT_DIR + os.sep)]
+    authored = [f for f in own if not _is_library(f.filename)]
+    last = frames[-1] if frames else None
+    if authored:
+        site = authored[-1]
+        text = f"at {site.filename}:{site.lineno} in {site.name}"
+        if last is not None and last is not site and _is_library(last.filename):
+            text += f", via {_short(last.filename)}:{last.lineno}"
+        return text
+    target = getattr(type(backend), op, None) or type(backend)
+    try:
+        source = inspect.getsourcefile(target)
+        line = inspect.getsourcelines(target)[1]
+    except (TypeError, OSError):
+        source, line = None, 0
+    where = f"{source}:{line}" if source else type(backend).__qualname__
+    text = f"calling {type(backend).__qualname__}.{op} defined at {where}"
+    if last is not None and not os.path.abspath(last.filename).startswith(KIT_DIR + os.sep):
+        text += f"; raised at {_short(last.filename)}:{last.lineno}"
+    return text
+
+
+def _short(filename: str) -> str:
+    """A library file relative to its installation directory (numpy/core/...)."""
+    path = os.path.abspath(filename)
+    for root in sorted((*LIBRARY_DIRS, KIT_DIR), key=len, reverse=True):  # innermost first
+        if path.startswith(root + os.sep):
+            return os.path.relpath(path, os.path.dirname(root) if root == KIT_DIR else root)
+    return filename
 
 
 @dataclass
@@ -377,6 +499,8 @@ def plan(
             items.append((case, dtype, "output"))
             if gradients and case.gradient:
                 items.append((case, dtype, "gradient"))
+            if gradients and case.call_order:
+                items.append((case, dtype, "call_order"))
         if finite_differences and case.finite_difference:
             items.append((case, "float64", "finite_difference"))
     return Plan(items)

@@ -164,7 +164,7 @@ def _score(entry: dict[str, Any], vector: NpzFile, result: NpzFile) -> VectorRes
     """The runner's comparisons: rows, gradient floors and the kept fraction as a count."""
     comparisons: dict[str, Comparison] = {}
     grads = {k[5:]: vector[k] for k in vector.files if k.startswith("grad.")}
-    floors = gradient_floors(grads, entry["tolerances"].get("gradient", 0.0)) if grads else {}
+    floors = gradient_floors(grads) if grads else {}
     for key in vector.files:
         kind, _, name = key.partition(".")
         if kind not in ("out", "grad"):

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
+from itertools import pairwise
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from attnspec.backends.registry import get_backend
 from attnspec.conformance import cases, mutants, runner, strategies, vectors
 from attnspec.conformance.cli import main
 from attnspec.conformance.metrics import compare
+from attnspec.conformance.report import format_report
 from attnspec.conformance.skips import SkipList
 from attnspec.conformance.tolerances import DTYPES, QUANTITIES, TOLERANCES, round_to
 
@@ -25,6 +27,45 @@ EXAMPLE = os.path.join(ROOT, "docs", "examples", "minimal_backend.py")
 @pytest.fixture(scope="module")
 def all_cases():
     return cases.generate_cases()
+
+
+# The families added with the combined-feature, packing, head-dim, long-row, call-order,
+# layer, Lambda = 0, threshold, trained-parameter and strided cases. The mutants written before
+# them are checked on the menu without them (they were caught there, and running every mutant
+# on every long row would cost minutes); the newer mutants name the cases that catch them.
+ATTENTION_FAMILIES = (
+    "packings",
+    "varlen_gqa",
+    "gqa_batch",
+    "headdim_big",
+    "long_gradient",
+    "call_order",
+    "strided",
+)
+LATER_FAMILIES = (
+    *(f"{prefix}/{family}/" for prefix in ("fpa", "fox") for family in ATTENTION_FAMILIES),
+    "decode/theta_near/",
+    "legs/strided/",
+    "s4d/packings/",
+    "s4d/zero_mode/",
+    "s4d/call_order/",
+    "s4d/strided/",
+    "fpa_layer/trained/",
+    "fpa_layer/long/",
+    "fpa_layer/varlen/",
+    "interdomain_layer/trained/",
+    "interdomain_layer/long/",
+    "interdomain_layer/varlen/",
+)
+
+
+def earlier(case_list):
+    return [c for c in case_list if not c.id.startswith(LATER_FAMILIES)]
+
+
+def test_later_families_exist():
+    ids = cases.case_ids()
+    assert all(any(i.startswith(f) for i in ids) for f in LATER_FAMILIES)
 
 
 # ------------------------------------------------------------------------- cases
@@ -93,7 +134,7 @@ def test_ratio_cases_have_positive_denominators(all_cases):
         elif case.op == "interdomain_s4d" and case.params["readout"] == "ratio":
             assert (case.inputs["fq"] > 0).all() and (case.inputs["kt"] > 0).all()
             checked += 1
-    assert checked == 15
+    assert checked == 19  # LegS 13 (strided 2), S4D ratio 6 (packings 1, zero_mode 1)
 
 
 def test_unknown_case_id():
@@ -162,15 +203,21 @@ def test_reference_passes_hypothesis_cases(case):
 
 @pytest.mark.parametrize("name", sorted(mutants.MUTANTS))
 def test_every_mutant_is_caught(name, all_cases):
-    # Every case of the ops the mutant changes, in the dtype where its error shows.
+    # Every case of the ops the mutant changes (of the earlier menu, or the cases a newer
+    # mutant names as catching it: each of those must fail), in the dtype where its error shows.
     mutant = mutants.MUTANTS[name]()
-    selected = [c for c in all_cases if c.op in mutant.ops]
+    if mutant.caught_by:
+        selected = [c for c in all_cases if c.id.startswith(mutant.caught_by)]
+    else:
+        selected = [c for c in earlier(all_cases) if c.op in mutant.ops]
     probes = runner.probe_dtypes(mutant)
     dtypes = [] if probes else [mutant.caught_in]
     report = runner.run(mutant, selected, dtypes, backend_name=name, probes=probes)
     caught = sorted({r.case_id for r in report.results if r.verdict == "failed"})
     print(f"\n{name}: caught by {len(caught)} cases, e.g. {caught[:4]}")
     assert caught
+    if mutant.caught_by:
+        assert caught == sorted(c.id for c in selected)
 
 
 def test_spec_mutants_are_all_there():
@@ -197,7 +244,7 @@ def test_spec_mutants_are_all_there():
     ],
 )
 def test_tie_mutants_are_caught_only_by_tie_cases(name, allowed, all_cases):
-    selected = [c for c in all_cases if c.op == "fpa_attention"]
+    selected = [c for c in earlier(all_cases) if c.op == "fpa_attention"]
     report = runner.run(mutants.MUTANTS[name](), selected, ["float64"])
     caught = {r.case_id for r in report.results if r.verdict == "failed"}
     assert caught and {c.split("/")[1] for c in caught} <= allowed
@@ -205,7 +252,7 @@ def test_tie_mutants_are_caught_only_by_tie_cases(name, allowed, all_cases):
 
 def test_a_lost_gap_minimum_shows_only_past_two_tiles(all_cases):
     # ForgottenGap imitates tiles of 64: the gap between key and query tile needs T > 128.
-    selected = [c for c in all_cases if c.op == "fpa_attention"]
+    selected = [c for c in earlier(all_cases) if c.op == "fpa_attention"]
     report = runner.run(mutants.ForgottenGap(), selected, ["float64"], gradients=False)
     caught = {r.case_id for r in report.results if r.verdict == "failed"}
     lengths = {cases.build_case(c).inputs["q"].shape[-2] for c in caught}
@@ -248,6 +295,7 @@ def test_backend_faults_are_reported_per_case():
     report = runner.run(Faulty(), selected, ["float32"], backend_name="faulty")
     by = {(r.case_id, r.kind): r for r in report.results}
     assert "RuntimeError raised: kernel exploded" in by[("fox/shapes/1", "output")].message
+    assert f"at {__file__}:" in by[("fox/shapes/1", "output")].message  # the backend's line
     assert "wrong shape" in by[("decode/brackets/1", "output")].message
     assert "wrong dtype float64, expected float32" in by[("legs/shapes/1", "output")].message
     assert "non-finite value nan" in by[("s4d/shapes/1", "output")].message
@@ -472,8 +520,118 @@ def test_decode_thresholds_are_far_from_every_depth():
     for case_id in cases.case_ids(["fpa_decode"]):
         case = cases.build_case(case_id)
         theta = case.params["theta"]
-        if np.isfinite(theta) and case.family != "boundary":  # boundary: theta is a depth
+        if np.isfinite(theta) and case.family not in ("boundary", "theta_near"):  # near depths
             depths = fpa.descent_depth(case.inputs["field"], case.inputs["level"])
             # The penalty of a float32 backend is off by < 1e-5 here (|field| < 40, ulp 4e-6);
             # a margin of 1e-3 keeps every eviction decision identical (measured: >= 0.083).
             assert np.abs(depths - theta).min() > 1e-3, case_id
+
+
+# ------------------------------------------------------------------------- later families
+
+
+def test_drawn_packings_vary_order_lengths_and_borders():
+    packings = [cases.build_case(i).params.get("cu_seqlens") for i in cases.case_ids()]
+    packings = [p for p in packings if p is not None and len(p) > 5]  # drawn ones
+    lengths = [np.diff(p) for p in packings]
+    assert all(ls[-1] != ls.max() for ls in lengths)  # the longest segment is never last
+    assert {0, len(lengths[0]) - 1} <= {int(np.argmin(ls)) for ls in lengths if ls.min() == 1}
+    assert any(ls.min() == 1 and 0 < np.argmin(ls) < len(ls) - 1 for ls in lengths)
+    assert {64, 128, 256} <= {int(x) for ls in lengths for x in ls}  # tile multiples ...
+    assert any(int(x) % 64 for ls in lengths for x in ls)  # ... and others
+    s4d = [cases.build_case(f"s4d/packings/{n}") for n in range(3)]
+    assert {c.params["readout"] for c in s4d} == {"linear", "ratio"}
+    late = [b for c in s4d for b in c.params["cu_seqlens"][1:-1] if b > 128 and b % 128]
+    assert late  # a border inside a later chunk of 128
+
+
+def test_combined_and_big_cases_have_their_shapes():
+    for op in ("fpa", "fox"):
+        for n in range(2):
+            x = cases.build_case(f"{op}/varlen_gqa/{n}").inputs
+            assert x["k"].shape[1] < x["q"].shape[1] and x["q"].shape[0] == 1
+            x = cases.build_case(f"{op}/gqa_batch/{n}").inputs
+            assert x["q"].shape[0] > 1 and 1 < x["k"].shape[1] < x["q"].shape[1]
+        dims = [cases.build_case(f"{op}/headdim_big/{n}").inputs for n in range(3)]
+        assert {192, 256} <= {x["q"].shape[-1] for x in dims} | {x["v"].shape[-1] for x in dims}
+        assert all(x["q"].shape[-1] != x["v"].shape[-1] for x in dims)
+        long = [cases.build_case(f"{op}/long_gradient/{n}") for n in range(2)]
+        assert all(c.gradient and c.inputs["q"].shape[-2] >= 1024 for c in long)
+    for op in ("fpa_layer", "interdomain_layer"):
+        assert cases.build_case(f"{op}/long/0").inputs["x"].shape[1] >= 130
+
+
+def test_zero_mode_and_near_threshold_cases():
+    for n in range(2):
+        x = cases.build_case(f"s4d/zero_mode/{n}").inputs
+        assert ((x["lam_re"] == 0) & (x["lam_im"] == 0)).sum() == x["lam_re"].shape[0]
+    from attnspec.reference import fpa
+
+    for n in range(3):
+        case = cases.build_case(f"decode/theta_near/{n}")
+        theta = case.params["theta"]
+        depths = fpa.descent_depth(case.inputs["field"], case.inputs["level"])
+        nearest = depths.ravel()[np.argmin(np.abs(depths - theta).ravel())]
+        assert nearest == np.round(nearest) and 0 < abs(theta - nearest) < 0.5
+        assert float(np.float16(theta)) != theta  # not representable in half precision
+
+
+def test_trained_parameters_move_every_entry_of_any_dict():
+    rng = np.random.default_rng(0)
+    init = {"g": np.ones((2, 3)), "b": np.zeros(4), "added_later": np.full((2, 2), 5.0)}
+    moved = cases.trained(init, rng)
+    assert moved.keys() == init.keys()
+    for name, p in init.items():
+        assert (moved[name] != p).all(), name  # every entry, distinct per entry
+        assert len(np.unique(moved[name])) == p.size
+    for case_id in cases.case_ids(["fpa_layer", "interdomain_layer"]):
+        case = cases.build_case(case_id)
+        if case.family == "trained":  # gains off 1, biases off 0, entry by entry
+            x = case.inputs
+            gains = [v for k, v in x.items() if k.endswith("_g")]
+            biases = [v for k, v in x.items() if k.endswith(("_b", "b_delta", "b_lam"))]
+            assert biases and all((b != 0).all() for b in biases)
+            assert all((g != 1).all() for g in gains)
+            assert gains or case.op == "fpa_layer"
+
+
+def test_call_sequences_interleave_both_inputs():
+    for seed in range(20):
+        order = runner.call_sequence(seed)
+        assert sorted(order) == sorted([(k, w) for k in ("output", "gradient") for w in (0, 1)] * 2)
+        follows_other = {w for (_, a), (k, w) in pairwise(order) if k == "gradient" and a != w}
+        assert follows_other == {0, 1}
+    case = cases.build_case("fpa/call_order/0")
+    other = cases.partner(case)
+    assert other.shapes() == case.shapes() and not np.array_equal(
+        other.inputs["q"], case.inputs["q"]
+    )
+
+
+def test_strided_inputs_are_views_or_not_implemented():
+    case = cases.build_case("fpa/strided/1")
+    assert case.layout == "transpose"
+    for layout in ("slice", "transpose"):
+        x = NumpyBackend().asarray_strided(case.inputs["q"], "float32", layout)
+        assert not x.flags.c_contiguous and x.base is not None
+        np.testing.assert_array_equal(x, case.inputs["q"].astype(np.float32))
+
+    class Plain(NumpyBackend):
+        asarray_strided = None
+
+    result = runner.run_case(Plain(), case, "float64", "output")
+    assert result.verdict == "not implemented" and "asarray_strided" in result.message
+
+
+def test_a_raise_points_at_the_backends_own_line():
+    class Raises(NumpyBackend):
+        def fox_attention(self, q, k, v, log_f, *, scale=None):
+            return np.linalg.cholesky(-np.eye(2))  # raises inside NumPy
+
+    report = runner.run(Raises(), cases.generate_cases(prefixes=["fox/shapes/1"]), ["float32"])
+    result = report.results[0]
+    assert result.verdict == "failed" and result.raised.startswith("LinAlgError")
+    assert f"at {__file__}:" in result.message and "in fox_attention, via numpy/" in result.message
+    assert "protocol.py" not in result.message
+    row = next(line for line in format_report(report).splitlines() if " output " in line)
+    assert "raised LinAlgError" in row and "FAILED" not in row and "e-" not in row

@@ -20,7 +20,10 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 from attnspec.backends.torch import dispatch  # noqa: E402
-from attnspec.backends.torch import triton_interdomain as ti  # noqa: E402
+from attnspec.backends.torch import triton_chunks as chunks  # noqa: E402
+from attnspec.backends.torch import triton_legs as legs  # noqa: E402
+from attnspec.backends.torch import triton_s4d as s4d  # noqa: E402
+from attnspec.backends.torch import triton_s4d_bwd as s4d_grad  # noqa: E402
 from attnspec.conformance.tolerances import round_to, tolerance  # noqa: E402
 from attnspec.reference import hippo  # noqa: E402
 from attnspec.reference import interdomain as ref  # noqa: E402
@@ -96,9 +99,9 @@ def run_s4d(case, do, readout, dtype="float64", blocks=None, backward=True):
         None,
         None,
     )
-    with ti.block_sizes(*blocks) if blocks else contextlib.nullcontext():
-        o, final = ti.s4d_fwd(*args)
-        grads = ti.s4d_bwd(*args, to_torch(do, dtype), None) if backward else None
+    with chunks.block_sizes(*blocks) if blocks else contextlib.nullcontext():
+        o, final = s4d.s4d_fwd(*args)
+        grads = s4d_grad.s4d_bwd(*args, to_torch(do, dtype), None) if backward else None
     return o, final, grads
 
 
@@ -181,9 +184,9 @@ def test_s4d_varlen_with_a_length_one_segment():
         torch.tensor(cu, device=DEVICE),
         None,
     )
-    with ti.block_sizes(16, 16, diag_loop=False):
-        o, final = ti.s4d_fwd(*args)
-        g = ti.s4d_bwd(*args, to_torch(do), None)
+    with chunks.block_sizes(16, 16, diag_loop=False):
+        o, final = s4d.s4d_fwd(*args)
+        g = s4d_grad.s4d_bwd(*args, to_torch(do), None)
     want = {k: [] for k in ("o", "final", "dfq", "dkt", "dvt", "dlam", "db", "dc")}
     for a, e in itertools.pairwise(cu):
         seg = {k: (v[:, :, a:e] if v.ndim == 4 else v) for k, v in case.items()}
@@ -231,9 +234,9 @@ def test_s4d_initial_and_final_state_against_a_literal_loop(readout):
     feats = [to_torch(case[k]) for k in ("fq", "kt", "vt")]
     params = [pair(case[k]) for k in ("lam", "b", "c")]
     args = (*feats, *params, readout, None, pair(h0))
-    with ti.block_sizes(16, 16, diag_loop=False):
-        o, final = ti.s4d_fwd(*args)
-        g = ti.s4d_bwd(*args, to_torch(do), pair(dht))
+    with chunks.block_sizes(16, 16, diag_loop=False):
+        o, final = s4d.s4d_fwd(*args)
+        g = s4d_grad.s4d_bwd(*args, to_torch(do), pair(dht))
 
     leaves = [x.clone().requires_grad_() for x in feats]
     cplx = [
@@ -304,7 +307,7 @@ def test_s4d_decode_steps_equal_the_chunked_kernel(readout):
     feats = [to_torch(case[k]) for k in ("fq", "kt", "vt")]
     state, outs = None, []
     for t in range(9):
-        step, state = ti.s4d_step(*(x[:, t] for x in feats), *params, readout, state)
+        step, state = s4d.s4d_step(*(x[:, t] for x in feats), *params, readout, state)
         assert state.shape == final.shape  # the state does not grow
         outs.append(step)
     assert rel_err(torch.stack(outs, 1).cpu(), o.cpu()) < 1e-13
@@ -312,10 +315,10 @@ def test_s4d_decode_steps_equal_the_chunked_kernel(readout):
 
 
 def test_s4d_is_registered_under_the_dispatch_names():
-    assert dispatch.lookup("s4d_fwd", "triton") is ti.s4d_fwd
-    assert dispatch.lookup("s4d_bwd", "triton") is ti.s4d_bwd
-    assert dispatch.lookup("legs_fwd", "triton") is ti.legs_fwd
-    assert dispatch.lookup("legs_bwd", "triton") is ti.legs_bwd
+    assert dispatch.lookup("s4d_fwd", "triton") is s4d.s4d_fwd
+    assert dispatch.lookup("s4d_bwd", "triton") is s4d_grad.s4d_bwd
+    assert dispatch.lookup("legs_fwd", "triton") is legs.legs_fwd
+    assert dispatch.lookup("legs_bwd", "triton") is legs.legs_bwd
 
 
 def s4d_args(T=5, H=2, M=3, R=4, V=3):
@@ -344,7 +347,7 @@ def test_s4d_bad_input_names_the_argument(change, match):
     args = [*s4d_args(), "linear", None, None]
     change(args)
     with pytest.raises(ValueError, match=match):
-        ti.s4d_fwd(*args)
+        s4d.s4d_fwd(*args)
 
 
 def test_s4d_varlen_needs_batch_one():
@@ -354,7 +357,7 @@ def test_s4d_varlen_needs_batch_one():
         *(pair(case[k]) for k in ("lam", "b", "c")),
     ]
     with pytest.raises(ValueError, match="batch size B = 1"):
-        ti.s4d_fwd(*args, "linear", torch.tensor([0, 2, 4], device=DEVICE), None)
+        s4d.s4d_fwd(*args, "linear", torch.tensor([0, 2, 4], device=DEVICE), None)
 
 
 # --------------------------------------------------------------------------------------------
@@ -371,9 +374,9 @@ def legs_case(seed, B=1, H=2, T=20, R=4, V=3):
 
 def check_legs(case, do, M, dtype="float64", blocks=None, cu=None):
     args = (*(to_torch(case[k], dtype) for k in ("fq", "fk", "v")), M, cu)
-    with ti.block_sizes(*blocks) if blocks else contextlib.nullcontext():
-        o = ti.legs_fwd(*args)
-        g = ti.legs_bwd(*args, to_torch(do, dtype))
+    with chunks.block_sizes(*blocks) if blocks else contextlib.nullcontext():
+        o = legs.legs_fwd(*args)
+        g = legs.legs_bwd(*args, to_torch(do, dtype))
     assert o.dtype == DTYPES[dtype] and all(x.dtype == DTYPES[dtype] for x in g)
     r = {k: round_to(v, dtype) for k, v in case.items()}
     do_r = round_to(do, dtype)
@@ -428,7 +431,7 @@ def test_legs_chunk_tables_are_the_closed_form_transitions():
     from scipy.linalg import expm
 
     M, chunk = 6, 8
-    phi, weights = ti.legs_chunk_tables(M, chunk, 24)
+    phi, weights = legs.legs_chunk_tables(M, chunk, 24)
     A, Bv = hippo.legs_transition(M)
     transition = lambda n, j: expm(-A * np.log(n / j)) if j > 0 else np.zeros((M, M))  # noqa: E731
     for p in (0, 3, 7, 8, 13, 23):
@@ -468,10 +471,10 @@ def test_legs_diagonal_basis_is_too_ill_conditioned():
 def test_legs_decode_steps_equal_the_chunked_kernel():
     case, _ = legs_case(8, B=2, H=2, T=11, R=3, V=4)
     feats = [to_torch(case[k]) for k in ("fq", "fk", "v")]
-    o = ti.legs_fwd(*feats, 6, None)
+    o = legs.legs_fwd(*feats, 6, None)
     state, outs = None, []
     for t in range(11):
-        step, state = ti.legs_step(*(x[:, t] for x in feats), 6, state)
+        step, state = legs.legs_step(*(x[:, t] for x in feats), 6, state)
         assert state.c.shape == (2, 2, 6, 7) and state.n == t + 1
         outs.append(step)
     assert rel_err(torch.stack(outs, 1).cpu(), o.cpu()) < 1e-13
@@ -491,7 +494,7 @@ def test_legs_bad_input_names_the_argument(change, match):
     args = [*(to_torch(case[k]) for k in ("fq", "fk", "v")), 4, None]
     change(args)
     with pytest.raises(ValueError, match=match):
-        ti.legs_fwd(*args)
+        legs.legs_fwd(*args)
 
 
 # --------------------------------------------------------------------------------------------
@@ -520,9 +523,9 @@ def test_s4d_matches_the_eager_twin(readout):
         h0,
     )
     twin_fwd, twin_bwd = dispatch.lookup("s4d_fwd", "eager"), dispatch.lookup("s4d_bwd", "eager")
-    for got, want in zip(ti.s4d_fwd(*args), twin_fwd(*args), strict=True):
+    for got, want in zip(s4d.s4d_fwd(*args), twin_fwd(*args), strict=True):
         assert rel_err(got.cpu(), want.cpu()) < 1e-12
-    got = ti.s4d_bwd(*args, to_torch(do), dht)
+    got = s4d_grad.s4d_bwd(*args, to_torch(do), dht)
     for x, y in zip(got, twin_bwd(*args, to_torch(do), dht), strict=True):
         assert rel_err(x.cpu(), y.cpu()) < 1e-12
 
@@ -531,9 +534,9 @@ def test_legs_matches_the_eager_twin():
     cu = torch.tensor([0, 33, 34, 60], device=DEVICE)
     case, do = legs_case(33, B=1, H=1, T=60, R=3, V=5)
     args = (*(to_torch(case[k]) for k in ("fq", "fk", "v")), 12, cu)
-    o = ti.legs_fwd(*args)
+    o = legs.legs_fwd(*args)
     assert rel_err(o.cpu(), dispatch.lookup("legs_fwd", "eager")(*args).cpu()) < 1e-12
-    got = ti.legs_bwd(*args, to_torch(do))
+    got = legs.legs_bwd(*args, to_torch(do))
     for x, y in zip(got, dispatch.lookup("legs_bwd", "eager")(*args, to_torch(do)), strict=True):
         assert rel_err(x.cpu(), y.cpu()) < 1e-12
 
@@ -561,27 +564,3 @@ def test_gpu_s4d_dry_run():
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.count(": pass (") == 4 and "FAIL" not in run.stdout
     assert "S4D summary" in run.stdout and "fwd+bwd" in run.stdout
-
-
-def test_kernels_compile_for_sm90(tmp_path):
-    """The interpreter accepts code a GPU compiler rejects: ``python -m bench.gpu_s4d
-    --compile-only`` compiles every Interdomain kernel to sm90 (H200) machine code at the GPU
-    tiles with this triton and its ptxas (no GPU needed)."""
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton.backends.nvidia")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    run = subprocess.run(
-        [sys.executable, "-m", "bench.gpu_s4d", "--compile-only"],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
-    kernels = [line.split()[0] for line in run.stdout.splitlines() if "registers" in line]
-    assert len(kernels) == 13 and {"_s4d_state_pass", "_legs_bwd_inputs"} <= set(kernels)

@@ -24,6 +24,7 @@ count the distinct programs they ask for and clear JAX's caches every ``PROGRAM_
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any
 
 import jax
@@ -255,6 +256,11 @@ class JaxBackend:
         with jax.enable_x64(True):
             return jax.device_put(jnp.asarray(np.asarray(x), dtype=jnp.dtype(dtype)), self._device)
 
+    def asarray_strided(self, x: np.ndarray, dtype: str, layout: str) -> jax.Array:
+        """Declined: a JAX array has no strides (a slice or transpose is a new array, and XLA
+        chooses the layouts of a program's operands)."""
+        raise NotImplementedError("JAX arrays have no strides; every input is a fresh array")
+
     def to_numpy(self, x: object) -> np.ndarray:
         if isinstance(x, jax.Array) and x.dtype == jnp.bfloat16:
             return np.asarray(x, dtype=np.float32)  # NumPy has no bfloat16: widen exactly
@@ -378,17 +384,34 @@ class JaxBackend:
         params = {"readout": readout, "cu_seqlens": cu_seqlens}
         return self._run("interdomain_s4d", inputs, params)["o"]
 
-    def fpa_layer(self, x: jax.Array, params: dict[str, jax.Array]) -> jax.Array:
-        with jax.enable_x64(True):
-            _count_program("fpa_layer", self.implementation, None, {"x": x, **params})
-            return layers.fpa_layer(x, params, implementation=self.implementation)
-
-    def interdomain_layer(
-        self, x: jax.Array, params: dict[str, jax.Array], *, readout: str = "linear"
+    def fpa_layer(
+        self, x: jax.Array, params: dict[str, jax.Array], *, increments: str = "signed"
     ) -> jax.Array:
         with jax.enable_x64(True):
-            _count_program("interdomain_layer", self.implementation, readout, {"x": x, **params})
-            return layers.interdomain_layer(x, params, readout=readout)
+            _count_program("fpa_layer", self.implementation, increments, {"x": x, **params})
+            return layers.fpa_layer(
+                x, params, increments=increments, implementation=self.implementation
+            )
+
+    def interdomain_layer(
+        self,
+        x: jax.Array,
+        params: dict[str, jax.Array],
+        *,
+        readout: str = "linear",
+        **options: bool,
+    ) -> jax.Array:
+        """The layer with the options ``gate``, ``use_rope`` and ``output_norm`` it accepts;
+        the optional parameters (wg, norm_o_g) are passed only when their flag is on."""
+        accepted = inspect.signature(layers.interdomain_layer).parameters
+        flags = {"gate": "wg", "output_norm": "norm_o_g"}
+        dropped = {flags[f] for f, on in options.items() if f in flags and not on}
+        params = {n: p for n, p in params.items() if n not in dropped}
+        kwargs = {n: v for n, v in options.items() if n in accepted}
+        static = (readout, tuple(sorted(kwargs.items())))
+        with jax.enable_x64(True):
+            _count_program("interdomain_layer", self.implementation, static, {"x": x, **params})
+            return layers.interdomain_layer(x, params, readout=readout, **kwargs)
 
     # ---------------------------------------------------------------- gradients
 

@@ -9,6 +9,7 @@ dL/dRe and dL/dIm.
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 from typing import Any, ClassVar
@@ -54,7 +55,7 @@ class TorchBackend:
         "interdomain_layer",
     )
     VJPS = ("fpa_attention", "fox_attention", "interdomain_legs", "interdomain_s4d")
-    VARLEN = ("fpa_attention", "fox_attention", "interdomain_s4d")
+    VARLEN = ("fpa_attention", "fox_attention", "interdomain_s4d", "fpa_layer", "interdomain_layer")
     GQA = ("fpa_attention", "fox_attention")
 
     def __init__(self, device: str = "cpu"):
@@ -79,6 +80,21 @@ class TorchBackend:
 
     def asarray(self, x: np.ndarray, dtype: str) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(x)).to(self.device, TORCH_DTYPES[dtype])
+
+    def asarray_strided(self, x: np.ndarray, dtype: str, layout: str) -> torch.Tensor:
+        """``x`` (B, H, T, D) as a non-contiguous tensor view with the same values: ``"slice"``
+        the middle third of a (B, H, T, 3 D) tensor (q of a fused qkv projection),
+        ``"transpose"`` a (B, H, T, D) view of a (B, T, H, D) tensor."""
+        if layout == "slice":
+            D = x.shape[-1]
+            wide = torch.zeros(
+                (*x.shape[:-1], 3 * D), dtype=TORCH_DTYPES[dtype], device=self.device
+            )
+            wide[..., D : 2 * D] = self.asarray(x, dtype)
+            return wide[..., D : 2 * D]
+        if layout == "transpose":
+            return self.asarray(np.swapaxes(x, 1, 2), dtype).transpose(1, 2)
+        raise NotImplementedError(f"layout: unknown {layout!r}")
 
     def to_numpy(self, x: object) -> np.ndarray:
         if not isinstance(x, Tensor):
@@ -206,16 +222,38 @@ class TorchBackend:
         )
         return _heads_second(o)
 
-    def fpa_layer(self, x: Tensor, params: dict[str, Tensor]) -> Tensor:
+    def fpa_layer(
+        self,
+        x: Tensor,
+        params: dict[str, Tensor],
+        *,
+        cu_seqlens: tuple[int, ...] | None = None,
+        **options: Any,
+    ) -> Tensor:
+        layer = FirstPassageAttention.from_reference_params(params, **options)
         with torch.no_grad():
-            y: Tensor = FirstPassageAttention.from_reference_params(params)(x)
+            y: Tensor = layer(x, cu_seqlens=self._offsets(cu_seqlens))
         return y
 
     def interdomain_layer(
-        self, x: Tensor, params: dict[str, Tensor], *, readout: str = "linear"
+        self,
+        x: Tensor,
+        params: dict[str, Tensor],
+        *,
+        readout: str = "linear",
+        cu_seqlens: tuple[int, ...] | None = None,
+        **options: Any,
     ) -> Tensor:
+        """The module from the reference's parameter dict; the flags ``gate`` and
+        ``output_norm`` choose the optional parameters (wg, norm_o_g) it is given."""
+        accepted = inspect.signature(InterdomainAttention.from_reference_params).parameters
+        flags = {"gate": "wg", "output_norm": "norm_o_g"}
+        dropped = {flags[f] for f, on in options.items() if f in flags and not on}
+        params = {n: p for n, p in params.items() if n not in dropped}
+        kwargs = {n: v for n, v in options.items() if n in accepted}
+        layer = InterdomainAttention.from_reference_params(params, readout=readout, **kwargs)
         with torch.no_grad():
-            y: Tensor = InterdomainAttention.from_reference_params(params, readout=readout)(x)
+            y: Tensor = layer(x, cu_seqlens=self._offsets(cu_seqlens))
         return y
 
     # ---------------------------------------------------------------- gradients

@@ -1,0 +1,350 @@
+"""The chunk layer shared by the Interdomain Triton kernels (S4D and LegS).
+
+Host side: the tile sizes per device (:class:`Blocks`), the flat token axis split into
+sequences, chunks and sub-chunks (:class:`Layout`, the varlen tables), argument checks.
+Device side (``@triton.jit`` helpers): rows of ``[T, H, W]`` tensors, per-token mode buffers,
+tiles of a chunk state ``[M, C(, 2)]`` and the channel blocks of a state pass.
+
+Both variants run the same launch plan (derivations: docs/kernels-interdomain.md):
+
+1. a state pass, sequential over chunks of ``chunk`` tokens, one program per
+   (channel block, sequence, head), storing the state before every chunk;
+2. an output pass, one program per sub-chunk of ``sub_chunk`` tokens, reading the state
+   before its chunk and adding the interactions with the earlier tokens of the chunk.
+
+Precision: inputs in their dtype (bf16 / fp16 / fp32 / fp64), converted right after loading;
+states, tables and accumulation in float32 (float64 for float64 inputs); tl.dot in 3xTF32 for
+float32 inputs, TF32 for half inputs. Deterministic: no atomics; per-program partial sums are
+reduced by the launcher in a fixed order.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["Blocks", "Layout", "block_sizes"]
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """Tile sizes: ``chunk`` tokens per state-pass step, ``sub_chunk`` tokens per output program
+    (both powers of two, sub_chunk <= chunk; at least 16 on a GPU, where tl.dot needs it).
+
+    ``diag_loop`` walks the pairs inside a sub-chunk token by token with [BS, M] tiles, as
+    on a GPU; the interpreter default uses whole-chunk sub-chunks and [BS, BS, M] tiles, which
+    cost it far fewer operations. ``channels``: state channels per state-pass program (at most;
+    a power of two >= 16). Static resource use on sm_90: ``python -m bench.gpu_static_interdomain``.
+    """
+
+    chunk: int = 64
+    sub_chunk: int = 16
+    num_warps: int = 8
+    diag_loop: bool = True  # pairs inside a sub-chunk token by token (else as [BS, BS, M] tiles)
+    channels: int = 32
+
+
+# Per device capability; anything else takes the default. The interpreter counts operations,
+# not registers: whole chunks per program and wide channel blocks run fastest there.
+DEVICE_BLOCKS = {(9, 0): Blocks(), (8, 0): Blocks()}
+INTERPRETER_BLOCKS = Blocks(64, 64, 4, diag_loop=False, channels=64)
+_override: list[Blocks] = []
+
+
+@contextmanager
+def block_sizes(
+    chunk: int, sub_chunk: int, diag_loop: bool = True, num_warps: int = 4, channels: int = 64
+) -> Iterator[None]:
+    """Force the tile sizes inside the block (tests use small chunks in the interpreter)."""
+    for name, value in (("chunk", chunk), ("sub_chunk", sub_chunk)):
+        if value < 1 or value & (value - 1):
+            raise ValueError(f"{name}: expected a power of two, got {value}")
+    if sub_chunk > chunk:
+        raise ValueError(f"sub_chunk: expected at most chunk = {chunk}, got {sub_chunk}")
+    _override.append(Blocks(chunk, sub_chunk, num_warps, diag_loop, channels))
+    try:
+        yield
+    finally:
+        _override.pop()
+
+
+def blocks_for(device: torch.device) -> Blocks:
+    """The tile sizes a launch on ``device`` uses (an active :func:`block_sizes` first)."""
+    if _override:
+        return _override[-1]
+    if device.type == "cuda":
+        return DEVICE_BLOCKS.get(torch.cuda.get_device_capability(device), Blocks())
+    return INTERPRETER_BLOCKS
+
+
+def pow2(n: int, least: int = 16) -> int:
+    return max(least, triton.next_power_of_2(n))
+
+
+def acc_types(dtype: torch.dtype) -> tuple[torch.dtype, tl.dtype, str]:
+    """Accumulation dtype (torch, triton) and tl.dot precision for inputs of ``dtype``."""
+    if dtype == torch.float64:
+        return torch.float64, tl.float64, "ieee"
+    # fp32 inputs: 3xTF32 keeps fp32 accuracy on tensor cores; half inputs: one TF32 pass.
+    return torch.float32, tl.float32, "tf32x3" if dtype == torch.float32 else "tf32"
+
+
+def flat(x: torch.Tensor) -> torch.Tensor:
+    """[B, T, H, D] -> [B * T, H, D] on the flat token axis, contiguous."""
+    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]).contiguous()
+
+
+# --------------------------------------------------------------------------------------------
+# Sequences, chunks and sub-chunks (host side)
+
+
+class Layout(NamedTuple):
+    """Flat token axis split into sequences, chunks and sub-chunks.
+
+    cu: (N + 1,) int32 sequence offsets; chunk_offsets: (N + 1,) int32 first global chunk of each
+    sequence; chunk_info: (n_chunks, 2) int32 (start token, end token) of every chunk;
+    sub_info: (NS, 5) int32 rows (chunk start token, chunk end token, global chunk, sub-chunk
+    index, position of the chunk start in its sequence) for every output program.
+    """
+
+    cu: torch.Tensor
+    chunk_offsets: torch.Tensor
+    chunk_info: torch.Tensor
+    sub_info: torch.Tensor
+    N: int
+    n_chunks: int
+    n_sub: int
+    max_len: int
+
+
+_LAYOUTS: dict[tuple[tuple[int, ...], int, int, str], Layout] = {}
+
+
+def layout(cu_list: list[int], chunk: int, sub_chunk: int, device: torch.device) -> Layout:
+    """The :class:`Layout` of sequences with offsets ``cu_list`` (cached: the host loop and the
+    copies to the device run once per shape)."""
+    key = (tuple(cu_list), chunk, sub_chunk, str(device))
+    if key not in _LAYOUTS:
+        if len(_LAYOUTS) >= 64:
+            _LAYOUTS.pop(next(iter(_LAYOUTS)))
+        _LAYOUTS[key] = _build_layout(cu_list, chunk, sub_chunk, device)
+    return _LAYOUTS[key]
+
+
+def _build_layout(cu_list: list[int], chunk: int, sub_chunk: int, device: torch.device) -> Layout:
+    offsets: list[int] = [0]
+    chunks: list[tuple[int, int]] = []
+    info: list[tuple[int, int, int, int, int]] = []
+    for n in range(len(cu_list) - 1):
+        bos, eos = cu_list[n], cu_list[n + 1]
+        for k in range(-(-(eos - bos) // chunk)):
+            t0 = bos + k * chunk
+            t1 = min(t0 + chunk, eos)
+            g = offsets[-1] + k
+            chunks.append((t0, t1))
+            info.extend((t0, t1, g, i, t0 - bos) for i in range(-(-(t1 - t0) // sub_chunk)))
+        offsets.append(offsets[-1] + -(-(eos - bos) // chunk))
+    to = functools.partial(torch.tensor, dtype=torch.int32, device=device)
+    lengths = [b - a for a, b in itertools.pairwise(cu_list)]
+    return Layout(
+        to(cu_list),
+        to(offsets),
+        to(chunks).reshape(-1, 2),
+        to(info).reshape(-1, 5),
+        len(cu_list) - 1,
+        offsets[-1],
+        len(info),
+        max(lengths),
+    )
+
+
+def sequences(name: str, x: torch.Tensor, cu_seqlens: torch.Tensor | None) -> list[int]:
+    """Sequence offsets on the flat token axis of x [B, T, ...] as a Python list."""
+    B, T = x.shape[:2]
+    if cu_seqlens is None:
+        return [i * T for i in range(B + 1)]
+    if B != 1:
+        raise ValueError(f"{name}: with cu_seqlens expected batch size B = 1, got B = {B}")
+    if cu_seqlens.ndim != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"cu_seqlens: expected a 1-D int32/int64 tensor, got {cu_seqlens.dtype} "
+            f"of shape {tuple(cu_seqlens.shape)}"
+        )
+    if cu_seqlens.device != x.device:
+        raise ValueError(f"cu_seqlens: expected device {x.device}, got {cu_seqlens.device}")
+    cu = cu_seqlens.tolist()
+    if len(cu) < 2 or cu[0] != 0 or cu[-1] != T or any(b <= a for a, b in itertools.pairwise(cu)):
+        raise ValueError(
+            f"cu_seqlens: expected strictly increasing offsets from 0 to T = {T}, got {cu}"
+        )
+    return cu
+
+
+def check_inputs(
+    names: Sequence[str],
+    tensors: Sequence[torch.Tensor],
+    widths: Sequence[int | None] | None = None,
+) -> None:
+    """Same device, a floating dtype shared by all, [B, T, H, *] with matching B, T, H."""
+    ref = tensors[0]
+    if ref.ndim != 4:
+        raise ValueError(f"{names[0]}: expected [B, T, H, D], got shape {tuple(ref.shape)}")
+    if ref.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        raise ValueError(f"{names[0]}: expected a floating dtype, got {ref.dtype}")
+    if ref.shape[1] < 1:
+        raise ValueError(f"{names[0]}: expected T >= 1, got shape {tuple(ref.shape)}")
+    for name, x, width in zip(names, tensors, widths or [None] * len(names), strict=True):
+        if x.device != ref.device:
+            raise ValueError(
+                f"{name}: expected device {ref.device} (as {names[0]}), got {x.device}"
+            )
+        if x.dtype != ref.dtype:
+            raise ValueError(f"{name}: expected dtype {ref.dtype} (as {names[0]}), got {x.dtype}")
+        expected = (*ref.shape[:3], width if width is not None else x.shape[-1])
+        if x.ndim != 4 or tuple(x.shape) != expected:
+            raise ValueError(f"{name}: expected shape {expected}, got {tuple(x.shape)}")
+
+
+def check_param(name: str, x: torch.Tensor, shape: tuple[int, ...], device: torch.device) -> None:
+    if tuple(x.shape) != shape:
+        raise ValueError(f"{name}: expected shape {shape} (re, im last), got {tuple(x.shape)}")
+    if x.device != device:
+        raise ValueError(f"{name}: expected device {device}, got {x.device}")
+    if x.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"{name}: expected float32 or float64, got {x.dtype}")
+    if not torch.isfinite(x).all():
+        raise ValueError(f"{name}: contains NaN or Inf")
+
+
+def check_cotangent(name: str, x: torch.Tensor, like: torch.Tensor) -> None:
+    """A cotangent with the shape, dtype and device of the output it belongs to."""
+    if tuple(x.shape) != tuple(like.shape) or x.device != like.device or x.dtype != like.dtype:
+        raise ValueError(
+            f"{name}: expected shape {tuple(like.shape)}, dtype {like.dtype} on {like.device}, "
+            f"got {tuple(x.shape)}, {x.dtype} on {x.device}"
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Device side
+
+
+@triton.jit
+def sub_chunk(sub_info: tl.tensor, i_p: tl.tensor) -> tuple[tl.tensor, ...]:
+    """Row i_p of the sub-chunk table: (chunk start t0, chunk end t1, global chunk g,
+    sub-chunk index i_s, position of t0 in its sequence)."""
+    row = sub_info + i_p * 5
+    return tl.load(row), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3), tl.load(row + 4)
+
+
+@triton.jit
+def channel_block(
+    i_c: tl.tensor, NKB: tl.tensor, R: tl.tensor, V: tl.tensor, BC: tl.constexpr
+) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
+    """The state columns of channel block i_c: the first NKB blocks hold the R key-path channels,
+    the next ones the V value channels. Returns (index within its input, column of the state
+    [R + V], mask)."""
+    o_c = tl.arange(0, BC)
+    if i_c < NKB:
+        c_loc = i_c * BC + o_c
+        c_st = c_loc
+        m_c = c_loc < R
+    else:
+        c_loc = (i_c - NKB) * BC + o_c
+        c_st = R + c_loc
+        m_c = c_loc < V
+    return c_loc, c_st, m_c
+
+
+@triton.jit
+def load_rows(
+    src: tl.tensor,
+    tok: tl.tensor,
+    i_h: tl.tensor,
+    H: tl.tensor,
+    W: tl.tensor,
+    o_d: tl.tensor,
+    m_t: tl.tensor,
+    ACC: tl.constexpr,
+) -> tl.tensor:
+    """Rows tok of a [T, H, W] tensor, head i_h, columns o_d (zero outside), in ACC."""
+    ptr = src + (tok.to(tl.int64)[:, None] * H + i_h) * W + o_d[None, :]
+    return tl.load(ptr, mask=m_t[:, None] & (o_d < W)[None, :], other=0.0).to(ACC)
+
+
+@triton.jit
+def store_rows(
+    dst: tl.tensor,
+    x: tl.tensor,
+    tok: tl.tensor,
+    i_h: tl.tensor,
+    H: tl.tensor,
+    W: tl.tensor,
+    o_d: tl.tensor,
+    m_t: tl.tensor,
+) -> None:
+    """Store x into rows tok of a [T, H, W] tensor, head i_h, columns o_d (the mirror of
+    :func:`load_rows`), in the tensor's dtype."""
+    ptr = dst + (tok.to(tl.int64)[:, None] * H + i_h) * W + o_d[None, :]
+    tl.store(ptr, x.to(dst.dtype.element_ty), mask=m_t[:, None] & (o_d < W)[None, :])
+
+
+@triton.jit
+def load_modes(
+    buf: tl.tensor, tok: tl.tensor, i_h: tl.tensor, H: tl.tensor, m_t: tl.tensor, BM: tl.constexpr
+) -> tuple[tl.tensor, tl.tensor]:
+    """Rows tok of a per-token mode buffer [T, H, 2, BM]: (re, im) [BS, BM]."""
+    ptr = buf + (tok.to(tl.int64)[:, None] * H + i_h) * 2 * BM + tl.arange(0, BM)[None, :]
+    return (
+        tl.load(ptr, mask=m_t[:, None], other=0.0),
+        tl.load(ptr + BM, mask=m_t[:, None], other=0.0),
+    )
+
+
+@triton.jit
+def store_modes(
+    buf: tl.tensor,
+    re: tl.tensor,
+    im: tl.tensor,
+    tok: tl.tensor,
+    i_h: tl.tensor,
+    H: tl.tensor,
+    m_t: tl.tensor,
+    BM: tl.constexpr,
+) -> None:
+    """The mirror of :func:`load_modes`."""
+    ptr = buf + (tok.to(tl.int64)[:, None] * H + i_h) * 2 * BM + tl.arange(0, BM)[None, :]
+    tl.store(ptr, re, mask=m_t[:, None])
+    tl.store(ptr + BM, im, mask=m_t[:, None])
+
+
+@triton.jit
+def state_tile(
+    s0: tl.tensor,
+    c_off: tl.tensor,
+    W: tl.tensor,
+    C: tl.tensor,
+    M: tl.tensor,
+    BD: tl.constexpr,
+    BM: tl.constexpr,
+    TRANS: tl.constexpr,
+) -> tuple[tl.tensor, tl.tensor]:
+    """Channels c_off..c_off+W of a complex state [M, C, 2]: (re, im) [BM, BD], or [BD, BM]
+    if TRANS."""
+    o_d = tl.arange(0, BD)
+    o_m = tl.arange(0, BM)
+    if TRANS:
+        ptr = s0 + (o_m[None, :] * C + c_off + o_d[:, None]) * 2
+        mask = (o_d < W)[:, None] & (o_m < M)[None, :]
+    else:
+        ptr = s0 + (o_m[:, None] * C + c_off + o_d[None, :]) * 2
+        mask = (o_m < M)[:, None] & (o_d < W)[None, :]
+    return tl.load(ptr, mask=mask, other=0.0), tl.load(ptr + 1, mask=mask, other=0.0)

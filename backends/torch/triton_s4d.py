@@ -1,0 +1,769 @@
+"""Triton kernels for the S4D core of Interdomain Attention, (I11)-(I13), and its decode step.
+
+Registered in :mod:`.dispatch` as impl ``"triton"`` of ``s4d_fwd`` (``s4d_bwd``: the gradient
+kernels in :mod:`.triton_s4d_bwd`); layout ``[B, T, H, D]`` (varlen: B = 1 and ``cu_seqlens``);
+the launch plan of :mod:`.triton_chunks`. The derivations (C folded into the query side as
+G = C^H C, the two gated sums, the split of Lambda^(t-u) at a sub-chunk start, the adjoint passes)
+are in docs/kernels-interdomain.md, sections S1-S6, cited below as [S1]...; notation:
+p_t = x^K_t fq_t, qe_t = G p_t, o_t = Re(qe_t^H x^V_t), every power Lambda^k from a per-head
+table built in complex128.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from . import dispatch
+from .triton_chunks import (
+    Layout,
+    acc_types,
+    blocks_for,
+    channel_block,
+    check_inputs,
+    check_param,
+    flat,
+    layout,
+    load_rows,
+    pow2,
+    sequences,
+    state_tile,
+    store_rows,
+    sub_chunk,
+)
+
+__all__ = ["s4d_fwd", "s4d_step"]
+
+
+# --------------------------------------------------------------------------------------------
+# Tables (host side)
+
+
+class Tables(NamedTuple):
+    """Per-head tables, each [H, 2, chunk + 2, BM] (re, im planes) for k = 0..chunk: pw =
+    Lambda^k, dpw = k Lambda^(k-1), gs = sum_{j<k} Lambda^j, dgs = sum_{j<k} j Lambda^(j-1).
+    Row chunk + 1 and the modes beyond M are zero: kernels send masked pairs there."""
+
+    pw: torch.Tensor
+    dpw: torch.Tensor
+    gs: torch.Tensor
+    dgs: torch.Tensor
+
+
+def power_tables(lam: torch.Tensor, chunk: int, BM: int, acc: torch.dtype) -> Tables:
+    """The :class:`Tables` of lam [H, M, 2], by a complex128 running product: Lambda = 0 gives
+    exact zeros (0^0 = 1) and no power is formed with a negative exponent."""
+    lam_c = torch.view_as_complex(lam.to(torch.float64).contiguous())  # (H, M)
+    H, M = lam_c.shape
+    pw = torch.ones(H, chunk + 1, M, dtype=torch.complex128, device=lam.device)
+    pw[:, 1:] = torch.cumprod(lam_c[:, None, :].expand(H, chunk, M), dim=1)
+    k = torch.arange(1, chunk + 1, device=lam.device, dtype=torch.float64)
+    dpw = torch.zeros_like(pw)
+    dpw[:, 1:] = k[None, :, None] * pw[:, :-1]  # d/dLambda Lambda^k
+    gs, dgs = torch.zeros_like(pw), torch.zeros_like(pw)
+    gs[:, 1:] = torch.cumsum(pw[:, :-1], dim=1)
+    dgs[:, 1:] = torch.cumsum(dpw[:, :-1], dim=1)
+    tables = []
+    for x in (pw, dpw, gs, dgs):
+        t = torch.zeros(H, 2, chunk + 2, BM, dtype=acc, device=lam.device)
+        t[:, 0, : chunk + 1, :M] = x.real.to(acc)
+        t[:, 1, : chunk + 1, :M] = x.imag.to(acc)
+        tables.append(t)
+    return Tables(*tables)
+
+
+def gram(c: torch.Tensor, BM: int, acc: torch.dtype) -> torch.Tensor:
+    """G = C^H C per head as [H, 2, BM, BM] (re, im planes, zero-padded)."""
+    c_c = torch.view_as_complex(c.to(torch.float64).contiguous())
+    G = c_c.conj().transpose(-1, -2) @ c_c
+    H, M = G.shape[:2]
+    out = torch.zeros(H, 2, BM, BM, dtype=acc, device=c.device)
+    out[:, 0, :M, :M] = G.real.to(acc)
+    out[:, 1, :M, :M] = G.imag.to(acc)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Device helpers. Complex values are (re, im) tuples; a sub-chunk is sc = (t0, t1, i_s, i_h, H):
+# its chunk's first and end tokens, its index in the chunk, the head and the number of heads.
+
+
+@triton.jit
+def cmul(a: tl.tuple, b: tl.tuple) -> tl.tuple:
+    """a b, complex, broadcasting."""
+    return a[0] * b[0] - a[1] * b[1], a[0] * b[1] + a[1] * b[0]
+
+
+@triton.jit
+def cadd(a: tl.tuple, b: tl.tuple) -> tl.tuple:
+    return a[0] + b[0], a[1] + b[1]
+
+
+@triton.jit
+def cdot(a: tl.tuple, b: tl.tuple, PREC: tl.constexpr) -> tl.tuple:
+    """The complex matmul a b from four real ones."""
+    re = tl.dot(a[0], b[0], input_precision=PREC) - tl.dot(a[1], b[1], input_precision=PREC)
+    im = tl.dot(a[0], b[1], input_precision=PREC) + tl.dot(a[1], b[0], input_precision=PREC)
+    return re, im
+
+
+@triton.jit
+def b_modes(
+    b: tl.tensor, i_h: tl.tensor, M: tl.tensor, BM: tl.constexpr, ACC: tl.constexpr
+) -> tl.tuple:
+    """b of head i_h from [H, M, 2]: (re, im) [BM], zero beyond M."""
+    o_m = tl.arange(0, BM)
+    ptr = b + (i_h * M + o_m) * 2
+    return (
+        tl.load(ptr, mask=o_m < M, other=0.0).to(ACC),
+        tl.load(ptr + 1, mask=o_m < M, other=0.0).to(ACC),
+    )
+
+
+@triton.jit
+def pow_at(
+    tab: tl.tensor, k: tl.tensor, o_m: tl.tensor, TAB: tl.constexpr, BM: tl.constexpr
+) -> tl.tuple:
+    """The table entry at row k of each mode (k broadcast against o_m)."""
+    off = k * BM + o_m
+    return tl.load(tab + off), tl.load(tab + TAB + off)
+
+
+@triton.jit
+def rows_of(sc: tl.tuple, BS: tl.constexpr) -> tl.tuple:
+    """The tokens of sub-chunk sc, their mask, and the sub-chunk's first token n."""
+    t0, t1, i_s, _, _ = sc
+    n_i = t0 + i_s * BS
+    tok = n_i + tl.arange(0, BS)
+    return tok, tok < t1, n_i
+
+
+@triton.jit
+def s4d_mix(p: tl.tuple, g_h: tl.tensor, BM: tl.constexpr, PREC: tl.constexpr) -> tl.tuple:
+    """qe_t = G p_t for every row t, i.e. P G^T, G = C^H C of this head (I12) [S1]."""
+    o_m = tl.arange(0, BM)
+    ptr = g_h + o_m[None, :] * BM + o_m[:, None]  # [n, m] holds G[m, n]
+    return cdot(p, (tl.load(ptr), tl.load(ptr + BM * BM)), PREC)
+
+
+@triton.jit
+def s4d_offdiag(
+    b_q: tl.tensor,
+    src: tl.tensor,
+    W: tl.tensor,
+    tab: tl.tensor,
+    sc: tl.tuple,
+    BS: tl.constexpr,
+    BD: tl.constexpr,
+    BM: tl.constexpr,
+    TAB: tl.constexpr,
+    ACC: tl.constexpr,
+    PREC: tl.constexpr,
+) -> tl.tuple:
+    """sum over the earlier sub-chunks of the chunk of (q_t . z_u) T[n - u], n the start of
+    this sub-chunk, T the table tab: one [BS, BS] x [BS, BM] matmul per sub-chunk [S2]."""
+    t0, _, i_s, i_h, H = sc
+    n_i = t0 + i_s * BS
+    o_s = tl.arange(0, BS)
+    o_m = tl.arange(0, BM)
+    a_re = tl.zeros([BS, BM], dtype=ACC)
+    a_im = tl.zeros([BS, BM], dtype=ACC)
+    for j in range(0, i_s):
+        tok_u = t0 + j * BS + o_s
+        b_k = load_rows(src, tok_u, i_h, H, W, tl.arange(0, BD), tok_u < n_i, ACC)
+        a = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)  # q_t . z_u [BS, BS]
+        w_re, w_im = pow_at(tab, (n_i - tok_u)[:, None], o_m[None, :], TAB, BM)
+        a_re += tl.dot(a, w_re, input_precision=PREC)
+        a_im += tl.dot(a, w_im, input_precision=PREC)
+    return a_re, a_im
+
+
+@triton.jit
+def s4d_diag(
+    b_q: tl.tensor,
+    src: tl.tensor,
+    W: tl.tensor,
+    tab: tl.tensor,
+    sc: tl.tuple,
+    acc: tl.tuple,
+    BT: tl.constexpr,
+    BS: tl.constexpr,
+    BD: tl.constexpr,
+    BM: tl.constexpr,
+    TAB: tl.constexpr,
+    DIAG_LOOP: tl.constexpr,
+    ACC: tl.constexpr,
+    PREC: tl.constexpr,
+) -> tl.tuple:
+    """acc + the sum over the pairs u <= t of this sub-chunk of (q_t . z_u) T[t - u]: token by
+    token with [BS, BM] tiles (DIAG_LOOP), else as one [BS, BS, BM] tile [S2]."""
+    _, t1, _, i_h, H = sc
+    tok, m_t, n_i = rows_of(sc, BS)
+    o_s = tl.arange(0, BS)
+    o_d = tl.arange(0, BD)
+    o_m = tl.arange(0, BM)
+    t_re, t_im = acc
+    if DIAG_LOOP:
+        for u in range(0, BS):
+            tok_u = n_i + u
+            m_u = o_d < tl.where(tok_u < t1, W, 0)
+            z_u = tl.load(src + (tok_u.to(tl.int64) * H + i_h) * W + o_d, mask=m_u, other=0.0)
+            a_u = tl.sum(b_q * z_u.to(ACC)[None, :], axis=1)  # q_t . z_u [BS]
+            w_re, w_im = pow_at(
+                tab, tl.where(o_s >= u, o_s - u, BT + 1)[:, None], o_m[None, :], TAB, BM
+            )
+            t_re += a_u[:, None] * w_re
+            t_im += a_u[:, None] * w_im
+    else:
+        a = tl.dot(
+            b_q, tl.trans(load_rows(src, tok, i_h, H, W, o_d, m_t, ACC)), input_precision=PREC
+        )
+        lag = o_s[:, None] - o_s[None, :]
+        k_d = tl.where((lag >= 0) & m_t[None, :], lag, BT + 1)[:, :, None]
+        w_re, w_im = pow_at(tab, k_d, o_m[None, None, :], TAB, BM)
+        t_re += tl.sum(a[:, :, None] * w_re, axis=1)
+        t_im += tl.sum(a[:, :, None] * w_im, axis=1)
+    return t_re, t_im
+
+
+@triton.jit
+def _s4d_chunk_sum(
+    b_q: tl.tensor,
+    src: tl.tensor,
+    W: tl.tensor,
+    pw: tl.tensor,
+    sc: tl.tuple,
+    BT: tl.constexpr,
+    BS: tl.constexpr,
+    BD: tl.constexpr,
+    BM: tl.constexpr,
+    TAB: tl.constexpr,
+    DIAG_LOOP: tl.constexpr,
+    ACC: tl.constexpr,
+    PREC: tl.constexpr,
+) -> tl.tuple:
+    """sum_{t0<=u<=t} Lambda^(t-u) (q_t . z_u) for the rows t of sub-chunk sc, [BS, BM]:
+    Lambda^(t-n) Lambda^(n-u) for the earlier sub-chunks, Lambda^(t-u) inside this one [S2]."""
+    fs = pow_at(pw, tl.arange(0, BS)[:, None], tl.arange(0, BM)[None, :], TAB, BM)
+    t = cmul(fs, s4d_offdiag(b_q, src, W, pw, sc, BS, BD, BM, TAB, ACC, PREC))
+    return s4d_diag(b_q, src, W, pw, sc, t, BT, BS, BD, BM, TAB, DIAG_LOOP, ACC, PREC)
+
+
+@triton.jit
+def s4d_readout(
+    q: tl.tuple,
+    src: tl.tensor,
+    W: tl.tensor,
+    s0: tl.tensor,
+    c_off: tl.tensor,
+    pw: tl.tensor,
+    b: tl.tuple,
+    sc: tl.tuple,
+    C: tl.tensor,
+    M: tl.tensor,
+    BT: tl.constexpr,
+    BS: tl.constexpr,
+    BD: tl.constexpr,
+    BM: tl.constexpr,
+    TAB: tl.constexpr,
+    DIAG_LOOP: tl.constexpr,
+    ACC: tl.constexpr,
+    PREC: tl.constexpr,
+) -> tl.tensor:
+    """out_t[c] = Re(q_t^H x_t[:, c]) over the channels [c_off, c_off + W) of the state for the
+    rows of sub-chunk sc: the state part, then a gated attention with scores
+    S[t, u] = Re(sum_m conj(q_t[m]) b_m Lambda_m^(t-u)) [S3]. Returns out [BS, BD]."""
+    t0, t1, i_s, i_h, H = sc
+    tok, m_t, n_i = rows_of(sc, BS)
+    q_re, q_im = q
+    b_re, b_im = b[0][None, :], b[1][None, :]
+    o_s = tl.arange(0, BS)
+    o_d = tl.arange(0, BD)
+    o_m = tl.arange(0, BM)
+    out = tl.zeros([BS, BD], dtype=ACC)
+    fs_re, fs_im = pow_at(pw, o_s[:, None], o_m[None, :], TAB, BM)
+    qf_re = q_re * fs_re + q_im * fs_im
+    qf_im = q_im * fs_re - q_re * fs_im
+    for j in range(0, i_s):
+        tok_u = t0 + j * BS + o_s
+        wk_re, wk_im = cmul(b, pow_at(pw, (n_i - tok_u)[:, None], o_m[None, :], TAB, BM))
+        s = tl.dot(qf_re, tl.trans(wk_re), input_precision=PREC)
+        s += tl.dot(qf_im, tl.trans(wk_im), input_precision=PREC)  # [BS, BS]
+        z = load_rows(src, tok_u, i_h, H, W, o_d, tok_u < n_i, ACC)
+        out += tl.dot(s, z, input_precision=PREC)
+    if DIAG_LOOP:
+        for u in range(0, BS):
+            tok_u = n_i + u
+            m_u = o_d < tl.where(tok_u < t1, W, 0)
+            z_u = tl.load(src + (tok_u.to(tl.int64) * H + i_h) * W + o_d, mask=m_u, other=0.0)
+            k_u = tl.where(o_s >= u, o_s - u, BT + 1)[:, None]
+            wk_re, wk_im = cmul(b, pow_at(pw, k_u, o_m[None, :], TAB, BM))
+            s_u = tl.sum(q_re * wk_re + q_im * wk_im, axis=1)  # S[:, u]
+            out += s_u[:, None] * z_u.to(ACC)[None, :]
+    else:
+        lag = o_s[:, None] - o_s[None, :]
+        k_d = tl.where((lag >= 0) & m_t[None, :], lag, BT + 1)[:, :, None]
+        w_re, w_im = pow_at(pw, k_d, o_m[None, None, :], TAB, BM)
+        bd_re = b_re[:, None, :] * w_re - b_im[:, None, :] * w_im
+        bd_im = b_re[:, None, :] * w_im + b_im[:, None, :] * w_re
+        s = tl.sum(q_re[:, None, :] * bd_re + q_im[:, None, :] * bd_im, axis=2)
+        out += tl.dot(s, load_rows(src, tok, i_h, H, W, o_d, m_t, ACC), input_precision=PREC)
+    fi_re, fi_im = pow_at(pw, (tok - t0 + 1)[:, None], o_m[None, :], TAB, BM)
+    s_re, s_im = state_tile(s0, c_off, W, C, M, BD, BM, False)
+    # Re(conj(q Lambda^(t-t0+1)) S0) [S3]
+    out += tl.dot(q_re * fi_re + q_im * fi_im, s_re.to(ACC), input_precision=PREC)
+    out += tl.dot(q_im * fi_re - q_re * fi_im, s_im.to(ACC), input_precision=PREC)
+    return out
+
+
+@triton.jit
+def ones_readout(
+    s0: tl.tensor,
+    c_one: tl.tensor,
+    tabs: tl.tuple,
+    b: tl.tuple,
+    sc: tl.tuple,
+    C: tl.tensor,
+    M: tl.tensor,
+    BS: tl.constexpr,
+    BM: tl.constexpr,
+    TAB: tl.constexpr,
+) -> tl.tuple:
+    """The ones channel of the ratio readout (I13) for the rows of sub-chunk sc [S3]:
+    x^1_t = Lambda^k x^1_{t0-1} + b sum_{j<k} Lambda^j, k = t - t0 + 1, from the tables
+    tabs = (Lambda^k, sum_{j<k} Lambda^j). Returns (x^1_t, sum_{j<k} Lambda^j), [BS, BM]."""
+    tok, _, _ = rows_of(sc, BS)
+    o_m = tl.arange(0, BM)
+    k_i = (tok - sc[0] + 1)[:, None]
+    ptr = s0 + (o_m * C + c_one) * 2
+    s1 = tl.load(ptr, mask=o_m < M, other=0.0), tl.load(ptr + 1, mask=o_m < M, other=0.0)
+    g = pow_at(tabs[1], k_i, o_m[None, :], TAB, BM)
+    x1 = cadd(
+        cmul(pow_at(tabs[0], k_i, o_m[None, :], TAB, BM), (s1[0][None, :], s1[1][None, :])),
+        cmul(b, g),
+    )
+    return x1, g
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels
+
+
+@triton.jit
+def _s4d_state_pass(
+    kt: tl.tensor,
+    vt: tl.tensor,
+    b: tl.tensor,
+    pw: tl.tensor,
+    h0: tl.tensor,
+    states: tl.tensor,
+    ht: tl.tensor,
+    cu: tl.tensor,
+    chunk_offsets: tl.tensor,
+    H: tl.tensor,
+    R: tl.tensor,
+    V: tl.tensor,
+    CV: tl.tensor,
+    M: tl.tensor,
+    C: tl.tensor,
+    NKB: tl.tensor,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
+    BM: tl.constexpr,
+    TAB: tl.constexpr,
+    RATIO: tl.constexpr,
+    USE_H0: tl.constexpr,
+    ACC: tl.constexpr,
+    PREC: tl.constexpr,
+) -> None:
+    """(I11) chunk by chunk: store the state before each chunk, then
+    x_e = Lambda^L x_{t0-1} + sum_u b Lambda^(e-u) z_u [S1]. Grid (channel blocks, N * H);
+    blocks < NKB hold key channels, the rest value channels (and the ones channel of the ratio
+    readout)."""
+    i_c, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, eos = tl.load(cu + i_n), tl.load(cu + i_n + 1)
+    g0 = tl.load(chunk_offsets + i_n)
+    o_m = tl.arange(0, BM)
+    o_t = tl.arange(0, BT)
+    c_loc, c_st, m_c = channel_block(i_c, NKB, R, CV, BC)
+    p_hm = (o_m[:, None] * C + c_st[None, :]) * 2
+    m_hm = (o_m < M)[:, None] & m_c[None, :]
+    b_re, b_im = b_modes(b, i_h, M, BM, ACC)
+    pw_h = pw + i_h * 2 * TAB
+    s_re = tl.zeros([BM, BC], dtype=ACC)
+    s_im = tl.zeros([BM, BC], dtype=ACC)
+    if USE_H0:
+        p_h0 = h0 + i_nh.to(tl.int64) * M * C * 2 + p_hm
+        s_re = tl.load(p_h0, mask=m_hm, other=0.0).to(ACC)
+        s_im = tl.load(p_h0 + 1, mask=m_hm, other=0.0).to(ACC)
+    for k in range(0, tl.cdiv(eos - bos, BT)):
+        t0 = bos + k * BT
+        L = tl.minimum(BT, eos - t0)
+        p_st = states + ((g0 + k) * H + i_h).to(tl.int64) * M * C * 2 + p_hm
+        tl.store(p_st, s_re, mask=m_hm)
+        tl.store(p_st + 1, s_im, mask=m_hm)
+        tok = t0 + o_t
+        m_t = o_t < L
+        if i_c < NKB:
+            z = load_rows(kt, tok, i_h, H, R, c_loc, m_t, ACC)
+        else:
+            z = load_rows(vt, tok, i_h, H, V, c_loc, m_t, ACC)
+            if RATIO:
+                z = tl.where(m_t[:, None] & (c_loc == V)[None, :], 1.0, z)
+        w = pow_at(pw_h, tl.maximum(L - 1 - o_t, 0)[None, :], o_m[:, None], TAB, BM)
+        wb_re, wb_im = cmul((b_re[:, None], b_im[:, None]), w)  # b Lambda^(e-u)
+        d_re, d_im = pow_at(pw_h, L, o_m, TAB, BM)  # Lambda^L
+        s_re, s_im = cmul((d_re[:, None], d_im[:, None]), (s_re, s_im))
+        s_re += tl.dot(wb_re, z, input_precision=PREC)
+        s_im += tl.dot(wb_im, z, input_precision=PREC)
+    p_ht = ht + i_nh.to(tl.int64) * M * C * 2 + p_hm
+    tl.store(p_ht, s_re, mask=m_hm)
+    tl.store(p_ht + 1, s_im, mask=m_hm)
+
+
+@triton.jit
+def _s4d_output(
+    fq: tl.tensor,
+    kt: tl.tensor,
+    vt: tl.tensor,
+    o: tl.tensor,
+    states: tl.tensor,
+    pw: tl.tensor,
+    gs: tl.tensor,
+    b: tl.tensor,
+    gmat: tl.tensor,
+    sub_info: tl.tensor,
+    H: tl.tensor,
+    R: tl.tensor,
+    V: tl.tensor,
+    M: tl.tensor,
+    C: tl.tensor,
+    BT: tl.constexpr,
+    BS: tl.constexpr,
+    BR: tl.constexpr,
+    BV: tl.constexpr,
+    BM: tl.constexpr,
+    TAB: tl.constexpr,
+    RATIO: tl.constexpr,
+    DIAG_LOOP: tl.constexpr,
+    ACC: tl.constexpr,
+    PREC: tl.constexpr,
+) -> None:
+    """(I12)-(I13) for the rows of one sub-chunk: p_t = x^K_t fq_t, qe_t = G p_t,
+    o_t = Re(qe_t^H x^V_t), divided by Re(qe_t^H x^1_t) for the ratio readout [S1].
+    Grid (sub-chunks, H)."""
+    i_p, i_h = tl.program_id(0), tl.program_id(1)
+    t0, t1, g, i_s, _ = sub_chunk(sub_info, i_p)
+    sc = (t0, t1, i_s, i_h, H)
+    tok, m_t, _ = rows_of(sc, BS)
+    o_m = tl.arange(0, BM)
+    b_c = b_modes(b, i_h, M, BM, ACC)
+    pw_h = pw + i_h * 2 * TAB
+    s0 = states + (g * H + i_h).to(tl.int64) * M * C * 2
+    fi = pow_at(pw_h, (tok - t0 + 1)[:, None], o_m[None, :], TAB, BM)  # Lambda^(t-t0+1)
+    b_q = load_rows(fq, tok, i_h, H, R, tl.arange(0, BR), m_t, ACC)
+    s_re, s_im = state_tile(s0, 0, R, C, M, BR, BM, True)
+    y = tl.dot(b_q, s_re, input_precision=PREC), tl.dot(b_q, s_im, input_precision=PREC)
+    t = _s4d_chunk_sum(b_q, kt, R, pw_h, sc, BT, BS, BR, BM, TAB, DIAG_LOOP, ACC, PREC)
+    p = cadd(cmul(fi, y), cmul(b_c, t))  # p_t = Lambda^(t-t0+1) S0 q_t + b t_t
+    qe = s4d_mix(p, gmat + i_h * 2 * BM * BM, BM, PREC)  # (I12) C folded in
+    out = s4d_readout(
+        qe, vt, V, s0, R, pw_h, b_c, sc, C, M, BT, BS, BV, BM, TAB, DIAG_LOOP, ACC, PREC
+    )
+    if RATIO:  # (I13) ratio readout
+        x1, _ = ones_readout(s0, R + V, (pw_h, gs + i_h * 2 * TAB), b_c, sc, C, M, BS, BM, TAB)
+        den = tl.sum(qe[0] * x1[0] + qe[1] * x1[1], axis=1)
+        out = out / tl.where(m_t, den, 1.0)[:, None]
+    store_rows(o, out, tok, i_h, H, V, tl.arange(0, BV), m_t)
+
+
+# --------------------------------------------------------------------------------------------
+# Launchers
+
+
+class S4DPlan(NamedTuple):
+    """Everything a S4D launch needs besides the data: sizes, tiles, layout, tables."""
+
+    ratio: bool
+    acc: torch.dtype
+    layout: Layout
+    sizes: dict[str, int]  # H, R, V, M, C: the integer arguments of every kernel
+    CV: int  # value channels of the state (V, + 1 for the ratio readout)
+    NKB: int  # channel blocks of the key channels in a state pass
+    grid_states: tuple[int, int]
+    grid_sub: tuple[int, int]
+    tables: Tables
+    b: torch.Tensor
+    gmat: torch.Tensor
+    tiles: dict[str, Any]  # constexpr tile sizes of the output-pass kernels
+    state_tiles: dict[str, Any]  # ... and of the state-pass kernels
+
+
+def s4d_plan(
+    fq: torch.Tensor,
+    kt: torch.Tensor,
+    vt: torch.Tensor,
+    lam: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    readout: str,
+    cu_seqlens: torch.Tensor | None,
+    initial_state: torch.Tensor | None,
+) -> S4DPlan:
+    check_inputs(("fq", "kt", "vt"), (fq, kt, vt), (None, fq.shape[-1] if fq.ndim else 0, None))
+    if readout not in ("linear", "ratio"):
+        raise ValueError(f"readout: expected 'linear' or 'ratio', got {readout!r}")
+    _, _, H, R = fq.shape
+    V = vt.shape[-1]
+    if lam.ndim != 3:
+        raise ValueError(f"lam: expected shape (H, M, 2) (re, im last), got {tuple(lam.shape)}")
+    M = lam.shape[1]
+    check_param("lam", lam, (H, M, 2), fq.device)
+    check_param("b", b, (H, M, 2), fq.device)
+    check_param("c", c, (H, M, M, 2), fq.device)
+    cu = sequences("fq", fq, cu_seqlens)
+    ratio = readout == "ratio"
+    CV = V + int(ratio)
+    C = R + CV
+    if initial_state is not None:
+        check_param("initial_state", initial_state, (len(cu) - 1, H, M, C, 2), fq.device)
+    acc, ACC, PREC = acc_types(fq.dtype)
+    blocks = blocks_for(fq.device)
+    lay = layout(cu, blocks.chunk, blocks.sub_chunk, fq.device)
+    BM = pow2(M)
+    BC = pow2(min(max(R, CV), blocks.channels))
+    NKB = triton.cdiv(R, BC)
+    common = dict(BT=blocks.chunk, BM=BM, TAB=(blocks.chunk + 2) * BM, ACC=ACC, PREC=PREC)
+    common["num_warps"] = blocks.num_warps
+    sub = dict(BS=blocks.sub_chunk, BR=pow2(R), BV=pow2(V), DIAG_LOOP=blocks.diag_loop)
+    return S4DPlan(
+        ratio=ratio,
+        acc=acc,
+        layout=lay,
+        sizes=dict(H=H, R=R, V=V, M=M, C=C),
+        CV=CV,
+        NKB=NKB,
+        grid_states=(NKB + triton.cdiv(CV, BC), lay.N * H),
+        grid_sub=(lay.n_sub, H),
+        tables=power_tables(lam, blocks.chunk, BM, acc),
+        b=b.to(acc).contiguous(),
+        gmat=gram(c, BM, acc),
+        tiles=dict(**sub, **common),
+        state_tiles=dict(BC=BC, RATIO=ratio, **common),
+    )
+
+
+def s4d_state_pass_launch(
+    plan: S4DPlan, kt: torch.Tensor, vt: torch.Tensor, initial_state: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    lay, sizes = plan.layout, plan.sizes
+    shape = (sizes["H"], sizes["M"], sizes["C"], 2)
+    states = torch.empty(lay.n_chunks, *shape, dtype=plan.acc, device=kt.device)
+    final = torch.empty(lay.N, *shape, dtype=plan.acc, device=kt.device)
+    _s4d_state_pass[plan.grid_states](
+        kt=kt,
+        vt=vt,
+        b=plan.b,
+        pw=plan.tables.pw,
+        h0=initial_state.to(plan.acc).contiguous() if initial_state is not None else None,
+        states=states,
+        ht=final,
+        cu=lay.cu,
+        chunk_offsets=lay.chunk_offsets,
+        CV=plan.CV,
+        NKB=plan.NKB,
+        USE_H0=initial_state is not None,
+        **sizes,
+        **plan.state_tiles,
+    )
+    return states, final
+
+
+@dispatch.register("s4d_fwd", "triton")
+def s4d_fwd(
+    fq: torch.Tensor,
+    kt: torch.Tensor,
+    vt: torch.Tensor,
+    lam: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    readout: str,
+    cu_seqlens: torch.Tensor | None,
+    initial_state: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The S4D core (I11)-(I13), chunked: o and the state after the last token.
+
+    Args:
+        fq, kt: [B, T, H, R]; vt: [B, T, H, V]; one dtype (bf16, fp16, fp32, fp64).
+        lam, b: [H, M, 2]; c: [H, M, M, 2] (re, im last), float32 or float64.
+        readout: "linear" (I13) or "ratio" (divided by Re(fq^T conj(U)^T eta)).
+        cu_seqlens: None, or (N + 1,) int offsets with B = 1; the state restarts at each.
+        initial_state: None or [N, H, M, C, 2], C = R + V (+ 1 for "ratio"): x before token 0.
+
+    Returns:
+        o [B, T, H, V] in the dtype of fq; the final state [N, H, M, C, 2] in float32
+        (float64 for float64 inputs). Time O(T (M (R + V + M) + chunk (R + V + M))) per head;
+        memory O(T / chunk * M (R + V)) for the chunk states.
+    """
+    plan = s4d_plan(fq, kt, vt, lam, b, c, readout, cu_seqlens, initial_state)
+    fq_, kt_, vt_ = flat(fq), flat(kt), flat(vt)
+    states, final = s4d_state_pass_launch(plan, kt_, vt_, initial_state)
+    o = torch.empty_like(vt_)
+    _s4d_output[plan.grid_sub](
+        fq=fq_,
+        kt=kt_,
+        vt=vt_,
+        o=o,
+        states=states,
+        pw=plan.tables.pw,
+        gs=plan.tables.gs,
+        b=plan.b,
+        gmat=plan.gmat,
+        sub_info=plan.layout.sub_info,
+        RATIO=plan.ratio,
+        **plan.sizes,
+        **plan.tiles,
+    )
+    return o.reshape(vt.shape), final
+
+
+# --------------------------------------------------------------------------------------------
+# Decode: one token, fixed-size state (H6)
+
+
+@triton.jit
+def _s4d_step(
+    fq: tl.tensor,
+    kt: tl.tensor,
+    vt: tl.tensor,
+    b: tl.tensor,
+    pw: tl.tensor,
+    gmat: tl.tensor,
+    state: tl.tensor,
+    new_state: tl.tensor,
+    o: tl.tensor,
+    H: tl.tensor,
+    R: tl.tensor,
+    V: tl.tensor,
+    CV: tl.tensor,
+    M: tl.tensor,
+    C: tl.tensor,
+    BR: tl.constexpr,
+    BV: tl.constexpr,
+    BM: tl.constexpr,
+    TAB: tl.constexpr,
+    RATIO: tl.constexpr,
+    ACC: tl.constexpr,
+) -> None:
+    """One token of (I11)-(I13) for one (sequence, head): x <- Lambda x + b z,
+    p = x^K fq, qe = G p, o = Re(qe^H x^V) (/ Re(qe^H x^1)). Grid (B * H,)."""
+    i_bh = tl.program_id(0)
+    i_h = i_bh % H
+    o_m = tl.arange(0, BM)
+    o_r = tl.arange(0, BR)
+    o_v = tl.arange(0, BV)
+    b_re, b_im = b_modes(b, i_h, M, BM, ACC)
+    lam = pow_at(pw + i_h * 2 * TAB, 1, o_m, TAB, BM)  # Lambda^1
+    lam = lam[0][:, None], lam[1][:, None]
+    base = i_bh.to(tl.int64) * M * C * 2
+    # key channels: (I11) update, then p = x^K fq
+    z = tl.load(kt + i_bh * R + o_r, mask=o_r < R, other=0.0).to(ACC)
+    q = tl.load(fq + i_bh * R + o_r, mask=o_r < R, other=0.0).to(ACC)
+    p_x = (o_m[:, None] * C + o_r[None, :]) * 2
+    m_x = (o_m < M)[:, None] & (o_r < R)[None, :]
+    x = (
+        tl.load(state + base + p_x, mask=m_x, other=0.0),
+        tl.load(state + base + p_x + 1, mask=m_x, other=0.0),
+    )
+    x_re, x_im = cadd(cmul(lam, x), (b_re[:, None] * z[None, :], b_im[:, None] * z[None, :]))
+    tl.store(new_state + base + p_x, x_re, mask=m_x)
+    tl.store(new_state + base + p_x + 1, x_im, mask=m_x)
+    p_re = tl.sum(x_re * q[None, :], axis=1)
+    p_im = tl.sum(x_im * q[None, :], axis=1)
+    # (I12) qe = G p, G = C^H C
+    g_h = gmat + i_h * 2 * BM * BM + o_m[:, None] * BM + o_m[None, :]
+    qe_re, qe_im = cmul((tl.load(g_h), tl.load(g_h + BM * BM)), (p_re[None, :], p_im[None, :]))
+    qe_re, qe_im = tl.sum(qe_re, axis=1), tl.sum(qe_im, axis=1)
+    # value channels (+ the ones channel): update, then (I13) o = Re(qe^H x^V)
+    z = tl.load(vt + i_bh * V + o_v, mask=o_v < V, other=0.0).to(ACC)
+    if RATIO:
+        z = tl.where(o_v == V, 1.0, z)
+    p_x = (o_m[:, None] * C + R + o_v[None, :]) * 2
+    m_x = (o_m < M)[:, None] & (o_v < CV)[None, :]
+    x = (
+        tl.load(state + base + p_x, mask=m_x, other=0.0),
+        tl.load(state + base + p_x + 1, mask=m_x, other=0.0),
+    )
+    x_re, x_im = cadd(cmul(lam, x), (b_re[:, None] * z[None, :], b_im[:, None] * z[None, :]))
+    tl.store(new_state + base + p_x, x_re, mask=m_x)
+    tl.store(new_state + base + p_x + 1, x_im, mask=m_x)
+    out = tl.sum(qe_re[:, None] * x_re + qe_im[:, None] * x_im, axis=0)  # [BV]
+    if RATIO:
+        out = out / tl.sum(tl.where(o_v == V, out, 0.0), axis=0)
+    tl.store(o + i_bh * V + o_v, out.to(o.dtype.element_ty), mask=o_v < V)
+
+
+def s4d_step(
+    fq: torch.Tensor,
+    kt: torch.Tensor,
+    vt: torch.Tensor,
+    lam: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    readout: str,
+    state: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step of the S4D core (I11)-(I13) (H6: the state never grows).
+
+    Args:
+        fq, kt: [B, H, R]; vt: [B, H, V] (this token); lam, b: [H, M, 2]; c: [H, M, M, 2].
+        readout: "linear" or "ratio".
+        state: [B, H, M, C, 2] (C = R + V, + 1 for "ratio"), float32 (float64 for float64
+            inputs), the state after the previous token; None before the first token.
+
+    Returns:
+        o [B, H, V] in the dtype of fq and the new state (a new tensor; ``state`` is not
+        modified). Time O(M (R + V + M)) per (sequence, head); memory O(M (R + V)).
+    """
+    for name, x in (("fq", fq), ("kt", kt), ("vt", vt)):
+        if x.ndim != 3:
+            raise ValueError(f"{name}: expected [B, H, D] (one token), got {tuple(x.shape)}")
+    B = fq.shape[0]
+    plan = s4d_plan(fq[:, None], kt[:, None], vt[:, None], lam, b, c, readout, None, None)
+    sizes = plan.sizes
+    shape = (B, sizes["H"], sizes["M"], sizes["C"], 2)
+    if state is None:
+        state = torch.zeros(shape, dtype=plan.acc, device=fq.device)
+    elif tuple(state.shape) != shape or state.dtype != plan.acc or state.device != fq.device:
+        raise ValueError(
+            f"state: expected {shape} {plan.acc} on {fq.device}, got {tuple(state.shape)} "
+            f"{state.dtype} on {state.device}"
+        )
+    state = state.contiguous()
+    new_state = torch.empty_like(state)
+    o = torch.empty(B, sizes["H"], sizes["V"], dtype=vt.dtype, device=fq.device)
+    tiles = plan.tiles
+    _s4d_step[(B * sizes["H"],)](
+        fq=fq.contiguous(),
+        kt=kt.contiguous(),
+        vt=vt.contiguous(),
+        b=plan.b,
+        pw=plan.tables.pw,
+        gmat=plan.gmat,
+        state=state,
+        new_state=new_state,
+        o=o,
+        CV=plan.CV,
+        BR=tiles["BR"],
+        BV=pow2(plan.CV),
+        BM=tiles["BM"],
+        TAB=tiles["TAB"],
+        RATIO=plan.ratio,
+        ACC=tiles["ACC"],
+        **sizes,
+    )
+    return o, new_state

@@ -1,0 +1,633 @@
+"""Triton kernels for the gradients of the S4D core of Interdomain Attention, (I11)-(I13).
+
+Registered in :mod:`.dispatch` as impl ``"triton"`` of ``s4d_bwd``: the backward of
+:func:`.triton_s4d.s4d_fwd`, the same two passes run in reverse. For a real loss and complex z,
+g(z) = dL/dRe z + i dL/dIm z; gx_t is the adjoint of the state x_t. Derivations:
+docs/kernels-interdomain.md, sections S4-S6, cited below as [S4]...
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import dispatch
+from .triton_chunks import (
+    channel_block,
+    check_cotangent,
+    check_param,
+    flat,
+    load_modes,
+    load_rows,
+    state_tile,
+    store_modes,
+    store_rows,
+    sub_chunk,
+)
+from .triton_s4d import (
+    b_modes,
+    cadd,
+    cmul,
+    ones_readout,
+    pow_at,
+    rows_of,
+    s4d_diag,
+    s4d_mix,
+    s4d_offdiag,
+    s4d_plan,
+    s4d_readout,
+    s4d_state_pass_launch,
+)
+
+__all__ = ["s4d_bwd"]
+
+
+# --------------------------------------------------------------------------------------------
+# Device helpers (complex values as (re, im) tuples, sub-chunks as in .triton_s4d)
+
+
+@triton.jit
+def _row_sum_conj(x: tl.tuple, y: tl.tuple) -> tl.tuple:
+    """sum over the rows of x conj(y), complex [BS, BM] -> [BM]."""
+    re = tl.sum(x[0] * y[0] + x[1] * y[1], axis=0)
+    return re, tl.sum(x[1] * y[0] - x[0] * y[1], axis=0)
+
+
+@triton.jit
+def _s4d_chunk_sum_dlam(
+    b_q: tl.tensor,
+    src: tl.tensor,
+    W: tl.tensor,
+    pw: tl.tensor,
+    dpw: tl.tensor,
+    sc: tl.tuple,
+    BT: tl.constexpr,
+    BS: tl.constexpr,
+    BD: tl.constexpr,
+    BM: tl.constexpr,
+    TAB: tl.constexpr,
+    DIAG_LOOP: tl.constexpr,
+    ACC: tl.constexpr,
+    PREC: tl.constexpr,
+) -> tl.tuple:
+    """:func:`_s4d_chunk_sum` and its derivative by Lambda (dpw: the table of k Lambda^(k-1)),
+    d(Lambda^(t-n) Lambda^(n-u)) = dLambda^(t-n) Lambda^(n-u) + Lambda^(t-n) dLambda^(n-u) [S4].
+    Returns (sum, derivative), complex [BS, BM] each."""
+    o_s = tl.arange(0, BS)[:, None]
+    o_m = tl.arange(0, BM)[None, :]
+    fs, dfs = pow_at(pw, o_s, o_m, TAB, BM), pow_at(dpw, o_s, o_m, TAB, BM)
+    a = s4d_offdiag(b_q, src, W, pw, sc, BS, BD, BM, TAB, ACC, PREC)
+    t = s4d_diag(b_q, src, W, pw, sc, cmul(fs, a), BT, BS, BD, BM, TAB, DIAG_LOOP, ACC, PREC)
+    d = cmul(dfs, a)
+    a = s4d_offdiag(b_q, src, W, dpw, sc, BS, BD, BM, TAB, ACC, PREC)
+    d = s4d_diag(
+        b_q, src, W, dpw, sc, cadd(d, cmul(fs, a)), BT, BS, BD, BM, TAB, DIAG_LOOP, ACC, PREC
+    )
+    return t, d
+
+
+@triton.jit
+def _s4d_adjoint_inputs(
+    q_buf: tl.tensor,
+    zsrc: tl.tensor,
+    W: tl.tensor,
+    d_st: tl.tensor,
+    c_off: tl.tensor,
+    pw: tl.tensor,
+    b: tl.tuple,
+    sc: tl.tuple,
+    C: tl.tensor,
+    M: tl.tensor,
+    BT: tl.constexpr,
+    BS: tl.constexpr,
+    BD: tl.constexpr,
+    BM: tl.constexpr,
+    TAB: tl.constexpr,
+    DIAG_LOOP: tl.constexpr,
+    ACC: tl.constexpr,
+    PREC: tl.constexpr,
+) -> tl.tensor:
+    """dz_t[c] = Re(sum_m conj(b_m) gx_t[m, c]) for the rows t of sub-chunk sc, with
+    gx_t = conj(Lambda)^(e-t) D + sum_{t<=s<=e} conj(Lambda)^(s-t) q_s zq_s^T [S5]:
+    q_buf [T, H, 2, BM] rows q_s, zsrc [T, H, W] rows zq_s, d_st the adjoint D entering the
+    chunk's last token e = t1 - 1 from later tokens. Returns dz [BS, BD]."""
+    t0, t1, j_s, i_h, H = sc
+    tok, m_t, n_j = rows_of(sc, BS)
+    b_re, b_im = b[0][None, :], b[1][None, :]
+    o_s = tl.arange(0, BS)
+    o_d = tl.arange(0, BD)
+    o_m = tl.arange(0, BM)
+    dz = tl.zeros([BS, BD], dtype=ACC)
+    # Later sub-chunks i: Lambda^(s-t) = Lambda^(s-n) Lambda^(n-t), n the start of sub-chunk i.
+    for i in range(j_s + 1, tl.cdiv(t1 - t0, BS)):
+        n_i = t0 + i * BS
+        tok_s = n_i + o_s
+        m_s = tok_s < t1
+        q_re, q_im = load_modes(q_buf, tok_s, i_h, H, m_s, BM)
+        w_re, w_im = pow_at(pw, o_s[:, None], o_m[None, :], TAB, BM)
+        qf_re = q_re * w_re + q_im * w_im
+        qf_im = q_im * w_re - q_re * w_im
+        wk_re, wk_im = cmul(b, pow_at(pw, (n_i - tok)[:, None], o_m[None, :], TAB, BM))
+        st = tl.dot(wk_re, tl.trans(qf_re), input_precision=PREC)
+        st += tl.dot(wk_im, tl.trans(qf_im), input_precision=PREC)  # [BS (t), BS (s)]
+        dz += tl.dot(st, load_rows(zsrc, tok_s, i_h, H, W, o_d, m_s, ACC), input_precision=PREC)
+    if DIAG_LOOP:
+        for s in range(0, BS):
+            tok_s = n_j + s
+            m_s = tok_s < t1
+            p_q = q_buf + (tok_s.to(tl.int64) * H + i_h) * 2 * BM + o_m
+            q_re = tl.load(p_q, mask=o_m < tl.where(m_s, BM, 0), other=0.0)
+            q_im = tl.load(p_q + BM, mask=o_m < tl.where(m_s, BM, 0), other=0.0)
+            k_s = tl.where(o_s <= tl.where(m_s, s, -1), s - o_s, BT + 1)[:, None]
+            wk_re, wk_im = cmul(b, pow_at(pw, k_s, o_m[None, :], TAB, BM))
+            st_s = tl.sum(q_re[None, :] * wk_re + q_im[None, :] * wk_im, axis=1)  # [BS (t)]
+            p_z = zsrc + (tok_s.to(tl.int64) * H + i_h) * W + o_d
+            z_s = tl.load(p_z, mask=o_d < tl.where(m_s, W, 0), other=0.0)
+            dz += st_s[:, None] * z_s.to(ACC)[None, :]
+    else:
+        lag = o_s[None, :] - o_s[:, None]  # s - t
+        k_u = tl.where((lag >= 0) & m_t[None, :], lag, BT + 1)[:, :, None]
+        w_re, w_im = pow_at(pw, k_u, o_m[None, None, :], TAB, BM)
+        bu_re = b_re[:, None, :] * w_re - b_im[:, None, :] * w_im
+        bu_im = b_re[:, None, :] * w_im + b_im[:, None, :] * w_re
+        q_re, q_im = load_modes(q_buf, tok, i_h, H, m_t, BM)
+        st = tl.sum(q_re[None, :, :] * bu_re + q_im[None, :, :] * bu_im, axis=2)
+        dz += tl.dot(st, load_rows(zsrc, tok, i_h, H, W, o_d, m_t, ACC), input_precision=PREC)
+    k_e = tl.maximum(t1 - 1 - tok, 0)[:, None]
+    fe_re, fe_im = cmul(b, pow_at(pw, k_e, o_m[None, :], TAB, BM))  # b Lambda^(e-t)
+    d_re, d_im = state_tile(d_st, c_off, W, C, M, BD, BM, False)
+    dz += tl.dot(fe_re, d_re.to(ACC), input_precision=PREC)
+    dz += tl.dot(fe_im, d_im.to(ACC), input_precision=PREC)
+    return dz
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels
+
+
+@triton.jit
+def _s4d_bwd_modes(
+    fq: tl.tensor,
+    kt: tl.tensor,
+    vt: tl.tensor,
+    do: tl.tensor,
+    states: tl.tensor,
+    pw: tl.tensor,
+    dpw: tl.tensor,
+    gs: tl.tensor,
+    dgs: tl.tensor,
+    b: tl.tensor,
+    gmat: tl.tensor,
+    sub_info: tl.tensor,
+    p_buf: tl.tensor,
+    qe_buf: tl.tensor,
+    gq_buf: tl.tensor,
+    gp_buf: tl.tensor,
+    dnum_buf: tl.tensor,
+    dden_buf: tl.tensor,
+    dfq: tl.tensor,
+    glam_part: tl.tensor,
+    gb_part: tl.tensor,
+    H: tl.tensor,
+    R: tl.tensor,
+    V: tl.tensor,
+    M: tl.tensor,
+    C: tl.tensor,
+    BT: tl.constexpr,
+    BS: tl.constexpr,
+    BR: tl.constexpr,
+    BV: tl.constexpr,
+    BM: tl.constexpr,
+    TAB: tl.constexpr,
+    RATIO: tl.constexpr,
+    DIAG_LOOP: tl.constexpr,
+    ACC: tl.constexpr,
+    PREC: tl.constexpr,
+) -> None:
+    """Backward through the readout for the rows of one sub-chunk [S4]. Recomputes p, qe (and
+    num, den for the ratio readout: dnum = do / den, dden = -<do, o> / den), then
+    g(qe_t) = x^V_t dnum_t (+ x^1_t dden_t), g(p_t) = G g(qe_t), dfq_t = Re(x^K_t^H g(p_t)),
+    and the chunk-internal parts of g(Lambda) and g(b) summed over the rows. dnum_buf and
+    dden_buf are written with the ratio readout only. Grid (sub-chunks, H)."""
+    i_p, i_h = tl.program_id(0), tl.program_id(1)
+    t0, t1, g, i_s, _ = sub_chunk(sub_info, i_p)
+    sc = (t0, t1, i_s, i_h, H)
+    tok, m_t, _ = rows_of(sc, BS)
+    o_m = tl.arange(0, BM)
+    o_v = tl.arange(0, BV)
+    b_c = b_modes(b, i_h, M, BM, ACC)
+    pw_h = pw + i_h * 2 * TAB
+    dpw_h = dpw + i_h * 2 * TAB
+    g_h = gmat + i_h * 2 * BM * BM
+    s0 = states + (g * H + i_h).to(tl.int64) * M * C * 2
+    k_i = (tok - t0 + 1)[:, None]
+    # key side: p and dp/dLambda at fixed S0
+    b_q = load_rows(fq, tok, i_h, H, R, tl.arange(0, BR), m_t, ACC)
+    s_re, s_im = state_tile(s0, 0, R, C, M, BR, BM, True)
+    y = tl.dot(b_q, s_re, input_precision=PREC), tl.dot(b_q, s_im, input_precision=PREC)
+    pt, pd = _s4d_chunk_sum_dlam(
+        b_q, kt, R, pw_h, dpw_h, sc, BT, BS, BR, BM, TAB, DIAG_LOOP, ACC, PREC
+    )
+    p = cadd(cmul(pow_at(pw_h, k_i, o_m[None, :], TAB, BM), y), cmul(b_c, pt))
+    pd = cadd(cmul(pow_at(dpw_h, k_i, o_m[None, :], TAB, BM), y), cmul(b_c, pd))
+    qe = s4d_mix(p, g_h, BM, PREC)
+    store_modes(p_buf, p[0], p[1], tok, i_h, H, m_t, BM)
+    # value side: g(qe) and its derivative
+    dnum = load_rows(do, tok, i_h, H, V, o_v, m_t, ACC)
+    if RATIO:
+        num = s4d_readout(
+            qe, vt, V, s0, R, pw_h, b_c, sc, C, M, BT, BS, BV, BM, TAB, DIAG_LOOP, ACC, PREC
+        )
+        x1, g1 = ones_readout(s0, R + V, (pw_h, gs + i_h * 2 * TAB), b_c, sc, C, M, BS, BM, TAB)
+        den = tl.where(m_t, tl.sum(qe[0] * x1[0] + qe[1] * x1[1], axis=1), 1.0)
+        dnum = dnum / den[:, None]
+        dden = -tl.sum(dnum * num, axis=1) / den  # -<do, o> / den
+        store_rows(dnum_buf, dnum, tok, i_h, H, V, o_v, m_t)
+        tl.store(dden_buf + tok.to(tl.int64) * H + i_h, dden, mask=m_t)
+    s_re, s_im = state_tile(s0, R, V, C, M, BV, BM, True)
+    y = tl.dot(dnum, s_re, input_precision=PREC), tl.dot(dnum, s_im, input_precision=PREC)
+    gqt, gqd = _s4d_chunk_sum_dlam(
+        dnum, vt, V, pw_h, dpw_h, sc, BT, BS, BV, BM, TAB, DIAG_LOOP, ACC, PREC
+    )
+    gq = cadd(cmul(pow_at(pw_h, k_i, o_m[None, :], TAB, BM), y), cmul(b_c, gqt))
+    gqd = cadd(cmul(pow_at(dpw_h, k_i, o_m[None, :], TAB, BM), y), cmul(b_c, gqd))
+    if RATIO:  # + x^1_t dden_t
+        dx1, _ = ones_readout(s0, R + V, (dpw_h, dgs + i_h * 2 * TAB), b_c, sc, C, M, BS, BM, TAB)
+        gq = gq[0] + dden[:, None] * x1[0], gq[1] + dden[:, None] * x1[1]
+        gqt = gqt[0] + dden[:, None] * g1[0], gqt[1] + dden[:, None] * g1[1]
+        gqd = gqd[0] + dden[:, None] * dx1[0], gqd[1] + dden[:, None] * dx1[1]
+    # g(Lambda) = sum_t g(p) conj(dp/dLambda) + qe conj(d g(qe)/dLambda); g(b) the same with the
+    # chunk sums without b (rows outside the sequence are zero throughout) [S4].
+    gl_re, gl_im = _row_sum_conj(qe, gqd)
+    gb_re, gb_im = _row_sum_conj(qe, gqt)
+    store_modes(qe_buf, qe[0], qe[1], tok, i_h, H, m_t, BM)
+    gp = s4d_mix(gq, g_h, BM, PREC)  # G^H = G
+    store_modes(gq_buf, gq[0], gq[1], tok, i_h, H, m_t, BM)
+    d_re, d_im = _row_sum_conj(gp, pd)
+    gl_re, gl_im = gl_re + d_re, gl_im + d_im
+    d_re, d_im = _row_sum_conj(gp, pt)
+    gb_re, gb_im = gb_re + d_re, gb_im + d_im
+    store_modes(gp_buf, gp[0], gp[1], tok, i_h, H, m_t, BM)
+    dq = s4d_readout(
+        gp, kt, R, s0, 0, pw_h, b_c, sc, C, M, BT, BS, BR, BM, TAB, DIAG_LOOP, ACC, PREC
+    )
+    store_rows(dfq, dq, tok, i_h, H, R, tl.arange(0, BR), m_t)
+    p_part = (i_p * H + i_h).to(tl.int64) * 2 * BM + o_m
+    tl.store(glam_part + p_part, gl_re)
+    tl.store(glam_part + p_part + BM, gl_im)
+    tl.store(gb_part + p_part, gb_re)
+    tl.store(gb_part + p_part + BM, gb_im)
+
+
+@triton.jit
+def _s4d_reverse_state_pass(
+    fq: tl.tensor,
+    dnum: tl.tensor,
+    dden: tl.tensor,
+    qe_buf: tl.tensor,
+    gp_buf: tl.tensor,
+    pw: tl.tensor,
+    dht: tl.tensor,
+    dstates: tl.tensor,
+    dh0: tl.tensor,
+    cu: tl.tensor,
+    chunk_offsets: tl.tensor,
+    H: tl.tensor,
+    R: tl.tensor,
+    V: tl.tensor,
+    CV: tl.tensor,
+    M: tl.tensor,
+    C: tl.tensor,
+    NKB: tl.tensor,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
+    BM: tl.constexpr,
+    TAB: tl.constexpr,
+    RATIO: tl.constexpr,
+    USE_DHT: tl.constexpr,
+    STORE_DH0: tl.constexpr,
+    ACC: tl.constexpr,
+    PREC: tl.constexpr,
+) -> None:
+    """The adjoint state, chunk by chunk from the last [S5]: store D_k (the adjoint entering the
+    last token of chunk k from later tokens), then D_{k-1} = conj(Lambda)^L D_k +
+    sum_s conj(Lambda)^(s-t0+1) q_s zq_s^T, with (q, zq) = (g(p), fq) on key channels and
+    (qe, [dnum, dden]) on value channels; D_{-1} is the gradient of the initial state.
+    Grid as the forward state pass."""
+    i_c, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, eos = tl.load(cu + i_n), tl.load(cu + i_n + 1)
+    g0 = tl.load(chunk_offsets + i_n)
+    o_m = tl.arange(0, BM)
+    o_t = tl.arange(0, BT)
+    c_loc, c_st, m_c = channel_block(i_c, NKB, R, CV, BC)
+    p_hm = (o_m[:, None] * C + c_st[None, :]) * 2
+    m_hm = (o_m < M)[:, None] & m_c[None, :]
+    pw_h = pw + i_h * 2 * TAB
+    d_re = tl.zeros([BM, BC], dtype=ACC)
+    d_im = tl.zeros([BM, BC], dtype=ACC)
+    if USE_DHT:
+        p_dht = dht + i_nh.to(tl.int64) * M * C * 2 + p_hm
+        d_re = tl.load(p_dht, mask=m_hm, other=0.0).to(ACC)
+        d_im = tl.load(p_dht + 1, mask=m_hm, other=0.0).to(ACC)
+    NT = tl.cdiv(eos - bos, BT)
+    for kk in range(0, NT):
+        k = NT - 1 - kk
+        t0 = bos + k * BT
+        L = tl.minimum(BT, eos - t0)
+        off = ((g0 + k) * H + i_h).to(tl.int64) * M * C * 2 + p_hm
+        tl.store(dstates + off, d_re, mask=m_hm)
+        tl.store(dstates + off + 1, d_im, mask=m_hm)
+        tok = t0 + o_t
+        m_t = o_t < L
+        if i_c < NKB:
+            zq = load_rows(fq, tok, i_h, H, R, c_loc, m_t, ACC)
+            q_re, q_im = load_modes(gp_buf, tok, i_h, H, m_t, BM)
+        else:
+            zq = load_rows(dnum, tok, i_h, H, V, c_loc, m_t, ACC)
+            if RATIO:
+                zd = tl.load(dden + tok.to(tl.int64) * H + i_h, mask=m_t, other=0.0)
+                zq = tl.where(m_t[:, None] & (c_loc == V)[None, :], zd[:, None], zq)
+            q_re, q_im = load_modes(qe_buf, tok, i_h, H, m_t, BM)
+        w_re, w_im = pow_at(pw_h, (o_t + 1)[:, None], o_m[None, :], TAB, BM)
+        qw_re = q_re * w_re + q_im * w_im  # q_s conj(Lambda^(s-t0+1)) [BT, BM]
+        qw_im = q_im * w_re - q_re * w_im
+        e_re, e_im = pow_at(pw_h, L, o_m, TAB, BM)
+        d_re, d_im = cmul((e_re[:, None], -e_im[:, None]), (d_re, d_im))  # conj(Lambda)^L D
+        d_re += tl.dot(tl.trans(qw_re), zq, input_precision=PREC)
+        d_im += tl.dot(tl.trans(qw_im), zq, input_precision=PREC)
+    if STORE_DH0:
+        p_dh0 = dh0 + i_nh.to(tl.int64) * M * C * 2 + p_hm
+        tl.store(p_dh0, d_re, mask=m_hm)
+        tl.store(p_dh0 + 1, d_im, mask=m_hm)
+
+
+@triton.jit
+def _s4d_chunk_grads(
+    kt: tl.tensor,
+    vt: tl.tensor,
+    b: tl.tensor,
+    pw: tl.tensor,
+    dpw: tl.tensor,
+    states: tl.tensor,
+    dstates: tl.tensor,
+    chunk_info: tl.tensor,
+    glam_part: tl.tensor,
+    gb_part: tl.tensor,
+    H: tl.tensor,
+    R: tl.tensor,
+    V: tl.tensor,
+    CV: tl.tensor,
+    M: tl.tensor,
+    C: tl.tensor,
+    NKB: tl.tensor,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
+    BM: tl.constexpr,
+    TAB: tl.constexpr,
+    RATIO: tl.constexpr,
+    ACC: tl.constexpr,
+    PREC: tl.constexpr,
+) -> None:
+    """The parts of g(b) and g(Lambda) that pair a chunk with its start state S0 or with D (the
+    adjoint entering its last token e) [S6]. Grid (chunks, channel blocks, H), independent
+    programs."""
+    i_g, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    t0 = tl.load(chunk_info + i_g * 2)
+    L = tl.load(chunk_info + i_g * 2 + 1) - t0
+    o_m = tl.arange(0, BM)
+    o_t = tl.arange(0, BT)
+    c_loc, c_st, m_c = channel_block(i_c, NKB, R, CV, BC)
+    off = (i_g * H + i_h).to(tl.int64) * M * C * 2 + (o_m[:, None] * C + c_st[None, :]) * 2
+    m_hm = (o_m < M)[:, None] & m_c[None, :]
+    s_re = tl.load(states + off, mask=m_hm, other=0.0)
+    s_im = tl.load(states + off + 1, mask=m_hm, other=0.0)
+    d_re = tl.load(dstates + off, mask=m_hm, other=0.0)
+    d_im = tl.load(dstates + off + 1, mask=m_hm, other=0.0)
+    b_re, b_im = b_modes(b, i_h, M, BM, ACC)
+    pw_h = pw + i_h * 2 * TAB
+    dpw_h = dpw + i_h * 2 * TAB
+    w_re, w_im = pow_at(dpw_h, L, o_m, TAB, BM)  # L Lambda^(L-1)
+    c_re = tl.sum(s_re * d_re + s_im * d_im, axis=1)  # <S0, D>
+    c_im = tl.sum(s_re * d_im - s_im * d_re, axis=1)
+    gl_re, gl_im = cmul((w_re, -w_im), (c_re, c_im))
+    tok = t0 + o_t
+    m_t = o_t < L
+    if i_c < NKB:
+        z = load_rows(kt, tok, i_h, H, R, c_loc, m_t, ACC)
+    else:
+        z = load_rows(vt, tok, i_h, H, V, c_loc, m_t, ACC)
+        if RATIO:
+            z = tl.where(m_t[:, None] & (c_loc == V)[None, :], 1.0, z)
+    k_u = tl.maximum(L - 1 - o_t, 0)[None, :]
+    w_re, w_im = pow_at(pw_h, k_u, o_m[:, None], TAB, BM)
+    x_re = tl.dot(w_re, z, input_precision=PREC)  # sum_u Lambda^(e-u) z_u [BM, BC]
+    x_im = tl.dot(w_im, z, input_precision=PREC)
+    gb_re = tl.sum(d_re * x_re + d_im * x_im, axis=1)
+    gb_im = tl.sum(d_im * x_re - d_re * x_im, axis=1)
+    w_re, w_im = pow_at(dpw_h, k_u, o_m[:, None], TAB, BM)
+    x = tl.dot(w_re, z, input_precision=PREC), tl.dot(w_im, z, input_precision=PREC)
+    x_re, x_im = cmul((b_re[:, None], b_im[:, None]), x)  # b sum_u (e-u) Lambda^(e-u-1) z_u
+    gl_re += tl.sum(d_re * x_re + d_im * x_im, axis=1)
+    gl_im += tl.sum(d_im * x_re - d_re * x_im, axis=1)
+    p_part = ((i_g * tl.num_programs(1) + i_c) * H + i_h).to(tl.int64) * 2 * BM + o_m
+    tl.store(glam_part + p_part, gl_re)
+    tl.store(glam_part + p_part + BM, gl_im)
+    tl.store(gb_part + p_part, gb_re)
+    tl.store(gb_part + p_part + BM, gb_im)
+
+
+@triton.jit
+def _s4d_bwd_inputs(
+    fq: tl.tensor,
+    dnum: tl.tensor,
+    qe_buf: tl.tensor,
+    gp_buf: tl.tensor,
+    dstates: tl.tensor,
+    pw: tl.tensor,
+    b: tl.tensor,
+    sub_info: tl.tensor,
+    dkt: tl.tensor,
+    dvt: tl.tensor,
+    H: tl.tensor,
+    R: tl.tensor,
+    V: tl.tensor,
+    M: tl.tensor,
+    C: tl.tensor,
+    BT: tl.constexpr,
+    BS: tl.constexpr,
+    BR: tl.constexpr,
+    BV: tl.constexpr,
+    BM: tl.constexpr,
+    TAB: tl.constexpr,
+    DIAG_LOOP: tl.constexpr,
+    ACC: tl.constexpr,
+    PREC: tl.constexpr,
+) -> None:
+    """dz_t = Re(conj(b)^T gx_t) for the rows of one sub-chunk [S5]: dkt from (g(p), fq, D^K)
+    and dvt from (qe, dnum, D^V). Grid (sub-chunks, H)."""
+    i_p, i_h = tl.program_id(0), tl.program_id(1)
+    t0, t1, g, j_s, _ = sub_chunk(sub_info, i_p)
+    sc = (t0, t1, j_s, i_h, H)
+    tok, m_t, _ = rows_of(sc, BS)
+    b_c = b_modes(b, i_h, M, BM, ACC)
+    pw_h = pw + i_h * 2 * TAB
+    d_st = dstates + (g * H + i_h).to(tl.int64) * M * C * 2
+    dk = _s4d_adjoint_inputs(
+        gp_buf, fq, R, d_st, 0, pw_h, b_c, sc, C, M, BT, BS, BR, BM, TAB, DIAG_LOOP, ACC, PREC
+    )
+    store_rows(dkt, dk, tok, i_h, H, R, tl.arange(0, BR), m_t)
+    dv = _s4d_adjoint_inputs(
+        qe_buf, dnum, V, d_st, R, pw_h, b_c, sc, C, M, BT, BS, BV, BM, TAB, DIAG_LOOP, ACC, PREC
+    )
+    store_rows(dvt, dv, tok, i_h, H, V, tl.arange(0, BV), m_t)
+
+
+# --------------------------------------------------------------------------------------------
+# Launcher
+
+
+def _complex_modes(buf: torch.Tensor, M: int) -> torch.Tensor:
+    """[T, H, 2, BM] mode buffer -> complex [T, H, M] (complex64 for float32 buffers)."""
+    return torch.complex(buf[:, :, 0, :M], buf[:, :, 1, :M])
+
+
+@dispatch.register("s4d_bwd", "triton")
+def s4d_bwd(
+    fq: torch.Tensor,
+    kt: torch.Tensor,
+    vt: torch.Tensor,
+    lam: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    readout: str,
+    cu_seqlens: torch.Tensor | None,
+    initial_state: torch.Tensor | None,
+    do: torch.Tensor,
+    dfinal_state: torch.Tensor | None,
+) -> tuple[torch.Tensor | None, ...]:
+    """Gradients of :func:`s4d_fwd` for the cotangents do [B, T, H, V] and dfinal_state.
+
+    Complex gradients are (dL/dRe, dL/dIm) pairs, the convention of
+    ``attnspec.reference.interdomain.interdomain_s4d_vjp``.
+
+    Returns:
+        (dfq, dkt, dvt, dlam, db, dc, dinitial_state), each in the dtype of its input;
+        dinitial_state is None without initial_state. Time about 3x the forward; memory
+        O(T M) for four per-token mode buffers plus two sets of chunk states.
+    """
+    plan = s4d_plan(fq, kt, vt, lam, b, c, readout, cu_seqlens, initial_state)
+    check_cotangent("do", do, vt)
+    lay, sizes, tab = plan.layout, plan.sizes, plan.tables
+    H, M = sizes["H"], sizes["M"]
+    if dfinal_state is not None:
+        check_param("dfinal_state", dfinal_state, (lay.N, H, M, sizes["C"], 2), fq.device)
+    fq_, kt_, vt_, do_ = flat(fq), flat(kt), flat(vt), flat(do)
+    dev, acc, BM = fq.device, plan.acc, plan.tiles["BM"]
+    states, _ = s4d_state_pass_launch(plan, kt_, vt_, initial_state)
+    p_buf, qe_buf, gq_buf, gp_buf = (
+        torch.empty(fq_.shape[0], H, 2, BM, dtype=acc, device=dev) for _ in range(4)
+    )
+    # With the ratio readout dnum = do / den and dden are written by _s4d_bwd_modes.
+    dnum = torch.empty(do_.shape, dtype=acc, device=dev) if plan.ratio else do_
+    dden = torch.empty(do_.shape[:2], dtype=acc, device=dev) if plan.ratio else None
+    dfq = torch.empty_like(fq_)
+    glam1 = torch.empty(lay.n_sub, H, 2, BM, dtype=acc, device=dev)
+    gb1 = torch.empty_like(glam1)
+    _s4d_bwd_modes[plan.grid_sub](
+        fq=fq_,
+        kt=kt_,
+        vt=vt_,
+        do=do_,
+        states=states,
+        **tab._asdict(),
+        b=plan.b,
+        gmat=plan.gmat,
+        sub_info=lay.sub_info,
+        p_buf=p_buf,
+        qe_buf=qe_buf,
+        gq_buf=gq_buf,
+        gp_buf=gp_buf,
+        dnum_buf=dnum if plan.ratio else None,
+        dden_buf=dden,
+        dfq=dfq,
+        glam_part=glam1,
+        gb_part=gb1,
+        RATIO=plan.ratio,
+        **sizes,
+        **plan.tiles,
+    )
+    dstates = torch.empty_like(states)
+    dh0 = torch.empty_like(states[: lay.N]) if initial_state is not None else None
+    _s4d_reverse_state_pass[plan.grid_states](
+        fq=fq_,
+        dnum=dnum,
+        dden=dden,
+        qe_buf=qe_buf,
+        gp_buf=gp_buf,
+        pw=tab.pw,
+        dht=dfinal_state.to(acc).contiguous() if dfinal_state is not None else None,
+        dstates=dstates,
+        dh0=dh0,
+        cu=lay.cu,
+        chunk_offsets=lay.chunk_offsets,
+        CV=plan.CV,
+        NKB=plan.NKB,
+        USE_DHT=dfinal_state is not None,
+        STORE_DH0=dh0 is not None,
+        **sizes,
+        **plan.state_tiles,
+    )
+    glam2 = torch.empty(lay.n_chunks, plan.grid_states[0], H, 2, BM, dtype=acc, device=dev)
+    gb2 = torch.empty_like(glam2)
+    _s4d_chunk_grads[(lay.n_chunks, plan.grid_states[0], H)](
+        kt=kt_,
+        vt=vt_,
+        b=plan.b,
+        pw=tab.pw,
+        dpw=tab.dpw,
+        states=states,
+        dstates=dstates,
+        chunk_info=lay.chunk_info,
+        glam_part=glam2,
+        gb_part=gb2,
+        CV=plan.CV,
+        NKB=plan.NKB,
+        **sizes,
+        **plan.state_tiles,
+    )
+    dkt, dvt = torch.empty_like(kt_), torch.empty_like(vt_)
+    _s4d_bwd_inputs[plan.grid_sub](
+        fq=fq_,
+        dnum=dnum,
+        qe_buf=qe_buf,
+        gp_buf=gp_buf,
+        dstates=dstates,
+        pw=tab.pw,
+        b=plan.b,
+        sub_info=lay.sub_info,
+        dkt=dkt,
+        dvt=dvt,
+        **sizes,
+        **plan.tiles,
+    )
+    # g(G) = sum_t g(qe_t) p_t^H; G = C^H C gives g(C) = C (g(G) + g(G)^H) [S4].
+    g_gram = torch.einsum(
+        "thm,thn->hmn", _complex_modes(gq_buf, M), _complex_modes(p_buf, M).conj()
+    )
+    c_c = torch.view_as_complex(c.to(torch.float64).contiguous())
+    g_gram = g_gram.to(torch.complex128)
+    dc = torch.view_as_real(c_c @ (g_gram + g_gram.conj().transpose(-1, -2)))
+    part = lambda x: x[..., :M].double().sum(dim=tuple(range(x.ndim - 3)))  # noqa: E731
+    dlam = (part(glam1) + part(glam2)).transpose(-1, -2)  # (H, M, 2)
+    db = (part(gb1) + part(gb2)).transpose(-1, -2)
+    return (
+        dfq.reshape(fq.shape),
+        dkt.reshape(kt.shape),
+        dvt.reshape(vt.shape),
+        dlam.to(lam.dtype).contiguous(),
+        db.to(b.dtype).contiguous(),
+        dc.to(c.dtype).contiguous(),
+        dh0.to(initial_state.dtype) if dh0 is not None and initial_state is not None else None,
+    )
