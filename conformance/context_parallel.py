@@ -236,7 +236,9 @@ def _job(case: CPCase, dtype: str) -> tuple[Job, Arrays, Arrays]:
 def _verdict(
     job: Job, result: JobResult, ref_out: Arrays, ref_grads: Arrays, world: int
 ) -> CaseResult:
-    base = dict(case_id=job.case_id, op=job.op, dtype=job.dtype, kind="context_parallel")
+    base: dict[str, Any] = dict(
+        case_id=job.case_id, op=job.op, dtype=job.dtype, kind="context_parallel"
+    )
     if result.error:
         return CaseResult(**base, verdict="failed", message=result.error[-2000:])
     worst, message, ratio = 0.0, "", 0.0

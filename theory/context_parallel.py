@@ -98,7 +98,7 @@ def sharded_segment_min(
     field: Array,
     chunks: list[tuple[int, int]],
     *,
-    cross: Callable[..., tuple[Array, Array]] = cross_chunk_min,
+    cross: Callable[..., tuple[Array, NDArray[np.int64]]] = cross_chunk_min,
 ) -> tuple[Array, NDArray[np.int64]]:
     """The full (..., T, T) segment minimum and latest argmin assembled chunk pair by chunk pair:
     the diagonal pairs locally (reference), the others by (CP1)."""
@@ -141,7 +141,7 @@ def _layouts() -> Iterator[tuple[int, int, str]]:
 
 @check("CP1")
 def cp1_segment_minimum(
-    *, cross_chunk_min: Callable[..., tuple[Array, Array]] = cross_chunk_min
+    *, cross_chunk_min: Callable[..., tuple[Array, NDArray[np.int64]]] = cross_chunk_min
 ) -> CheckResult:
     rng = np.random.default_rng(30)
     wrong = 0
@@ -176,7 +176,7 @@ def sharded_fpa(
     P: int,
     layout: str,
     *,
-    cross: Callable[..., tuple[Array, Array]] = cross_chunk_min,
+    cross: Callable[..., tuple[Array, NDArray[np.int64]]] = cross_chunk_min,
     reduce: bool = True,
 ) -> tuple[Array, Array, fpa.FPAGrads]:
     """FPA forward and backward simulated on P ranks; returns (o, lse, grads).
@@ -373,7 +373,7 @@ def sharded_s4d_states(
     lam: Array,
     b: Array,
     P: int,
-    starts: set[int] = frozenset(),
+    starts: frozenset[int] | set[int] = frozenset(),
     *,
     carry: Callable[..., list[Array]] = carry_scan,
 ) -> Array:
@@ -434,3 +434,73 @@ def cp4_s4d_carry(*, carry_scan: Callable[..., list[Array]] = carry_scan) -> Che
         worst,
         1e-12,
     )
+
+
+# --------------------------------------------------------------------------------------------
+# The figure of docs/context_parallel.md
+
+
+def layout_figure(path: str, P: int = 4) -> str:
+    """Draw the shard layouts (contiguous and zigzag on P ranks) as the causal attention matrix
+    coloured by the rank that computes each tile, with the three pieces of (CP1) marked; write a
+    PNG to ``path`` and return it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    colours = [plt.get_cmap("tab10")(i) for i in range(10)]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 5.9))
+    for ax, layout in zip(axes, ("contiguous", "zigzag"), strict=True):
+        ranks = layout_chunks(8 * P, P, layout)
+        n = sum(len(r) for r in ranks)
+        owner = {chunks[0]: r for r, rank in enumerate(ranks) for chunks in [[c] for c in rank]}
+        work = [0] * P
+        for (a0, _), r in sorted(owner.items()):
+            a = a0 * n // (8 * P)
+            for b in range(a + 1):
+                kind = "diag" if a == b else "cross"
+                ax.add_patch(
+                    Rectangle(
+                        (b, n - 1 - a),
+                        1,
+                        1,
+                        facecolor=colours[r],
+                        alpha=0.85 if kind == "diag" else 0.4,
+                        edgecolor="white",
+                        hatch="" if kind == "diag" else "//",
+                    )
+                )
+                work[r] += 1
+        for a in range(n):
+            r = next(r for (a0, _), r in owner.items() if a0 * n // (8 * P) == a)
+            ax.text(-0.15, n - 0.5 - a, f"rank {r}", ha="right", va="center", fontsize=8)
+        ax.set_xlim(-1.6, n)
+        ax.set_ylim(0, n)
+        ax.set_xticks([c + 0.5 for c in range(n)], [str(c) for c in range(n)])
+        ax.set_yticks([])
+        ax.set_xlabel("key chunk (all-gathered)")
+        ax.set_aspect("equal")
+        ax.set_title(f"{layout}: {n} chunks on {P} ranks; tiles per rank {work}", fontsize=10)
+        for side in ("top", "right", "left"):
+            ax.spines[side].set_visible(False)
+    # (CP1) on the contiguous layout: queries of chunk P-1, keys of chunk 0
+    ax = axes[0]
+    ax.annotate(
+        "m_ij = min(A_j, mid, B_i)\nA: suffix min of key chunk 0 after j\n"
+        "mid: minima of chunks 1..P-2\nB: prefix min of query chunk up to i",
+        xy=(0.5, 0.5),
+        xytext=(1.2, P - 0.9),
+        fontsize=8,
+        arrowprops={"arrowstyle": "->"},
+    )
+    fig.suptitle(
+        "Query chunks (rows) per rank; solid: diagonal tile by the single-device kernel, "
+        "hatched: cross-chunk tiles (CP1), merged by log-sum-exp (CP5)",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -138,7 +138,7 @@ DEFAULT = Sharding()
 # FPA and FoX on one shard
 
 
-def _latest_where(eq: jax.Array, t: jax.Array, axis: int) -> jax.Array:
+def _latest_where(eq: Any, t: Any, axis: int) -> jax.Array:
     return jnp.where(eq, t, -1).max(axis=axis)
 
 
@@ -559,7 +559,9 @@ def _run_job(job: Any, mesh: Mesh, sharding: Sharding) -> Any:
 
     def op(*xs: jax.Array) -> dict[str, jax.Array]:
         a = dict(zip(names, xs, strict=True))
-        common = dict(mesh=mesh, cu_seqlens=params.get("cu_seqlens"), sharding=sharding)
+        common: dict[str, Any] = dict(
+            mesh=mesh, cu_seqlens=params.get("cu_seqlens"), sharding=sharding
+        )
         if job.op == "fpa_attention":
             o, lse = fpa_attention(
                 a["q"],

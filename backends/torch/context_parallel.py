@@ -600,7 +600,7 @@ def _walk_adjoint(plan: _Plan, dc: Tensor) -> Tensor:
 def _setup(
     group: Any,
     q: Tensor,
-    named: dict[str, Tensor | None],
+    named: dict[str, Tensor],
     layout: str,
     extra: dict[str, Any],
     local_checks: Any,
