@@ -11,8 +11,6 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 CHILD = r"""
 import json
 import jax
@@ -102,8 +100,17 @@ print("REPORT" + json.dumps(report))
 """
 
 
-@pytest.fixture(scope="module")
-def report():
+EXPECTED = {
+    "T not divisible": "T: the sequence length 6 must be divisible by the 4 chunks",
+    "zigzag needs 2P chunks": "T: the sequence length 12 must be divisible by the 8 chunks",
+    "cu_seqlens": "cu_seqlens: expected global offsets from 0 to T = 8",
+    "seq_axis": "seq_axis: 'time' is not an axis of the mesh",
+    "layout": "layout: expected one of",
+}
+
+
+def test_sharded_ops_on_four_host_devices():
+    """One child process (one test, so that parallel test workers start it once)."""
     env = dict(os.environ)
     env["XLA_FLAGS"] = (
         env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
@@ -114,36 +121,22 @@ def report():
     )
     assert done.returncode == 0, done.stderr[-3000:]
     line = next(ln for ln in done.stdout.splitlines() if ln.startswith("REPORT"))
-    return json.loads(line.removeprefix("REPORT"))
-
-
-def test_sharded_ops_equal_the_reference_on_host_devices(report):
+    report = json.loads(line.removeprefix("REPORT"))
     assert report["devices"] == 4
+
+    # kit cases against the reference, float64 and float32
     rows = report["kit"]
     assert len(rows) == 8
     assert {r[0].split("/")[0] for r in rows} == {"fpa", "fox", "interdomain"}
     assert {r[1] for r in rows} == {"float64", "float32"}
-    failed = [r for r in rows if r[2] != "passed"]
-    assert not failed, failed
+    assert not [r for r in rows if r[2] != "passed"], rows
 
-
-def test_a_wrong_gap_minimum_is_caught(report):
+    # a wrong gap minimum is caught
     assert report["no_gap"] == ["failed"]
 
-
-def test_composes_with_jit_grad_and_head_sharding(report):
+    # jit(grad) with the heads on a second mesh axis
     assert report["composed"] < 1e-12
 
-
-EXPECTED = {
-    "T not divisible": "T: the sequence length 6 must be divisible by the 4 chunks",
-    "zigzag needs 2P chunks": "T: the sequence length 12 must be divisible by the 8 chunks",
-    "cu_seqlens": "cu_seqlens: expected global offsets from 0 to T = 8",
-    "seq_axis": "seq_axis: 'time' is not an axis of the mesh",
-    "layout": "layout: expected one of",
-}
-
-
-@pytest.mark.parametrize("name", sorted(EXPECTED))
-def test_bad_input_is_a_value_error(report, name):
-    assert EXPECTED[name] in report["bad"][name]
+    # bad input: a ValueError naming the argument
+    for name, expected in EXPECTED.items():
+        assert expected in report["bad"][name], (name, report["bad"][name])

@@ -20,61 +20,46 @@ from attnspec.conformance.mutants_cp import CAUGHT_BY, MUTANTS
 TIMEOUT = 240.0  # seconds per launch: a deadlock fails the test instead of hanging it
 
 
-def _passed(results):
-    return [r for r in results if r.verdict == "passed"]
-
-
-@pytest.fixture(scope="module")
-def two_ranks():
+def test_sharded_ops_on_two_ranks_equal_the_reference():
     jobs, refs, _ = kit.prepare(2, kit.DTYPES, kit.CP_OPS, cp.KitBackend().capabilities())
-    got = cp.KitBackend(timeout=TIMEOUT).run_sharded(jobs, 2)
-    return kit.judge(jobs, got, refs, 2)
+    results = kit.judge(jobs, cp.KitBackend(timeout=TIMEOUT).run_sharded(jobs, 2), refs, 2)
+    _check_all_passed(results, 2)
 
 
-@pytest.fixture(scope="module")
-def four_ranks():
-    """The cases on 4 ranks, and each wrong sharding on the float64 cases of the op it breaks
-    (plus one case of every other op), in one launch."""
-    claimed = cp.KitBackend().capabilities()
-    jobs, refs, _ = kit.prepare(4, kit.DTYPES, kit.CP_OPS, claimed)
+def test_four_ranks_equal_the_reference_and_the_kit_catches_wrong_shardings():
+    """The cases on 4 ranks under the correct sharding, and each wrong sharding on the float64
+    cases of the op it breaks plus the length-1 shards of every op, in one launch (one test, so
+    that parallel test workers launch it once)."""
+    jobs, refs, _ = kit.prepare(4, kit.DTYPES, kit.CP_OPS, cp.KitBackend().capabilities())
     variants = {"correct": (cp.DEFAULT, jobs)}
     picked = {}
     for name, sharding in MUTANTS.items():
         op, world = CAUGHT_BY[name]
         assert world <= 4
-        chosen = [
+        picked[name] = [
             n
             for n, job in enumerate(jobs)
             if job.dtype == "float64" and (job.op == op or "shard-length-1" in job.case_id)
         ]
-        picked[name] = chosen
-        variants[name] = (sharding, [jobs[n] for n in chosen])
+        variants[name] = (sharding, [jobs[n] for n in picked[name]])
     got = cp.KitBackend(timeout=TIMEOUT).run_variants(4, variants)
-    out = {"correct": kit.judge(jobs, got["correct"], refs, 4)}
+    _check_all_passed(kit.judge(jobs, got["correct"], refs, 4), 4)
     for name, chosen in picked.items():
-        out[name] = kit.judge([jobs[n] for n in chosen], got[name], [refs[n] for n in chosen], 4)
-    return out
+        op, _ = CAUGHT_BY[name]
+        results = kit.judge([jobs[n] for n in chosen], got[name], [refs[n] for n in chosen], 4)
+        caught = [r for r in results if r.op == op and r.verdict == "failed"]
+        assert caught, f"{name}: every {op} case passed"
+        # the mistake is specific: the other ops stay correct
+        others = [r for r in results if r.op != op]
+        assert others and all(r.verdict == "passed" for r in others), (name, others)
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_sharded_ops_equal_the_reference(world, two_ranks, four_ranks):
-    results = two_ranks if world == 2 else four_ranks["correct"]
+def _check_all_passed(results, world):
     bad = [(r.case_id, r.dtype, r.message) for r in results if r.verdict != "passed"]
     assert not bad, bad
-    ops = {r.op for r in results}
-    assert ops == set(kit.CP_OPS) and {r.dtype for r in results} == {"float64", "float32"}
+    assert {r.op for r in results} == set(kit.CP_OPS)
+    assert {r.dtype for r in results} == {"float64", "float32"}
     assert len(results) == 2 * len(kit.cases(world))
-
-
-@pytest.mark.parametrize("mutant", sorted(MUTANTS))
-def test_kit_catches_a_wrong_sharded_implementation(mutant, four_ranks):
-    op, _ = CAUGHT_BY[mutant]
-    results = four_ranks[mutant]
-    caught = [r for r in results if r.op == op and r.verdict == "failed"]
-    assert caught, f"{mutant}: every {op} case passed"
-    # the mistake is specific: the other ops stay correct
-    others = [r for r in results if r.op != op]
-    assert len(_passed(others)) == len(others), [r.case_id for r in others if r.verdict != "passed"]
 
 
 # ------------------------------------------------------------------------------- bad input
