@@ -203,20 +203,26 @@ def test_verify_gives_interpreted_kernels_the_smoke_subset(monkeypatch):
     from attnspec.conformance import cli
 
     monkeypatch.setattr(cli, "native_device", lambda name: "cpu")
-    jobs, smoke = cli.verify_jobs(["numpy", "triton", "pallas"], full=False, cases=None, env={})
-    assert smoke == ["triton", "pallas"]
-    scopes = {job.label: (job.scope, "--smoke" in job.argv) for job in jobs}
-    assert scopes == {
-        "theory": ("every check", False),
-        "numpy on cpu": ("full kit", False),
-        "triton on cpu": ("smoke subset, interpreted", True),
-        "pallas on cpu": ("smoke subset, interpreted", True),
-    }
-    jobs, smoke = cli.verify_jobs(["triton"], full=True, cases=None, env={})
-    assert smoke == [] and "--smoke" not in jobs[1].argv
+    names = ["numpy", "torch", "triton", "jax", "pallas"]
+    jobs, partial = cli.verify_jobs(names, full=False, cases=None, env={})
+    assert partial == ["triton", "jax", "pallas"]
+    plan = [(job.label, job.scope, " ".join(job.argv).partition("--device cpu")[2]) for job in jobs]
+    assert plan == [
+        ("theory", "every check", ""),
+        ("numpy on cpu", "full kit", ""),
+        ("torch on cpu", "full kit", ""),
+        ("triton on cpu", "smoke subset, interpreted", " --smoke"),
+        ("jax on cpu", "full kit in float32", " --dtypes float32"),
+        ("jax on cpu", "smoke, float64 bfloat16", " --smoke --dtypes float64 bfloat16"),
+        ("pallas on cpu", "smoke subset, interpreted", " --smoke"),
+    ]
+    assert {job.env.get("XLA_FLAGS") for job in jobs} == {None, cli.QUICK_XLA}
+    jobs, partial = cli.verify_jobs(names, full=True, cases=None, env={})
+    assert partial == [] and not any("--smoke" in job.argv for job in jobs)
+    assert [job.argv[-1] for job in jobs[1:]] == ["cpu"] * 5  # every dtype, every case
     monkeypatch.setattr(cli, "native_device", lambda name: "cuda")
-    jobs, smoke = cli.verify_jobs(["triton"], full=False, cases=None, env={})
-    assert smoke == [] and jobs[1].scope == "full kit" and "cuda" in jobs[1].argv
+    jobs, partial = cli.verify_jobs(["triton"], full=False, cases=None, env={})
+    assert partial == [] and jobs[1].scope == "full kit" and "cuda" in jobs[1].argv
 
 
 def test_verify_runs_the_theory_and_the_kit_and_summarises(capsys):
