@@ -946,13 +946,19 @@ def interdomain_layer(
 
     Cost: O(B T d H (R + dv) + B H T M^2 (R + dv)) time, O(B H T (R + dv) + H M^2) memory.
     """
-    flags = {"gate": gate, "output_norm": output_norm}
     empty = empty_batch_call(
-        interdomain_layer, dict(x=x), dict(x=2), params=params, readout=readout, **flags
+        interdomain_layer,
+        dict(x=x),
+        dict(x=2),
+        params=params,
+        readout=readout,
+        gate=gate,
+        output_norm=output_norm,
     )
     if empty is not None:  # B = 0
         return empty
     x = real_array("x", x, min_ndim=3)
+    flags = {"gate": gate, "output_norm": output_norm}
     optional = {name for name, flag in OPTIONAL_PARAMETERS.items() if not flags[flag]}
     missing = sorted(set(PARAMETER_SCHEMA) - optional - set(params))
     if missing:

@@ -166,7 +166,7 @@ def empty_batch_call(
     if isinstance(result, tuple) and hasattr(result, "_fields"):
         fields = {f: getattr(result, f) for f in result._fields}
         kept = {f: np.zeros_like(r) if f in unbatched else empty(r) for f, r in fields.items()}
-        return type(result)(**kept)  # type: ignore[no-any-return]
+        return type(result)(**kept)
     if isinstance(result, tuple):
         return tuple(empty(r) for r in result)  # type: ignore[return-value]
-    return empty(result)  # type: ignore[arg-type]
+    return empty(result)  # type: ignore[arg-type,return-value]

@@ -154,7 +154,7 @@ def test_fox_initialised_fpa_starts_as_fox():
 
 @pytest.mark.parametrize("keys", [True, False])
 def test_query_free_interdomain_against_the_reference(keys):
-    """The ablated layers through the reference's pieces: (I8)-(I13) with xi(q_t) (and, for
+    """The ablated layers through the reference's pieces: (I8)-(I14) with xi(q_t) (and, for
     S4D-only, k~_t) built from one learned vector per head."""
     torch.manual_seed(2)
     B, T, d, H, R, M = 2, 10, 8, 2, 4, 3
@@ -174,9 +174,9 @@ def test_query_free_interdomain_against_the_reference(keys):
     vt = ref_idm.rms_norm(heads(X @ P["wv"]), np.ones(R)) * P["norm_v_g"][:, None]
     vt = vt + P["norm_v_b"][:, None]
     lam = ref_idm.s4d_lambda(P["log_dt"], P["a_log"], P["a_im"])
-    o = ref_idm.interdomain_s4d(
-        fq, kt, vt, lam, P["b_re"] + 1j * P["b_im"], P["c_re"] + 1j * P["c_im"]
-    )
+    b_bar = ref_idm.s4d_b_bar(P["log_dt"], P["a_log"], P["a_im"], P["b_re"] + 1j * P["b_im"])
+    o = ref_idm.interdomain_s4d(fq, kt, vt, lam, b_bar, P["c_re"] + 1j * P["c_im"])  # (I11)
+    o = ref_idm.rms_norm(o, np.ones(R)) * P["norm_o_g"][:, None]  # (I14)
     expected = np.swapaxes(o, 1, 2).reshape(B, T, H * R) @ P["wo"]
     np.testing.assert_allclose(_np(layer(x)), expected, rtol=1e-7, atol=1e-9)
 

@@ -508,7 +508,7 @@ def _s4d_fwd(
     with _no_autocast(fq):
         kernel = dispatch.lookup("s4d_fwd", impl)
         o, final = kernel(fq, kt, vt, lam, b, c, readout, offsets, kept_initial)
-    if keep is None:
+    if keep is None or cu_seqlens is None:
         return o, final
     # a zero-length sequence ends in the state it started from
     N = len(cu_seqlens) - 1
