@@ -301,32 +301,38 @@ def test_mosaic_kernels_lower_for_cuda_with_16bit_wgmma(dtype):
     lowered = jax.jit(forward).trace(q, kv, kv, s, s).lower(lowering_platforms=("cuda",))
     short = {"bfloat16": "bf16", "float16": "f16"}[dtype]
     calls, wgmmas, copies = mosaic_wgmmas(lowered)
-    assert calls == 1 and copies == 5  # q once; k^T and v for the diagonal and in the loop
+    # q once; k^T and v of the diagonal, then of the next tile from the diagonal's step and
+    # from the loop's (double buffering)
+    assert calls == 1 and copies == 1 + 2 + 2 * 2
     assert sorted(wgmmas) == sorted(
         [f"m64n64k16.f32.{short}.{short}"] * 16 + [f"m64n128k16.f32.{short}.{short}"] * 8
     )
 
 
-def test_mosaic_fox_backward_lowers_for_cuda_with_bf16_wgmma():
-    """The FoX gradient on implementation="mosaic": forward, dq and dkv kernels, all three
+@pytest.mark.parametrize("kind", ["fpa", "fox"])
+def test_mosaic_gradient_lowers_for_cuda_with_bf16_wgmma(kind):
+    """The gradient on implementation="mosaic": forward, dq and dkv kernels, all three
     Mosaic GPU, every product on bfloat16 operands with float32 accumulators. Head dim 96 is
     padded to 128. Per tile, forward: q k^T (8 k-steps, n64) and p v (4, n128); dq: q k^T and
     do v^T (8 + 8, n64) and G k (4, n128); dkv: k q^T and v do^T (8 + 8, n64), p^T do and G^T q
-    (4 + 4, n128); each on the diagonal tile and in the loop. TMA: q once and k^T, v per tile
-    (forward); q, do once and k^T, v^T, k per tile (dq); k, v once and q^T, q, do^T, do per tile
+    (4 + 4, n128); each on the diagonal tile and in the loop. TMA: q once, k^T and v of the
+    diagonal and of the next tile from the diagonal and the loop (forward); q, do once, k^T,
+    v^T, k likewise (dq); k, v once and q^T, q, do^T, do on the diagonal and in the loop
     (dkv)."""
     q = jax.ShapeDtypeStruct((1, 300, 4, 96), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, 300, 2, 96), jnp.bfloat16)
     s = jax.ShapeDtypeStruct((1, 300, 4), jnp.float32)
 
+    op, scalars = (fpa_attention, (s, s)) if kind == "fpa" else (fox_attention, (s,))
+
     def loss(*a):
-        o = fox_attention(*a, implementation="mosaic", interpret=False, cu_seqlens=(0, 99, 300))
+        o = op(*a, implementation="mosaic", interpret=False, cu_seqlens=(0, 99, 300))
         return jnp.sum(o.astype(jnp.float32))
 
-    step = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
-    lowered = step.trace(q, kv, kv, s).lower(lowering_platforms=("cuda",))
+    step = jax.jit(jax.grad(loss, argnums=tuple(range(3 + len(scalars)))))
+    lowered = step.trace(q, kv, kv, *scalars).lower(lowering_platforms=("cuda",))
     calls, wgmmas, copies = mosaic_wgmmas(lowered)
-    assert calls == 3 and copies == (1 + 2 * 2) + (2 + 2 * 3) + (2 + 2 * 4)
+    assert calls == 3 and copies == (1 + 3 * 2) + (2 + 3 * 3) + (2 + 2 * 4)
     n64, n128 = "m64n64k16.f32.bf16.bf16", "m64n128k16.f32.bf16.bf16"
     assert sorted(wgmmas) == sorted([n64] * 2 * (8 + 16 + 16) + [n128] * 2 * (4 + 4 + 8))
     assert "xla.gpu.triton" not in lowered.as_text()
@@ -335,15 +341,15 @@ def test_mosaic_fox_backward_lowers_for_cuda_with_bf16_wgmma():
 @pytest.mark.parametrize(
     "kind, cu", [("fpa", (0, 37, 100)), ("fox", None)], ids=["fpa-packed", "fox"]
 )
-def test_mosaic_forward_matches_the_reference(kind, cu):
+def test_mosaic_kernels_match_the_reference(kind, cu):
     """The Mosaic GPU forward under Mosaic GPU's interpreter (shared memory, TMA, barriers and
     wgmma simulated): bfloat16, GQA, head dims padded to 64, a ragged T over two tiles, packed
-    sequences for fpa. Output and lse against the float64 reference on the inputs as rounded;
-    the output against the Pallas kernels, which round p the same way (at most one rounding
-    of p apart, u); and the gradients of implementation="mosaic" (FoX's backward on the
-    Mosaic GPU kernels, FPA's on the Pallas kernels here) against the reference."""
+    sequences and a field with ties in every segment minimum for fpa. Output and lse against
+    the float64 reference on the inputs as rounded; the output against the Pallas kernels,
+    which round p the same way (at most one rounding of p apart, u); the gradients (the
+    Mosaic GPU backward) against the reference; no race found by the interpreter."""
     B, T, N, K, H, Hv, dtype = 1, 100, 2, 1, 32, 16, "bfloat16"
-    q, k, v, field, level = inputs(B, T, N, K, H, Hv, seed=6)
+    q, k, v, field, level = inputs(B, T, N, K, H, Hv, seed=6, kind="brackets")  # ties
     if kind == "fpa":
         args = [jnp.asarray(a, dtype) for a in (q, k, v)] + [
             jnp.asarray(a, jnp.float32) for a in (field, level)
@@ -363,6 +369,9 @@ def test_mosaic_forward_matches_the_reference(kind, cu):
 
     o, lse, grads = run("mosaic")
     o_pallas, _, _ = run("pallas")
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+
+    assert not interpret_pallas_call.get_races().races_found  # the interpreter's race detector
     assert rel(o, np.asarray(o_pallas, np.float64)) <= u
     seen = [np.asarray(a, np.float64) for a in args]
     cot = np.asarray(do, np.float64)
@@ -402,7 +411,7 @@ def test_mosaic_rejects_what_its_kernels_do_not_take():
 def test_on_jax_011_the_gpu_paths_avoid_the_triton_lowering(monkeypatch):
     """With the Triton lowering deprecated (JAX >= 0.11, simulated): implementation="pallas"
     refuses to compile for a GPU, naming the alternatives, and "mosaic" differentiates with
-    the Mosaic GPU forward and the XLA loop's backward, no Triton kernel in the lowering."""
+    no Triton kernel in the lowering."""
     monkeypatch.setattr(fpa_pallas, "_jax_version", lambda: (0, 11))
     q = jax.ShapeDtypeStruct((1, 128, 2, 64), jnp.bfloat16)
     s = jax.ShapeDtypeStruct((1, 128, 2), jnp.float32)

@@ -11,10 +11,8 @@ Both ops are blockwise (spec/fpa.md section 7): time O(T^2 (dk + dv) / 2), memor
 the forward and the backward. Gradients are a ``jax.custom_vjp`` that follows spec section 6
 (active at zero, latest argmin); autodiff never runs through a min. ``implementation`` picks the
 XLA loop (``blockwise``) or the Pallas kernels (``fpa_pallas``); both produce the same partial
-sums, assembled into the field cotangent here. ``"mosaic"`` runs the forward and FoX's backward
-on the Mosaic GPU kernels (``fpa_mosaic``, 16-bit inputs), and FPA's backward on the Pallas
-kernels where the installed JAX lowers them without a deprecation (JAX < 0.11, or the
-interpreter), else on the XLA loop.
+sums, assembled into the field cotangent here. ``"mosaic"`` runs both passes on the Mosaic GPU
+kernels (``fpa_mosaic``, 16-bit inputs), which produce the same partial sums too.
 """
 
 from __future__ import annotations
@@ -66,18 +64,6 @@ def compute_dtype(*arrays: jax.Array) -> jnp.dtype:
     return jnp.result_type(jnp.float32, *(a.dtype for a in arrays))
 
 
-def _pass_implementation(cfg: AttentionConfig, backward: bool) -> str:
-    """The implementation of one pass: "mosaic" has no FPA backward kernels yet; that backward
-    runs on the Pallas kernels where they lower without a deprecation, else on the XLA loop."""
-    if cfg.implementation != "mosaic":
-        return cfg.implementation
-    if not backward or cfg.kind == "fox":
-        return "mosaic"
-    from . import fpa_pallas
-
-    return "pallas" if cfg.interpret or fpa_pallas.triton_lowering_available() else "xla"
-
-
 def _pad(x: jax.Array, Tp: int, axis: int) -> jax.Array:
     widths = [(0, 0)] * x.ndim
     widths[axis] = (0, Tp - x.shape[axis])
@@ -114,7 +100,7 @@ class _Blocked:
         self.nb = nb = Tp // bs
         self.ct = ct = compute_dtype(q, *scalars)
         # The XLA loop computes in ct throughout; kernels load q, k, v as stored and cast.
-        data = ct if _pass_implementation(cfg, backward) == "xla" else q.dtype
+        data = ct if cfg.implementation == "xla" else q.dtype
         self.q = _pad(q.astype(data), Tp, 2).reshape(Z, G, nb, bs, dk)
         self.k = _pad(k.astype(data), Tp, 1).reshape(Z, nb, bs, dk)
         self.v = _pad(v.astype(data), Tp, 1).reshape(Z, nb, bs, v.shape[-1])
@@ -209,12 +195,11 @@ def _backward(
         x.rows(do, x.q.dtype),
         x.rows(delta),
     )
-    implementation = _pass_implementation(cfg, backward=True)
-    if implementation == "mosaic":
+    if cfg.implementation == "mosaic":
         from . import fpa_mosaic
 
         parts = fpa_mosaic.backward(*args, interpret=cfg.interpret)
-    elif implementation == "pallas":
+    elif cfg.implementation == "pallas":
         from . import fpa_pallas
 
         parts = fpa_pallas.backward(*args, interpret=cfg.interpret)
@@ -504,8 +489,8 @@ def fpa_attention(
         cu_seqlens: static offsets (0, ..., T) of packed sequences; needs B = 1.
         return_lse: also return lse [B, T, N] (float32, float64 for float64 inputs).
         implementation: "xla" (the blockwise XLA loop), "pallas" (the Pallas kernels, compiled
-            through Triton on JAX < 0.11), "mosaic" (the Mosaic GPU kernels, Hopper, 16-bit
-            inputs, float32 field and level; FPA's backward as in the module notes), or
+            through Triton on JAX < 0.11), "mosaic" (the Mosaic GPU kernels: Hopper, 16-bit
+            inputs, float32 field and level, tiles of 64), or
             None (on a GPU: pallas on JAX < 0.11, else mosaic where it applies; XLA elsewhere).
         block_size: the largest tile size, a power of two >= 16 (default 128 for XLA, 64 for
             Pallas). interpret: run Pallas in its interpreter (default: on CPU).

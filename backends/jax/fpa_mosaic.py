@@ -1,4 +1,4 @@
-"""Mosaic GPU kernels for the FPA and FoX forward (Pallas' supported GPU backend from JAX 0.11).
+"""Mosaic GPU kernels for FPA and FoX (Pallas' supported GPU backend from JAX 0.11).
 
 One program per (head, query block of 64 rows): the block's queries in shared memory (TMA), key
 blocks i, i-1, ..., 0 (diagonal first, then outward with the running gap of spec/fpa.md section
@@ -12,9 +12,17 @@ one of ``tiles`` on register arrays. Same contract as ``blockwise.forward`` and
 
 Scope: Hopper (sm90, wgmma), bfloat16 and float16 inputs, float32 penalties, head dims padded to
 multiples of 64, tiles of 64 positions; anything else raises NotImplementedError (the caller
-falls back on the Pallas or XLA path). The backward is not ported yet. On CPU the kernel runs
-under Mosaic GPU's interpreter (``interpret=True``, which simulates shared memory, TMA, barriers
-and wgmma); that interpreter is private API in JAX 0.10 and 0.11
+falls back on the Pallas or XLA path). The backward is two kernels, as in ``fpa_pallas``: dq with
+the query side of the field cotangent (FPA: row sums, one gap sum and argmin per key block
+stored at its lane of a shared-memory vector, W on the diagonal tile; FoX: row sums), and dk, dv
+with the key side, each tile of that sweep computed transposed (keys on rows) so that p^T and
+G^T are wgmma's register operand; q^T, k^T, v^T and do^T are transposed once in XLA (the
+interpreter has no transposed shared-memory operands). The forward and dq kernels double-buffer
+their per-tile TMA copies (the next tile's copies are issued after the current tile's first
+product); the dkv kernel waits for its copies (two buffers of q^T, q, do^T and do would not fit
+in shared memory next to its float32 staging at D = 128). On CPU the kernels run under Mosaic
+GPU's interpreter (``interpret=True``, which simulates shared memory, TMA, barriers and wgmma,
+with its race detector on); that interpreter is private API in JAX 0.10 and 0.11
 (``jax._src.pallas.mosaic_gpu.interpret``), imported only when asked for.
 """
 
@@ -76,9 +84,11 @@ def _load_takes_index() -> bool:
 
 
 def _interpret_params() -> Any:
+    """Mosaic GPU's interpreter, with its race detector on (shared memory written by a TMA copy
+    while a product may still read it, barriers completed twice before a wait)."""
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
-    return InterpretGPUParams()
+    return InterpretGPUParams(detect_races=True)
 
 
 class _Tile:
@@ -150,6 +160,17 @@ class _Tile:
         for n in range(len(copies)):
             self.plgpu.barrier_wait(self.barriers.at[first + n])
 
+    def issue(self, copies: list[tuple[Any, Any]], slot: jax.Array, base: int) -> None:
+        """TMA copies (global view, two-buffer shared array) into buffer ``slot``, the n-th on
+        barrier base + 2 n + slot."""
+        for n, (src, buffers) in enumerate(copies):
+            barrier = self.barriers.at[base + 2 * n + slot]
+            self.plgpu.copy_gmem_to_smem(src, buffers.at[slot], barrier)
+
+    def wait(self, n: int, slot: jax.Array, base: int) -> None:
+        """Wait for the n-th copy of ``issue`` into buffer ``slot``."""
+        self.plgpu.barrier_wait(self.barriers.at[base + 2 * n + slot])
+
     def product_of_registers(self, a: jax.Array, b_smem: Any, width: int) -> jax.Array:
         """``product`` with a a 16-bit register array in the accumulator's layout."""
         if self.interpret:
@@ -193,32 +214,47 @@ def _forward_kernel(
     z = lax.div(zg, jnp.array(G, zg.dtype))
     dtype = q_smem.dtype
 
-    def fetch(j: jax.Array) -> None:  # k^T and v of key block j
-        t.fetch(
-            [
-                (r["kt"].at[z, :, pl.ds(j * bs, bs)], kt_smem),
-                (r["v"].at[z, pl.ds(j * bs, bs)], v_smem),
-            ],
-            first=1,
-        )
+    # Two buffers for k^T and v: while step s multiplies key block i - s, the TMA brings in
+    # block i - s - 1 (issued once every warp has passed step s's first product, so the
+    # buffer it overwrites, read at step s - 1, is free). Barriers: q 0; k^T 1, 2; v 3, 4.
+    def issue(j: jax.Array, slot: jax.Array) -> None:
+        keys = pl.ds(j * bs, bs)
+        plgpu.copy_gmem_to_smem(r["kt"].at[z, :, keys], kt_smem.at[slot], barriers.at[1 + slot])
+        plgpu.copy_gmem_to_smem(r["v"].at[z, keys], v_smem.at[slot], barriers.at[3 + slot])
+
+    def logits_of(step: jax.Array) -> jax.Array:
+        """q k^T of step's key block; then the next block's copies are issued."""
+        slot = lax.rem(step, jnp.array(2, step.dtype))
+        plgpu.barrier_wait(barriers.at[1 + slot])
+        logits = scale * t.product(q_smem, kt_smem.at[slot], bs)
+
+        @pl.when(step < i)
+        def _prefetch() -> None:
+            issue(i - step - 1, 1 - slot)
+
+        return logits
 
     def fold(
-        logits: jax.Array, m: jax.Array, l: jax.Array, acc: jax.Array
+        step: jax.Array, logits: jax.Array, m: jax.Array, l: jax.Array, acc: jax.Array
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """The online softmax over one more key block (FlashAttention-2)."""
+        slot = lax.rem(step, jnp.array(2, step.dtype))
         m_new = jnp.maximum(m, jnp.max(logits, axis=1))
         correction = jnp.exp(m - m_new)
         p = jnp.exp(logits - t.by_row(m_new))
         l = l * correction + jnp.sum(p, axis=1)
-        pv = t.product_of_registers(p.astype(dtype), v_smem, acc.shape[1])  # p rounded
+        plgpu.barrier_wait(barriers.at[3 + slot])
+        pv = t.product_of_registers(p.astype(dtype), v_smem.at[slot], acc.shape[1])  # p rounded
         return m_new, l, acc * lax.broadcast_in_dim(correction, acc.shape, [0]) + pv
 
-    t.fetch([(r["q"].at[zg, pl.ds(i * bs, bs)], q_smem)])
+    plgpu.copy_gmem_to_smem(r["q"].at[zg, pl.ds(i * bs, bs)], q_smem, barriers.at[0])
+    first = jnp.zeros((), jnp.int32)
+    issue(i, first)
     prefix = t.rows("prefix", i)
+    plgpu.barrier_wait(barriers.at[0])
 
     # The diagonal tile: causal, penalty from the in-block pieces.
-    fetch(i)
-    logits = scale * t.product(q_smem, kt_smem, bs)
+    logits = logits_of(first)
     diag = t.tile("diag", i)
     if kind == "fpa":
         penalty = jnp.maximum(0.0, t.by_col(t.cols("level", i)) - diag)  # (F2)
@@ -229,14 +265,13 @@ def _forward_kernel(
     mask = mask if seg is None else mask & seg
     logits = jnp.where(mask, logits - penalty, -jnp.inf)  # (F3)
     m = jnp.max(logits, axis=1)  # the diagonal itself is never masked
-    m, l, acc = fold(logits, m, jnp.zeros_like(m), t.zeros(o_smem.shape[1]))
+    m, l, acc = fold(first, logits, m, jnp.zeros_like(m), t.zeros(o_smem.shape[1]))
     gap = t.constant(jnp.inf if kind == "fpa" else 0.0)
 
     def key_block(step: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
         m, l, acc, gap = carry
         j = i - step  # from the diagonal outward
-        fetch(j)
-        logits = scale * t.product(q_smem, kt_smem, bs)
+        logits = logits_of(step)
         suffix = t.by_col(t.cols("suffix", j))
         if kind == "fpa":
             low = jnp.minimum(jnp.minimum(suffix, t.by_row(gap)), t.by_row(prefix))  # (F1)
@@ -247,7 +282,7 @@ def _forward_kernel(
         seg = t.segment_mask(i, j)
         if seg is not None:
             logits = jnp.where(seg, logits, -jnp.inf)
-        m, l, acc = fold(logits, m, l, acc)
+        m, l, acc = fold(step, logits, m, l, acc)
         stat = t.rows("stat", j)  # the block's minimum (fpa) or decay sum (fox), on every row
         gap = jnp.minimum(gap, stat) if kind == "fpa" else gap + stat
         return m, l, acc, gap
@@ -324,12 +359,12 @@ def forward(
         ),
         scratch_types=(
             plgpu.SMEM((bs, dkp), dtype, transforms=swizzle),  # q
-            plgpu.SMEM((dkp, bs), dtype, transforms=swizzle),  # k^T
-            plgpu.SMEM((bs, dvp), dtype, transforms=swizzle),  # v
+            plgpu.SMEM((2, dkp, bs), dtype, transforms=swizzle),  # k^T, two buffers
+            plgpu.SMEM((2, bs, dvp), dtype, transforms=swizzle),  # v, two buffers
             plgpu.SMEM((bs, bs), dtype, transforms=swizzle),  # p (interpreter only)
             plgpu.SMEM((bs, dvp), jnp.float32),  # o
             plgpu.SMEM((bs,), jnp.float32),  # lse
-            plgpu.Barrier(num_barriers=3),
+            plgpu.Barrier(num_barriers=5),
         ),
         grid=(Z * G, nb),
         grid_names=("zg", "blk"),
@@ -342,85 +377,149 @@ def forward(
     return o[..., :dv].reshape(Z, G, nb, bs, dv), lse.reshape(Z, G, nb, bs)
 
 
-# ------------------------------------------------------------------------------ backward (FoX)
+# ------------------------------------------------------------------------------ backward
 
 
-def _fox_dq_kernel(
-    *refs: Any, names: tuple[str, ...], scale: float, G: int, interpret: bool
+def _dq_kernel(
+    *refs: Any, names: tuple[str, ...], kind: str, scale: float, G: int, nbp: int, interpret: bool
 ) -> None:
-    """dq and the row sums of G for one query block: key blocks i, i-1, ..., 0."""
+    """dq and the query side of the field cotangent for one query block: key blocks i, i-1,
+    ..., 0. fox: the row sums of G. fpa: the row sums of W whose argmin lies in [i0, i], the
+    gap sums with their argmins (one per key block j, stored at lane j), and W on the diagonal
+    tile (spec section 6, as ``fpa_pallas``)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    n_in = len(names)
+    n_in, n_out = len(names), (5 if kind == "fpa" else 2)
     r = dict(zip(names, refs[:n_in], strict=True))
-    dq_ref, row_ref = refs[n_in : n_in + 2]
-    q_smem, do_smem, kt_smem, vt_smem, k_smem, a_smem, dq_smem, row_smem, barriers = refs[
-        n_in + 2 :
+    outs = refs[n_in : n_in + n_out]
+    q_smem, do_smem, kt_smem, vt_smem, k_smem, a_smem, dq_smem, row_smem = refs[
+        n_in + n_out : n_in + n_out + 8
     ]
+    extra = refs[n_in + n_out + 8 : -1]  # fpa: W, gap sums, gap argmins
+    barriers = refs[-1]
     t = _Tile(r, a_smem, barriers, interpret)
     bs, zg = BLOCK, t.zg
     i = lax.axis_index("blk")
     z = lax.div(zg, jnp.array(G, zg.dtype))
     dtype = q_smem.dtype
-    t.fetch(
-        [(r["q"].at[zg, pl.ds(i * bs, bs)], q_smem), (r["do"].at[zg, pl.ds(i * bs, bs)], do_smem)]
-    )
-    prefix, lse, delta = t.rows("prefix", i), t.rows("lse", i), t.rows("delta", i)
 
-    def grads(j: jax.Array, penalty: jax.Array, mask: jax.Array | None) -> tuple[jax.Array, ...]:
-        keys = pl.ds(j * bs, bs)
-        t.fetch(
-            [
-                (r["kt"].at[z, :, keys], kt_smem),
-                (r["vt"].at[z, :, keys], vt_smem),
-                (r["k"].at[z, keys], k_smem),
-            ],
-            first=2,
-        )
-        logits = scale * t.product(q_smem, kt_smem, bs) - penalty
+    # k^T, v^T and k of key block i - s in two buffers, as in the forward: barriers q 0, do 1,
+    # then 2 + 2 n + slot for the n-th of the three.
+    def keys(j: jax.Array) -> list[tuple[Any, Any]]:
+        rows = pl.ds(j * bs, bs)
+        return [
+            (r["kt"].at[z, :, rows], kt_smem),
+            (r["vt"].at[z, :, rows], vt_smem),
+            (r["k"].at[z, rows], k_smem),
+        ]
+
+    rows_i = pl.ds(i * bs, bs)
+    plgpu.copy_gmem_to_smem(r["q"].at[zg, rows_i], q_smem, barriers.at[0])
+    plgpu.copy_gmem_to_smem(r["do"].at[zg, rows_i], do_smem, barriers.at[1])
+    first = jnp.zeros((), jnp.int32)
+    t.issue(keys(i), first, base=2)
+    prefix, lse, delta = t.rows("prefix", i), t.rows("lse", i), t.rows("delta", i)
+    plgpu.barrier_wait(barriers.at[0])
+    plgpu.barrier_wait(barriers.at[1])
+
+    def grads(step: jax.Array, penalty: jax.Array, mask: jax.Array | None) -> tuple[jax.Array, ...]:
+        slot = lax.rem(step, jnp.array(2, step.dtype))
+        t.wait(0, slot, base=2)
+        logits = scale * t.product(q_smem, kt_smem.at[slot], bs) - penalty
+
+        @pl.when(step < i)
+        def _prefetch() -> None:
+            t.issue(keys(i - step - 1), 1 - slot, base=2)
+
         if mask is not None:
             logits = jnp.where(mask, logits, -jnp.inf)
         p = jnp.exp(logits - t.by_row(lse))  # (F4)
-        g = p * (t.product(do_smem, vt_smem, bs) - t.by_row(delta))  # (G1), (G4)
-        return g, t.product_of_registers(g.astype(dtype), k_smem, dq_smem.shape[1])
+        t.wait(1, slot, base=2)
+        g = p * (t.product(do_smem, vt_smem.at[slot], bs) - t.by_row(delta))  # (G1), (G4)
+        t.wait(2, slot, base=2)
+        dq = t.product_of_registers(g.astype(dtype), k_smem.at[slot], dq_smem.shape[1])
+        return g, dq
 
     mask = t.ids(1) <= t.ids(0)
     seg = t.segment_mask(i, i)
-    g, dq = grads(i, t.tile("diag", i), mask if seg is None else mask & seg)
-    row = jnp.sum(g, axis=1)
+    mask = mask if seg is None else mask & seg
+    if kind == "fpa":
+        w_smem, gap_sum_smem, gap_arg_smem = extra
+        low, level = t.tile("diag", i), t.by_col(t.cols("level", i))
+        g, dq = grads(first, jnp.maximum(0.0, level - low), mask)  # (F2)
+        below = t.ids(1) < t.ids(0)
+        w_smem[...] = jnp.where((level >= low) & below, g, 0.0)  # W = G active, j < i (G2)
 
-    def key_block(step: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
-        dq, row, gap = carry
-        j = i - step
-        penalty = t.by_col(t.cols("suffix", j)) + t.by_row(gap) + t.by_row(prefix)  # (F6)
-        g, dq_j = grads(j, penalty, t.segment_mask(i, j))
-        return dq + dq_j, row + jnp.sum(g, axis=1), gap + t.rows("stat", j)
+        def clear(n: jax.Array, carry: int) -> int:
+            gap_sum_smem[n] = jnp.zeros((), jnp.float32)
+            gap_arg_smem[n] = jnp.zeros((), jnp.int32)
+            return carry
 
-    dq, row, _ = lax.fori_loop(1, i + 1, key_block, (dq, row, t.constant(0.0)))
+        lax.fori_loop(0, nbp, clear, 0)
+        no_arg = t.cast(jnp.zeros((bs,), jnp.int32), t.row_layout)
+        carry = (dq, t.constant(0.0), t.constant(jnp.inf), no_arg)
+
+        def key_block(step: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+            dq, row, gap, gap_arg = carry
+            j = i - step
+            suffix, level = t.by_col(t.cols("suffix", j)), t.by_col(t.cols("level", j))
+            low = jnp.minimum(jnp.minimum(suffix, t.by_row(gap)), t.by_row(prefix))  # (F1)
+            g, dq_j = grads(step, jnp.maximum(0.0, level - low), t.segment_mask(i, j))
+            w = jnp.where(level >= low, g, 0.0)  # (G2) active
+            # (G3): the latest argmin of (j, i] lies in B, in the gap, or in A (ties: later)
+            in_b = t.by_row(prefix) <= jnp.minimum(suffix, t.by_row(gap))
+            in_gap = jnp.logical_not(in_b) & (t.by_row(gap) <= suffix)
+            row = row + jnp.sum(jnp.where(in_b, w, 0.0), axis=1)
+            gap_sum_smem[j] = jnp.sum(jnp.sum(jnp.where(in_gap, w, 0.0), axis=1))
+            gap_arg_smem[j] = jnp.max(gap_arg)  # the same on every row
+            block_min, block_arg = t.rows("stat", j), t.rows("block_arg", j)
+            lower = block_min < gap  # ties keep the later position
+            gap_arg = jnp.where(lower, block_arg, gap_arg)
+            return dq + dq_j, row, jnp.where(lower, block_min, gap), gap_arg
+
+        dq, row, _, _ = lax.fori_loop(1, i + 1, key_block, carry)
+    else:
+        g, dq = grads(first, t.tile("diag", i), mask)
+
+        def fox_block(step: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+            dq, row, gap = carry
+            j = i - step
+            penalty = t.by_col(t.cols("suffix", j)) + t.by_row(gap) + t.by_row(prefix)  # (F6)
+            g, dq_j = grads(step, penalty, t.segment_mask(i, j))
+            return dq + dq_j, row + jnp.sum(g, axis=1), gap + t.rows("stat", j)
+
+        carry = (dq, jnp.sum(g, axis=1), t.constant(0.0))
+        dq, row, _ = lax.fori_loop(1, i + 1, fox_block, carry)
     dq_smem[...] = dq
     row_smem[...] = row
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(dq_smem, dq_ref.at[zg, pl.ds(i * bs, bs)])
-    plgpu.copy_smem_to_gmem(row_smem, row_ref.at[zg, pl.ds(i * bs, bs)])
+    plgpu.copy_smem_to_gmem(dq_smem, outs[0].at[zg, rows_i])
+    plgpu.copy_smem_to_gmem(row_smem, outs[1].at[zg, rows_i])
+    if kind == "fpa":
+        plgpu.copy_smem_to_gmem(w_smem, outs[2].at[zg, i])
+        plgpu.copy_smem_to_gmem(gap_sum_smem, outs[3].at[zg, i])
+        plgpu.copy_smem_to_gmem(gap_arg_smem, outs[4].at[zg, i])
     plgpu.wait_smem_to_gmem(0)
 
 
-def _fox_dkv_kernel(
-    *refs: Any, names: tuple[str, ...], scale: float, G: int, nb: int, interpret: bool
+def _dkv_kernel(
+    *refs: Any, names: tuple[str, ...], kind: str, scale: float, G: int, nb: int, interpret: bool
 ) -> None:
-    """dk, dv (per query head) and the column sums of G for one key block: query blocks j,
-    j+1, ..., nb-1, each tile computed transposed (keys on rows) so that G^T and p^T are the
-    left operands of the products."""
+    """dk, dv (per query head) and the key side of the field cotangent for one key block:
+    query blocks j, j+1, ..., nb-1, each tile computed transposed (keys on rows) so that G^T and
+    p^T are the left operands of the products. fox: the column sums of G. fpa: the column sums
+    of W whose argmin lies in (j, j1], and all column sums of W (for dlevel)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    n_in = len(names)
+    n_in, n_out = len(names), (4 if kind == "fpa" else 3)
     r = dict(zip(names, refs[:n_in], strict=True))
-    dk_ref, dv_ref, col_ref = refs[n_in : n_in + 3]
+    outs = refs[n_in : n_in + n_out]
     (k_smem, v_smem, qt_smem, q_smem, dot_smem, do_smem, a_smem, dk_smem, dv_smem, col_smem) = refs[
-        n_in + 3 : -1
+        n_in + n_out : n_in + n_out + 10
     ]
+    extra = refs[n_in + n_out + 10 : -1]  # fpa: all column sums of W
     barriers = refs[-1]
     t = _Tile(r, a_smem, barriers, interpret)
     bs, zg = BLOCK, t.zg
@@ -428,7 +527,7 @@ def _fox_dkv_kernel(
     z = lax.div(zg, jnp.array(G, zg.dtype))
     dtype = k_smem.dtype
     t.fetch([(r["k"].at[z, pl.ds(j * bs, bs)], k_smem), (r["v"].at[z, pl.ds(j * bs, bs)], v_smem)])
-    suffix = t.rows("suffix", j)
+    suffix = t.by_row(t.rows("suffix", j))
 
     def grads(i: jax.Array, penalty: jax.Array, mask: jax.Array | None) -> tuple[jax.Array, ...]:
         queries = pl.ds(i * bs, bs)
@@ -452,24 +551,50 @@ def _fox_dkv_kernel(
 
     mask = t.ids(1) >= t.ids(0)  # query >= key
     seg = t.segment_mask(j, j)
-    g, dk, dv = grads(j, t.tile("diagt", j), mask if seg is None else mask & seg)
-    col = jnp.sum(g, axis=1)
+    mask = mask if seg is None else mask & seg
+    if kind == "fpa":
+        (col_w_smem,) = extra
+        low, level = t.tile("diagt", j), t.by_row(t.rows("level", j))
+        g, dk, dv = grads(j, jnp.maximum(0.0, level - low), mask)  # (F2)
+        below = t.ids(1) > t.ids(0)  # key < query
+        col_w = jnp.sum(jnp.where((level >= low) & below, g, 0.0), axis=1)  # W, (G2)
+        carry = (dk, dv, t.constant(0.0), col_w, t.constant(jnp.inf))
 
-    def query_block(i: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
-        dk, dv, col, gap = carry
-        penalty = t.by_row(suffix) + t.by_row(gap) + t.by_col(t.cols("prefix", i))  # (F6)
-        g, dk_i, dv_i = grads(i, penalty, t.segment_mask(j, i))
-        return dk + dk_i, dv + dv_i, col + jnp.sum(g, axis=1), gap + t.rows("stat", i)
+        def query_block(i: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+            dk, dv, col, col_w, gap = carry
+            prefix = t.by_col(t.cols("prefix", i))
+            low = jnp.minimum(jnp.minimum(suffix, t.by_row(gap)), prefix)  # (F1)
+            g, dk_i, dv_i = grads(i, jnp.maximum(0.0, level - low), t.segment_mask(j, i))
+            w = jnp.where(level >= low, g, 0.0)  # (G2) active
+            in_b = prefix <= jnp.minimum(suffix, t.by_row(gap))  # (G3), ties: later
+            in_gap = jnp.logical_not(in_b) & (t.by_row(gap) <= suffix)
+            col = col + jnp.sum(jnp.where(in_b | in_gap, 0.0, w), axis=1)  # argmin in A
+            gap = jnp.minimum(gap, t.rows("stat", i))
+            return dk + dk_i, dv + dv_i, col, col_w + jnp.sum(w, axis=1), gap
 
-    dk, dv, col, _ = lax.fori_loop(j + 1, nb, query_block, (dk, dv, col, t.constant(0.0)))
+        dk, dv, col, col_w, _ = lax.fori_loop(j + 1, nb, query_block, carry)
+        col_w_smem[...] = col_w
+    else:
+        g, dk, dv = grads(j, t.tile("diagt", j), mask)
+
+        def fox_block(i: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+            dk, dv, col, gap = carry
+            penalty = suffix + t.by_row(gap) + t.by_col(t.cols("prefix", i))  # (F6)
+            g, dk_i, dv_i = grads(i, penalty, t.segment_mask(j, i))
+            return dk + dk_i, dv + dv_i, col + jnp.sum(g, axis=1), gap + t.rows("stat", i)
+
+        carry = (dk, dv, jnp.sum(g, axis=1), t.constant(0.0))
+        dk, dv, col, _ = lax.fori_loop(j + 1, nb, fox_block, carry)
     dk_smem[...] = scale * dk
     dv_smem[...] = dv
     col_smem[...] = col
     plgpu.commit_smem()
     rows = pl.ds(j * bs, bs)
-    plgpu.copy_smem_to_gmem(dk_smem, dk_ref.at[zg, rows])
-    plgpu.copy_smem_to_gmem(dv_smem, dv_ref.at[zg, rows])
-    plgpu.copy_smem_to_gmem(col_smem, col_ref.at[zg, rows])
+    plgpu.copy_smem_to_gmem(dk_smem, outs[0].at[zg, rows])
+    plgpu.copy_smem_to_gmem(dv_smem, outs[1].at[zg, rows])
+    plgpu.copy_smem_to_gmem(col_smem, outs[2].at[zg, rows])
+    if kind == "fpa":
+        plgpu.copy_smem_to_gmem(col_w_smem, outs[3].at[zg, rows])
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -487,39 +612,56 @@ def backward(
     *,
     interpret: bool,
 ) -> Partials:
-    """Same contract as ``blockwise.backward``, FoX only (the FPA backward's argmin bookkeeping
-    is not ported yet: NotImplementedError)."""
+    """Same contract as ``blockwise.backward`` (and ``fpa_pallas.backward``)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    if kind != "fox":
-        raise NotImplementedError("the Mosaic GPU backward covers FoX only")
     Z, G, nb, bs, dk = q.shape
     dv = v.shape[-1]
-    decay = pen.fox()
-    reason = supports(q.dtype, decay.prefix_sum.dtype, bs)
+    Tp = nb * bs
+    flat = lambda x: x.reshape(Z * G, Tp)  # noqa: E731
+    per_block = lambda x: flat(jnp.broadcast_to(x[..., None], (*x.shape, bs)))  # noqa: E731
+    if kind == "fpa":
+        level, field = pen.fpa()
+        assert field.block_arg is not None  # the backward's tiles carry argmins
+        ct = level.dtype
+        pieces = {
+            "prefix": flat(field.prefix_min),
+            "suffix": flat(field.suffix_min),
+            "level": flat(level),
+            "stat": per_block(field.block_min),
+            "block_arg": per_block(field.block_arg).astype(jnp.int32),
+        }
+        diag = field.diag_min
+    else:
+        decay = pen.fox()
+        ct = decay.prefix_sum.dtype
+        pieces = {
+            "prefix": flat(decay.prefix_sum),
+            "suffix": flat(decay.suffix_sum),
+            "stat": per_block(decay.block_sum),
+        }
+        diag = decay.diag_sum
+    reason = supports(q.dtype, ct, bs)
     if reason is not None:
         raise NotImplementedError(reason)
     dtype = q.dtype
-    Tp = nb * bs
     dkp, dvp = _round_up(dk, 64), _round_up(dv, 64)
-    flat = lambda x: x.reshape(Z * G, Tp)  # noqa: E731
+    nbp = max(4, 1 << max(nb - 1, 0).bit_length())  # lanes of the gap sums (16-byte TMA rows)
     qf = _pad_last(q.reshape(Z * G, Tp, dk), dkp)
     dof = _pad_last(do.reshape(Z * G, Tp, dv), dvp)
     kf = _pad_last(k.reshape(Z, Tp, dk), dkp)
     vf = _pad_last(v.reshape(Z, Tp, dv), dvp)
-    common = {
-        "prefix": flat(decay.prefix_sum),
-        "suffix": flat(decay.suffix_sum),
-        "stat": flat(jnp.broadcast_to(decay.block_sum[..., None], decay.prefix_sum.shape)),
-        "lse": flat(lse),
-        "delta": flat(delta),
-    }
+    common = pieces | {"lse": flat(lse), "delta": flat(delta)}
     if seg is not None:
         common["seg"] = jnp.broadcast_to(seg.reshape(1, Tp), (Z * G, Tp)).astype(jnp.int32)
     swizzle = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    fpa = kind == "fpa"
 
-    def smem(rows: int, width: int) -> Any:
-        return plgpu.SMEM((rows, width), dtype, transforms=swizzle)
+    def smem(*shape: int) -> Any:
+        return plgpu.SMEM(shape, dtype, transforms=swizzle)
+
+    def f32(*shape: int) -> Any:
+        return jax.ShapeDtypeStruct((Z * G, *shape), jnp.float32)
 
     params: dict[str, Any] = {
         "grid": (Z * G, nb),
@@ -533,28 +675,43 @@ def backward(
         "kt": jnp.swapaxes(kf, 1, 2),
         "vt": jnp.swapaxes(vf, 1, 2),
         "k": kf,
-        "diag": decay.diag_sum.reshape(Z * G, nb, bs, bs),
+        "diag": diag.reshape(Z * G, nb, bs, bs),
         **common,
     }
-    dq_out, row = plgpu.kernel(
+    dq_scratch = [
+        smem(bs, dkp),  # q
+        smem(bs, dvp),  # do
+        smem(2, dkp, bs),  # k^T, two buffers
+        smem(2, dvp, bs),  # v^T, two buffers
+        smem(2, bs, dkp),  # k, two buffers
+        smem(bs, bs),  # G (interpreter only)
+        plgpu.SMEM((bs, dkp), jnp.float32),  # dq
+        plgpu.SMEM((bs,), jnp.float32),  # row sums
+    ]
+    dq_types = [f32(Tp, dkp), f32(Tp)]
+    if fpa:
+        dq_scratch += [
+            plgpu.SMEM((bs, bs), jnp.float32),  # W on the diagonal tile
+            plgpu.SMEM((nbp,), jnp.float32),  # gap sums
+            plgpu.SMEM((nbp,), jnp.int32),  # gap argmins
+        ]
+        dq_types += [
+            f32(nb, bs, bs),
+            f32(nb, nbp),
+            jax.ShapeDtypeStruct((Z * G, nb, nbp), jnp.int32),
+        ]
+    dq_out = plgpu.kernel(
         functools.partial(
-            _fox_dq_kernel, names=tuple(dq_in), scale=float(scale), G=G, interpret=interpret
+            _dq_kernel,
+            names=tuple(dq_in),
+            kind=kind,
+            scale=float(scale),
+            G=G,
+            nbp=nbp,
+            interpret=interpret,
         ),
-        out_type=(
-            jax.ShapeDtypeStruct((Z * G, Tp, dkp), jnp.float32),
-            jax.ShapeDtypeStruct((Z * G, Tp), jnp.float32),
-        ),
-        scratch_types=(
-            smem(bs, dkp),  # q
-            smem(bs, dvp),  # do
-            smem(dkp, bs),  # k^T
-            smem(dvp, bs),  # v^T
-            smem(bs, dkp),  # k
-            smem(bs, bs),  # G (interpreter only)
-            plgpu.SMEM((bs, dkp), jnp.float32),  # dq
-            plgpu.SMEM((bs,), jnp.float32),  # row sums
-            plgpu.Barrier(num_barriers=5),
-        ),
+        out_type=tuple(dq_types),
+        scratch_types=(*dq_scratch, plgpu.Barrier(num_barriers=8)),
         **params,
     )(*dq_in.values())
     dkv_in = {
@@ -564,39 +721,53 @@ def backward(
         "q": qf,
         "dot": jnp.swapaxes(dof, 1, 2),
         "do": dof,
-        "diagt": jnp.swapaxes(decay.diag_sum, -1, -2).reshape(Z * G, nb, bs, bs),
+        "diagt": jnp.swapaxes(diag, -1, -2).reshape(Z * G, nb, bs, bs),
         **common,
     }
-    dk_out, dv_out, col = plgpu.kernel(
+    dkv_scratch = [
+        smem(bs, dkp),  # k
+        smem(bs, dvp),  # v
+        smem(dkp, bs),  # q^T
+        smem(bs, dkp),  # q
+        smem(dvp, bs),  # do^T
+        smem(bs, dvp),  # do
+        smem(bs, bs),  # p^T, G^T (interpreter only)
+        plgpu.SMEM((bs, dkp), jnp.float32),  # dk
+        plgpu.SMEM((bs, dvp), jnp.float32),  # dv
+        plgpu.SMEM((bs,), jnp.float32),  # column sums
+    ]
+    dkv_types = [f32(Tp, dkp), f32(Tp, dvp), f32(Tp)]
+    if fpa:
+        dkv_scratch.append(plgpu.SMEM((bs,), jnp.float32))  # all column sums of W
+        dkv_types.append(f32(Tp))
+    dkv_out = plgpu.kernel(
         functools.partial(
-            _fox_dkv_kernel,
+            _dkv_kernel,
             names=tuple(dkv_in),
+            kind=kind,
             scale=float(scale),
             G=G,
             nb=nb,
             interpret=interpret,
         ),
-        out_type=(
-            jax.ShapeDtypeStruct((Z * G, Tp, dkp), jnp.float32),
-            jax.ShapeDtypeStruct((Z * G, Tp, dvp), jnp.float32),
-            jax.ShapeDtypeStruct((Z * G, Tp), jnp.float32),
-        ),
-        scratch_types=(
-            smem(bs, dkp),  # k
-            smem(bs, dvp),  # v
-            smem(dkp, bs),  # q^T
-            smem(bs, dkp),  # q
-            smem(dvp, bs),  # do^T
-            smem(bs, dvp),  # do
-            smem(bs, bs),  # p^T, G^T (interpreter only)
-            plgpu.SMEM((bs, dkp), jnp.float32),  # dk
-            plgpu.SMEM((bs, dvp), jnp.float32),  # dv
-            plgpu.SMEM((bs,), jnp.float32),  # column sums
-            plgpu.Barrier(num_barriers=6),
-        ),
+        out_type=tuple(dkv_types),
+        scratch_types=(*dkv_scratch, plgpu.Barrier(num_barriers=6)),
         **params,
     )(*dkv_in.values())
-    dq = scale * dq_out[..., :dk].reshape(Z, G, nb, bs, dk)
-    dk_ = dk_out[..., :dk].reshape(Z, G, Tp, dk).sum(1).reshape(Z, nb, bs, dk)
-    dv_ = dv_out[..., :dv].reshape(Z, G, Tp, dv).sum(1).reshape(Z, nb, bs, dv)
-    return Partials(dq, dk_, dv_, row.reshape(Z, G, nb, bs), col.reshape(Z, G, nb, bs))
+    dq = scale * dq_out[0][..., :dk].reshape(Z, G, nb, bs, dk)
+    dk_ = dkv_out[0][..., :dk].reshape(Z, G, Tp, dk).sum(1).reshape(Z, nb, bs, dk)
+    dv_ = dkv_out[1][..., :dv].reshape(Z, G, Tp, dv).sum(1).reshape(Z, nb, bs, dv)
+    blocked = lambda x: x.reshape(Z, G, nb, bs)  # noqa: E731
+    if not fpa:
+        return Partials(dq, dk_, dv_, blocked(dq_out[1]), blocked(dkv_out[2]))
+    return Partials(
+        dq,
+        dk_,
+        dv_,
+        blocked(dq_out[1]),
+        blocked(dkv_out[2]),
+        blocked(dkv_out[3]),
+        dq_out[3].reshape(Z, G, nb, nbp)[..., :nb],
+        dq_out[4].reshape(Z, G, nb, nbp)[..., :nb],
+        dq_out[2].reshape(Z, G, nb, bs, bs),
+    )
