@@ -489,8 +489,8 @@ def _dq_kernel(
             g, dq_j = grads(step, penalty, t.segment_mask(i, j))
             return dq + dq_j, row + jnp.sum(g, axis=1), gap + t.rows("stat", j)
 
-        carry = (dq, jnp.sum(g, axis=1), t.constant(0.0))
-        dq, row, _ = lax.fori_loop(1, i + 1, fox_block, carry)
+        fox_carry = (dq, jnp.sum(g, axis=1), t.constant(0.0))
+        dq, row, _ = lax.fori_loop(1, i + 1, fox_block, fox_carry)
     dq_smem[...] = dq
     row_smem[...] = row
     plgpu.commit_smem()
@@ -583,8 +583,8 @@ def _dkv_kernel(
             g, dk_i, dv_i = grads(i, penalty, t.segment_mask(j, i))
             return dk + dk_i, dv + dv_i, col + jnp.sum(g, axis=1), gap + t.rows("stat", i)
 
-        carry = (dk, dv, jnp.sum(g, axis=1), t.constant(0.0))
-        dk, dv, col, _ = lax.fori_loop(j + 1, nb, fox_block, carry)
+        fox_carry = (dk, dv, jnp.sum(g, axis=1), t.constant(0.0))
+        dk, dv, col, _ = lax.fori_loop(j + 1, nb, fox_block, fox_carry)
     dk_smem[...] = scale * dk
     dv_smem[...] = dv
     col_smem[...] = col
