@@ -1,9 +1,8 @@
 """The JAX section of the GPU check (``bench/gpu_check.sh``): correctness first, then timings.
 
 The GPU paths of the JAX backend are the Pallas kernels (Triton lowering, JAX < 0.11) and the
-Mosaic GPU kernels (``implementation="mosaic"``, 16-bit inputs: FoX forward and backward, FPA
-forward, FPA's backward on the Pallas kernels on JAX < 0.11 and on the XLA loop after); each
-one the installed JAX supports is checked.
+Mosaic GPU kernels (``implementation="mosaic"``, 16-bit inputs, both passes); each one the
+installed JAX supports is checked.
 
 1. Correctness: each path's FPA and FoX, compiled for the GPU, forward and backward on shapes
    that cross tile borders (GQA, head dims 64 and 128, packed sequences), against the float64
