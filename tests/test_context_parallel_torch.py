@@ -164,3 +164,18 @@ def test_shard_and_unshard_are_inverse():
         assert torch.equal(cp.unshard_sequence(parts, layout=layout), x)
     zig = [cp.shard_sequence(x, r, 4, layout="zigzag")[0, :, 0] // 3 for r in range(4)]
     assert zig[0].tolist() == [0, 1, 14, 15]  # chunks 0 and 7 of 8 (length 2)
+
+
+def test_the_triton_kernels_underneath_under_the_interpreter(monkeypatch):
+    """impl="triton": the diagonal chunk on the Triton kernels (run by the Triton interpreter
+    on CPU; the children inherit TRITON_INTERPRET), the cross-chunk tiles as with eager."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    picked = {("fpa/cp/varlen/P2", "float32"), ("fox/cp/zigzag/P2", "float32")}
+    jobs, refs, _ = kit.prepare(2, ("float32",), kit.CP_OPS, cp.KitBackend().capabilities())
+    chosen = [n for n, job in enumerate(jobs) if (job.case_id, job.dtype) in picked]
+    jobs, refs = [jobs[n] for n in chosen], [refs[n] for n in chosen]
+    got = cp.KitBackend(timeout=TIMEOUT, impl="triton").run_sharded(jobs, 2)
+    results = kit.judge(jobs, got, refs, 2)
+    assert len(results) == 2
+    assert all(r.verdict == "passed" for r in results), [(r.case_id, r.message) for r in results]

@@ -960,12 +960,15 @@ _PER_TOKEN = ("q", "k", "v", "field", "level", "log_f", "fq", "kt", "vt")
 _DTYPES = {"float64": torch.float64, "float32": torch.float32}
 
 
-def run_job(job: Any, sharding: Sharding = DEFAULT, group: Any = None) -> dict[str, Any]:
+def run_job(
+    job: Any, sharding: Sharding = DEFAULT, group: Any = None, impl: str = "eager"
+) -> dict[str, Any]:
     """One kit job on this rank: shard the canonical inputs, run the op, backpropagate the
     cotangents; returns the full outputs and gradients (gathered, canonical, NumPy)."""
     import numpy as np
 
     from attnspec.conformance.protocol import OPS
+    from attnspec.conformance.tolerances import wide_dtype
 
     group = dist.group.WORLD if group is None else group
     rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -974,10 +977,8 @@ def run_job(job: Any, sharding: Sharding = DEFAULT, group: Any = None) -> dict[s
 
     def tensor(name: str, x: Any) -> Tensor:
         t = torch.from_numpy(np.ascontiguousarray(x))
-        dtype = _DTYPES["float64" if job.dtype == "float64" or name in spec.wide else "float32"]
-        if name not in spec.wide:
-            dtype = _DTYPES[job.dtype]
-        t = t.to(dtype)
+        # the kit's rule: wide inputs (field, level, gates, SSM parameters) in float32 or wider
+        t = t.to(_DTYPES[wide_dtype(job.dtype) if name in spec.wide else job.dtype])
         if name in _PER_TOKEN:
             t = shard_sequence(t.transpose(1, 2), rank, world, layout=layout).contiguous()
         return t.requires_grad_(True)
@@ -996,7 +997,7 @@ def run_job(job: Any, sharding: Sharding = DEFAULT, group: Any = None) -> dict[s
             scale=params.get("scale"),
             cu_seqlens=params.get("cu_seqlens"),
             return_lse=True,
-            impl="eager",
+            impl=impl,
             sharding=sharding,
         )
         outs = {"o": o, "lse": lse}
@@ -1011,7 +1012,7 @@ def run_job(job: Any, sharding: Sharding = DEFAULT, group: Any = None) -> dict[s
                 layout=layout,
                 scale=params.get("scale"),
                 cu_seqlens=params.get("cu_seqlens"),
-                impl="eager",
+                impl=impl,
                 sharding=sharding,
             )
         }
@@ -1028,7 +1029,7 @@ def run_job(job: Any, sharding: Sharding = DEFAULT, group: Any = None) -> dict[s
                 group=group,
                 readout=params.get("readout", "linear"),
                 cu_seqlens=params.get("cu_seqlens"),
-                impl="eager",
+                impl=impl,
                 sharding=sharding,
             )
         }
@@ -1065,7 +1066,11 @@ def run_job(job: Any, sharding: Sharding = DEFAULT, group: Any = None) -> dict[s
 
 
 def _kit_worker(
-    rank: int, world: int, path: str, variants: dict[str, tuple[Sharding, list[Any]]]
+    rank: int,
+    world: int,
+    path: str,
+    variants: dict[str, tuple[Sharding, list[Any]]],
+    impl: str = "eager",
 ) -> None:
     import pickle
 
@@ -1074,7 +1079,7 @@ def _kit_worker(
         results[name] = []
         for job in jobs:
             try:
-                results[name].append(("", run_job(job, sharding)))
+                results[name].append(("", run_job(job, sharding, impl=impl)))
             except ValueError as exc:  # raised alike on every rank (see agree)
                 results[name].append((f"ValueError: {exc}", {}))
     if rank == 0:
@@ -1088,8 +1093,10 @@ class KitBackend:
 
     name = "torch-cp"
 
-    def __init__(self, sharding: Sharding = DEFAULT, timeout: float = 300.0) -> None:
-        self.sharding, self.timeout = sharding, timeout
+    def __init__(
+        self, sharding: Sharding = DEFAULT, timeout: float = 300.0, impl: str = "eager"
+    ) -> None:
+        self.sharding, self.timeout, self.impl = sharding, timeout, impl
 
     def capabilities(self) -> set[str]:
         return {
@@ -1111,7 +1118,7 @@ class KitBackend:
 
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "results.pkl")
-            spawn(_kit_worker, world, path, variants, timeout=self.timeout)
+            spawn(_kit_worker, world, path, variants, self.impl, timeout=self.timeout)
             with open(path, "rb") as fh:
                 raw = pickle.load(fh)
         return {
