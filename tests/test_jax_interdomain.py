@@ -10,9 +10,15 @@ from jax_support import canonical, rel, x64  # noqa: F401  (x64: autouse fixture
 
 from attnspec.backends.jax import (
     fpa_layer,
+    fpa_layer_prefill,
+    fpa_layer_state,
+    fpa_layer_step,
     init_fpa_params,
     init_interdomain_params,
     interdomain_layer,
+    interdomain_layer_prefill,
+    interdomain_layer_state,
+    interdomain_layer_step,
     interdomain_legs,
     interdomain_s4d,
     interdomain_s4d_step,
@@ -233,3 +239,46 @@ def test_a_zero_length_packed_sequence_contributes_nothing():
         for a, e in [(0, 4), (4, 9)]
     ]
     assert rel(canonical(got), np.concatenate(parts, axis=-2)) <= 1e-12
+
+
+@pytest.mark.parametrize(
+    "kw", [{}, {"readout": "ratio", "use_rope": True, "gate": True}, {"output_norm": False}]
+)
+def test_interdomain_layer_decodes_as_the_reference_layer(kw):
+    # prefill 6 tokens, then one step per token: the reference's parallel layer, token by token
+    x = np.random.default_rng(8).standard_normal((2, 11, 8))
+    params = ref.init_interdomain_params(8, 2, 4, 3, 5, seed=4, gate=True, output_norm=True)
+    if kw.get("readout") == "ratio":  # positive k~: the denominator stays away from 0
+        params["norm_k_b"] += 3.0
+        params["c_re"] += np.eye(5)
+    expected = ref.interdomain_layer(x, params, **kw)
+    state = interdomain_layer_state(
+        params, 2, readout=kw.get("readout", "linear"), dtype=jnp.float64
+    )
+    head, state = interdomain_layer_prefill(jnp.asarray(x[:, :6]), params, state, **kw)
+    tail = []
+    for t in range(6, 11):
+        y, state = interdomain_layer_step(jnp.asarray(x[:, t]), params, state, **kw)
+        tail.append(y)
+    assert int(state.position) == 11 and state.ssm.x.shape == (
+        2,
+        2,
+        5,
+        7 + (kw.get("readout") == "ratio"),
+    )
+    assert rel(jnp.concatenate([head, jnp.stack(tail, 1)], 1), expected) <= 1e-12
+
+
+@pytest.mark.parametrize("increments", ["signed", "logsigmoid"])
+def test_fpa_layer_decodes_as_the_reference_layer(increments):
+    x = np.random.default_rng(9).standard_normal((2, 11, 8))
+    params = ref_fpa.init_fpa_params(8, 2, 4, 3, seed=5)
+    expected = ref_fpa.fpa_layer(x, params, increments=increments)
+    state = fpa_layer_state(params, 2, 11, dtype=jnp.float64)
+    head, state = fpa_layer_prefill(jnp.asarray(x[:, :6]), params, state, increments=increments)
+    tail = []
+    for t in range(6, 11):
+        y, state = fpa_layer_step(jnp.asarray(x[:, t]), params, state, increments=increments)
+        tail.append(y)
+    assert rel(jnp.concatenate([head, jnp.stack(tail, 1)], 1), expected) <= 1e-12
+    assert not bool(jnp.any(state.cache.overflowed))

@@ -23,11 +23,26 @@ from .interdomain import (
     interdomain_s4d_step,
     s4d_state,
 )
-from .layers import fpa_layer, init_fpa_params, init_interdomain_params, interdomain_layer
+from .layers import (
+    FPALayerState,
+    InterdomainLayerState,
+    fpa_layer,
+    fpa_layer_prefill,
+    fpa_layer_state,
+    fpa_layer_step,
+    init_fpa_params,
+    init_interdomain_params,
+    interdomain_layer,
+    interdomain_layer_prefill,
+    interdomain_layer_state,
+    interdomain_layer_step,
+)
 
 __all__ = [
     "AttentionConfig",
     "FPACache",
+    "FPALayerState",
+    "InterdomainLayerState",
     "S4DState",
     "fox_attention",
     "fpa_attention",
@@ -35,9 +50,15 @@ __all__ = [
     "fpa_decode",
     "fpa_decode_step",
     "fpa_layer",
+    "fpa_layer_prefill",
+    "fpa_layer_state",
+    "fpa_layer_step",
     "init_fpa_params",
     "init_interdomain_params",
     "interdomain_layer",
+    "interdomain_layer_prefill",
+    "interdomain_layer_state",
+    "interdomain_layer_step",
     "interdomain_legs",
     "interdomain_s4d",
     "interdomain_s4d_step",

@@ -14,7 +14,8 @@ parameter dict from a PRNG key.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -28,8 +29,9 @@ from attnspec.reference.fpa import FPA_PARAMETER_SCHEMA
 from attnspec.reference.interdomain import OPTIONAL_PARAMETERS, PARAMETER_SCHEMA
 
 from . import validation as check
+from .decode import FPACache, _decode_step, fpa_cache
 from .fpa import fpa_attention
-from .interdomain import interdomain_s4d
+from .interdomain import S4DState, interdomain_s4d, interdomain_s4d_step, s4d_state
 
 HIGHEST = lax.Precision.HIGHEST
 
@@ -175,12 +177,13 @@ def rms_norm(x: jax.Array, g: ArrayLike, eps: float = 1e-6) -> jax.Array:
     return x / jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * g
 
 
-def rope(x: jax.Array) -> jax.Array:
-    """Rotary position embedding on the last axis of x [B, T, N, R], R even; base 10000.
-    O(size)."""
+def rope(x: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+    """Rotary position embedding on the last axis of x [B, T, N, R], R even; base 10000; at
+    ``positions`` [T] (default 0..T-1). O(size)."""
     T, R = x.shape[1], x.shape[-1]
     freq = 10000.0 ** (-jnp.arange(R // 2) / (R // 2))
-    angle = jnp.arange(T)[:, None] * freq  # (T, R/2)
+    positions = jnp.arange(T) if positions is None else positions
+    angle = positions[:, None] * freq  # (T, R/2)
     cos, sin = jnp.cos(angle)[:, None], jnp.sin(angle)[:, None]
     x1, x2 = x[..., : R // 2], x[..., R // 2 :]
     return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
@@ -205,6 +208,14 @@ def interdomain_layer(
     O(B T (d H (R + dv) + H M (M + R + dv + L))) for S4D chunks of L; memory O(B T H (R + dv + M)).
     """
     x = check.array("x", x, 3, meaning="[B, T, d]")
+    P = _interdomain_params(x.shape[-1], params, readout, use_rope, gate, output_norm)
+    return _interdomain_layer(x, P, readout, use_rope, gate, output_norm)
+
+
+def _interdomain_params(
+    d: int, params: object, readout: str, use_rope: bool, gate: bool, output_norm: bool
+) -> dict[str, jax.Array]:
+    """The checked parameter dict of the Interdomain layer for width d."""
     flags = {"gate": gate, "output_norm": output_norm}
     optional = tuple(name for name, flag in OPTIONAL_PARAMETERS.items() if not flags[flag])
     P = _params("PARAMETER_SCHEMA", params, PARAMETER_SCHEMA, optional=optional)
@@ -212,7 +223,6 @@ def interdomain_layer(
         raise ValueError(f"readout: expected 'linear' or 'ratio', got {readout!r}")
     if use_rope and P["norm_k_g"].shape[1] % 2:
         raise ValueError(f"use_rope: RoPE needs an even head dim, got {P['norm_k_g'].shape[1]}")
-    d = x.shape[-1]
     H, R = P["norm_k_g"].shape
     dv = P["norm_v_g"].shape[1]
     M = P["a_log"].shape[1]
@@ -235,7 +245,47 @@ def interdomain_layer(
         "wg": (d, H * dv),
     }
     _expect(P, shapes, PARAMETER_SCHEMA)
-    return _interdomain_layer(x, P, readout, use_rope, gate, output_norm)
+    return P
+
+
+def _ssm(wide: dict[str, jax.Array], cc: jnp.dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(I11) Lambda = exp(dt a), the zero-order hold b_bar = (Lambda - 1) / a (.) b, and C."""
+    a = -jnp.exp(wide["a_log"]) + 1j * wide["a_im"]  # (I11)
+    dt_a = jnp.exp(wide["log_dt"])[:, None] * a
+    lam = jnp.exp(dt_a).astype(cc)  # (I11) Lambda = exp(dt a)
+    b_bar = jnp.expm1(dt_a) / a * (wide["b_re"] + 1j * wide["b_im"])  # (I11) zero-order hold
+    c = (wide["c_re"] + 1j * wide["c_im"]).astype(cc)
+    return lam, b_bar.astype(cc), c
+
+
+def _features(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    wide: dict[str, jax.Array],
+    use_rope: bool,
+    positions: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(I9), (I10) from the convolved q, k and v [B, T, N, .]: fq, kt, vt."""
+    if use_rope:
+        q, k = rope(q, positions), rope(k, positions)
+    fq, fk = feature_map(q), feature_map(k)  # (I9)
+    kt = rms_norm(fk, 1.0) * wide["norm_k_g"] + wide["norm_k_b"]  # (I10)
+    vt = rms_norm(v, 1.0) * wide["norm_v_g"] + wide["norm_v_b"]
+    return fq, kt, vt
+
+
+def _readout(
+    x: jax.Array, o: jax.Array, wide: dict[str, jax.Array], gate: bool, output_norm: bool
+) -> jax.Array:
+    """o [..., N, dv] -> y [..., d]: (I14) per head, heads concatenated, gate, projection."""
+    ct = wide["wo"].dtype
+    if output_norm:
+        o = rms_norm(o.astype(ct), wide["norm_o_g"])  # (I14) per head
+    o = o.reshape(*o.shape[:-2], o.shape[-2] * o.shape[-1]).astype(ct)  # concatenate heads
+    if gate:
+        o = jax.nn.silu(_project(x, wide["wg"], ct)) * o  # SiLU(W_g x) * o
+    return _project(o, wide["wo"], ct)
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3, 4, 5))
@@ -257,30 +307,221 @@ def _interdomain_layer(
     k = short_conv(_project(x, P["wk"], ct), wide["conv_k"])
     v = _project(x, P["wv"], ct)  # values are not convolved
     q, k, v = q.reshape(B, T, H, R), k.reshape(B, T, H, R), v.reshape(B, T, H, dv)
-    if use_rope:
-        q, k = rope(q), rope(k)
-    fq, fk = feature_map(q), feature_map(k)  # (I9)
-    kt = rms_norm(fk, 1.0) * wide["norm_k_g"] + wide["norm_k_b"]  # (I10)
-    vt = rms_norm(v, 1.0) * wide["norm_v_g"] + wide["norm_v_b"]
-    a = -jnp.exp(wide["a_log"]) + 1j * wide["a_im"]  # (I11)
-    dt_a = jnp.exp(wide["log_dt"])[:, None] * a
-    lam = jnp.exp(dt_a).astype(cc)  # (I11) Lambda = exp(dt a)
-    b_bar = jnp.expm1(dt_a) / a * (wide["b_re"] + 1j * wide["b_im"])  # (I11) zero-order hold
-    b = b_bar.astype(cc)
-    c = (wide["c_re"] + 1j * wide["c_im"]).astype(cc)
-    o = interdomain_s4d(
-        fq.astype(x.dtype),
-        kt.astype(x.dtype),
-        vt.astype(x.dtype),
-        lam,
-        b,
-        c,
-        readout=readout,
-        validate=False,
-    )  # [B, T, N, dv]
-    if output_norm:
-        o = rms_norm(o.astype(ct), wide["norm_o_g"])  # (I14) per head
-    o = o.reshape(B, T, H * dv).astype(ct)
-    if gate:
-        o = jax.nn.silu(_project(x, P["wg"], ct)) * o  # SiLU(W_g x) * o
-    return _project(o, P["wo"], ct).astype(x.dtype)
+    fq, kt, vt = _features(q, k, v, wide, use_rope)  # (I9), (I10)
+    lam, b, c = _ssm(wide, cc)  # (I11)
+    fq, kt, vt = fq.astype(x.dtype), kt.astype(x.dtype), vt.astype(x.dtype)
+    o = interdomain_s4d(fq, kt, vt, lam, b, c, readout=readout, validate=False)  # [B, T, N, dv]
+    return _readout(x, o, wide, gate, output_norm).astype(x.dtype)
+
+
+# --------------------------------------------------------------------- decoding, token by token
+
+
+class FPALayerState(NamedTuple):
+    """Decode state of :func:`fpa_layer_step`: the (F7) cache and the field phi of the last
+    token [B, N] (zero before the first). A pytree: it passes through jit and scan."""
+
+    cache: FPACache
+    field: jax.Array
+
+
+def fpa_layer_state(
+    params: dict[str, Any], batch: int, capacity: int, *, dtype: DTypeLike = jnp.float32
+) -> FPALayerState:
+    """An empty decode state for ``batch`` sequences of up to ``capacity`` live keys per head
+    (capacity = the longest sequence never overflows; see ``fpa_cache``); ``dtype`` float32 or
+    float64, the compute dtype. Memory O(B N S (dk + dv))."""
+    P = _params("FPA_PARAMETER_SCHEMA", params, FPA_PARAMETER_SCHEMA)
+    H = P["b_delta"].shape[0]
+    dk, dv = P["wq"].shape[1] // H, P["wv"].shape[1] // H
+    cache = fpa_cache(batch, H, capacity, dk, dv, dtype=dtype)
+    return FPALayerState(cache, jnp.zeros((batch, H), cache.levels.dtype))
+
+
+def fpa_layer_step(
+    x: ArrayLike,
+    params: dict[str, Any],
+    state: FPALayerState,
+    *,
+    increments: str = "signed",
+    theta: ArrayLike = jnp.inf,
+) -> tuple[jax.Array, FPALayerState]:
+    """One token of :func:`fpa_layer`: x [B, d] -> (y [B, d] in x's dtype, the next state).
+
+    phi_t = phi_{t-1} + delta_t, l_t = phi_t + lam_t, then one step of the (F7) cache, evicting
+    keys at depth >= ``theta`` (inf: none, so the steps equal the parallel layer). Time and
+    memory O(B N S (dk + dv) + B d N (dk + dv)) per token for S slots.
+    """
+    x = check.array("x", x, 2, meaning="[B, d]")
+    P = _params("FPA_PARAMETER_SCHEMA", params, FPA_PARAMETER_SCHEMA)
+    if increments not in ("signed", "logsigmoid"):
+        raise ValueError(f"increments: expected 'signed' or 'logsigmoid', got {increments!r}")
+    check.shape("state.field", state.field, (x.shape[0], P["b_delta"].shape[0]), "[B, N]")
+    scale = check.scale(None, P["wq"].shape[1] // P["b_delta"].shape[0])
+    return _fpa_step(x, P, state, jnp.asarray(theta), increments, scale)
+
+
+def fpa_layer_prefill(
+    x: ArrayLike,
+    params: dict[str, Any],
+    state: FPALayerState,
+    *,
+    increments: str = "signed",
+    theta: ArrayLike = jnp.inf,
+) -> tuple[jax.Array, FPALayerState]:
+    """A prompt x [B, T, d] into ``state``: (y [B, T, d], the state after it), by a scan of
+    :func:`fpa_layer_step`; equals T calls of it. Time O(T) steps of O(S) each."""
+    x = check.array("x", x, 3, meaning="[B, T, d]")
+    P = _params("FPA_PARAMETER_SCHEMA", params, FPA_PARAMETER_SCHEMA)
+    if increments not in ("signed", "logsigmoid"):
+        raise ValueError(f"increments: expected 'signed' or 'logsigmoid', got {increments!r}")
+    scale = check.scale(None, P["wq"].shape[1] // P["b_delta"].shape[0])
+    theta = jnp.asarray(theta)
+
+    def step(xt: jax.Array, s: FPALayerState) -> tuple[jax.Array, FPALayerState]:
+        return _fpa_step(xt, P, s, theta, increments, scale)
+
+    return _scan_steps(step, x, state)
+
+
+StateT = TypeVar("StateT")
+
+
+def _scan_steps(
+    step: Callable[[jax.Array, StateT], tuple[jax.Array, StateT]], x: jax.Array, state: StateT
+) -> tuple[jax.Array, StateT]:
+    """Run ``step`` over the tokens of x [B, T, d]: (the outputs [B, T, d], the last state)."""
+
+    def body(s: StateT, xt: jax.Array) -> tuple[StateT, jax.Array]:
+        y, s = step(xt, s)
+        return s, y
+
+    state, ys = lax.scan(body, state, jnp.swapaxes(x, 0, 1))
+    return jnp.swapaxes(ys, 0, 1), state
+
+
+@functools.partial(jax.jit, static_argnums=(4, 5))
+def _fpa_step(
+    x: jax.Array,
+    P: dict[str, jax.Array],
+    state: FPALayerState,
+    theta: jax.Array,
+    increments: str,
+    scale: float,
+) -> tuple[jax.Array, FPALayerState]:
+    ct = state.cache.levels.dtype
+    B, H = state.field.shape
+    heads = lambda y: y.reshape(B, H, y.shape[-1] // H).astype(x.dtype)  # noqa: E731
+    delta = _project(x, P["w_delta"], ct) + P["b_delta"].astype(ct)  # [B, N]
+    if increments == "logsigmoid":
+        delta = jax.nn.log_sigmoid(delta)
+    field = state.field + delta  # phi_t
+    level = field + _project(x, P["w_lam"], ct) + P["b_lam"].astype(ct)  # l_t = phi_t + lam_t
+    q, k, v = (heads(_project(x, P[w], ct)) for w in ("wq", "wk", "wv"))
+    o, cache = _decode_step(state.cache, q, k, v, field, level, theta, scale)  # (F7)
+    y = _project(o.reshape(B, o.shape[1] * o.shape[2]), P["wo"], ct)
+    return y.astype(x.dtype), FPALayerState(cache, field)
+
+
+class InterdomainLayerState(NamedTuple):
+    """Decode state of :func:`interdomain_layer_step`: the short-conv windows (the last K - 1
+    projected queries and keys, [B, K - 1, N R]), the S4D state (H6) and the position (for
+    RoPE). Its size does not grow with T. A pytree."""
+
+    conv_q: jax.Array
+    conv_k: jax.Array
+    ssm: S4DState
+    position: jax.Array
+
+
+def interdomain_layer_state(
+    params: dict[str, Any],
+    batch: int,
+    *,
+    readout: str = "linear",
+    dtype: DTypeLike = jnp.float32,
+) -> InterdomainLayerState:
+    """The zero state before the first token; ``dtype`` float32 or float64 (the S4D state is
+    complex of that width). Memory O(B N (M (R + dv) + K R))."""
+    H, R = jnp.shape(params["norm_k_g"])
+    dv, M = jnp.shape(params["norm_v_g"])[1], jnp.shape(params["a_log"])[1]
+    ct = jnp.result_type(jnp.float32, dtype)
+    window = jnp.zeros((batch, jnp.shape(params["conv_q"])[0] - 1, H * R), ct)
+    complex_dtype = jnp.result_type(ct, jnp.complex64)
+    ssm = s4d_state(batch, H, M, R, dv, readout=readout, dtype=complex_dtype)
+    return InterdomainLayerState(window, window, ssm, jnp.zeros((), jnp.int32))
+
+
+def interdomain_layer_step(
+    x: ArrayLike,
+    params: dict[str, Any],
+    state: InterdomainLayerState,
+    *,
+    readout: str = "linear",
+    use_rope: bool = False,
+    gate: bool = False,
+    output_norm: bool = True,
+) -> tuple[jax.Array, InterdomainLayerState]:
+    """One token of :func:`interdomain_layer`: x [B, d] -> (y [B, d] in x's dtype, the next
+    state); options as there. Steps from :func:`interdomain_layer_state` equal the parallel
+    layer token by token (H6). Time O(B (d N (R + dv) + N M (M + R + dv))) per token."""
+    x = check.array("x", x, 2, meaning="[B, d]")
+    P = _interdomain_params(x.shape[-1], params, readout, use_rope, gate, output_norm)
+    H, R = P["norm_k_g"].shape
+    window = (x.shape[0], P["conv_q"].shape[0] - 1, H * R)
+    check.shape("state.conv_q", state.conv_q, window, "[B, K - 1, N R]")
+    return _interdomain_step(x, P, state, readout, use_rope, gate, output_norm)
+
+
+def interdomain_layer_prefill(
+    x: ArrayLike,
+    params: dict[str, Any],
+    state: InterdomainLayerState,
+    *,
+    readout: str = "linear",
+    use_rope: bool = False,
+    gate: bool = False,
+    output_norm: bool = True,
+) -> tuple[jax.Array, InterdomainLayerState]:
+    """A prompt x [B, T, d] into ``state``: (y [B, T, d], the state after it), by a scan of
+    :func:`interdomain_layer_step`; equals T calls of it. Time O(T) steps."""
+    x = check.array("x", x, 3, meaning="[B, T, d]")
+    P = _interdomain_params(x.shape[-1], params, readout, use_rope, gate, output_norm)
+
+    def step(xt: jax.Array, s: InterdomainLayerState) -> tuple[jax.Array, InterdomainLayerState]:
+        return _interdomain_step(xt, P, s, readout, use_rope, gate, output_norm)
+
+    return _scan_steps(step, x, state)
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6))
+def _interdomain_step(
+    x: jax.Array,
+    P: dict[str, jax.Array],
+    state: InterdomainLayerState,
+    readout: str,
+    use_rope: bool,
+    gate: bool,
+    output_norm: bool,
+) -> tuple[jax.Array, InterdomainLayerState]:
+    ct = jnp.result_type(jnp.float32, x.dtype)
+    cc = jnp.result_type(ct, jnp.complex64)
+    B = x.shape[0]
+    H, R = P["norm_k_g"].shape
+    dv = P["norm_v_g"].shape[1]
+    wide = {key: value.astype(ct) for key, value in P.items()}
+
+    def conv(window: jax.Array, w: jax.Array, new: jax.Array) -> tuple[jax.Array, jax.Array]:
+        full = jnp.concatenate([window.astype(ct), new[:, None]], axis=1)  # oldest first
+        return jnp.sum(full * w[::-1], axis=1), full[:, 1:]  # (I8) w_s multiplies x_{t-s}
+
+    q, conv_q = conv(state.conv_q, wide["conv_q"], _project(x, P["wq"], ct))
+    k, conv_k = conv(state.conv_k, wide["conv_k"], _project(x, P["wk"], ct))
+    v = _project(x, P["wv"], ct)  # values are not convolved
+    q, k, v = q.reshape(B, 1, H, R), k.reshape(B, 1, H, R), v.reshape(B, 1, H, dv)
+    fq, kt, vt = _features(q, k, v, wide, use_rope, state.position[None])  # (I9), (I10)
+    lam, b, c = _ssm(wide, cc)  # (I11)
+    fq, kt, vt = (y[:, 0].astype(x.dtype) for y in (fq, kt, vt))
+    o, ssm = interdomain_s4d_step(state.ssm, fq, kt, vt, lam, b, c, readout=readout)
+    y = _readout(x, o, wide, gate, output_norm)
+    return y.astype(x.dtype), InterdomainLayerState(conv_q, conv_k, ssm, state.position + 1)

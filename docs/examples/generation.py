@@ -9,8 +9,9 @@ followed (causality), which is what recomputing the sequence for each new token 
 - torch: ``layer.new_cache()``, ``layer.prefill(prompt, cache)``, ``layer.step(x_t, cache)``
   for both layers (FPA's KV cache with optional eviction, the Interdomain layer's fixed-size
   state);
-- JAX: the FPA layer written per token over ``fpa_decode`` (prefill) and ``fpa_decode_step``,
-  with the parameter dict of ``init_fpa_params``, checked against ``fpa_layer``.
+- JAX: the same layers as pure functions of the parameter dicts of ``init_fpa_params`` and
+  ``init_interdomain_params``, with ``*_layer_state``, ``*_layer_prefill`` and
+  ``*_layer_step`` (explicit state pytrees).
 
 Run: ``python docs/examples/generation.py`` (needs the torch and jax extras).
 """
@@ -89,46 +90,49 @@ def generate_torch(prompt: bytes = PROMPT, n: int = NEW_TOKENS) -> tuple[bytes, 
 
 
 def generate_jax(prompt: bytes = PROMPT, n: int = NEW_TOKENS) -> tuple[bytes, bytes]:
-    """The same with one FPA layer in JAX: (with the cache, by the parallel ``fpa_layer``)."""
+    """The same model in JAX, as pure functions of parameter dicts: (with the decode states, by
+    the parallel layers)."""
     import jax
     import jax.numpy as jnp
 
-    from attnspec.backends.jax import fpa_decode, fpa_decode_step, fpa_layer, init_fpa_params
+    from attnspec.backends import jax as attn
 
-    d, H, dk = 32, 2, 8
-    key_embed, key_head = jax.random.split(jax.random.key(0))
-    params = init_fpa_params(jax.random.key(1), d, H, dk, dk)
-    embed = jax.random.normal(key_embed, (256, d)) / 4
+    d, H, R = 32, 2, 8
+    key_embed, key_head, key_fpa, key_idm = jax.random.split(jax.random.key(0), 4)
+    fpa_params = attn.init_fpa_params(key_fpa, d, H, R, R)
+    idm_params = attn.init_interdomain_params(key_idm, d, H, R, R, 8)
+    embed = jax.random.normal(key_embed, (256, d))
     head = jax.random.normal(key_head, (d, 256)) / jnp.sqrt(d)
 
-    def projections(x: jax.Array):  # x [B, T, d] -> q, k, v [B, T, H, dk]; delta, lam [B, T, H]
-        B, T, _ = x.shape
-        q, k, v = (x @ params[w] for w in ("wq", "wk", "wv"))
-        delta = x @ params["w_delta"] + params["b_delta"]  # field increments [B, T, H]
-        lam = x @ params["w_lam"] + params["b_lam"]  # levels relative to the field
-        return (*(y.reshape(B, T, H, dk) for y in (q, k, v)), delta, lam)
-
-    def logits_of(x: jax.Array, o: jax.Array) -> jax.Array:
-        return (x + o.reshape(*o.shape[:-2], H * dk) @ params["wo"]) @ head
+    def forward(tokens: jax.Array) -> jax.Array:
+        """tokens [B, T] -> logits [B, T, 256], the whole sequence at once."""
+        x = embed[tokens]
+        x = x + attn.fpa_layer(x, fpa_params)
+        x = x + attn.interdomain_layer(x, idm_params)
+        return x @ head
 
     total = len(prompt) + n
-    x = embed[jnp.array([list(prompt)])]  # [1, T, d]
-    q, k, v, delta, lam = projections(x)
-    field = jnp.cumsum(delta, axis=1)  # phi
-    o, cache = fpa_decode(q, k, v, field, field + lam, capacity=total)  # prefill
-    logits, phi = logits_of(x[:, -1], o[:, -1]), field[:, -1]
+    states = (
+        attn.fpa_layer_state(fpa_params, 1, total),  # (F7) cache of up to `total` keys
+        attn.interdomain_layer_state(idm_params, 1),  # fixed size (H6)
+    )
+    x = embed[jnp.array([list(prompt)])]  # the prompt once
+    y, fpa_state = attn.fpa_layer_prefill(x, fpa_params, states[0])
+    x = x + y
+    y, idm_state = attn.interdomain_layer_prefill(x, idm_params, states[1])
+    logits = (x + y)[:, -1] @ head
     cached = []
     for _ in range(n):
         token = int(jnp.argmax(logits[0]))
         cached.append(token)
-        x = embed[jnp.array([[token]])]
-        q, k, v, delta, lam = projections(x)
-        phi = phi + delta[:, 0]  # the running field
-        o, cache = fpa_decode_step(cache, q[:, 0], k[:, 0], v[:, 0], phi, phi + lam[:, 0])
-        logits = logits_of(x[:, 0], o)
-    x = embed[jnp.array([list(prompt) + cached[:-1]])]
-    y = x + fpa_layer(x, params)  # the parallel layer on the whole sequence
-    parallel = jnp.argmax((y @ head)[0, len(prompt) - 1 :], axis=-1)
+        x = embed[jnp.array([token])]  # [B, d]: one token, fixed cost per step
+        y, fpa_state = attn.fpa_layer_step(x, fpa_params, fpa_state)
+        x = x + y
+        y, idm_state = attn.interdomain_layer_step(x, idm_params, idm_state)
+        logits = (x + y) @ head
+    parallel = jnp.argmax(
+        forward(jnp.array([list(prompt) + cached[:-1]]))[0, len(prompt) - 1 :], -1
+    )
     return bytes(cached), bytes(parallel.tolist())
 
 
