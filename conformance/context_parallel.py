@@ -180,6 +180,13 @@ def cases(world: int) -> list[CPCase]:
         _fpa(rng, 1, 2, T, _walk(rng, (1, 2, T))),  # length-1 tail
         cu_seqlens=tuple(sorted(set(offsets))),
     )
+    add(
+        "zigzag-varlen",
+        "fpa_attention",
+        _fpa(rng, 1, 2, T, _walk(rng, (1, 2, T))),
+        "zigzag",
+        cu_seqlens=tuple(sorted(set(offsets))),
+    )
     one = world  # shards of length 1
     add("shard-length-1", "fpa_attention", _fpa(rng, 1, 2, one, _walk(rng, (1, 2, one))))
 
