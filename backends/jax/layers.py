@@ -8,7 +8,8 @@ gradients with respect to the parameters come from ``jax.grad`` of these functio
 Projections accumulate in float32 (float64 for float64 inputs); q, k, v enter the ops in the
 input's dtype; field, level and the SSM parameters stay float32 or wider. An empty batch (B = 0)
 gives an empty output. :func:`init_fpa_params` and :func:`init_interdomain_params` draw a
-parameter dict from a PRNG key.
+parameter dict from a PRNG key; ``*_layer_state``, ``*_layer_prefill`` and ``*_layer_step``
+decode token by token with an explicit state pytree (docs/examples/generation.py).
 """
 
 from __future__ import annotations
