@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from jax_support import canonical, rel, x64  # noqa: F401  (x64: autouse fixture)
 
-from attnspec.backends.jax import fox_attention, fpa_attention, fpa_pallas
+from attnspec.backends.jax import fox_attention, fpa_attention, fpa_mosaic, fpa_pallas
 from attnspec.conformance.tolerances import tolerance
 from attnspec.reference import fpa as ref
 
@@ -248,10 +248,10 @@ def test_float32_products_stay_float32_in_the_gpu_lowering():
 # ------------------------------------------------------------------ Mosaic GPU kernels
 
 
-def mosaic_wgmmas(lowered):
-    """The wgmma instructions (e.g. "m64n64k16.f32.bf16.bf16") and the count of TMA copies in
-    the Mosaic GPU kernels of a lowering: each kernel is a custom call whose backend config
-    holds its module as serialized bytecode, read back with Mosaic GPU's own pass."""
+def mosaic_modules(lowered):
+    """The text of every Mosaic GPU kernel of a lowering: each kernel is a custom call whose
+    backend config holds its module as serialized bytecode, read back with Mosaic GPU's own
+    pass."""
     from jax._src.interpreters import mlir
     from jax._src.lib.mlir import ir
     from jax.experimental.mosaic.gpu import core as mosaic_core
@@ -271,17 +271,26 @@ def mosaic_wgmmas(lowered):
                     walk(inner.operation)
 
     walk(lowered.compiler_ir("stablehlo").operation)
-    wgmmas, copies = [], 0
+    texts = []
     for call in calls:
         config = ir.DictAttr(call.attributes["mhlo.backend_config"])
         with mlir.make_ir_context() as ctx:
             mosaic_dialect.register_dialect(ctx)
             ctx.allow_unregistered_dialects = True
             module = ir.Module.parse(ir.StringAttr(config["module"]).value_bytes)
-            text = str(mosaic_core._run_serde_pass(module, serialize=False))
+            texts.append(str(mosaic_core._run_serde_pass(module, serialize=False)))
+    return texts
+
+
+def mosaic_wgmmas(lowered):
+    """The number of Mosaic GPU kernels in a lowering, their wgmma instructions (e.g.
+    "m64n64k16.f32.bf16.bf16") and their count of TMA copies into shared memory."""
+    texts = mosaic_modules(lowered)
+    wgmmas, copies = [], 0
+    for text in texts:
         wgmmas += re.findall(r"wgmma\.mma_async\.sync\.aligned\.([\w.]+)", text)
         copies += len(re.findall(r"nvvm\.cp\.async\.bulk\.tensor\.shared\.cluster\.global", text))
-    return len(calls), wgmmas, copies
+    return len(texts), wgmmas, copies
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -398,6 +407,30 @@ def test_mosaic_kernels_match_the_reference(kind, cu):
             assert rel(got, want) <= tolerance(f"{kind}_attention", dtype, "gradient")
 
 
+def test_mosaic_kernels_fit_in_hoppers_shared_memory():
+    """Static budget, at the timed shape (D = 128, T = 32K): the shared memory each kernel
+    (forward, dq, dkv) asks for at launch, as Mosaic GPU lowered it, fits in Hopper's 227 KiB
+    per block and within fpa_mosaic's own estimate plus its margin, so the estimate that
+    rejects larger head dims never lets through a kernel that would fail to launch. D = 192
+    is rejected (its dq kernel would need about 264 KiB)."""
+    q = jax.ShapeDtypeStruct((1, 32768, 2, 128), jnp.bfloat16)
+    s = jax.ShapeDtypeStruct((1, 32768, 2), jnp.float32)
+
+    def loss(*a):
+        return jnp.sum(fpa_attention(*a, implementation="mosaic", interpret=False))
+
+    step = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+    lowered = step.trace(q, q, q, s, s).lower(lowering_platforms=("cuda",))
+    sizes = [
+        int(re.search(r"dynamic_shared_memory_size %c(\d+)_i32", text).group(1))
+        for text in mosaic_modules(lowered)
+    ]
+    assert len(sizes) == 3
+    estimate = fpa_mosaic.shared_bytes(128, 128, 32768 // 64)
+    assert max(sizes) <= min(227 * 1024, estimate + 227 * 1024 - fpa_mosaic.SHARED_BYTES)
+    assert "shared memory" in fpa_mosaic.supports(jnp.bfloat16, jnp.float32, 64, 192, 192)
+
+
 def test_mosaic_rejects_what_its_kernels_do_not_take():
     q = jnp.zeros((1, 64, 2, 64), jnp.float32)
     s = jnp.zeros((1, 64, 2), jnp.float32)
@@ -406,6 +439,9 @@ def test_mosaic_rejects_what_its_kernels_do_not_take():
     q = q.astype(jnp.bfloat16)
     with pytest.raises(ValueError, match="block_size"):
         fox_attention(q, q, q, s, implementation="mosaic", block_size=128)
+    wide = jnp.zeros((1, 64, 2, 256), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"implementation='mosaic'.*shared memory"):
+        fox_attention(wide, wide, wide, s, implementation="mosaic")
 
 
 def test_on_jax_011_the_gpu_paths_avoid_the_triton_lowering(monkeypatch):

@@ -379,6 +379,7 @@ def _empty_batch(
 def _config(
     kind: str,
     q: jax.Array,
+    v: jax.Array,
     scale: float | None,
     cu_seqlens: Sequence[int] | None,
     implementation: str | None,
@@ -386,7 +387,7 @@ def _config(
     interpret: bool | None,
 ) -> AttentionConfig:
     if implementation is None:
-        implementation = _default_implementation(q)
+        implementation = _default_implementation(q, v)
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(
             f"implementation: expected one of {IMPLEMENTATIONS}, got {implementation!r}"
@@ -399,7 +400,8 @@ def _config(
 
         if block != fpa_mosaic.BLOCK:
             raise ValueError(f"block_size: the Mosaic GPU kernels use 64, got {block_size!r}")
-        reason = fpa_mosaic.supports(q.dtype, jnp.float32, block)
+        _, T, _, dk = q.shape
+        reason = fpa_mosaic.supports(q.dtype, jnp.float32, block, dk, v.shape[-1], T)
         if reason is not None:
             raise ValueError(f"implementation='mosaic': {reason}")
     if interpret is None:
@@ -414,7 +416,7 @@ def _config(
     )
 
 
-def _default_implementation(q: jax.Array) -> str:
+def _default_implementation(q: jax.Array, v: jax.Array) -> str:
     """On a GPU: the Pallas kernels where JAX lowers them through Triton without a deprecation
     (JAX < 0.11), else the Mosaic GPU kernels for 16-bit inputs; the XLA loop otherwise."""
     if jax.default_backend() != "gpu":
@@ -423,7 +425,9 @@ def _default_implementation(q: jax.Array) -> str:
 
     if fpa_pallas.triton_lowering_available():
         return "pallas"
-    return "mosaic" if fpa_mosaic.supports(q.dtype, jnp.float32, 64) is None else "xla"
+    _, T, _, dk = q.shape
+    reason = fpa_mosaic.supports(q.dtype, jnp.float32, fpa_mosaic.BLOCK, dk, v.shape[-1], T)
+    return "mosaic" if reason is None else "xla"
 
 
 @overload
@@ -505,7 +509,7 @@ def fpa_attention(
     q, k, v = _check_qkv(q, k, v)
     field = _check_scalar("field", field, q, validate)
     level = _check_scalar("level", level, q, validate)
-    cfg = _config("fpa", q, scale, cu_seqlens, implementation, block_size, interpret)
+    cfg = _config("fpa", q, v, scale, cu_seqlens, implementation, block_size, interpret)
     if q.shape[0] == 0:
         o, lse = _empty_batch(q, v, (field, level))
     else:
@@ -582,7 +586,7 @@ def fox_attention(
     """
     q, k, v = _check_qkv(q, k, v)
     log_f = _check_scalar("log_f", log_f, q, validate, nonpositive=True)
-    cfg = _config("fox", q, scale, cu_seqlens, implementation, block_size, interpret)
+    cfg = _config("fox", q, v, scale, cu_seqlens, implementation, block_size, interpret)
     if q.shape[0] == 0:
         o, lse = _empty_batch(q, v, (log_f,))
     else:

@@ -52,7 +52,25 @@ def unavailable() -> str | None:
     return None
 
 
-def supports(q_dtype: jnp.dtype, ct: jnp.dtype, bs: int) -> str | None:
+# Hopper's shared memory per block (227 KiB), less room for Mosaic GPU's own scratch (reductions,
+# barriers, the alignment of swizzled buffers).
+SHARED_BYTES = 227 * 1024 - 8 * 1024
+
+
+def shared_bytes(dk: int, dv: int, nb: int) -> int:
+    """Shared memory of the largest of the three kernels (forward, dq, dkv) for head dims dk, dv
+    and nb key blocks (the dq kernel keeps one gap sum and argmin per key block)."""
+    dkp, dvp, bs = _round_up(dk, 64), _round_up(dv, 64), BLOCK
+    half, word = 2 * bs, 4 * bs  # bytes of a 16-bit and of a float32 row of 64 entries
+    forward = half * (dkp + 2 * dkp + 2 * dvp + bs) + word * (dvp + 1)
+    dq = half * (dkp + dvp + 2 * (2 * dkp + dvp) + bs) + word * (dkp + 1 + bs) + 8 * _lanes(nb)
+    dkv = half * (3 * dkp + 3 * dvp + bs) + word * (dkp + dvp + 2)
+    return max(forward, dq, dkv)
+
+
+def supports(
+    q_dtype: jnp.dtype, ct: jnp.dtype, bs: int, dk: int = 64, dv: int = 64, T: int = BLOCK
+) -> str | None:
     """Why these inputs cannot take the Mosaic GPU kernels, or None."""
     if jnp.dtype(q_dtype) not in NARROW:
         return f"the Mosaic GPU kernels take bfloat16 or float16 inputs, got {q_dtype}"
@@ -60,7 +78,18 @@ def supports(q_dtype: jnp.dtype, ct: jnp.dtype, bs: int) -> str | None:
         return f"the Mosaic GPU kernels take float32 per-token scalars, got {ct}"
     if bs != BLOCK:
         return f"the Mosaic GPU kernels use tiles of {BLOCK} positions, got {bs}"
+    need = shared_bytes(dk, dv, -(-T // BLOCK))
+    if need > SHARED_BYTES:
+        return (
+            f"head dims {dk}, {dv} at T = {T} need {need} bytes of shared memory per block, "
+            f"more than the {SHARED_BYTES} the Mosaic GPU kernels budget on Hopper"
+        )
     return unavailable()
+
+
+def _lanes(nb: int) -> int:
+    """Lanes of the per-key-block gap sums: a power of two, at least 4 (16-byte TMA rows)."""
+    return max(4, 1 << max(nb - 1, 0).bit_length())
 
 
 def _round_up(n: int, m: int) -> int:
@@ -318,7 +347,7 @@ def forward(
     else:
         decay = pen.fox()
         ct = decay.prefix_sum.dtype
-    reason = supports(q.dtype, ct, bs)
+    reason = supports(q.dtype, ct, bs, dk, dv, nb * bs)
     if reason is not None:
         raise NotImplementedError(reason)
     dtype = q.dtype
@@ -641,12 +670,12 @@ def backward(
             "stat": per_block(decay.block_sum),
         }
         diag = decay.diag_sum
-    reason = supports(q.dtype, ct, bs)
+    reason = supports(q.dtype, ct, bs, dk, dv, nb * bs)
     if reason is not None:
         raise NotImplementedError(reason)
     dtype = q.dtype
     dkp, dvp = _round_up(dk, 64), _round_up(dv, 64)
-    nbp = max(4, 1 << max(nb - 1, 0).bit_length())  # lanes of the gap sums (16-byte TMA rows)
+    nbp = _lanes(nb)
     qf = _pad_last(q.reshape(Z * G, Tp, dk), dkp)
     dof = _pad_last(do.reshape(Z * G, Tp, dv), dvp)
     kf = _pad_last(k.reshape(Z, Tp, dk), dkp)
