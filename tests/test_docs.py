@@ -92,7 +92,7 @@ def test_spec_defines_the_labels_we_expect():
         {f"F{i}" for i in range(1, 8)}
         | {f"G{i}" for i in range(1, 5)}
         | {f"T{i}" for i in range(1, 7)}
-        | {f"I{i}" for i in range(1, 14)}
+        | {f"I{i}" for i in range(1, 15)}
         | {f"H{i}" for i in range(1, 12)}
     )
     assert spec_labels() == expected
