@@ -103,7 +103,11 @@ def test_snippet_includes_resolve(page):
     for target in INCLUDE.findall(read(page)):
         path, _, section = target.partition(":")
         assert os.path.isfile(os.path.join(ROOT, path)), f"{page}: no file {path}"
-        if section:
+        if re.fullmatch(r"\d+(:\d*)?", section):  # a line range: start[:end]
+            length = read(path).count("\n")
+            lines = [int(n) for n in section.split(":") if n]
+            assert all(1 <= n <= length for n in lines), f"{page}: {path} has {length} lines"
+        elif section:
             assert section in section_lines(path), f"{page}: no section {section} in {path}"
 
 
