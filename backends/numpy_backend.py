@@ -123,13 +123,14 @@ class NumpyBackend:
         """``x`` (B, H, T, D) as a non-contiguous view with the same values: ``"slice"`` the
         middle third of a (B, H, T, 3 D) array (q of a fused qkv projection), ``"transpose"``
         a (B, H, T, D) view of a (B, T, H, D) array."""
+        fresh = self.asarray(x, dtype)  # the adapter's own array of that dtype
         if layout == "slice":
             D = x.shape[-1]
-            wide = np.zeros((*x.shape[:-1], 3 * D), dtype=dtype)
-            wide[..., D : 2 * D] = x
+            wide = np.zeros((*x.shape[:-1], 3 * D), dtype=fresh.dtype)
+            wide[..., D : 2 * D] = fresh
             return wide[..., D : 2 * D]
         if layout == "transpose":
-            return np.ascontiguousarray(np.swapaxes(x, 1, 2), dtype=dtype).swapaxes(1, 2)
+            return np.ascontiguousarray(np.swapaxes(fresh, 1, 2)).swapaxes(1, 2)
         raise NotImplementedError(f"layout: unknown {layout!r}")
 
     def to_numpy(self, x: ArrayLike) -> NDArray[Any]:

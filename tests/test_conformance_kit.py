@@ -182,7 +182,7 @@ def test_reference_backend_passes_everything(all_cases):
     bad = [(r.case_id, r.dtype, r.kind, r.message) for r in report.results if r.verdict != "passed"]
     assert not bad
     kinds = {r.kind for r in report.results}
-    assert kinds == {"output", "gradient", "finite_difference"}
+    assert kinds == {"output", "gradient", "finite_difference", "call_order"}
 
 
 @settings(max_examples=25)
