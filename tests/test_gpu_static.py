@@ -2,11 +2,16 @@
 compiled for sm_90 as an H100/H200 launch would compile them, at D = 128 bf16 (the full sweep is
 ``python -m bench.gpu_static --full``), and the SASS reader on literal SASS."""
 
+import json
+import os
 import pathlib
+import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+import pytest  # noqa: E402
 
 from bench import sm90  # noqa: E402
 
@@ -39,3 +44,29 @@ def test_sass_loops_are_backward_branches():
     assert (inner.opcodes["STL"], inner.opcodes["LDL"], inner.mma) == (1, 0, 1)
     report = sm90.Report("k", 0, 0, 0, len(lines), opcodes, loops)
     assert [lp.start for lp in sm90.mma_loops(report)] == [0x10]
+
+
+def test_static_gate_sm90_d128_bf16(tmp_path):
+    """Every FPA/FoX kernel at the launcher's Hopper tiles within the shared-memory limit, its
+    dots on wgmma, the asserted budgets against fla's kernels met (the gate exits 1 otherwise)."""
+    pytest.importorskip("triton.backends.nvidia")
+    pytest.importorskip("fla")
+    env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
+    out = tmp_path / "gpu_static.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.gpu_static", "--json", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    rows = {(r["impl"], r["role"]): r for r in report["rows"]}
+    for impl in ("FPA", "FoX"):
+        for role in ("fwd", "dq", "dkv"):
+            row = rows[impl, role]
+            assert row["shared"] <= sm90.SHARED_LIMIT and row["hgmma"] > 0 and row["hmma"] == 0
+            assert row["off"]["instructions"] > 0 and row["diag"]["instructions"] > 0
+    assert {("fla", r) for r in ("fwd", "dq", "dkv")} <= rows.keys()

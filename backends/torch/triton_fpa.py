@@ -30,7 +30,7 @@ per (query tile, gap tile holding the gap's latest minimum) into a buffer that
 The FoX fast path (F6) uses only the bias sum_{(j, i]} log f, the sum-analogue of the same
 split: cumulative sums local to each BT tile (``_block_sums_kernel``) plus a carried gap sum, so
 long sequences keep float32 precision in the logits. Its dlog_f is a reverse sum of row minus
-column sums of G per sequence, taken in float64.
+column sums of G per sequence, taken in float64 (``_segment_sums_kernel``, no host sync).
 
 Precision. Penalties, logits, softmax statistics and accumulators are float32 (float64 with
 float64 inputs). tl.dot takes bf16/fp16 operands as they come; float32 and float64 operands use
@@ -96,8 +96,17 @@ TILE_TABLE: dict[str, tuple[Tiles, Tiles]] = {
     "gpu": (Tiles(64, 32, 4), Tiles(64, 32, 4)),
     "interpreter": (Tiles(64, 64), Tiles(64, 64)),
 }
+# Hopper at wider rows (bytes per row of q, k, v: element size x the head dim's power of two):
+# (forward, backward) tiles that keep every kernel within a block's 232,448 B of shared memory
+# (bench/gpu_static.py), for rows above 256 B (16-bit D > 128, float32 D > 64) and above 512 B.
+HOPPER_WIDE: dict[int, tuple[Tiles, Tiles]] = {
+    512: (Tiles(128, 32, 8, 3), Tiles(128, 32, 8, 2)),
+    1024: (Tiles(64, 32, 4, 2), Tiles(64, 16, 4, 2)),
+    2048: (Tiles(64, 16, 4, 2), Tiles(32, 16, 4, 2)),
+}
 PREPASS_WARPS = 4  # the per-token passes (block minima and sums, delta, dfield, segment sums)
 ROW_BLOCK = 64  # tokens per program of the delta pass; gap sums per step of the dfield pass
+SEGMENT_BLOCK = 1024  # tokens per step of the FoX reverse segment sums
 _forced_tiles: tuple[Tiles, Tiles] | None = None
 
 
@@ -133,6 +142,9 @@ def tile_choice(kind: str, backward: bool, K: int, V: int, dtype: torch.dtype) -
     for head dims K, V and input dtype; forced ones first. The static Hopper gate
     (bench/gpu_static.py) compiles the kernels with exactly these."""
     pair = _forced_tiles or TILE_TABLE[kind]
+    row = _block(max(K, V)) * torch.empty((), dtype=dtype).element_size()
+    if _forced_tiles is None and kind == "hopper" and row > 256:
+        pair = next(HOPPER_WIDE[w] for w in sorted(HOPPER_WIDE) if row <= w)
     return pair[1 if backward else 0]
 
 
@@ -159,6 +171,7 @@ def _bit(LOG: tl.constexpr, b: tl.constexpr) -> tl.tensor:
 @triton.jit(do_not_specialize=["N_TOK"])
 def _block_minima_kernel(
     field: tl.tensor,
+    level: tl.tensor,
     minima: tl.tensor,
     links: tl.tensor,
     cu_seqlens: tl.tensor,
@@ -171,7 +184,9 @@ def _block_minima_kernel(
 ) -> None:
     """Per position t of a BT tile, for k = 1..LOG_BT (aligned 2^k-blocks of in-tile offsets):
     minima[k - 1] = Pre_k = min phi over [block start, t], minima[LOG_BT + k - 1] = Suf_k =
-    min phi over (t, block end] (+inf if empty). With WITH_LINKS, for the backward:
+    min phi over (t, block end] (+inf if empty); minima[2 LOG_BT] = max(0, level_t - Suf_top[t])
+    (the part of every off-diagonal penalty of key t that does not depend on the query).
+    With WITH_LINKS, for the backward:
     links[0] = last u < t in the tile with phi_u < phi_t (-1: none),
     links[1] = first u > t in the tile with phi_u <= phi_t (BT: none).
     """
@@ -198,6 +213,9 @@ def _block_minima_kernel(
         block = tl.minimum(left, right)
         tl.store(minima + (b * HQ + hq) * N_TOK + tok, tl.reshape(pre, [BT]), mask=ok)
         tl.store(minima + ((LOG_BT + b) * HQ + hq) * N_TOK + tok, tl.reshape(suf, [BT]), mask=ok)
+    lev = tl.load(level + tok * HQ + hq, mask=ok, other=0.0)
+    excess = tl.maximum(lev - tl.reshape(suf, [BT]), 0.0)
+    tl.store(minima + (2 * LOG_BT * HQ + hq) * N_TOK + tok, excess, mask=ok)
 
     if WITH_LINKS:
         t = r[:, None]
@@ -220,9 +238,9 @@ def _block_sums_kernel(
     HQ: tl.constexpr,
     BT: tl.constexpr,
 ) -> None:
-    """FoX: sums[t] = sum of log f over [start of t's BT tile, t], so that every bias is a
-    difference of sums over at most one tile plus a carried gap sum (float32 stays exact
-    enough at any T)."""
+    """FoX: sums[0, t] = sum of log f over [start of t's BT tile, t] and sums[1, t] = sum over
+    (t, end of t's BT tile], so that every bias is a difference of sums over at most one tile
+    plus a carried gap sum (float32 stays exact enough at any T)."""
     tile = tl.program_id(0)
     hq = tl.program_id(1)
     seq = tl.load(tiles + 2 * tile)
@@ -233,7 +251,9 @@ def _block_sums_kernel(
     ok = start + r < T
     tok = bos + start + r
     g = tl.load(log_f + tok * HQ + hq, mask=ok, other=0.0)
-    tl.store(sums + hq * N_TOK + tok, tl.cumsum(g, 0), mask=ok)
+    prefix = tl.cumsum(g, 0)
+    tl.store(sums + hq * N_TOK + tok, prefix, mask=ok)
+    tl.store(sums + (HQ + hq) * N_TOK + tok, tl.sum(g, 0) - prefix, mask=ok)
 
 
 @triton.jit
@@ -297,12 +317,14 @@ def _softmax_step(
     DOT: tl.constexpr,
     PRECISION: tl.constexpr,
     ROUND_BF16: tl.constexpr,
+    log2e: tl.tensor,
 ) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
-    """FlashAttention-2 online softmax in log2 units: fold logits s [BT, BS] and values v."""
+    """FlashAttention-2 online softmax: fold logits s [BT, BS] (natural units; exp2 of
+    s log2(e) - m log2(e), one fused multiply-add per logit) and values v."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no -inf - -inf in keyless rows
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2((m_i - m_safe) * log2e)
+    p = tl.exp2(s * log2e - (m_safe * log2e)[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     p_op = _bf16_nearest(p) if ROUND_BF16 else p
     acc = tl.dot(p_op.to(DOT), v, acc * alpha[:, None], input_precision=PRECISION)
@@ -349,7 +371,7 @@ def _fwd_kernel(
     qs = tl.load(tiles + 2 * tile + 1) * BT
     bos = tl.load(cu_seqlens + seq)
     T = (tl.load(cu_seqlens + seq + 1) - bos).to(tl.int32)
-    s2 = tl.load(consts)  # scale * log2(e): logits in log2 units
+    scale = tl.load(consts + 4)  # logits in natural units; exp2 folds in log2(e)
     log2e = tl.load(consts + 1)
 
     r = tl.arange(0, BT)
@@ -366,9 +388,9 @@ def _fwd_kernel(
         b_min = tl.load(  # B_i = Pre at the top level
             blocks + ((LOG_BT - 1) * HQ + hq) * N_TOK + bos + iq, mask=q_ok, other=float("inf")
         )
-    m_i = tl.full([BT], float("-inf"), s2.dtype)
-    l_i = tl.zeros([BT], s2.dtype)
-    acc = tl.zeros([BT, BV], s2.dtype)
+    m_i = tl.full([BT], float("-inf"), scale.dtype)
+    l_i = tl.zeros([BT], scale.dtype)
+    acc = tl.zeros([BT, BV], scale.dtype)
 
     # Diagonal tile: key tiles inside [qs, qs + BT), causal mask, exact in-tile segment minimum.
     for s in range(qs, tl.minimum(qs + BT, T), BS):
@@ -381,57 +403,67 @@ def _fwd_kernel(
         b_v = tl.load(
             v + k_rows[:, None] * V + dv[None, :], mask=k_ok[:, None] & (dv < V)[None, :], other=0.0
         )
-        b_s = tl.dot(b_q, b_k.to(DOT), input_precision=PRECISION).to(s2.dtype) * s2
+        b_s = tl.dot(b_q, b_k.to(DOT), input_precision=PRECISION).to(scale.dtype) * scale
         if FOX:
             c_k = tl.load(blocks + hq * N_TOK + bos + ik, mask=k_ok, other=0.0)  # over [qs, j]
-            b_s += (c_q[:, None] - c_k[None, :]) * log2e  # (F6) sum of log f over (j, i]
+            b_s += c_q[:, None] - c_k[None, :]  # (F6) sum of log f over (j, i]
         else:
             m = _in_tile_segment_min(
                 field, blocks, bos + iq, r, q_ok, bos + ik, ik - qs, k_ok, hq, N_TOK, HQ, LOG_BT, 0
             )
             lev = tl.load(level + (bos + ik) * HQ + hq, mask=k_ok, other=0.0)
-            b_s -= tl.maximum(lev[None, :] - m, 0.0) * log2e  # (F2)-(F3)
+            b_s -= tl.maximum(lev[None, :] - m, 0.0)  # (F2)-(F3)
         b_s = tl.where((iq[:, None] >= ik[None, :]) & k_ok[None, :], b_s, float("-inf"))
-        m_i, l_i, acc = _softmax_step(b_s, b_v.to(DOT), m_i, l_i, acc, DOT, PRECISION, ROUND_BF16)
+        m_i, l_i, acc = _softmax_step(
+            b_s, b_v.to(DOT), m_i, l_i, acc, DOT, PRECISION, ROUND_BF16, log2e
+        )
 
-    # Key tiles before the diagonal, nearest first: mid and the FoX gap sum grow by one tile.
-    mid = tl.full([], float("inf"), s2.dtype)  # min phi over the BT tiles strictly between
-    cur = tl.full([], float("inf"), s2.dtype)  # min phi over the visited part of the BT key tile
-    gap = tl.zeros([], s2.dtype)  # FoX: sum of log f over (end of the key tile, qs)
+    # Key tiles before the diagonal, nearest first: mid and the FoX gap sum grow by one BT tile
+    # when the loop enters the next BT key tile, by the minimum (sum) of the tile it leaves,
+    # loaded when that tile was entered (no load on the path to the dot).
+    mid = tl.full([], float("inf"), scale.dtype)  # min phi over the BT tiles strictly between
+    pending = tl.full([], float("inf"), scale.dtype)  # min phi over the current BT key tile
+    gap = tl.zeros([], scale.dtype)  # FoX: sum of log f over the BT tiles strictly between
+    total = tl.zeros([], scale.dtype)  # FoX: sum of log f over the current BT key tile
     if SKIP:
         theta = tl.load(consts + 3)
         phi_qs = tl.load(field + (bos + qs) * HQ + hq)
+        cur = tl.full([], float("inf"), scale.dtype)  # min phi over its visited part
     for n in range(0, qs // BS):
         s = qs - (n + 1) * BS
         ik = s + tl.arange(0, BS)
+        enter = (s + BS) % BT == 0  # s is the last BS tile of a farther BT key tile
+        last = bos + s + BS - 1  # that BT tile's last token
         if FOX:
-            end = tl.load(blocks + hq * N_TOK + bos + s + BS - 1)  # over [BT tile start, s + BS)
-            start = tl.load(blocks + hq * N_TOK + bos + s - 1, mask=s % BT != 0, other=0.0)
-            after = end - tl.load(blocks + hq * N_TOK + bos + ik) + gap  # sum over (j, qs)
-            gap += end - start
+            gap = tl.where(enter, gap + total, gap)
+            total = tl.where(enter, tl.load(blocks + hq * N_TOK + last, mask=enter), total)
+            after = tl.load(blocks + (HQ + hq) * N_TOK + bos + ik) + gap  # log f over (j, qs)
             live = True
         else:
-            boundary = ((s + BS) % BT == 0) & (s + BS < qs)  # entering a farther BT key tile
-            mid = tl.where(boundary, tl.minimum(mid, cur), mid)
-            cur = tl.where(boundary, float("inf"), cur)
+            mid = tl.where(enter, tl.minimum(mid, pending), mid)
+            top = blocks + ((LOG_BT - 1) * HQ + hq) * N_TOK  # Pre at the top level
+            pending = tl.where(enter, tl.load(top + last, mask=enter), pending)
             lev = tl.load(level + (bos + ik) * HQ + hq)
-            a = tl.minimum(tl.load(blocks + ((2 * LOG_BT - 1) * HQ + hq) * N_TOK + bos + ik), mid)
+            excess = tl.load(blocks + (2 * LOG_BT * HQ + hq) * N_TOK + bos + ik)
+            theta_q = tl.minimum(b_min, mid)
             live = True
             if SKIP:  # section 7: every pi_ij of the tile is >= theta, for this and later queries
+                cur = tl.where(enter, float("inf"), cur)
                 live = tl.min(lev, 0) - tl.minimum(tl.minimum(mid, cur), phi_qs) < theta
-            cur = tl.minimum(cur, tl.min(tl.load(field + (bos + ik) * HQ + hq), 0))
+                cur = tl.minimum(cur, tl.min(tl.load(field + (bos + ik) * HQ + hq), 0))
         if live:
             k_rows = (bos + ik) * H + h
             b_k = tl.load(k + k_rows[None, :] * K + dk[:, None], mask=(dk < K)[:, None], other=0.0)
             b_v = tl.load(v + k_rows[:, None] * V + dv[None, :], mask=(dv < V)[None, :], other=0.0)
-            b_s = tl.dot(b_q, b_k.to(DOT), input_precision=PRECISION).to(s2.dtype) * s2
+            b_s = tl.dot(b_q, b_k.to(DOT), input_precision=PRECISION).to(scale.dtype) * scale
             if FOX:
-                b_s += (c_q[:, None] + after[None, :]) * log2e
+                b_s += c_q[:, None] + after[None, :]
             else:
-                m = tl.minimum(a[None, :], b_min[:, None])  # (F1) min(A_j, mid, B_i)
-                b_s -= tl.maximum(lev[None, :] - m, 0.0) * log2e
+                # (F1)-(F3): max(0, lev_j - min(A_j, mid, B_i))
+                #          = max(max(0, lev_j - A_j), lev_j - min(mid, B_i))
+                b_s -= tl.maximum(excess[None, :], lev[None, :] - theta_q[:, None])
             m_i, l_i, acc = _softmax_step(
-                b_s, b_v.to(DOT), m_i, l_i, acc, DOT, PRECISION, ROUND_BF16
+                b_s, b_v.to(DOT), m_i, l_i, acc, DOT, PRECISION, ROUND_BF16, log2e
             )
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -439,7 +471,7 @@ def _fwd_kernel(
     o_ptr = o + ((bos + iq) * HQ + hq)[:, None] * V + dv[None, :]
     tl.store(o_ptr, out.to(o.dtype.element_ty), mask=q_ok[:, None] & (dv < V)[None, :])
     ln2 = tl.load(consts + 2)
-    tl.store(lse + (bos + iq) * HQ + hq, (m_i + tl.log2(l_safe)) * ln2, mask=q_ok)
+    tl.store(lse + (bos + iq) * HQ + hq, m_i + tl.log2(l_safe) * ln2, mask=q_ok)
 
 
 @triton.jit(do_not_specialize=["N_TOK"])
@@ -505,6 +537,7 @@ def _bwd_dq_kernel(
     PRECISION: tl.constexpr,
     ROUND_BF16: tl.constexpr,
     SUM_PRECISION: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ) -> None:
     """(G1) dq for one query tile; (G3) the dfield parts whose argmin lies in this tile (rows
     into B's argmin, the whole diagonal tile) into d_rows, and per gap tile one sum into
@@ -517,7 +550,7 @@ def _bwd_dq_kernel(
     qs = tl.load(tiles + 2 * tile + 1) * BT
     bos = tl.load(cu_seqlens + seq)
     T = (tl.load(cu_seqlens + seq + 1) - bos).to(tl.int32)
-    s2 = tl.load(consts)
+    scale = tl.load(consts + 4)  # logits in natural units; exp2 folds in log2(e)
     log2e = tl.load(consts + 1)
 
     r = tl.arange(0, BT)
@@ -533,8 +566,8 @@ def _bwd_dq_kernel(
     b_do = b_do.to(DOT)
     lse2 = tl.load(lse + tok_q * HQ + hq, mask=q_ok, other=float("inf")) * log2e
     b_delta = tl.load(delta + tok_q * HQ + hq, mask=q_ok, other=0.0)
-    dq_acc = tl.zeros([BT, BK], s2.dtype)
-    d_row = tl.zeros([BT], s2.dtype)
+    dq_acc = tl.zeros([BT, BK], scale.dtype)
+    d_row = tl.zeros([BT], scale.dtype)
     if FOX:
         c_q = tl.load(blocks + hq * N_TOK + tok_q, mask=q_ok, other=0.0)
     else:
@@ -543,7 +576,8 @@ def _bwd_dq_kernel(
         )
         before = tl.load(links + hq * N_TOK + tok_q, mask=q_ok, other=-1)
         after = tl.load(links + (HQ + hq) * N_TOK + tok_q, mask=q_ok, other=0)
-        to_prefix = tl.zeros([BT], s2.dtype)  # G of pairs whose argmin lies in B
+        to_prefix = tl.zeros([BT], scale.dtype)  # G of pairs whose argmin lies in B
+        in_gap = tl.zeros([BT], scale.dtype)  # G of pairs whose argmin lies in the gap, by row
 
     for s in range(qs, tl.minimum(qs + BT, T), BS):  # the diagonal tile
         ik = s + tl.arange(0, BS)
@@ -556,19 +590,20 @@ def _bwd_dq_kernel(
         b_v = tl.load(
             v + k_rows[None, :] * V + dv[:, None], mask=(dv < V)[:, None] & k_ok[None, :], other=0.0
         )
-        b_s = tl.dot(b_q, b_k, input_precision=PRECISION).to(s2.dtype) * s2
+        b_s = tl.dot(b_q, b_k, input_precision=PRECISION).to(scale.dtype) * scale
         if FOX:
             c_k = tl.load(blocks + hq * N_TOK + bos + ik, mask=k_ok, other=0.0)
-            b_s += (c_q[:, None] - c_k[None, :]) * log2e
+            b_s += c_q[:, None] - c_k[None, :]
         else:
             m = _in_tile_segment_min(
                 field, blocks, tok_q, r, q_ok, bos + ik, ik - qs, k_ok, hq, N_TOK, HQ, LOG_BT, 0
             )
             lev = tl.load(level + (bos + ik) * HQ + hq, mask=k_ok, other=0.0)
-            b_s -= tl.maximum(lev[None, :] - m, 0.0) * log2e
+            b_s -= tl.maximum(lev[None, :] - m, 0.0)
         causal = (iq[:, None] >= ik[None, :]) & k_ok[None, :]
-        p = tl.exp2(tl.where(causal, b_s, float("-inf")) - lse2[:, None])  # mask first: no overflow
-        dp = tl.dot(b_do, b_v.to(DOT), input_precision=PRECISION).to(s2.dtype)
+        # mask first: no overflow
+        p = tl.exp2(tl.where(causal, b_s, float("-inf")) * log2e - lse2[:, None])
+        dp = tl.dot(b_do, b_v.to(DOT), input_precision=PRECISION).to(scale.dtype)
         ds = p * (dp - b_delta[:, None])  # G_ij
         ds_op = _bf16_nearest(ds) if ROUND_BF16 else ds
         dq_acc = tl.dot(ds_op.to(DOT), tl.trans(b_k), dq_acc, input_precision=PRECISION)
@@ -579,62 +614,89 @@ def _bwd_dq_kernel(
             # t*_ij = t exactly for before(t) <= j < t <= i < after(t): the product with the
             # indicator of [t, after(t)) sums each t's rows, the span mask its columns.
             reach = (r[:, None] <= r[None, :]) & (r[None, :] < after[:, None])
-            per_t = tl.dot(reach.to(w.dtype), w, input_precision=SUM_PRECISION)  # [BT(t), BS]
+            if SUM_PRECISION == "bf16x2":  # 16-bit inputs: w = hi + lo, both bfloat16, and the
+                # exact 0/1 matrix in bfloat16: float32-like sums at a quarter of the shared
+                # memory of a float32 product (which does not fit a Hopper block at D = 128)
+                if INTERPRET:  # float32 products of bfloat16-rounded operands
+                    hi = _bf16_nearest(w)
+                    lo = _bf16_nearest(w - hi)
+                    ones = reach.to(tl.float32)
+                    per_t = tl.dot(ones, hi, input_precision="ieee")
+                    per_t = tl.dot(ones, lo, per_t, input_precision="ieee")
+                else:
+                    hi = w.to(tl.bfloat16)
+                    lo = (w - hi.to(tl.float32)).to(tl.bfloat16)
+                    ones = reach.to(tl.bfloat16)
+                    per_t = tl.dot(ones, hi)
+                    per_t = tl.dot(ones, lo, per_t)  # [BT(t), BS]
+            else:
+                per_t = tl.dot(reach.to(w.dtype), w, input_precision=SUM_PRECISION)
             span = (tl.maximum(before, 0)[:, None] <= (ik - qs)[None, :]) & (
                 (ik - qs)[None, :] < r[:, None]
             )
             d_row += tl.sum(tl.where(span, per_t, 0.0), 1)
 
-    mid = tl.full([], float("inf"), s2.dtype)
-    cur = tl.full([], float("inf"), s2.dtype)
-    gap = tl.zeros([], s2.dtype)
+    # Key tiles before the diagonal, nearest first; mid, the FoX gap and the holder of the gap's
+    # latest minimum change when the loop enters the next BT key tile (see _fwd_kernel).
+    mid = tl.full([], float("inf"), scale.dtype)
+    pending = tl.full([], float("inf"), scale.dtype)
+    gap = tl.zeros([], scale.dtype)
+    total = tl.zeros([], scale.dtype)
     holder = tl.full([], -1, tl.int32)  # the BT tile holding the gap's latest minimum
-    run = tl.zeros([], s2.dtype)  # G summed into that minimum since it became the holder
-    for n in range(0, qs // BS):  # key tiles before the diagonal, nearest first
+    for n in range(0, qs // BS):
         s = qs - (n + 1) * BS
         ik = s + tl.arange(0, BS)
+        enter = (s + BS) % BT == 0
+        last = bos + s + BS - 1
         if FOX:
-            end = tl.load(blocks + hq * N_TOK + bos + s + BS - 1)
-            start = tl.load(blocks + hq * N_TOK + bos + s - 1, mask=s % BT != 0, other=0.0)
-            after_j = end - tl.load(blocks + hq * N_TOK + bos + ik) + gap
-            gap += end - start
+            gap = tl.where(enter, gap + total, gap)
+            total = tl.where(enter, tl.load(blocks + hq * N_TOK + last, mask=enter), total)
+            after_j = tl.load(blocks + (HQ + hq) * N_TOK + bos + ik) + gap
         else:
-            boundary = ((s + BS) % BT == 0) & (s + BS < qs)
-            record = boundary & (cur < mid)  # strict: on ties the later tile keeps the argmin
-            run = tl.where(record, 0.0, run)
-            holder = tl.where(record, (s + BS) // BT, holder)
-            mid = tl.where(boundary, tl.minimum(mid, cur), mid)
-            cur = tl.where(boundary, float("inf"), cur)
-            cur = tl.minimum(cur, tl.min(tl.load(field + (bos + ik) * HQ + hq), 0))
+            if enter & (pending < mid):  # strict: on ties the later tile keeps the argmin
+                # the rows' gap sums belong to the holder that ends here
+                tl.store(
+                    mid_sums + (hq * NTILES + tile) * NT_MAX + holder,
+                    tl.sum(in_gap, 0),
+                    mask=holder >= 0,
+                )
+                in_gap = tl.zeros([BT], scale.dtype)
+                holder = (s + BS) // BT
+            mid = tl.where(enter, tl.minimum(mid, pending), mid)
+            top = blocks + ((LOG_BT - 1) * HQ + hq) * N_TOK
+            pending = tl.where(enter, tl.load(top + last, mask=enter), pending)
             lev = tl.load(level + (bos + ik) * HQ + hq)
             a_min = tl.load(blocks + ((2 * LOG_BT - 1) * HQ + hq) * N_TOK + bos + ik)  # A_j
-            a = tl.minimum(a_min, mid)
+            floor = tl.minimum(a_min, lev)  # pairs with m_ij = min(B_i, mid) that are active
+            theta = tl.minimum(b_min, mid)
         k_rows = (bos + ik) * H + h
         b_k = tl.load(k + k_rows[None, :] * K + dk[:, None], mask=(dk < K)[:, None], other=0.0)
         b_k = b_k.to(DOT)
         b_v = tl.load(v + k_rows[None, :] * V + dv[:, None], mask=(dv < V)[:, None], other=0.0)
         b_v = b_v.to(DOT)
-        b_s = tl.dot(b_q, b_k, input_precision=PRECISION).to(s2.dtype) * s2
+        b_s = tl.dot(b_q, b_k, input_precision=PRECISION).to(scale.dtype) * scale
         if FOX:
-            b_s += (c_q[:, None] + after_j[None, :]) * log2e
-        else:
-            m = tl.minimum(a[None, :], b_min[:, None])
-            b_s -= tl.maximum(lev[None, :] - m, 0.0) * log2e
-        p = tl.exp2(b_s - lse2[:, None])
-        dp = tl.dot(b_do, b_v, input_precision=PRECISION).to(s2.dtype)
+            b_s += c_q[:, None] + after_j[None, :]
+        else:  # max(0, lev_j - min(A_j, mid, B_i)) = lev_j - min(A_j, lev_j, mid, B_i)
+            b_s -= lev[None, :] - tl.minimum(floor[None, :], theta[:, None])
+        p = tl.exp2(b_s * log2e - lse2[:, None])
+        dp = tl.dot(b_do, b_v, input_precision=PRECISION).to(scale.dtype)
         ds = p * (dp - b_delta[:, None])
         ds_op = _bf16_nearest(ds) if ROUND_BF16 else ds
         dq_acc = tl.dot(ds_op.to(DOT), tl.trans(b_k), dq_acc, input_precision=PRECISION)
         if FOX:
             d_row += tl.sum(ds, 1)
         else:
-            w = tl.where(lev[None, :] >= m, ds, 0.0)
-            to_prefix += tl.sum(tl.where(b_min[:, None] <= a[None, :], w, 0.0), 1)  # t* in B
-            in_gap = (mid < b_min)[:, None] & (mid <= a_min)[None, :]  # t* in the gap
-            run += tl.sum(tl.sum(tl.where(in_gap, w, 0.0), 1), 0)
-            tl.store(mid_sums + (hq * NTILES + tile) * NT_MAX + holder, run, mask=holder >= 0)
+            # t*_ij is in B (B_i <= mid) or in the gap (mid < B_i) exactly for the active pairs
+            # with A_j >= min(B_i, mid): one masked row sum, routed by row.
+            row = tl.sum(tl.where(floor[None, :] >= theta[:, None], ds, 0.0), 1)
+            to_prefix += tl.where(b_min <= mid, row, 0.0)
+            in_gap += tl.where(b_min <= mid, 0.0, row)
 
-    scale = tl.load(consts + 4)
+    if not FOX:
+        tl.store(
+            mid_sums + (hq * NTILES + tile) * NT_MAX + holder, tl.sum(in_gap, 0), mask=holder >= 0
+        )
     dq_ptr = dq + q_rows * K + dk[None, :]
     tl.store(
         dq_ptr, (dq_acc * scale).to(dq.dtype.element_ty), mask=q_ok[:, None] & (dk < K)[None, :]
@@ -690,7 +752,7 @@ def _bwd_dkv_kernel(
     ks = tl.load(tiles + 2 * tile + 1) * BT
     bos = tl.load(cu_seqlens + seq)
     T = (tl.load(cu_seqlens + seq + 1) - bos).to(tl.int32)
-    s2 = tl.load(consts)
+    scale = tl.load(consts + 4)  # logits in natural units; exp2 folds in log2(e)
     log2e = tl.load(consts + 1)
 
     r = tl.arange(0, BT)
@@ -704,9 +766,9 @@ def _bwd_dkv_kernel(
     b_k = b_k.to(DOT)
     b_v = tl.load(v + k_rows * V + dw[None, :], mask=k_ok[:, None] & (dw < V)[None, :], other=0.0)
     b_v = b_v.to(DOT)
-    dk_acc = tl.zeros([BT, BK], s2.dtype)
-    dv_acc = tl.zeros([BT, BV], s2.dtype)
-    d_col = tl.zeros([BT], s2.dtype)
+    dk_acc = tl.zeros([BT, BK], scale.dtype)
+    dv_acc = tl.zeros([BT, BV], scale.dtype)
+    d_col = tl.zeros([BT], scale.dtype)
     if FOX:
         c_k = tl.load(blocks + hq * N_TOK + tok_k, mask=k_ok, other=0.0)  # log f over [ks, j]
         last = bos + tl.minimum(ks + BT, T) - 1
@@ -716,9 +778,7 @@ def _bwd_dkv_kernel(
         a_min = tl.load(
             blocks + ((2 * LOG_BT - 1) * HQ + hq) * N_TOK + tok_k, mask=k_ok, other=float("inf")
         )
-        before = tl.load(links + hq * N_TOK + tok_k, mask=k_ok, other=-1)
-        after = tl.load(links + (HQ + hq) * N_TOK + tok_k, mask=k_ok, other=0)
-        to_suffix = tl.zeros([BT], s2.dtype)  # G of pairs whose argmin lies in A
+        to_suffix = tl.zeros([BT], scale.dtype)  # G of pairs whose argmin lies in A
 
     for s in range(ks, tl.minimum(ks + BT, T), BS):  # the diagonal tile
         iq = s + tl.arange(0, BS)
@@ -734,20 +794,20 @@ def _bwd_dkv_kernel(
         b_do = b_do.to(DOT)
         lse2 = tl.load(lse + (bos + iq) * HQ + hq, mask=q_ok, other=float("inf")) * log2e
         b_delta = tl.load(delta + (bos + iq) * HQ + hq, mask=q_ok, other=0.0)
-        b_s = tl.dot(b_k, tl.trans(b_q), input_precision=PRECISION).to(s2.dtype) * s2  # [BT, BS]
+        b_s = tl.dot(b_k, tl.trans(b_q), input_precision=PRECISION).to(scale.dtype) * scale
         if FOX:
             c_q = tl.load(blocks + hq * N_TOK + bos + iq, mask=q_ok, other=0.0)  # over [ks, i]
-            b_s += (c_q[None, :] - c_k[:, None]) * log2e
+            b_s += c_q[None, :] - c_k[:, None]
         else:
             m = _in_tile_segment_min(
                 field, blocks, bos + iq, iq - ks, q_ok, tok_k, r, k_ok, hq, N_TOK, HQ, LOG_BT, 1
             )
-            b_s -= tl.maximum(lev[:, None] - m, 0.0) * log2e
+            b_s -= tl.maximum(lev[:, None] - m, 0.0)
         causal = (ik[:, None] <= iq[None, :]) & q_ok[None, :]
-        p = tl.exp2(tl.where(causal, b_s, float("-inf")) - lse2[None, :])
+        p = tl.exp2(tl.where(causal, b_s, float("-inf")) * log2e - lse2[None, :])
         p_op = _bf16_nearest(p) if ROUND_BF16 else p
         dv_acc = tl.dot(p_op.to(DOT), b_do, dv_acc, input_precision=PRECISION)
-        dp = tl.dot(b_v, tl.trans(b_do), input_precision=PRECISION).to(s2.dtype)
+        dp = tl.dot(b_v, tl.trans(b_do), input_precision=PRECISION).to(scale.dtype)
         ds = p * (dp - b_delta[None, :])
         ds_op = _bf16_nearest(ds) if ROUND_BF16 else ds
         dk_acc = tl.dot(ds_op.to(DOT), b_q, dk_acc, input_precision=PRECISION)
@@ -756,9 +816,12 @@ def _bwd_dkv_kernel(
         else:
             d_col += tl.sum(tl.where(lev[:, None] >= m, ds, 0.0), 1)  # in-tile argmins: dq's
 
-    mid = tl.full([], float("inf"), s2.dtype)
-    cur = tl.full([], float("inf"), s2.dtype)
-    gap = tl.zeros([], s2.dtype)
+    # Query tiles after the key tile, nearest first; mid grows by a whole BT query tile when the
+    # loop enters the next one, by the minimum loaded when that tile was entered.
+    mid = tl.full([], float("inf"), scale.dtype)
+    pending = tl.full([], float("inf"), scale.dtype)
+    gap = tl.zeros([], scale.dtype)
+    top = blocks + ((LOG_BT - 1) * HQ + hq) * N_TOK  # Pre at the top level
     for s in range(ks + BT, T, BS):  # query tiles after the key tile, nearest first
         iq = s + tl.arange(0, BS)
         q_ok = iq < T
@@ -768,15 +831,17 @@ def _bwd_dkv_kernel(
             c_q = tl.load(blocks + hq * N_TOK + bos + iq, mask=q_ok, other=0.0)
             bias = (after_k + gap)[:, None] + c_q[None, :]  # log f over (j, i]
         else:
-            boundary = (s % BT == 0) & (s > ks + BT)  # entering a farther BT query tile
-            mid = tl.where(boundary, tl.minimum(mid, cur), mid)
-            cur = tl.where(boundary, float("inf"), cur)
-            phi_q = tl.load(field + (bos + iq) * HQ + hq, mask=q_ok, other=float("inf"))
-            cur = tl.minimum(cur, tl.min(phi_q, 0))
-            b_min = tl.load(
-                blocks + ((LOG_BT - 1) * HQ + hq) * N_TOK + bos + iq, mask=q_ok, other=float("inf")
-            )
-            m = tl.minimum(tl.minimum(a_min, mid)[:, None], b_min[None, :])
+            enter = s % BT == 0  # the first BS tile of a farther BT query tile
+            mid = tl.where(enter, tl.minimum(mid, pending), mid)
+            end = bos + tl.minimum(s + BT, T) - 1  # that BT tile's last token
+            pending = tl.where(enter, tl.load(top + end, mask=enter), pending)
+            b_min = tl.load(top + bos + iq, mask=q_ok, other=float("inf"))  # B_i
+            a = tl.minimum(a_min, mid)
+            c = tl.maximum(lev - a, 0.0)
+            # t* in A: A_j < mid, A_j < B_i, active iff lev_j >= A_j (rows "suffix"); other rows
+            # are active for the pairs with B_i <= lev_j, or all pairs when a_j <= lev_j.
+            suffix = (a_min < mid) & (lev >= a_min)
+            theta = tl.where(suffix, a_min, tl.where(a <= lev, float("inf"), lev))
         q_rows = ((bos + iq) * HQ + hq)[:, None]
         b_q = tl.load(
             q + q_rows * K + dd[None, :], mask=q_ok[:, None] & (dd < K)[None, :], other=0.0
@@ -788,27 +853,26 @@ def _bwd_dkv_kernel(
         b_do = b_do.to(DOT)
         lse2 = tl.load(lse + (bos + iq) * HQ + hq, mask=q_ok, other=float("inf")) * log2e
         b_delta = tl.load(delta + (bos + iq) * HQ + hq, mask=q_ok, other=0.0)
-        b_s = tl.dot(b_k, tl.trans(b_q), input_precision=PRECISION).to(s2.dtype) * s2
+        b_s = tl.dot(b_k, tl.trans(b_q), input_precision=PRECISION).to(scale.dtype) * scale
         if FOX:
-            b_s += bias * log2e
-        else:
-            b_s -= tl.maximum(lev[:, None] - m, 0.0) * log2e
-        p = tl.exp2(b_s - lse2[None, :])
+            b_s += bias
+        else:  # max(0, lev_j - min(a_j, B_i))
+            b_s -= tl.maximum(c[:, None], lev[:, None] - b_min[None, :])
+        p = tl.exp2(b_s * log2e - lse2[None, :])
         p_op = _bf16_nearest(p) if ROUND_BF16 else p
         dv_acc = tl.dot(p_op.to(DOT), b_do, dv_acc, input_precision=PRECISION)
-        dp = tl.dot(b_v, tl.trans(b_do), input_precision=PRECISION).to(s2.dtype)
+        dp = tl.dot(b_v, tl.trans(b_do), input_precision=PRECISION).to(scale.dtype)
         ds = p * (dp - b_delta[None, :])
         ds_op = _bf16_nearest(ds) if ROUND_BF16 else ds
         dk_acc = tl.dot(ds_op.to(DOT), b_q, dk_acc, input_precision=PRECISION)
         if FOX:
             d_col += tl.sum(ds, 1)
         else:
-            w = tl.where(lev[:, None] >= m, ds, 0.0)
-            d_col += tl.sum(w, 1)
-            in_a = (a_min < mid)[:, None] & (a_min[:, None] < b_min[None, :])  # t* in A
-            to_suffix += tl.sum(tl.where(in_a, w, 0.0), 1)
+            every = tl.sum(ds, 1)
+            below = tl.sum(tl.where(b_min[None, :] <= theta[:, None], ds, 0.0), 1)
+            d_col += tl.where(suffix, every, below)  # G on active pairs
+            to_suffix += tl.where(suffix, every - below, 0.0)  # and with t* in A
 
-    scale = tl.load(consts + 4)
     out_rows = (tok_k * HQ + hq)[:, None]  # dk, dv per query head (reduced over G outside)
     tl.store(
         dk + out_rows * K + dd[None, :],
@@ -826,6 +890,8 @@ def _bwd_dkv_kernel(
         tl.store(d_level + tok_k * HQ + hq, -d_col, mask=k_ok)  # (G2)
         # A's latest argmin after j is t when nothing after t in the tile is lower or equal and
         # before(t) <= j < t.
+        before = tl.load(links + hq * N_TOK + tok_k, mask=k_ok, other=-1)
+        after = tl.load(links + (HQ + hq) * N_TOK + tok_k, mask=k_ok, other=0)
         owns = (tl.maximum(before, 0)[:, None] <= r[None, :]) & (r[None, :] < r[:, None])
         owns = owns & (after == BT)[:, None]
         tl.store(
@@ -875,6 +941,35 @@ def _dfield_kernel(
         total += tl.sum(tl.where(rows < count, sums, 0.0), 0)
     d += tl.where(r == latest, total, 0.0)
     tl.store(dfield + ptr, d, mask=ok)
+
+
+@triton.jit(do_not_specialize=["N_TOK"])
+def _segment_sums_kernel(
+    d_rows: tl.tensor,
+    d_cols: tl.tensor,
+    out: tl.tensor,
+    cu_seqlens: tl.tensor,
+    N_TOK: tl.tensor,
+    HQ: tl.constexpr,
+    BLOCK: tl.constexpr,
+) -> None:
+    """FoX: out_t = sum over u >= t in t's sequence of (d_rows_u - d_cols_u), accumulated in
+    float64: dlog_f_l = sum_{i >= l} sum_j G_ij - sum_{j >= l} sum_i G_ij (bias c_i - c_j).
+    One program per (sequence, head), blocks of BLOCK tokens from the sequence's end."""
+    seq = tl.program_id(0)
+    hq = tl.program_id(1)
+    bos = tl.load(cu_seqlens + seq)
+    eos = tl.load(cu_seqlens + seq + 1)
+    r = tl.arange(0, BLOCK)
+    carry = tl.zeros([], tl.float64)
+    for n in range(0, tl.cdiv(eos - bos, BLOCK)):
+        tok = eos - (n + 1) * BLOCK + r
+        ok = tok >= bos
+        x = tl.load(d_rows + tok * HQ + hq, mask=ok, other=0.0).to(tl.float64)
+        x -= tl.load(d_cols + tok * HQ + hq, mask=ok, other=0.0).to(tl.float64)
+        y = tl.cumsum(x, 0, reverse=True) + carry
+        tl.store(out + tok * HQ + hq, y.to(out.dtype.element_ty), mask=ok)
+        carry += tl.sum(x, 0)
 
 
 # --------------------------------------------------------------------------------- launchers
@@ -1024,9 +1119,10 @@ def _precision(dtype: torch.dtype) -> str:
 
 
 def _sum_precision(dtype: torch.dtype) -> str:
-    """Precision of the float32 product that sums the diagonal tile's dfield rectangles: three
-    TF32 passes keep float32 accuracy for float32 inputs; one suffices for 16-bit inputs."""
-    return {torch.float64: "ieee", torch.float32: "tf32x3"}.get(dtype, "tf32")
+    """Precision of the product that sums the diagonal tile's dfield rectangles: three TF32
+    passes keep float32 accuracy for float32 inputs; for 16-bit inputs "bf16x2", two bfloat16
+    products (the 0/1 matrix is exact, G split into a high and a low bfloat16 part)."""
+    return {torch.float64: "ieee", torch.float32: "tf32x3"}.get(dtype, "bf16x2")
 
 
 def _block(n: int) -> int:
@@ -1067,6 +1163,7 @@ def kernel_sizes(
 
 def _block_minima(
     field: torch.Tensor,
+    level: torch.Tensor,
     cu: torch.Tensor,
     tiles: torch.Tensor,
     shape: _Layout,
@@ -1075,10 +1172,12 @@ def _block_minima(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pre_k and Suf_k of every BT tile (and the backward's links), see _block_minima_kernel."""
     log_bt = BT.bit_length() - 1
-    minima = torch.empty(2 * log_bt, shape.HQ, shape.n_tok, dtype=field.dtype, device=field.device)
+    minima = torch.empty(
+        2 * log_bt + 1, shape.HQ, shape.n_tok, dtype=field.dtype, device=field.device
+    )
     links = torch.empty(2, shape.HQ, shape.n_tok, dtype=torch.int32, device=field.device)
     _block_minima_kernel[(tiles.shape[0], shape.HQ)](
-        field, minima, links, cu, tiles, shape.n_tok, shape.HQ, BT, log_bt, with_links,
+        field, level, minima, links, cu, tiles, shape.n_tok, shape.HQ, BT, log_bt, with_links,
         num_warps=PREPASS_WARPS,
     )  # fmt: skip
     return minima, links
@@ -1088,7 +1187,7 @@ def _block_sums(
     log_f: torch.Tensor, cu: torch.Tensor, tiles: torch.Tensor, shape: _Layout, BT: int
 ) -> torch.Tensor:
     """FoX: cumulative sums of log f local to each BT tile, see _block_sums_kernel."""
-    sums = torch.empty(1, shape.HQ, shape.n_tok, dtype=log_f.dtype, device=log_f.device)
+    sums = torch.empty(2, shape.HQ, shape.n_tok, dtype=log_f.dtype, device=log_f.device)
     _block_sums_kernel[(tiles.shape[0], shape.HQ)](
         log_f, sums, cu, tiles, shape.n_tok, shape.HQ, BT, num_warps=PREPASS_WARPS
     )
@@ -1129,7 +1228,7 @@ def _forward(
     if fox:
         blocks = _block_sums(field, cu, tile_list, shape, BT)
     else:
-        blocks = _block_minima(field, cu, tile_list, shape, BT, with_links=False)[0]
+        blocks = _block_minima(field, level, cu, tile_list, shape, BT, with_links=False)[0]
     sizes = kernel_sizes(shape.HQ, shape.K, shape.V, tiles, q.dtype, fox, interpreting())
     _fwd_kernel[(tile_list.shape[0], shape.HQ)](
         q,
@@ -1189,7 +1288,7 @@ def _backward(
     if fox:
         blocks, links = _block_sums(field, cu, tile_list, shape, BT), None
     else:
-        blocks, links = _block_minima(field, cu, tile_list, shape, BT, with_links=True)
+        blocks, links = _block_minima(field, level, cu, tile_list, shape, BT, with_links=True)
     dq = torch.empty_like(q)
     partial = acc if G > 1 else None  # GQA: dk, dv per query head, reduced below
     dk = torch.empty(B, T, HQ, shape.K, dtype=partial or k.dtype, device=q.device)
@@ -1213,6 +1312,7 @@ def _backward(
         nt_max,
         G=G,
         SUM_PRECISION=_sum_precision(q.dtype),
+        INTERPRET=interpreting(),
         **sizes,
     )
     _bwd_dkv_kernel[(ntiles, HQ)](
@@ -1222,22 +1322,16 @@ def _backward(
         dk = dk.view(B, T, H, G, shape.K).sum(3).to(k.dtype)
         dv = dv.view(B, T, H, G, shape.V).sum(3).to(v.dtype)
     if fox:
-        return dq, dk, dv, _reverse_segment_sums(d_rows - d_cols, cu, shape)
+        dlog_f = torch.empty(B, T, HQ, dtype=acc, device=q.device)
+        _segment_sums_kernel[(len(shape.lengths), HQ)](
+            d_rows, d_cols, dlog_f, cu, shape.n_tok, HQ, SEGMENT_BLOCK, num_warps=PREPASS_WARPS
+        )
+        return dq, dk, dv, dlog_f
     _dfield_kernel[(ntiles, HQ)](
         field, d_rows, d_cols, mid_sums, d_rows, cu, tile_list, tile_start,
         shape.n_tok, ntiles, nt_max, HQ, BT, ROW_BLOCK, num_warps=PREPASS_WARPS,
     )  # fmt: skip
     return dq, dk, dv, d_rows, d_level
-
-
-def _reverse_segment_sums(x: torch.Tensor, cu: torch.Tensor, shape: _Layout) -> torch.Tensor:
-    """y_t = sum of x_u over u >= t in t's sequence, in float64: the FoX gate gradient
-    dlog_f_l = sum_{i >= l} sum_j G_ij - sum_{j >= l} sum_i G_ij (bias c_i - c_j)."""
-    flat = x.reshape(shape.n_tok, shape.HQ).double()
-    suffix = torch.cat([flat.flip(0).cumsum(0).flip(0), flat.new_zeros(1, shape.HQ)])
-    lengths = torch.tensor(shape.lengths, device=x.device)
-    ends = torch.repeat_interleave(cu[1:], lengths, output_size=shape.n_tok)
-    return (suffix[:-1] - suffix[ends]).to(x.dtype).reshape(x.shape)
 
 
 @dispatch.register("fpa_fwd", "triton")
