@@ -81,3 +81,10 @@ docs: $(STAMP)
 docs-check: $(STAMP)
 	$(PY) -m pytest -rs tests/test_docs_site.py -k chromium
 	@ls build/docs-check/*.png 2>/dev/null || true
+
+# Wheels the GPU check needs on a machine without network (bench/gpu_check.sh installs them from
+# .whl/ into a temporary folder): flash-linear-attention, the timing peer, and what it imports.
+.PHONY: wheels
+WHEELS ?= fla-core==0.6.0 einops==0.8.2 packaging==26.4
+wheels:
+	$(PY) -m pip download --quiet --no-deps --only-binary=:all: -d .whl $(WHEELS)

@@ -1,36 +1,40 @@
 #!/usr/bin/env bash
-# GPU check of the Triton kernels: correctness on the GPU first, then timings; the short table
-# is printed last. Each section is one Python module run from the repository root; a failing
-# section is reported and the next one still runs; the exit status is the first non-zero one.
+# GPU check of the Triton kernels: the FPA timings first (the numbers a lent GPU is for), then
+# correctness on the GPU, the other sections, and the short table last. Each section is one
+# Python module run from the repository root; a failing section is reported and the next one
+# still runs; the exit status is the first non-zero one. Budget: under 6 minutes on one H200.
 #
 # Run, from the repository root, on the GPU machine (one H200; Python 3.12 with torch, triton and
 # jax preinstalled; no network):
-#     bash bench/gpu_check.sh              # about 3-4 minutes
+#     make wheels                          # first, on a machine with network: .whl/ (carried)
+#     bash bench/gpu_check.sh              # under 6 minutes
 #     bash bench/gpu_check.sh --dry-run    # the same steps on CPU: Triton interpreter, tiny
 #                                          # shapes, one timing repetition (CI runs this)
 #     bash bench/gpu_check.sh --sections "kit fpa"     # a subset, in this order
-# flash-linear-attention (fla-core, the timing peer) comes as wheels carried in .whl/, with what
-# it imports that the machine may lack; they are installed into a temporary target:
-#     pip download --no-deps -d .whl fla-core==0.6.0 einops packaging
-# attnspec is imported from the checkout (no install).
-# When $OUT is set, the results land there: kit.json, fpa.json, sections.txt and the summary as
-# gpu_check.json and gpu_check.md.
+# flash-linear-attention (fla-core, the timing peer) comes as wheels carried in .whl/ with what
+# it imports (`make wheels`: fla-core, einops, packaging, pinned); they are installed into a
+# temporary target. attnspec is imported from the checkout (no install).
+# When $OUT is set, the results land there: fpa.json (rewritten after every timed row), kit.json,
+# sections.txt and the summary as gpu_check.json and gpu_check.md.
 #
 # Sections:
+#   fpa         python -m bench.gpu_bench timings      every kernel variant compiled in parallel
+#               (a failed compile is a failure), a long check, then FPA, FoX, fla, SDPA timings
+#               (a failing row is recorded and the run goes on); bf16 matmul peak
 #   kit         python -m bench.gpu_bench kit          the conformance kit on the triton backend,
 #               all ops and dtypes it declares, in parallel processes (one compiled variant per
-#               process: a fresh machine has an empty Triton cache) merged into one report; the
-#               same queue compiles the timings' kernels. One process does the same, slower:
+#               process: a fresh machine has an empty Triton cache) merged into one report.
+#               One process does the same, slower:
 #               python -m attnspec.conformance --backend triton --device cuda
-#   fpa         python -m bench.gpu_bench timings      FPA, FoX, fla, SDPA; bf16 matmul peak
 #   s4d         python -m bench.gpu_s4d                Interdomain kernels (when present)
-#   pallas      python -m bench.gpu_pallas             JAX Pallas kernels (when present)
+#   pallas      python -m bench.gpu_pallas             JAX Pallas kernels (when present; on the
+#               GPU only when jax sees one: its CPU interpreter would take hours at these sizes)
 #   summary     python -m bench.gpu_bench summary      the short table, last
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 DRY=""
-SECTIONS="kit fpa s4d pallas"
+SECTIONS="fpa kit s4d pallas"
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --dry-run) DRY="--dry-run" ;;
@@ -50,6 +54,8 @@ mkdir -p "$RESULTS"
 if compgen -G ".whl/*.whl" > /dev/null; then
     "$PY" -m pip install -q --no-index --no-deps --target "$WORK/site" .whl/*.whl \
         && export PYTHONPATH="$WORK/site${PYTHONPATH:+:$PYTHONPATH}"
+elif [[ -z "$DRY" ]] && ! "$PY" -c "import fla" 2> /dev/null; then
+    echo "gpu_check: no .whl/ and no fla: the ratios to fla will not be measured (make wheels)" >&2
 fi
 if ! "$PY" -c "import attnspec.reference" 2> /dev/null; then
     # attnspec is a namespace of the code folders: link them under a temporary root.
@@ -82,7 +88,10 @@ for section in $SECTIONS; do
         kit) run_section kit "$PY" -m bench.gpu_bench kit $DRY --out "$RESULTS/kit.json" ;;
         fpa) run_section fpa "$PY" -m bench.gpu_bench timings $DRY --out "$RESULTS/fpa.json" ;;
         s4d | pallas)
-            if [[ -f "bench/gpu_$section.py" ]]; then
+            if [[ $section == pallas && -z "$DRY" ]] && ! "$PY" -c \
+                "import jax; assert jax.devices('gpu')" > /dev/null 2>&1; then
+                echo "== pallas: jax sees no GPU (no CUDA plugin?), skipped"
+            elif [[ -f "bench/gpu_$section.py" ]]; then
                 run_section "$section" "$PY" -m "bench.gpu_$section" $DRY
             else
                 echo "== $section: bench/gpu_$section.py not present, skipped"

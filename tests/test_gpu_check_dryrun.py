@@ -13,7 +13,7 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-SECTIONS = ("kit", "fpa")
+SECTIONS = ("fpa", "kit")  # the script's order
 
 
 def test_gpu_check_dry_run(tmp_path):
@@ -44,6 +44,7 @@ def test_gpu_check_dry_run(tmp_path):
 
     fpa = summary["fpa"]
     assert fpa["long_check_passed"] and fpa["dry_run"]
+    assert fpa["failures"] == [] and fpa["compile_failures"] == [] and fpa["skipped"] == []
     impls = {(r["impl"], r["mode"]) for r in fpa["rows"]}
     assert impls == {(i, m) for i in ("FPA", "FoX", "fla", "SDPA") for m in ("fwd", "fwd+bwd")}
     assert all(r["ms"] > 0 for r in fpa["rows"])
