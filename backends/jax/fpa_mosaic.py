@@ -17,10 +17,10 @@ the query side of the field cotangent (FPA: row sums, one gap sum and argmin per
 stored at its lane of a shared-memory vector, W on the diagonal tile; FoX: row sums), and dk, dv
 with the key side, each tile of that sweep computed transposed (keys on rows) so that p^T and
 G^T are wgmma's register operand; q^T, k^T, v^T and do^T are transposed once in XLA (the
-interpreter has no transposed shared-memory operands). The forward and dq kernels double-buffer
-their per-tile TMA copies (the next tile's copies are issued after the current tile's first
-product); the dkv kernel waits for its copies (two buffers of q^T, q, do^T and do would not fit
-in shared memory next to its float32 staging at D = 128). On CPU the kernels run under Mosaic
+interpreter has no transposed shared-memory operands). Every kernel double-buffers its
+per-tile TMA copies (the next tile's copies are issued after the current tile's first
+product); the dkv kernel stages dk and dv through one float32 buffer when their widths agree,
+so that D = 128 fits in shared memory. On CPU the kernels run under Mosaic
 GPU's interpreter (``interpret=True``, which simulates shared memory, TMA, barriers and wgmma,
 with its race detector on); that interpreter is private API in JAX 0.10 and 0.11
 (``jax._src.pallas.mosaic_gpu.interpret``), imported only when asked for.
@@ -64,7 +64,8 @@ def shared_bytes(dk: int, dv: int, nb: int) -> int:
     half, word = 2 * bs, 4 * bs  # bytes of a 16-bit and of a float32 row of 64 entries
     forward = half * (dkp + 2 * dkp + 2 * dvp + bs) + word * (dvp + 1)
     dq = half * (dkp + dvp + 2 * (2 * dkp + dvp) + bs) + word * (dkp + 1 + bs) + 8 * _lanes(nb)
-    dkv = half * (3 * dkp + 3 * dvp + bs) + word * (dkp + dvp + 2)
+    staging = dkp if dkp == dvp else dkp + dvp  # dk's float32 staging serves dv of its width
+    dkv = half * (dkp + dvp + 2 * (2 * dkp + 2 * dvp) + bs) + word * (staging + 2)
     return max(forward, dq, dkv)
 
 
@@ -545,44 +546,66 @@ def _dkv_kernel(
     n_in, n_out = len(names), (4 if kind == "fpa" else 3)
     r = dict(zip(names, refs[:n_in], strict=True))
     outs = refs[n_in : n_in + n_out]
-    (k_smem, v_smem, qt_smem, q_smem, dot_smem, do_smem, a_smem, dk_smem, dv_smem, col_smem) = refs[
-        n_in + n_out : n_in + n_out + 10
+    (k_smem, v_smem, qt_smem, q_smem, dot_smem, do_smem, a_smem, col_smem) = refs[
+        n_in + n_out : n_in + n_out + 8
     ]
-    extra = refs[n_in + n_out + 10 : -1]  # fpa: all column sums of W
+    # float32 staging of dk and dv (one buffer for both when their widths agree), then fpa's
+    # column sums of W
+    extra = refs[n_in + n_out + 8 : -1]
+    n_stage = len(extra) - (1 if kind == "fpa" else 0)
+    dk_smem, dv_smem = extra[0], extra[n_stage - 1]
     barriers = refs[-1]
     t = _Tile(r, a_smem, barriers, interpret)
     bs, zg = BLOCK, t.zg
     j = lax.axis_index("blk")
     z = lax.div(zg, jnp.array(G, zg.dtype))
     dtype = k_smem.dtype
-    t.fetch([(r["k"].at[z, pl.ds(j * bs, bs)], k_smem), (r["v"].at[z, pl.ds(j * bs, bs)], v_smem)])
+
+    # q^T, q, do^T and do of query block j + s in two buffers, as in the forward: barriers k 0,
+    # v 1, then 2 + 2 n + slot for the n-th of the four.
+    def queries(i: jax.Array) -> list[tuple[Any, Any]]:
+        rows = pl.ds(i * bs, bs)
+        return [
+            (r["qt"].at[zg, :, rows], qt_smem),
+            (r["q"].at[zg, rows], q_smem),
+            (r["dot"].at[zg, :, rows], dot_smem),
+            (r["do"].at[zg, rows], do_smem),
+        ]
+
+    plgpu.copy_gmem_to_smem(r["k"].at[z, pl.ds(j * bs, bs)], k_smem, barriers.at[0])
+    plgpu.copy_gmem_to_smem(r["v"].at[z, pl.ds(j * bs, bs)], v_smem, barriers.at[1])
+    t.issue(queries(j), jnp.zeros((), jnp.int32), base=2)
     suffix = t.by_row(t.rows("suffix", j))
+    plgpu.barrier_wait(barriers.at[0])
+    plgpu.barrier_wait(barriers.at[1])
 
     def grads(i: jax.Array, penalty: jax.Array, mask: jax.Array | None) -> tuple[jax.Array, ...]:
-        queries = pl.ds(i * bs, bs)
-        t.fetch(
-            [
-                (r["qt"].at[zg, :, queries], qt_smem),
-                (r["q"].at[zg, queries], q_smem),
-                (r["dot"].at[zg, :, queries], dot_smem),
-                (r["do"].at[zg, queries], do_smem),
-            ],
-            first=2,
-        )
-        logits = scale * t.product(k_smem, qt_smem, bs) - penalty  # (keys, queries)
+        step = i - j
+        slot = lax.rem(step, jnp.array(2, step.dtype))
+        t.wait(0, slot, base=2)
+        logits = scale * t.product(k_smem, qt_smem.at[slot], bs) - penalty  # (keys, queries)
+
+        @pl.when(i + 1 < nb)
+        def _prefetch() -> None:
+            t.issue(queries(i + 1), 1 - slot, base=2)
+
         if mask is not None:
             logits = jnp.where(mask, logits, -jnp.inf)
         p = jnp.exp(logits - t.by_col(t.cols("lse", i)))  # (F4)
-        dv_i = t.product_of_registers(p.astype(dtype), do_smem, dv_smem.shape[1])
-        g = p * (t.product(v_smem, dot_smem, bs) - t.by_col(t.cols("delta", i)))  # (G1), (G4)
-        dk_i = t.product_of_registers(g.astype(dtype), q_smem, dk_smem.shape[1])
+        t.wait(3, slot, base=2)
+        dv_i = t.product_of_registers(p.astype(dtype), do_smem.at[slot], dv_smem.shape[1])
+        t.wait(2, slot, base=2)
+        dp = t.product(v_smem, dot_smem.at[slot], bs)
+        g = p * (dp - t.by_col(t.cols("delta", i)))  # (G1), (G4)
+        t.wait(1, slot, base=2)
+        dk_i = t.product_of_registers(g.astype(dtype), q_smem.at[slot], dk_smem.shape[1])
         return g, dk_i, dv_i
 
     mask = t.ids(1) >= t.ids(0)  # query >= key
     seg = t.segment_mask(j, j)
     mask = mask if seg is None else mask & seg
     if kind == "fpa":
-        (col_w_smem,) = extra
+        col_w_smem = extra[-1]
         low, level = t.tile("diagt", j), t.by_row(t.rows("level", j))
         g, dk, dv = grads(j, jnp.maximum(0.0, level - low), mask)  # (F2)
         below = t.ids(1) > t.ids(0)  # key < query
@@ -614,16 +637,18 @@ def _dkv_kernel(
 
         fox_carry = (dk, dv, jnp.sum(g, axis=1), t.constant(0.0))
         dk, dv, col, _ = lax.fori_loop(j + 1, nb, fox_block, fox_carry)
-    dk_smem[...] = scale * dk
-    dv_smem[...] = dv
-    col_smem[...] = col
-    plgpu.commit_smem()
     rows = pl.ds(j * bs, bs)
-    plgpu.copy_smem_to_gmem(dk_smem, outs[0].at[zg, rows])
-    plgpu.copy_smem_to_gmem(dv_smem, outs[1].at[zg, rows])
+    col_smem[...] = col
+    dk_smem[...] = scale * dk
+    plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(col_smem, outs[2].at[zg, rows])
     if kind == "fpa":
         plgpu.copy_smem_to_gmem(col_w_smem, outs[3].at[zg, rows])
+    plgpu.copy_smem_to_gmem(dk_smem, outs[0].at[zg, rows])
+    plgpu.wait_smem_to_gmem(0)  # dk's staging may be dv's
+    dv_smem[...] = dv
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(dv_smem, outs[1].at[zg, rows])
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -756,15 +781,16 @@ def backward(
     dkv_scratch = [
         smem(bs, dkp),  # k
         smem(bs, dvp),  # v
-        smem(dkp, bs),  # q^T
-        smem(bs, dkp),  # q
-        smem(dvp, bs),  # do^T
-        smem(bs, dvp),  # do
+        smem(2, dkp, bs),  # q^T, two buffers
+        smem(2, bs, dkp),  # q, two buffers
+        smem(2, dvp, bs),  # do^T, two buffers
+        smem(2, bs, dvp),  # do, two buffers
         smem(bs, bs),  # p^T, G^T (interpreter only)
-        plgpu.SMEM((bs, dkp), jnp.float32),  # dk
-        plgpu.SMEM((bs, dvp), jnp.float32),  # dv
         plgpu.SMEM((bs,), jnp.float32),  # column sums
+        plgpu.SMEM((bs, dkp), jnp.float32),  # dk (and dv when dv's width is dk's)
     ]
+    if dvp != dkp:
+        dkv_scratch.append(plgpu.SMEM((bs, dvp), jnp.float32))  # dv
     dkv_types = [f32(Tp, dkp), f32(Tp, dvp), f32(Tp)]
     if fpa:
         dkv_scratch.append(plgpu.SMEM((bs,), jnp.float32))  # all column sums of W
@@ -780,7 +806,7 @@ def backward(
             interpret=interpret,
         ),
         out_type=tuple(dkv_types),
-        scratch_types=(*dkv_scratch, plgpu.Barrier(num_barriers=6)),
+        scratch_types=(*dkv_scratch, plgpu.Barrier(num_barriers=10)),
         **params,
     )(*dkv_in.values())
     dq = scale * dq_out[0][..., :dk].reshape(Z, G, nb, bs, dk)
