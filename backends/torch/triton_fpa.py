@@ -1228,7 +1228,7 @@ def _forward(
     if fox:
         blocks = _block_sums(field, cu, tile_list, shape, BT)
     else:
-        blocks = _block_minima(field, level, cu, tile_list, shape, BT, with_links=False)[0]
+        blocks = _block_minima(field, wide["level"], cu, tile_list, shape, BT, with_links=False)[0]
     sizes = kernel_sizes(shape.HQ, shape.K, shape.V, tiles, q.dtype, fox, interpreting())
     _fwd_kernel[(tile_list.shape[0], shape.HQ)](
         q,
@@ -1288,7 +1288,7 @@ def _backward(
     if fox:
         blocks, links = _block_sums(field, cu, tile_list, shape, BT), None
     else:
-        blocks, links = _block_minima(field, level, cu, tile_list, shape, BT, with_links=True)
+        blocks, links = _block_minima(field, wide["level"], cu, tile_list, shape, BT, True)
     dq = torch.empty_like(q)
     partial = acc if G > 1 else None  # GQA: dk, dv per query head, reduced below
     dk = torch.empty(B, T, HQ, shape.K, dtype=partial or k.dtype, device=q.device)
