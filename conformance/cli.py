@@ -356,7 +356,7 @@ class _Job:
         self.label, self.scope, self.argv, self.env = label, scope, argv, env
         self.output = tempfile.TemporaryFile(mode="w+")
         self.process: subprocess.Popen[str] | None = None
-        self.start = self.seconds = 0.0
+        self.start = self.seconds = self.cpu = 0.0
         self.status: int | None = None
 
     def launch(self) -> None:
@@ -366,10 +366,13 @@ class _Job:
         )
 
     def poll(self) -> bool:
-        """True once the child has ended (status and time recorded)."""
-        if self.status is None and self.process is not None and self.process.poll() is not None:
-            self.status = self.process.returncode
-            self.seconds = time.perf_counter() - self.start
+        """True once the child has ended (status, wall time and CPU time recorded)."""
+        if self.status is None and self.process is not None:
+            pid, status, usage = os.wait4(self.process.pid, os.WNOHANG)
+            if pid:
+                self.status = self.process.returncode = os.waitstatus_to_exitcode(status)
+                self.seconds = time.perf_counter() - self.start
+                self.cpu = usage.ru_utime + usage.ru_stime
         return self.status is not None
 
     def text(self) -> str:
@@ -518,9 +521,17 @@ def verify_main(argv: list[str] | None = None, prog: str = "attnspec verify") ->
         flush=True,
     )
     total = run_jobs(jobs, args.jobs)
-    print(f"\n==== summary: {total / 60:.1f} minutes, {args.jobs} commands at a time")
+    cpu = sum(job.cpu for job in jobs)
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(
+        f"\n==== summary: {total / 60:.1f} minutes, {args.jobs} commands at a time; "
+        f"{cpu / 60:.1f} CPU-minutes in all (load average now {load})"
+    )
     for job in jobs:
-        print(f"  {job.label:<14} {job.scope:<27} {_verdict(job.status):<8} {job.seconds:>5.0f} s")
+        print(
+            f"  {job.label:<14} {job.scope:<27} {_verdict(job.status):<8} {job.seconds:>5.0f} s"
+            f" {job.cpu:>6.0f} CPU-s"
+        )
     if unavailable:
         print(f"  not available here: {', '.join(unavailable)} (a framework is not installed)")
     kernels = [n for n in partial if n in KERNEL_BACKENDS]
