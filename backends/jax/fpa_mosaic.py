@@ -123,7 +123,7 @@ def _interpret_params() -> Any:
 
 class _Tile:
     """What every kernel here does on 64 x 64 tiles: loads into the wgmma accumulator's layouts,
-    broadcasts of row and column vectors, TMA copies waited on, and warpgroup matmuls.
+    broadcasts of row and column vectors, double-buffered TMA copies, and warpgroup matmuls.
 
     Under the interpreter, which has no layouts, no ``plgpu.load`` and reads wgmma's left
     operand from shared memory only, loads read the ref and a register operand goes through
@@ -183,13 +183,6 @@ class _Tile:
         """A row vector of one value."""
         return self.cast(jnp.full((BLOCK,), value, jnp.float32), self.row_layout)
 
-    def fetch(self, copies: list[tuple[Any, Any]], first: int = 0) -> None:
-        """TMA copies (global view, shared buffer) on barriers first, first+1, ...; waited."""
-        for n, (src, dst) in enumerate(copies):
-            self.plgpu.copy_gmem_to_smem(src, dst, self.barriers.at[first + n])
-        for n in range(len(copies)):
-            self.plgpu.barrier_wait(self.barriers.at[first + n])
-
     def issue(self, copies: list[tuple[Any, Any]], slot: jax.Array, base: int) -> None:
         """TMA copies (global view, two-buffer shared array) into buffer ``slot``, the n-th on
         barrier base + 2 n + slot."""
@@ -247,20 +240,19 @@ def _forward_kernel(
     # Two buffers for k^T and v: while step s multiplies key block i - s, the TMA brings in
     # block i - s - 1 (issued once every warp has passed step s's first product, so the
     # buffer it overwrites, read at step s - 1, is free). Barriers: q 0; k^T 1, 2; v 3, 4.
-    def issue(j: jax.Array, slot: jax.Array) -> None:
-        keys = pl.ds(j * bs, bs)
-        plgpu.copy_gmem_to_smem(r["kt"].at[z, :, keys], kt_smem.at[slot], barriers.at[1 + slot])
-        plgpu.copy_gmem_to_smem(r["v"].at[z, keys], v_smem.at[slot], barriers.at[3 + slot])
+    def keys(j: jax.Array) -> list[tuple[Any, Any]]:
+        rows = pl.ds(j * bs, bs)
+        return [(r["kt"].at[z, :, rows], kt_smem), (r["v"].at[z, rows], v_smem)]
 
     def logits_of(step: jax.Array) -> jax.Array:
         """q k^T of step's key block; then the next block's copies are issued."""
         slot = lax.rem(step, jnp.array(2, step.dtype))
-        plgpu.barrier_wait(barriers.at[1 + slot])
+        t.wait(0, slot, base=1)
         logits = scale * t.product(q_smem, kt_smem.at[slot], bs)
 
         @pl.when(step < i)
         def _prefetch() -> None:
-            issue(i - step - 1, 1 - slot)
+            t.issue(keys(i - step - 1), 1 - slot, base=1)
 
         return logits
 
@@ -273,13 +265,13 @@ def _forward_kernel(
         correction = jnp.exp(m - m_new)
         p = jnp.exp(logits - t.by_row(m_new))
         l = l * correction + jnp.sum(p, axis=1)
-        plgpu.barrier_wait(barriers.at[3 + slot])
+        t.wait(1, slot, base=1)
         pv = t.product_of_registers(p.astype(dtype), v_smem.at[slot], acc.shape[1])  # p rounded
         return m_new, l, acc * lax.broadcast_in_dim(correction, acc.shape, [0]) + pv
 
     plgpu.copy_gmem_to_smem(r["q"].at[zg, pl.ds(i * bs, bs)], q_smem, barriers.at[0])
     first = jnp.zeros((), jnp.int32)
-    issue(i, first)
+    t.issue(keys(i), first, base=1)
     prefix = t.rows("prefix", i)
     plgpu.barrier_wait(barriers.at[0])
 
