@@ -35,7 +35,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +46,17 @@ B, T, H = 1, 512, 16  # per-token costs are per chunk: T = 512 (8 chunks) gives 
 M, R, DV = 64, 64, 128
 FLA_CONFIG = {"BK": 64, "BV": 64, "num_warps": 4, "num_stages": 2}
 BUDGET_RATIO = 2.0
+CHUNK_WIDE = "S4D chunk-wide"  # the S4D option of one program per 64-token chunk
+
+
+def CHUNK_WIDE_BLOCKS() -> Any:
+    """The S4D tiling with one output program per 64-token chunk (64-row products, wgmma) and
+    diagonal blocks of 16 tokens; reported beside the default, not asserted."""
+    from attnspec.backends.torch.triton_chunks import Blocks
+
+    return Blocks(64, 64, 8, diag_loop=True, channels=32, diag_block=16, legs_sub_chunk=16)
+
+
 # Budgets that fail the gate; the rest are reported. (kind, kernel or pass): kinds "no_mma_sync",
 # "no_spill" per kernel, "flops" / "state_bytes" per pass ("fwd", "fwd+bwd"). Asserted: those met.
 _STATE_PASSES = (
@@ -58,9 +69,9 @@ _STATE_PASSES = (
 ASSERTED: set[tuple[str, str]] = (
     {("no_mma_sync", k) for k in (*_STATE_PASSES, "_s4d_step", "_legs_step")}
     | {("no_spill", k) for k in _STATE_PASSES}
-    | {("no_spill", k) for k in ("_s4d_output", "_s4d_bwd_inputs", "_legs_output")}
-    | {("no_spill", k) for k in ("_legs_bwd_inputs", "_legs_step")}
-    | {("flops", "S4D fwd")}
+    | {("no_spill", k) for k in ("_s4d_output", "_s4d_bwd_modes", "_s4d_bwd_inputs")}
+    | {("no_spill", k) for k in ("_legs_output", "_legs_bwd_inputs", "_legs_step")}
+    | {("flops", "S4D fwd"), ("flops", "S4D fwd+bwd")}
 )
 
 
@@ -75,6 +86,7 @@ class Captured:
     num_warps: int
     num_stages: int
     role: str = ""  # the pass it belongs to: "fwd", "bwd" or "step"
+    impl: str = ""  # "S4D", "LegS", "chunk_gla" or a tiling variant ("S4D chunk-wide")
 
     @property
     def name(self) -> str:
@@ -133,14 +145,17 @@ def _inputs(dtype: Any, widths: tuple[int, ...], seed: int = 0) -> list[Any]:
     return [torch.randn(B, T, H, w, generator=g).to(dtype) for w in widths]
 
 
-def ours() -> list[Captured]:
-    """The launches of the Interdomain launchers at the Hopper blocks (role: fwd, bwd, step)."""
+def ours(blocks: Any = None, variant: str = "") -> list[Captured]:
+    """The launches of the Interdomain launchers at the Hopper blocks (role: fwd, bwd, step),
+    or, for a ``variant``, the S4D forward and backward at ``blocks``."""
+    import dataclasses
+
     import numpy as np
     import torch
 
     from attnspec.backends.torch import triton_chunks, triton_legs, triton_s4d, triton_s4d_bwd
 
-    hopper = triton_chunks.DEVICE_BLOCKS[(9, 0)]
+    hopper = blocks or triton_chunks.DEVICE_BLOCKS[(9, 0)]
     bf16 = torch.bfloat16
     fq, kt, vt, do = _inputs(bf16, (R, R, DV, DV))
     rng = np.random.default_rng(0)
@@ -150,21 +165,22 @@ def ours() -> list[Captured]:
     s4d = (fq, kt, vt, *params, "linear", None, None)
     legs = (fq, kt, vt, M, None)
     out = []
+    calls: list[tuple[str, Callable[[], Any]]] = [
+        ("fwd", lambda: triton_s4d.s4d_fwd(*s4d)),
+        ("bwd", lambda: triton_s4d_bwd.s4d_bwd(*s4d, do, None)),
+        ("fwd", lambda: triton_legs.legs_fwd(*legs)),
+        ("bwd", lambda: triton_legs.legs_bwd(*legs, do)),
+    ]
     with (
-        triton_chunks.block_sizes(
-            hopper.chunk, hopper.sub_chunk, hopper.diag_loop, hopper.num_warps, hopper.channels
-        ),
+        triton_chunks.block_sizes(**dataclasses.asdict(hopper)),
         capture() as launches,
     ):
-        for role, call in (
-            ("fwd", lambda: triton_s4d.s4d_fwd(*s4d)),
-            ("bwd", lambda: triton_s4d_bwd.s4d_bwd(*s4d, do, None)),
-            ("fwd", lambda: triton_legs.legs_fwd(*legs)),
-            ("bwd", lambda: triton_legs.legs_bwd(*legs, do)),
-        ):
+        for role, call in calls[:2] if variant else calls:
             n = len(launches)
             call()
-            out += [_with_role(c, role) for c in launches[n:]]
+            out += [_with_role(c, role, variant) for c in launches[n:]]
+        if variant:
+            return out
         tok = [x[:, 0] for x in (fq, kt, vt)]
         _, state = triton_s4d.s4d_step(*tok, *params, "linear", None)
         _, legs_state = triton_legs.legs_step(*tok, M, None)
@@ -207,8 +223,9 @@ def _as_on_hopper() -> None:
     fla.utils.IS_NVIDIA_HOPPER = True
 
 
-def _with_role(c: Captured, role: str) -> Captured:
+def _with_role(c: Captured, role: str, impl: str = "") -> Captured:
     c.role = role
+    c.impl = impl or _impl(c.name)
     return c
 
 
@@ -257,7 +274,10 @@ def _ours_costs(name: str, a: dict[str, Any], grid: tuple[int, ...], n: int) -> 
             return blocks * legs_step, _size(a["dstates"])
         raise NotImplementedError(name)
     BS, BR, BV = a["BS"], a["BR"], a["BV"]
-    e = (BT // BS - 1) / 2
+    BB = a.get("BB", BS)  # S4D: tokens per diagonal block
+    NB, NS = BS // BB, BT // BS
+    e_off = NB * (NS - 1) / 2 + NB - 1  # earlier blocks of the chunk per program, on average
+    e_adj = BT // BB - 1 - NB * (NS - 1) / 2  # later blocks of the chunk per program
     diag = 0 if a.get("DIAG_LOOP", True) else 1  # the [BS, BS] tile form of the diagonal
     # S0 (or D) tiles read per program: keys M x R, values M x V, the ones column M; complex
     # float32 for S4D, float32 for LegS
@@ -266,28 +286,33 @@ def _ours_costs(name: str, a: dict[str, Any], grid: tuple[int, ...], n: int) -> 
     ratio = a.get("RATIO", False)
     sq = BS * BS
 
-    def s4d_state(D: int) -> float:  # q S0 or q^H S0 (re, im)
+    def s4d_state(D: int) -> float:  # q S0, q^H S0 or fe D (re, im)
         return 4 * BS * D * BM
 
-    def chunk_sum(D: int) -> float:  # scores and two [BS, BS] x [BS, BM] per earlier sub-chunk
-        return e * (2 * sq * D + 4 * sq * BM) + diag * 2 * sq * D
+    def chunk_sum(D: int, dlam: bool = False) -> float:  # per earlier block: scores, then two
+        # [BS, BB] x [BB, BM] (four with the derivative table); the diagonal tile twice with it
+        return (
+            e_off * (2 * BS * D * BB + (8 if dlam else 4) * BS * BB * BM)
+            + (1 + dlam) * diag * 2 * sq * D
+        )
 
-    def readout(D: int) -> float:  # the state part, then scores and S z per earlier sub-chunk
-        return s4d_state(D) + e * (4 * sq * BM + 2 * sq * D) + diag * 2 * sq * D
+    def readout(D: int, blocks: float) -> float:  # the state part; per block scores and S z
+        return s4d_state(D) + blocks * (4 * BS * BM * BB + 2 * BS * BB * D) + diag * 2 * sq * D
 
     def legs_modes(D: int) -> float:  # blocks of S0 q_t, then q . z per sub-chunk j <= i_s
-        return 2 * BS * D * BM + (e + 1) * 2 * sq * D
+        return 2 * BS * D * BM + ((NS - 1) / 2 + 1) * 2 * sq * D
 
     mix = 8 * BS * BM * BM  # qe = G p: four [BS, BM] x [BM, BM]
+
     if name == "_s4d_output":  # p (keys), qe, o (values), den (ones)
-        per = s4d_state(BR) + chunk_sum(BR) + mix + readout(BV)
+        per = s4d_state(BR) + chunk_sum(BR) + mix + readout(BV, e_off)
         tile = key + value + ratio * ones
     elif name == "_s4d_bwd_modes":  # p, g(qe), g(p), dfq (+ num, den)
-        per = s4d_state(BR) + 2 * chunk_sum(BR) + s4d_state(BV) + 2 * chunk_sum(BV) + 2 * mix
-        per += readout(BR) + ratio * readout(BV)
+        per = s4d_state(BR) + chunk_sum(BR, True) + s4d_state(BV) + chunk_sum(BV, True)
+        per += 2 * mix + readout(BR, e_off) + ratio * readout(BV, e_off)
         tile = 2 * key + value + ratio * (value + 2 * ones)
-    elif name == "_s4d_bwd_inputs":  # the transposed gated attention, same products
-        per, tile = readout(BR) + readout(BV), key + value
+    elif name == "_s4d_bwd_inputs":  # the transposed gated attention over the later blocks
+        per, tile = readout(BR, e_adj) + readout(BV, e_adj), key + value
     elif name == "_legs_output":  # the readout has the products of the modes
         per, tile = legs_modes(BR) + legs_modes(BV), key + value
     elif name == "_legs_bwd_modes":
@@ -375,14 +400,14 @@ def compile_rows(launches: list[Captured]) -> list[Row]:
     forward and again in the backward with the same constexprs)."""
     from bench import sm90
 
-    rows: dict[str, Row] = {}
+    rows: dict[tuple[str, str], Row] = {}
     for c in launches:
-        if c.name in rows:
-            if c.role not in rows[c.name].roles:
-                rows[c.name].roles.append(c.role)
+        if (c.impl, c.name) in rows:
+            if c.role not in rows[c.impl, c.name].roles:
+                rows[c.impl, c.name].roles.append(c.role)
             continue
-        row = Row(_impl(c.name), c.name, [c.role], c.num_warps, c.num_stages)
-        rows[c.name] = row
+        row = Row(c.impl, c.name, [c.role], c.num_warps, c.num_stages)
+        rows[c.impl, c.name] = row
         if "cumsum" in c.name:
             row.error = "skipped (no products)"
             continue
@@ -418,10 +443,10 @@ def report(rows: list[Row], costs: dict[str, dict[str, dict[str, float]]]) -> li
     """Print the table and the budgets; returns the failed asserted budgets."""
     from bench import sm90
 
-    print(f"{'kernel':<44} {'pass':<9} {'w/s':>4} {'shared B':>9} {'reg':>4} {'stack':>5} "
+    print(f"{'kernel':<48} {'pass':<7} {'w/s':>4} {'shared B':>9} {'reg':>4} {'stack':>5} "
           f"{'spill':>5}  tensor cores")  # fmt: skip
     for r in rows:
-        head = f"{r.impl + ' ' + r.kernel:<44} {'/'.join(r.roles):<9} {r.warps}/{r.stages:<2}"
+        head = f"{r.impl + ' ' + r.kernel:<48} {'/'.join(r.roles):<7} {r.warps}/{r.stages:<2}"
         if r.error:
             print(f"{head} {r.error}")
             continue
@@ -430,10 +455,10 @@ def report(rows: list[Row], costs: dict[str, dict[str, dict[str, float]]]) -> li
               f"(HGMMA {r.hgmma}, HMMA {r.hmma})")  # fmt: skip
     print(f"\nper token and head, from the launch plan (B = {B}, T = {T}, H = {H}, M = R = {M}, "
           f"dv = {DV}; chunk_gla K = {2 * M}):")  # fmt: skip
-    print(f"{'':<10} {'pass':<8} {'tensor-core FLOPs':>18} {'state bytes':>12}")
-    for impl in ("S4D", "LegS", "chunk_gla"):
-        for p, c in costs[impl].items():
-            print(f"{impl:<10} {p:<8} {c['flops']:>18,.0f} {c['state_bytes']:>12,.0f}")
+    print(f"{'':<18} {'pass':<8} {'tensor-core FLOPs':>18} {'state bytes':>12}")
+    for impl, per_pass in costs.items():
+        for p, c in per_pass.items():
+            print(f"{impl:<18} {p:<8} {c['flops']:>18,.0f} {c['state_bytes']:>12,.0f}")
     failed = []
     checks = budgets(rows, costs)
     print(f"\nbudgets (asserted: {sorted(ASSERTED) or 'none'}):")
@@ -458,22 +483,26 @@ def budgets(
     for r in rows:
         if r.impl == "chunk_gla" or r.error:
             continue
-        out[("no_mma_sync", r.kernel)] = (r.hmma == 0, f"HMMA {r.hmma}")
-        out[("no_spill", r.kernel)] = (r.spills == 0 and r.stack == 0,
-                                       f"STL+LDL {r.spills}, stack {r.stack} B")  # fmt: skip
-    for p in ("fwd", "fwd+bwd"):
-        peer = costs["chunk_gla"][p]
-        for key in ("flops", "state_bytes"):
-            ratio = costs["S4D"][p][key] / peer[key]
-            out[(key, f"S4D {p}")] = (ratio <= BUDGET_RATIO, f"{ratio:.2f}x chunk_gla")
+        what = r.kernel if r.impl in ("S4D", "LegS") else f"{r.impl}: {r.kernel}"
+        out[("no_mma_sync", what)] = (r.hmma == 0, f"HMMA {r.hmma}")
+        out[("no_spill", what)] = (r.spills == 0 and r.stack == 0,
+                                   f"STL+LDL {r.spills}, stack {r.stack} B")  # fmt: skip
+    for impl in (i for i in costs if i.startswith("S4D")):
+        for p in ("fwd", "fwd+bwd"):
+            peer = costs["chunk_gla"][p]
+            for key in ("flops", "state_bytes"):
+                ratio = costs[impl][p][key] / peer[key]
+                out[(key, f"{impl} {p}")] = (ratio <= BUDGET_RATIO, f"{ratio:.2f}x chunk_gla")
     return out
 
 
 def interpreter_counts() -> list[tuple[Captured, float, float]]:
-    """Our launchers run under Triton's interpreter at the Hopper blocks (B = H = 1, T = 128,
-    M = R = 64, dv = 128, both readouts), counting what each launch executes: 2 m n k per
-    tl.dot and the bytes of ``states``/``dstates`` its masked loads and stores touch.
+    """Our launchers run under Triton's interpreter at the Hopper blocks and the chunk-wide S4D
+    tiling (B = H = 1, T = 128, M = R = 64, dv = 128, both readouts), counting what each launch
+    executes: 2 m n k per tl.dot and the bytes of ``states``/``dstates`` its masked loads and
+    stores touch.
     Returns (launch, FLOPs, state bytes) per launch, to check :func:`plan_costs` against."""
+    import dataclasses
     import inspect
 
     import numpy as np
@@ -534,15 +563,15 @@ def interpreter_counts() -> list[tuple[Captured, float, float]]:
         lam = torch.view_as_real(0.9 * torch.exp(1j * torch.rand(1, M, generator=g)))
         b = torch.view_as_real(torch.ones(1, M, dtype=torch.complex64))
         c = torch.view_as_real(torch.eye(M, dtype=torch.complex64)[None])
-        with triton_chunks.block_sizes(
-            hopper.chunk, hopper.sub_chunk, hopper.diag_loop, hopper.num_warps, hopper.channels
-        ):
-            for readout in ("linear", "ratio"):
-                args = (fq.abs(), kt.abs(), vt, lam, b, c, readout, None, None)
-                triton_s4d.s4d_fwd(*args)
-                triton_s4d_bwd.s4d_bwd(*args, do, None)
-            triton_legs.legs_fwd(fq.abs(), kt.abs(), vt, M, None)
-            triton_legs.legs_bwd(fq.abs(), kt.abs(), vt, M, None, do)
+        for blocks in (hopper, CHUNK_WIDE_BLOCKS()):
+            with triton_chunks.block_sizes(**dataclasses.asdict(blocks)):
+                for readout in ("linear", "ratio"):
+                    args = (fq.abs(), kt.abs(), vt, lam, b, c, readout, None, None)
+                    triton_s4d.s4d_fwd(*args)
+                    triton_s4d_bwd.s4d_bwd(*args, do, None)
+                if blocks is hopper:
+                    triton_legs.legs_fwd(fq.abs(), kt.abs(), vt, M, None)
+                    triton_legs.legs_bwd(fq.abs(), kt.abs(), vt, M, None, do)
     finally:
         builder.create_dot, builder.create_masked_load, builder.create_masked_store = saved
         grid_executor.__call__ = saved_call
@@ -569,6 +598,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write rows and per-token costs to this file")
     parser.add_argument("--plan-only", action="store_true", help="the FLOP/byte model only")
     parser.add_argument("--no-peer", action="store_true", help="skip compiling chunk_gla")
+    parser.add_argument(
+        "--no-variant", action="store_true", help="skip compiling the chunk-wide S4D tiling"
+    )
     parser.add_argument("--kernels", default="", help="compile only kernels matching this regex")
     parser.add_argument(
         "--check-plan",
@@ -580,14 +612,18 @@ def main(argv: list[str] | None = None) -> int:
         return check_plan()
     os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU, before triton is imported
     t0 = time.perf_counter()
-    mine, peer = ours(), fla_chunk_gla()
+    mine = ours() + ours(CHUNK_WIDE_BLOCKS(), CHUNK_WIDE)
+    peer = fla_chunk_gla()
     tokens = B * T * H
     costs = {
-        "S4D": pass_costs([c for c in mine if c.name.startswith("_s4d")], tokens),
-        "LegS": pass_costs([c for c in mine if c.name.startswith("_legs")], tokens),
-        "chunk_gla": pass_costs(peer, tokens),
+        impl: pass_costs([c for c in mine + peer if c.impl == impl], tokens)
+        for impl in ("S4D", CHUNK_WIDE, "LegS", "chunk_gla")
     }
-    chosen = [c for c in mine + ([] if args.no_peer else peer) if re.search(args.kernels, c.name)]
+    chosen = [
+        c
+        for c in mine + ([] if args.no_peer else peer)
+        if re.search(args.kernels, c.name) and not (args.no_variant and c.impl == CHUNK_WIDE)
+    ]
     rows = [] if args.plan_only else compile_rows(chosen)
     print(f"== Interdomain static Hopper gate (sm_90, bf16; launches captured in "
           f"{time.perf_counter() - t0:.0f} s)")  # fmt: skip

@@ -139,6 +139,11 @@ S4D_TABLE = [
     # The GPU tiling: sub-chunks of 16 in chunks of 32, with and without the token loop.
     (37, 16, 0.5, 5, 3, "ratio", (32, 16, True), 1, 1),
     (50, 8, 0.99, 4, 6, "linear", (32, 16, False), 1, 2),
+    # Programs of several diagonal blocks (chunk, sub_chunk, diag_loop, warps, channels, block):
+    # the chunk-wide tiling, and two programs per chunk with blocks inside each.
+    (37, 16, 0.5, 5, 3, "ratio", (32, 32, True, 4, 64, 16), 1, 1),
+    (70, 8, 0.05, 4, 6, "linear", (64, 32, True, 4, 64, 8), 1, 2),
+    (70, 8, 0.9995, 4, 6, "ratio", (64, 64, False, 4, 64, 16), 1, 1),
 ]
 
 

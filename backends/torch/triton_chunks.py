@@ -39,10 +39,14 @@ class Blocks:
     """Tile sizes: ``chunk`` tokens per state-pass step, ``sub_chunk`` tokens per output program
     (both powers of two, sub_chunk <= chunk; at least 16 on a GPU, where tl.dot needs it).
 
-    ``diag_loop`` walks the pairs inside a sub-chunk token by token with [BS, M] tiles, as
-    on a GPU; the interpreter default uses whole-chunk sub-chunks and [BS, BS, M] tiles, which
-    cost it far fewer operations. ``channels``: state channels per state-pass program (at most;
-    a power of two >= 16). Static resource use on sm_90: ``python -m bench.gpu_static_interdomain``.
+    ``diag_loop`` walks the pairs inside a diagonal block token by token with [BS, M] tiles,
+    as on a GPU; the interpreter default uses whole-chunk sub-chunks and [BS, BS, M] tiles,
+    which cost it far fewer operations. S4D splits a sub-chunk into diagonal blocks of
+    ``diag_block`` tokens (the pairs of different blocks are matmuls), so a GPU program can own
+    a whole chunk (64-row products, wgmma) while the token loop stays 16 long; LegS reads
+    per-position tables and keeps programs of ``legs_sub_chunk`` tokens. ``channels``: state
+    channels per state-pass program (at most; a power of two >= 16). Static resource use on
+    sm_90: ``python -m bench.gpu_static_interdomain``.
     """
 
     chunk: int = 64
@@ -50,6 +54,8 @@ class Blocks:
     num_warps: int = 8
     diag_loop: bool = True  # pairs inside a sub-chunk token by token (else as [BS, BS, M] tiles)
     channels: int = 32
+    diag_block: int | None = None  # S4D: tokens per diagonal block (None: the sub-chunk)
+    legs_sub_chunk: int | None = None  # LegS: tokens per output program (None: the sub-chunk)
 
 
 # Per device capability; anything else takes the default. The interpreter counts operations,
@@ -61,15 +67,28 @@ _override: list[Blocks] = []
 
 @contextmanager
 def block_sizes(
-    chunk: int, sub_chunk: int, diag_loop: bool = True, num_warps: int = 4, channels: int = 64
+    chunk: int,
+    sub_chunk: int,
+    diag_loop: bool = True,
+    num_warps: int = 4,
+    channels: int = 64,
+    diag_block: int | None = None,
+    legs_sub_chunk: int | None = None,
 ) -> Iterator[None]:
     """Force the tile sizes inside the block (tests use small chunks in the interpreter)."""
-    for name, value in (("chunk", chunk), ("sub_chunk", sub_chunk)):
+    sizes = {"chunk": chunk, "sub_chunk": sub_chunk, "diag_block": diag_block or sub_chunk}
+    sizes["legs_sub_chunk"] = legs_sub_chunk or sub_chunk
+    for name, value in sizes.items():
         if value < 1 or value & (value - 1):
             raise ValueError(f"{name}: expected a power of two, got {value}")
-    if sub_chunk > chunk:
-        raise ValueError(f"sub_chunk: expected at most chunk = {chunk}, got {sub_chunk}")
-    _override.append(Blocks(chunk, sub_chunk, num_warps, diag_loop, channels))
+    for name in ("sub_chunk", "legs_sub_chunk"):
+        if sizes[name] > chunk:
+            raise ValueError(f"{name}: expected at most chunk = {chunk}, got {sizes[name]}")
+    if sizes["diag_block"] > sub_chunk:
+        raise ValueError(f"diag_block: expected at most sub_chunk = {sub_chunk}, got {diag_block}")
+    _override.append(
+        Blocks(chunk, sub_chunk, num_warps, diag_loop, channels, diag_block, legs_sub_chunk)
+    )
     try:
         yield
     finally:

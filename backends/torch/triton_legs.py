@@ -678,7 +678,8 @@ def _legs_plan(
     cu = sequences("fq", fq, cu_seqlens)
     acc, ACC, PREC = acc_types(fq.dtype)
     blocks = blocks_for(fq.device)
-    lay = layout(cu, blocks.chunk, blocks.sub_chunk, fq.device)
+    sub = blocks.legs_sub_chunk or blocks.sub_chunk
+    lay = layout(cu, blocks.chunk, sub, fq.device)
     BM = pow2(M)
     BC = pow2(min(max(R, V), blocks.channels))
     NKB = triton.cdiv(R, BC)
@@ -693,7 +694,7 @@ def _legs_plan(
         grid_sub=(lay.n_sub, H),
         phi=phi,
         ktab=ktab,
-        tiles=dict(BS=blocks.sub_chunk, BR=pow2(R), BV=pow2(V), **common),
+        tiles=dict(BS=sub, BR=pow2(R), BV=pow2(V), **common),
         state_tiles=dict(BC=BC, **common),
     )
 

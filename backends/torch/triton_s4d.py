@@ -154,30 +154,37 @@ def s4d_offdiag(
     b_q: tl.tensor,
     src: tl.tensor,
     W: tl.tensor,
-    tab: tl.tensor,
+    pw: tl.tensor,
     sc: tl.tuple,
+    BT: tl.constexpr,
     BS: tl.constexpr,
+    BB: tl.constexpr,
     BD: tl.constexpr,
     BM: tl.constexpr,
     TAB: tl.constexpr,
     ACC: tl.constexpr,
     PREC: tl.constexpr,
 ) -> tl.tuple:
-    """sum over the earlier sub-chunks of the chunk of (q_t . z_u) T[n - u], n the start of
-    this sub-chunk, T the table tab: one [BS, BS] x [BS, BM] matmul per sub-chunk [S2]."""
-    t0, _, i_s, i_h, H = sc
-    n_i = t0 + i_s * BS
-    o_s = tl.arange(0, BS)
+    """sum over the earlier diagonal blocks j of the chunk of Lambda^(t-n) (q_t . z_u)
+    Lambda^(n-u), n the end of block j, for the rows t of sub-chunk sc: per block one
+    [BS, BD] x [BD, BB] and two [BS, BB] x [BB, BM] products, then a row scaling [S2]."""
+    t0, t1, i_s, i_h, H = sc
+    r = i_s * BS + tl.arange(0, BS)  # rows, from the chunk start
+    o_b = tl.arange(0, BB)
     o_m = tl.arange(0, BM)
+    v_re, v_im = pow_at(pw, (BB - o_b)[:, None], o_m[None, :], TAB, BM)  # Lambda^(n-u)
     a_re = tl.zeros([BS, BM], dtype=ACC)
     a_im = tl.zeros([BS, BM], dtype=ACC)
-    for j in range(0, i_s):
-        tok_u = t0 + j * BS + o_s
-        b_k = load_rows(src, tok_u, i_h, H, W, tl.arange(0, BD), tok_u < n_i, ACC)
-        a = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)  # q_t . z_u [BS, BS]
-        w_re, w_im = pow_at(tab, (n_i - tok_u)[:, None], o_m[None, :], TAB, BM)
-        a_re += tl.dot(a, w_re, input_precision=PREC)
-        a_im += tl.dot(a, w_im, input_precision=PREC)
+    for j in range(0, i_s * (BS // BB) + BS // BB - 1):
+        tok_u = t0 + j * BB + o_b
+        z = load_rows(src, tok_u, i_h, H, W, tl.arange(0, BD), tok_u < t1, ACC)
+        s = tl.dot(b_q, tl.trans(z), input_precision=PREC)  # q_t . z_u [BS, BB]
+        k = r - (j + 1) * BB  # rows at or before the block's end read the zero row
+        f = pow_at(pw, tl.where(k >= 0, k, BT + 1)[:, None], o_m[None, :], TAB, BM)
+        x = tl.dot(s, v_re, input_precision=PREC), tl.dot(s, v_im, input_precision=PREC)
+        x_re, x_im = cmul(f, x)
+        a_re += x_re
+        a_im += x_im
     return a_re, a_im
 
 
@@ -191,6 +198,7 @@ def s4d_diag(
     acc: tl.tuple,
     BT: tl.constexpr,
     BS: tl.constexpr,
+    BB: tl.constexpr,
     BD: tl.constexpr,
     BM: tl.constexpr,
     TAB: tl.constexpr,
@@ -198,31 +206,35 @@ def s4d_diag(
     ACC: tl.constexpr,
     PREC: tl.constexpr,
 ) -> tl.tuple:
-    """acc + the sum over the pairs u <= t of this sub-chunk of (q_t . z_u) T[t - u]: token by
-    token with [BS, BM] tiles (DIAG_LOOP), else as one [BS, BS, BM] tile [S2]."""
-    _, t1, _, i_h, H = sc
-    tok, m_t, n_i = rows_of(sc, BS)
-    o_s = tl.arange(0, BS)
+    """acc + the sum over the pairs u <= t inside each row's diagonal block of (q_t . z_u)
+    T[t - u], T the table tab: token by token with [BS, M] tiles (DIAG_LOOP; z rows gathered
+    per row), else as one [BS, BS, M] tile [S2]."""
+    t0, t1, i_s, i_h, H = sc
+    tok, m_t, _ = rows_of(sc, BS)
+    r = i_s * BS + tl.arange(0, BS)
     o_d = tl.arange(0, BD)
     o_m = tl.arange(0, BM)
     t_re, t_im = acc
     if DIAG_LOOP:
-        for u in range(0, BS):
-            tok_u = n_i + u
-            m_u = o_d < tl.where(tok_u < t1, W, 0)
-            z_u = tl.load(src + (tok_u.to(tl.int64) * H + i_h) * W + o_d, mask=m_u, other=0.0)
-            a_u = tl.sum(b_q * z_u.to(ACC)[None, :], axis=1)  # q_t . z_u [BS]
-            w_re, w_im = pow_at(
-                tab, tl.where(o_s >= u, o_s - u, BT + 1)[:, None], o_m[None, :], TAB, BM
+        for u_off in range(0, BB):
+            u = (r // BB) * BB + u_off  # the u_off-th token of each row's block
+            m_u = (t0 + u < t1)[:, None] & (o_d < W)[None, :]
+            z_u = tl.load(
+                src + ((t0 + u).to(tl.int64)[:, None] * H + i_h) * W + o_d[None, :],
+                mask=m_u,
+                other=0.0,
             )
+            a_u = tl.sum(b_q * z_u.to(ACC), axis=1)  # q_t . z_u [BS]
+            k = tl.where(r >= u, r - u, BT + 1)[:, None]
+            w_re, w_im = pow_at(tab, k, o_m[None, :], TAB, BM)
             t_re += a_u[:, None] * w_re
             t_im += a_u[:, None] * w_im
     else:
-        a = tl.dot(
-            b_q, tl.trans(load_rows(src, tok, i_h, H, W, o_d, m_t, ACC)), input_precision=PREC
-        )
-        lag = o_s[:, None] - o_s[None, :]
-        k_d = tl.where((lag >= 0) & m_t[None, :], lag, BT + 1)[:, :, None]
+        z = load_rows(src, tok, i_h, H, W, o_d, m_t, ACC)
+        a = tl.dot(b_q, tl.trans(z), input_precision=PREC)
+        lag = r[:, None] - r[None, :]
+        same = (r[:, None] // BB) == (r[None, :] // BB)
+        k_d = tl.where((lag >= 0) & same & m_t[None, :], lag, BT + 1)[:, :, None]
         w_re, w_im = pow_at(tab, k_d, o_m[None, None, :], TAB, BM)
         t_re += tl.sum(a[:, :, None] * w_re, axis=1)
         t_im += tl.sum(a[:, :, None] * w_im, axis=1)
@@ -238,6 +250,7 @@ def _s4d_chunk_sum(
     sc: tl.tuple,
     BT: tl.constexpr,
     BS: tl.constexpr,
+    BB: tl.constexpr,
     BD: tl.constexpr,
     BM: tl.constexpr,
     TAB: tl.constexpr,
@@ -246,10 +259,9 @@ def _s4d_chunk_sum(
     PREC: tl.constexpr,
 ) -> tl.tuple:
     """sum_{t0<=u<=t} Lambda^(t-u) (q_t . z_u) for the rows t of sub-chunk sc, [BS, BM]:
-    Lambda^(t-n) Lambda^(n-u) for the earlier sub-chunks, Lambda^(t-u) inside this one [S2]."""
-    fs = pow_at(pw, tl.arange(0, BS)[:, None], tl.arange(0, BM)[None, :], TAB, BM)
-    t = cmul(fs, s4d_offdiag(b_q, src, W, pw, sc, BS, BD, BM, TAB, ACC, PREC))
-    return s4d_diag(b_q, src, W, pw, sc, t, BT, BS, BD, BM, TAB, DIAG_LOOP, ACC, PREC)
+    split at the ends of the earlier diagonal blocks, Lambda^(t-u) inside a row's block [S2]."""
+    t = s4d_offdiag(b_q, src, W, pw, sc, BT, BS, BB, BD, BM, TAB, ACC, PREC)
+    return s4d_diag(b_q, src, W, pw, sc, t, BT, BS, BB, BD, BM, TAB, DIAG_LOOP, ACC, PREC)
 
 
 @triton.jit
@@ -266,6 +278,7 @@ def s4d_readout(
     M: tl.tensor,
     BT: tl.constexpr,
     BS: tl.constexpr,
+    BB: tl.constexpr,
     BD: tl.constexpr,
     BM: tl.constexpr,
     TAB: tl.constexpr,
@@ -274,38 +287,46 @@ def s4d_readout(
     PREC: tl.constexpr,
 ) -> tl.tensor:
     """out_t[c] = Re(q_t^H x_t[:, c]) over the channels [c_off, c_off + W) of the state for the
-    rows of sub-chunk sc: the state part, then a gated attention with scores
-    S[t, u] = Re(sum_m conj(q_t[m]) b_m Lambda_m^(t-u)) [S3]. Returns out [BS, BD]."""
+    rows of sub-chunk sc: a gated attention with scores S[t, u] = Re(sum_m conj(q_t[m]) b_m
+    Lambda_m^(t-u)), split at the ends of the earlier diagonal blocks, then the state part
+    [S3]. Returns out [BS, BD]."""
     t0, t1, i_s, i_h, H = sc
-    tok, m_t, n_i = rows_of(sc, BS)
+    tok, m_t, _ = rows_of(sc, BS)
+    r = i_s * BS + tl.arange(0, BS)
     q_re, q_im = q
     b_re, b_im = b[0][None, :], b[1][None, :]
-    o_s = tl.arange(0, BS)
+    o_b = tl.arange(0, BB)
     o_d = tl.arange(0, BD)
     o_m = tl.arange(0, BM)
     out = tl.zeros([BS, BD], dtype=ACC)
-    fs_re, fs_im = pow_at(pw, o_s[:, None], o_m[None, :], TAB, BM)
-    qf_re = q_re * fs_re + q_im * fs_im
-    qf_im = q_im * fs_re - q_re * fs_im
-    for j in range(0, i_s):
-        tok_u = t0 + j * BS + o_s
-        wk_re, wk_im = cmul(b, pow_at(pw, (n_i - tok_u)[:, None], o_m[None, :], TAB, BM))
+    wk_re, wk_im = cmul(b, pow_at(pw, (BB - o_b)[:, None], o_m[None, :], TAB, BM))  # [BB, BM]
+    for j in range(0, i_s * (BS // BB) + BS // BB - 1):
+        k = r - (j + 1) * BB
+        f_re, f_im = pow_at(pw, tl.where(k >= 0, k, BT + 1)[:, None], o_m[None, :], TAB, BM)
+        qf_re = q_re * f_re + q_im * f_im  # q conj(Lambda^(t-n))
+        qf_im = q_im * f_re - q_re * f_im
         s = tl.dot(qf_re, tl.trans(wk_re), input_precision=PREC)
-        s += tl.dot(qf_im, tl.trans(wk_im), input_precision=PREC)  # [BS, BS]
-        z = load_rows(src, tok_u, i_h, H, W, o_d, tok_u < n_i, ACC)
+        s += tl.dot(qf_im, tl.trans(wk_im), input_precision=PREC)  # [BS, BB]
+        tok_u = t0 + j * BB + o_b
+        z = load_rows(src, tok_u, i_h, H, W, o_d, tok_u < t1, ACC)
         out += tl.dot(s, z, input_precision=PREC)
     if DIAG_LOOP:
-        for u in range(0, BS):
-            tok_u = n_i + u
-            m_u = o_d < tl.where(tok_u < t1, W, 0)
-            z_u = tl.load(src + (tok_u.to(tl.int64) * H + i_h) * W + o_d, mask=m_u, other=0.0)
-            k_u = tl.where(o_s >= u, o_s - u, BT + 1)[:, None]
-            wk_re, wk_im = cmul(b, pow_at(pw, k_u, o_m[None, :], TAB, BM))
-            s_u = tl.sum(q_re * wk_re + q_im * wk_im, axis=1)  # S[:, u]
-            out += s_u[:, None] * z_u.to(ACC)[None, :]
+        for u_off in range(0, BB):
+            u = (r // BB) * BB + u_off
+            m_u = (t0 + u < t1)[:, None] & (o_d < W)[None, :]
+            z_u = tl.load(
+                src + ((t0 + u).to(tl.int64)[:, None] * H + i_h) * W + o_d[None, :],
+                mask=m_u,
+                other=0.0,
+            )
+            k = tl.where(r >= u, r - u, BT + 1)[:, None]
+            w_re, w_im = cmul(b, pow_at(pw, k, o_m[None, :], TAB, BM))
+            s_u = tl.sum(q_re * w_re + q_im * w_im, axis=1)  # S[t, u]
+            out += s_u[:, None] * z_u.to(ACC)
     else:
-        lag = o_s[:, None] - o_s[None, :]
-        k_d = tl.where((lag >= 0) & m_t[None, :], lag, BT + 1)[:, :, None]
+        lag = r[:, None] - r[None, :]
+        same = (r[:, None] // BB) == (r[None, :] // BB)
+        k_d = tl.where((lag >= 0) & same & m_t[None, :], lag, BT + 1)[:, :, None]
         w_re, w_im = pow_at(pw, k_d, o_m[None, None, :], TAB, BM)
         bd_re = b_re[:, None, :] * w_re - b_im[:, None, :] * w_im
         bd_im = b_re[:, None, :] * w_im + b_im[:, None, :] * w_re
@@ -444,6 +465,7 @@ def _s4d_output(
     C: tl.tensor,
     BT: tl.constexpr,
     BS: tl.constexpr,
+    BB: tl.constexpr,
     BR: tl.constexpr,
     BV: tl.constexpr,
     BM: tl.constexpr,
@@ -468,11 +490,11 @@ def _s4d_output(
     b_q = load_rows(fq, tok, i_h, H, R, tl.arange(0, BR), m_t, ACC)
     s_re, s_im = state_tile(s0, 0, R, C, M, BR, BM, True)
     y = tl.dot(b_q, s_re, input_precision=PREC), tl.dot(b_q, s_im, input_precision=PREC)
-    t = _s4d_chunk_sum(b_q, kt, R, pw_h, sc, BT, BS, BR, BM, TAB, DIAG_LOOP, ACC, PREC)
+    t = _s4d_chunk_sum(b_q, kt, R, pw_h, sc, BT, BS, BB, BR, BM, TAB, DIAG_LOOP, ACC, PREC)
     p = cadd(cmul(fi, y), cmul(b_c, t))  # p_t = Lambda^(t-t0+1) S0 q_t + b t_t
     qe = s4d_mix(p, gmat + i_h * 2 * BM * BM, BM, PREC)  # (I12) C folded in
     out = s4d_readout(
-        qe, vt, V, s0, R, pw_h, b_c, sc, C, M, BT, BS, BV, BM, TAB, DIAG_LOOP, ACC, PREC
+        qe, vt, V, s0, R, pw_h, b_c, sc, C, M, BT, BS, BB, BV, BM, TAB, DIAG_LOOP, ACC, PREC
     )
     if RATIO:  # (I13) ratio readout
         x1, _ = ones_readout(s0, R + V, (pw_h, gs + i_h * 2 * TAB), b_c, sc, C, M, BS, BM, TAB)
@@ -539,7 +561,8 @@ def s4d_plan(
     NKB = triton.cdiv(R, BC)
     common = dict(BT=blocks.chunk, BM=BM, TAB=(blocks.chunk + 2) * BM, ACC=ACC, PREC=PREC)
     common["num_warps"] = blocks.num_warps
-    sub = dict(BS=blocks.sub_chunk, BR=pow2(R), BV=pow2(V), DIAG_LOOP=blocks.diag_loop)
+    BB = min(blocks.diag_block or blocks.sub_chunk, blocks.sub_chunk)
+    sub = dict(BS=blocks.sub_chunk, BB=BB, BR=pow2(R), BV=pow2(V), DIAG_LOOP=blocks.diag_loop)
     return S4DPlan(
         ratio=ratio,
         acc=acc,

@@ -34,7 +34,6 @@ from .triton_s4d import (
     rows_of,
     s4d_diag,
     s4d_mix,
-    s4d_offdiag,
     s4d_plan,
     s4d_readout,
     s4d_state_pass_launch,
@@ -64,6 +63,7 @@ def _s4d_chunk_sum_dlam(
     sc: tl.tuple,
     BT: tl.constexpr,
     BS: tl.constexpr,
+    BB: tl.constexpr,
     BD: tl.constexpr,
     BM: tl.constexpr,
     TAB: tl.constexpr,
@@ -71,19 +71,38 @@ def _s4d_chunk_sum_dlam(
     ACC: tl.constexpr,
     PREC: tl.constexpr,
 ) -> tl.tuple:
-    """:func:`_s4d_chunk_sum` and its derivative by Lambda (dpw: the table of k Lambda^(k-1)),
-    d(Lambda^(t-n) Lambda^(n-u)) = dLambda^(t-n) Lambda^(n-u) + Lambda^(t-n) dLambda^(n-u) [S4].
-    Returns (sum, derivative), complex [BS, BM] each."""
-    o_s = tl.arange(0, BS)[:, None]
-    o_m = tl.arange(0, BM)[None, :]
-    fs, dfs = pow_at(pw, o_s, o_m, TAB, BM), pow_at(dpw, o_s, o_m, TAB, BM)
-    a = s4d_offdiag(b_q, src, W, pw, sc, BS, BD, BM, TAB, ACC, PREC)
-    t = s4d_diag(b_q, src, W, pw, sc, cmul(fs, a), BT, BS, BD, BM, TAB, DIAG_LOOP, ACC, PREC)
-    d = cmul(dfs, a)
-    a = s4d_offdiag(b_q, src, W, dpw, sc, BS, BD, BM, TAB, ACC, PREC)
-    d = s4d_diag(
-        b_q, src, W, dpw, sc, cadd(d, cmul(fs, a)), BT, BS, BD, BM, TAB, DIAG_LOOP, ACC, PREC
-    )
+    """:func:`.triton_s4d._s4d_chunk_sum` and its derivative by Lambda (dpw: the table of
+    k Lambda^(k-1)); for the split products d(Lambda^(t-n) Lambda^(n-u)) = dLambda^(t-n)
+    Lambda^(n-u) + Lambda^(t-n) dLambda^(n-u) [S4]. Returns (sum, derivative), [BS, BM] each."""
+    t0, t1, i_s, i_h, H = sc
+    r = i_s * BS + tl.arange(0, BS)
+    o_b = tl.arange(0, BB)
+    o_m = tl.arange(0, BM)
+    v_re, v_im = pow_at(pw, (BB - o_b)[:, None], o_m[None, :], TAB, BM)
+    dv_re, dv_im = pow_at(dpw, (BB - o_b)[:, None], o_m[None, :], TAB, BM)
+    t_re = tl.zeros([BS, BM], dtype=ACC)
+    t_im = tl.zeros([BS, BM], dtype=ACC)
+    d_re = tl.zeros([BS, BM], dtype=ACC)
+    d_im = tl.zeros([BS, BM], dtype=ACC)
+    for j in range(0, i_s * (BS // BB) + BS // BB - 1):
+        tok_u = t0 + j * BB + o_b
+        z = load_rows(src, tok_u, i_h, H, W, tl.arange(0, BD), tok_u < t1, ACC)
+        s = tl.dot(b_q, tl.trans(z), input_precision=PREC)  # q_t . z_u [BS, BB]
+        k = tl.where(r >= (j + 1) * BB, r - (j + 1) * BB, BT + 1)[:, None]
+        f, df = pow_at(pw, k, o_m[None, :], TAB, BM), pow_at(dpw, k, o_m[None, :], TAB, BM)
+        x = tl.dot(s, v_re, input_precision=PREC), tl.dot(s, v_im, input_precision=PREC)
+        y_re, y_im = cmul(f, x)
+        t_re += y_re
+        t_im += y_im
+        y_re, y_im = cmul(df, x)
+        d_re += y_re
+        d_im += y_im
+        x = tl.dot(s, dv_re, input_precision=PREC), tl.dot(s, dv_im, input_precision=PREC)
+        y_re, y_im = cmul(f, x)
+        d_re += y_re
+        d_im += y_im
+    t = s4d_diag(b_q, src, W, pw, sc, (t_re, t_im), BT, BS, BB, BD, BM, TAB, DIAG_LOOP, ACC, PREC)
+    d = s4d_diag(b_q, src, W, dpw, sc, (d_re, d_im), BT, BS, BB, BD, BM, TAB, DIAG_LOOP, ACC, PREC)
     return t, d
 
 
@@ -101,6 +120,7 @@ def _s4d_adjoint_inputs(
     M: tl.tensor,
     BT: tl.constexpr,
     BS: tl.constexpr,
+    BB: tl.constexpr,
     BD: tl.constexpr,
     BM: tl.constexpr,
     TAB: tl.constexpr,
@@ -112,42 +132,45 @@ def _s4d_adjoint_inputs(
     gx_t = conj(Lambda)^(e-t) D + sum_{t<=s<=e} conj(Lambda)^(s-t) q_s zq_s^T [S5]:
     q_buf [T, H, 2, BM] rows q_s, zsrc [T, H, W] rows zq_s, d_st the adjoint D entering the
     chunk's last token e = t1 - 1 from later tokens. Returns dz [BS, BD]."""
-    t0, t1, j_s, i_h, H = sc
-    tok, m_t, n_j = rows_of(sc, BS)
+    t0, t1, i_s, i_h, H = sc
+    tok, m_t, _ = rows_of(sc, BS)
+    r = i_s * BS + tl.arange(0, BS)
     b_re, b_im = b[0][None, :], b[1][None, :]
-    o_s = tl.arange(0, BS)
+    o_b = tl.arange(0, BB)
     o_d = tl.arange(0, BD)
     o_m = tl.arange(0, BM)
     dz = tl.zeros([BS, BD], dtype=ACC)
-    # Later sub-chunks i: Lambda^(s-t) = Lambda^(s-n) Lambda^(n-t), n the start of sub-chunk i.
-    for i in range(j_s + 1, tl.cdiv(t1 - t0, BS)):
-        n_i = t0 + i * BS
-        tok_s = n_i + o_s
+    w_re, w_im = pow_at(pw, o_b[:, None], o_m[None, :], TAB, BM)  # Lambda^(s-n) [BB, BM]
+    # Later diagonal blocks i: Lambda^(s-t) = Lambda^(s-n) Lambda^(n-t), n the start of block i.
+    for i in range(i_s * (BS // BB) + 1, tl.cdiv(t1 - t0, BB)):
+        tok_s = t0 + i * BB + o_b
         m_s = tok_s < t1
         q_re, q_im = load_modes(q_buf, tok_s, i_h, H, m_s, BM)
-        w_re, w_im = pow_at(pw, o_s[:, None], o_m[None, :], TAB, BM)
-        qf_re = q_re * w_re + q_im * w_im
+        qf_re = q_re * w_re + q_im * w_im  # q_s conj(Lambda^(s-n))
         qf_im = q_im * w_re - q_re * w_im
-        wk_re, wk_im = cmul(b, pow_at(pw, (n_i - tok)[:, None], o_m[None, :], TAB, BM))
+        k = tl.where(r < i * BB, i * BB - r, BT + 1)[:, None]
+        wk_re, wk_im = cmul(b, pow_at(pw, k, o_m[None, :], TAB, BM))  # b Lambda^(n-t)
         st = tl.dot(wk_re, tl.trans(qf_re), input_precision=PREC)
-        st += tl.dot(wk_im, tl.trans(qf_im), input_precision=PREC)  # [BS (t), BS (s)]
+        st += tl.dot(wk_im, tl.trans(qf_im), input_precision=PREC)  # [BS (t), BB (s)]
         dz += tl.dot(st, load_rows(zsrc, tok_s, i_h, H, W, o_d, m_s, ACC), input_precision=PREC)
     if DIAG_LOOP:
-        for s in range(0, BS):
-            tok_s = n_j + s
+        for s_off in range(0, BB):
+            s = (r // BB) * BB + s_off  # the s_off-th token of each row's block
+            tok_s = t0 + s
             m_s = tok_s < t1
-            p_q = q_buf + (tok_s.to(tl.int64) * H + i_h) * 2 * BM + o_m
-            q_re = tl.load(p_q, mask=o_m < tl.where(m_s, BM, 0), other=0.0)
-            q_im = tl.load(p_q + BM, mask=o_m < tl.where(m_s, BM, 0), other=0.0)
-            k_s = tl.where(o_s <= tl.where(m_s, s, -1), s - o_s, BT + 1)[:, None]
-            wk_re, wk_im = cmul(b, pow_at(pw, k_s, o_m[None, :], TAB, BM))
-            st_s = tl.sum(q_re[None, :] * wk_re + q_im[None, :] * wk_im, axis=1)  # [BS (t)]
-            p_z = zsrc + (tok_s.to(tl.int64) * H + i_h) * W + o_d
-            z_s = tl.load(p_z, mask=o_d < tl.where(m_s, W, 0), other=0.0)
-            dz += st_s[:, None] * z_s.to(ACC)[None, :]
+            p_q = q_buf + ((tok_s.to(tl.int64) * H + i_h) * 2 * BM)[:, None] + o_m[None, :]
+            q_re = tl.load(p_q, mask=m_s[:, None], other=0.0)
+            q_im = tl.load(p_q + BM, mask=m_s[:, None], other=0.0)
+            k = tl.where(s >= r, s - r, BT + 1)[:, None]
+            wk_re, wk_im = cmul(b, pow_at(pw, k, o_m[None, :], TAB, BM))
+            st_s = tl.sum(q_re * wk_re + q_im * wk_im, axis=1)  # [BS (t)]
+            p_z = zsrc + (tok_s.to(tl.int64) * H + i_h)[:, None] * W + o_d[None, :]
+            z_s = tl.load(p_z, mask=m_s[:, None] & (o_d < W)[None, :], other=0.0)
+            dz += st_s[:, None] * z_s.to(ACC)
     else:
-        lag = o_s[None, :] - o_s[:, None]  # s - t
-        k_u = tl.where((lag >= 0) & m_t[None, :], lag, BT + 1)[:, :, None]
+        lag = r[None, :] - r[:, None]  # s - t
+        same = (r[:, None] // BB) == (r[None, :] // BB)
+        k_u = tl.where((lag >= 0) & same & m_t[None, :], lag, BT + 1)[:, :, None]
         w_re, w_im = pow_at(pw, k_u, o_m[None, None, :], TAB, BM)
         bu_re = b_re[:, None, :] * w_re - b_im[:, None, :] * w_im
         bu_im = b_re[:, None, :] * w_im + b_im[:, None, :] * w_re
@@ -160,10 +183,6 @@ def _s4d_adjoint_inputs(
     dz += tl.dot(fe_re, d_re.to(ACC), input_precision=PREC)
     dz += tl.dot(fe_im, d_im.to(ACC), input_precision=PREC)
     return dz
-
-
-# --------------------------------------------------------------------------------------------
-# Kernels
 
 
 @triton.jit
@@ -196,6 +215,7 @@ def _s4d_bwd_modes(
     C: tl.tensor,
     BT: tl.constexpr,
     BS: tl.constexpr,
+    BB: tl.constexpr,
     BR: tl.constexpr,
     BV: tl.constexpr,
     BM: tl.constexpr,
@@ -227,7 +247,7 @@ def _s4d_bwd_modes(
     s_re, s_im = state_tile(s0, 0, R, C, M, BR, BM, True)
     y = tl.dot(b_q, s_re, input_precision=PREC), tl.dot(b_q, s_im, input_precision=PREC)
     pt, pd = _s4d_chunk_sum_dlam(
-        b_q, kt, R, pw_h, dpw_h, sc, BT, BS, BR, BM, TAB, DIAG_LOOP, ACC, PREC
+        b_q, kt, R, pw_h, dpw_h, sc, BT, BS, BB, BR, BM, TAB, DIAG_LOOP, ACC, PREC
     )
     p = cadd(cmul(pow_at(pw_h, k_i, o_m[None, :], TAB, BM), y), cmul(b_c, pt))
     pd = cadd(cmul(pow_at(dpw_h, k_i, o_m[None, :], TAB, BM), y), cmul(b_c, pd))
@@ -237,7 +257,7 @@ def _s4d_bwd_modes(
     dnum = load_rows(do, tok, i_h, H, V, o_v, m_t, ACC)
     if RATIO:
         num = s4d_readout(
-            qe, vt, V, s0, R, pw_h, b_c, sc, C, M, BT, BS, BV, BM, TAB, DIAG_LOOP, ACC, PREC
+            qe, vt, V, s0, R, pw_h, b_c, sc, C, M, BT, BS, BB, BV, BM, TAB, DIAG_LOOP, ACC, PREC
         )
         x1, g1 = ones_readout(s0, R + V, (pw_h, gs + i_h * 2 * TAB), b_c, sc, C, M, BS, BM, TAB)
         den = tl.where(m_t, tl.sum(qe[0] * x1[0] + qe[1] * x1[1], axis=1), 1.0)
@@ -248,7 +268,7 @@ def _s4d_bwd_modes(
     s_re, s_im = state_tile(s0, R, V, C, M, BV, BM, True)
     y = tl.dot(dnum, s_re, input_precision=PREC), tl.dot(dnum, s_im, input_precision=PREC)
     gqt, gqd = _s4d_chunk_sum_dlam(
-        dnum, vt, V, pw_h, dpw_h, sc, BT, BS, BV, BM, TAB, DIAG_LOOP, ACC, PREC
+        dnum, vt, V, pw_h, dpw_h, sc, BT, BS, BB, BV, BM, TAB, DIAG_LOOP, ACC, PREC
     )
     gq = cadd(cmul(pow_at(pw_h, k_i, o_m[None, :], TAB, BM), y), cmul(b_c, gqt))
     gqd = cadd(cmul(pow_at(dpw_h, k_i, o_m[None, :], TAB, BM), y), cmul(b_c, gqd))
@@ -270,7 +290,7 @@ def _s4d_bwd_modes(
     gb_re, gb_im = gb_re + d_re, gb_im + d_im
     store_modes(gp_buf, gp[0], gp[1], tok, i_h, H, m_t, BM)
     dq = s4d_readout(
-        gp, kt, R, s0, 0, pw_h, b_c, sc, C, M, BT, BS, BR, BM, TAB, DIAG_LOOP, ACC, PREC
+        gp, kt, R, s0, 0, pw_h, b_c, sc, C, M, BT, BS, BB, BR, BM, TAB, DIAG_LOOP, ACC, PREC
     )
     store_rows(dfq, dq, tok, i_h, H, R, tl.arange(0, BR), m_t)
     p_part = (i_p * H + i_h).to(tl.int64) * 2 * BM + o_m
@@ -457,6 +477,7 @@ def _s4d_bwd_inputs(
     C: tl.tensor,
     BT: tl.constexpr,
     BS: tl.constexpr,
+    BB: tl.constexpr,
     BR: tl.constexpr,
     BV: tl.constexpr,
     BM: tl.constexpr,
@@ -475,11 +496,11 @@ def _s4d_bwd_inputs(
     pw_h = pw + i_h * 2 * TAB
     d_st = dstates + (g * H + i_h).to(tl.int64) * M * C * 2
     dk = _s4d_adjoint_inputs(
-        gp_buf, fq, R, d_st, 0, pw_h, b_c, sc, C, M, BT, BS, BR, BM, TAB, DIAG_LOOP, ACC, PREC
+        gp_buf, fq, R, d_st, 0, pw_h, b_c, sc, C, M, BT, BS, BB, BR, BM, TAB, DIAG_LOOP, ACC, PREC
     )
     store_rows(dkt, dk, tok, i_h, H, R, tl.arange(0, BR), m_t)
     dv = _s4d_adjoint_inputs(
-        qe_buf, dnum, V, d_st, R, pw_h, b_c, sc, C, M, BT, BS, BV, BM, TAB, DIAG_LOOP, ACC, PREC
+        qe_buf, dnum, V, d_st, R, pw_h, b_c, sc, C, M, BT, BS, BB, BV, BM, TAB, DIAG_LOOP, ACC, PREC
     )
     store_rows(dvt, dv, tok, i_h, H, V, tl.arange(0, BV), m_t)
 
