@@ -60,7 +60,7 @@ PEAK_FRACTION = 0.30  # FPA forward vs the measured bf16 matmul peak, D = 128, T
 # Candidate tiles (own, visit, warps), timed at one shape: the table in triton_fpa.py is
 # flash-linear-attention's choice for its FoX kernel, not yet measured for FPA.
 SWEEP = {
-    "forward": ((128, 64, 8), (128, 128, 8), (64, 64, 4), (128, 32, 4)),
+    "forward": ((128, 64, 8), (128, 64, 4), (64, 64, 4), (128, 32, 4)),
     "backward": ((128, 64, 8), (64, 64, 4), (128, 32, 8), (64, 32, 4)),
 }
 SWEEP_SHAPE = {False: (128, 8192), True: (16, 48)}  # (D, T) on the GPU, in a dry run
