@@ -68,3 +68,29 @@ def test_gpu_check_dry_run_of_the_pallas_section(tmp_path):
     assert all(c["passed"] for c in pallas["checks"])
     assert {r["impl"] for r in pallas["timings"]} >= {"fpa pallas", "fox pallas"}
     assert all(r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 for r in pallas["timings"])
+
+
+def test_goals_are_judged_at_d128_long_sequences_and_failures_are_listed():
+    """fpa_table: a slow row at T = 2048 or D = 64 misses no goal; one at D = 128, T = 8192
+    does; a failed row and a failed compile are listed (a literal report, no GPU)."""
+    sys.path.insert(0, str(ROOT))
+    from bench import gpu_bench
+
+    rows = []
+    for D, T, fpa_ms in ((128, 2048, 9.0), (64, 8192, 9.0), (128, 8192, 1.5)):
+        for impl, ms in (("FPA", fpa_ms), ("FoX", 1.0), ("fla", 1.0), ("SDPA", 0.5)):
+            rows.append({"D": D, "T": T, "impl": impl, "mode": "fwd", "ms": ms, "tflops": 1.0})
+    report = {
+        "dtype": "bfloat16", "B": 1, "H": 16, "peer": "fla", "matmul_peak_tflops": 100.0,
+        "dry_run": False, "rows": rows, "sweep": [],
+        "failures": [{"D": 128, "T": 16384, "impl": "FPA", "mode": "fwd+bwd", "error": "OOM"}],
+        "compile_failures": [{"variant": [False, "bfloat16"], "exit": 1}], "skipped": [],
+    }  # fmt: skip
+    lines = gpu_bench.fpa_table(report)
+    assert "goal FPA fwd <= 1.2x fla: MISSED (worst 1.50)" in lines
+    assert "goal FoX fwd <= 1.05x fla: met (worst 1.00)" in lines
+    assert [m for m in lines if m.strip().startswith("missed:")] == [
+        "  missed: FPA fwd D=128 T=8192: 1.50 > 1.2"
+    ]
+    assert any("FAILED FPA fwd+bwd D=128 T=16384: OOM" in m for m in lines)
+    assert any("compile FAILED" in m for m in lines)
