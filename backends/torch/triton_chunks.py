@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_fpa import interpreting
+
 __all__ = ["Blocks", "Layout", "block_sizes"]
 
 
@@ -114,6 +116,18 @@ def acc_types(dtype: torch.dtype) -> tuple[torch.dtype, tl.dtype, str]:
         return torch.float64, tl.float64, "ieee"
     # fp32 inputs: 3xTF32 keeps fp32 accuracy on tensor cores; half inputs: one TF32 pass.
     return torch.float32, tl.float32, "tf32x3" if dtype == torch.float32 else "tf32"
+
+
+def operand_type(dtype: torch.dtype) -> tuple[tl.dtype, bool]:
+    """Operand type of the forward state pass's products, and whether the interpreter must
+    emulate bf16 rounding: 16-bit inputs give 16-bit tensor-core products with float32
+    accumulation; under the interpreter, whose bfloat16 arithmetic is wrong, bfloat16 products
+    run in float32 on operands rounded to bfloat16 (as the FPA kernels do)."""
+    if dtype == torch.float16:
+        return tl.float16, False
+    if dtype == torch.bfloat16:
+        return (tl.float32, True) if interpreting() else (tl.bfloat16, False)
+    return acc_types(dtype)[1], False
 
 
 def flat(x: torch.Tensor) -> torch.Tensor:

@@ -28,12 +28,14 @@ from .triton_chunks import (
     flat,
     layout,
     load_rows,
+    operand_type,
     pow2,
     sequences,
     state_tile,
     store_rows,
     sub_chunk,
 )
+from .triton_fpa import _bf16_nearest
 
 __all__ = ["s4d_fwd", "s4d_step"]
 
@@ -399,6 +401,8 @@ def _s4d_state_pass(
     USE_H0: tl.constexpr,
     ACC: tl.constexpr,
     PREC: tl.constexpr,
+    OP: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
 ) -> None:
     """(I11) chunk by chunk: store the state before each chunk, then
     x_e = Lambda^L x_{t0-1} + sum_u b Lambda^(e-u) z_u [S1]. Grid (channel blocks, N * H);
@@ -439,8 +443,11 @@ def _s4d_state_pass(
         wb_re, wb_im = cmul((b_re[:, None], b_im[:, None]), w)  # b Lambda^(e-u)
         d_re, d_im = pow_at(pw_h, L, o_m, TAB, BM)  # Lambda^L
         s_re, s_im = cmul((d_re[:, None], d_im[:, None]), (s_re, s_im))
-        s_re += tl.dot(wb_re, z, input_precision=PREC)
-        s_im += tl.dot(wb_im, z, input_precision=PREC)
+        if ROUND_BF16:  # interpreter: a bf16 product as float32 on bf16-rounded operands
+            wb_re, wb_im = _bf16_nearest(wb_re), _bf16_nearest(wb_im)
+        z = z.to(OP)  # exact: 16-bit inputs give 16-bit products, float32 accumulation
+        s_re += tl.dot(wb_re.to(OP), z, input_precision=PREC)
+        s_im += tl.dot(wb_im.to(OP), z, input_precision=PREC)
     p_ht = ht + i_nh.to(tl.int64) * M * C * 2 + p_hm
     tl.store(p_ht, s_re, mask=m_hm)
     tl.store(p_ht + 1, s_im, mask=m_hm)
@@ -523,6 +530,7 @@ class S4DPlan(NamedTuple):
     gmat: torch.Tensor
     tiles: dict[str, Any]  # constexpr tile sizes of the output-pass kernels
     state_tiles: dict[str, Any]  # ... and of the state-pass kernels
+    operands: tuple[Any, bool]  # the forward state pass's product type, bf16 rounding emulated
 
 
 def s4d_plan(
@@ -554,6 +562,7 @@ def s4d_plan(
     if initial_state is not None:
         check_param("initial_state", initial_state, (len(cu) - 1, H, M, C, 2), fq.device)
     acc, ACC, PREC = acc_types(fq.dtype)
+    OP, ROUND_BF16 = operand_type(fq.dtype)
     blocks = blocks_for(fq.device)
     lay = layout(cu, blocks.chunk, blocks.sub_chunk, fq.device)
     BM = pow2(M)
@@ -577,6 +586,7 @@ def s4d_plan(
         gmat=gram(c, BM, acc),
         tiles=dict(**sub, **common),
         state_tiles=dict(BC=BC, RATIO=ratio, **common),
+        operands=(OP, ROUND_BF16),
     )
 
 
@@ -600,6 +610,8 @@ def s4d_state_pass_launch(
         CV=plan.CV,
         NKB=plan.NKB,
         USE_H0=initial_state is not None,
+        OP=plan.operands[0],
+        ROUND_BF16=plan.operands[1],
         **sizes,
         **plan.state_tiles,
     )
