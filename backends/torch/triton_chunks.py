@@ -14,7 +14,8 @@ Both variants run the same launch plan (derivations: docs/kernels-interdomain.md
 
 Precision: inputs in their dtype (bf16 / fp16 / fp32 / fp64), converted right after loading;
 states, tables and accumulation in float32 (float64 for float64 inputs); tl.dot in 3xTF32 for
-float32 inputs, TF32 for half inputs. Deterministic: no atomics; per-program partial sums are
+float32 inputs, TF32 for half inputs but the forward S4D state pass, which multiplies in the
+inputs' 16-bit type (:func:`operand_type`). Deterministic: no atomics; per-program partial sums are
 reduced by the launcher in a fixed order.
 """
 
