@@ -395,10 +395,10 @@ def verify_jobs(
     native device), and the backends among them that do not get every case in every dtype.
 
     Without ``full``: the Triton and Pallas kernels under an interpreter get the smoke subset;
-    JAX on the CPU gets every case in float32 and the smoke subset in float64 and bfloat16 (its
-    cost is XLA compiling one program per case, shape and dtype: about 5 CPU-minutes for all
-    four dtypes), the budget of its tests. JAX on the CPU compiles with XLA's quick settings
-    (``QUICK_XLA``) unless XLA_FLAGS is set."""
+    JAX on the CPU gets every case in float32 and the smoke subset in float64 and bfloat16, the
+    budget of its tests (its cost is XLA compiling a program per case, shape and dtype: without
+    a compilation cache about 4 CPU-minutes for these, 5.5 for all four dtypes). JAX on the CPU
+    compiles with XLA's quick settings (``QUICK_XLA``) unless XLA_FLAGS is set."""
     python = [sys.executable, "-m"]
     jobs = [_Job("theory", "every check", [*python, "attnspec.theory"], env)]
     partial = []
