@@ -113,8 +113,8 @@ def _s4d_core(
 
     # Lambda^n for n = 0..L by cumulative products, not exp(n log Lambda): a mode with
     # Lambda = 0 (it forgets at once) has no logarithm, and its gradient stays finite.
-    steps = jnp.broadcast_to(lam[:, None, :], (lam.shape[0], L, lam.shape[1]))
-    powers = jnp.cumprod(jnp.concatenate([jnp.ones_like(steps[:, :1]), steps], axis=1), axis=1)
+    factors = jnp.broadcast_to(lam[:, None, :], (lam.shape[0], L, lam.shape[1]))
+    powers = jnp.cumprod(jnp.concatenate([jnp.ones_like(factors[:, :1]), factors], axis=1), axis=1)
     p = jnp.arange(L)
     lag = p[:, None] - p[None, :]  # (L, L): p - q
     causal = lag >= 0
