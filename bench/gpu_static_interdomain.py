@@ -70,7 +70,7 @@ ASSERTED: set[tuple[str, str]] = (
     {("no_mma_sync", k) for k in (*_STATE_PASSES, "_s4d_step", "_legs_step")}
     | {("no_spill", k) for k in _STATE_PASSES}
     | {("no_spill", k) for k in ("_s4d_output", "_s4d_bwd_modes", "_s4d_bwd_inputs")}
-    | {("no_spill", k) for k in ("_legs_output", "_legs_bwd_inputs", "_legs_step")}
+    | {("no_spill", k) for k in ("_legs_output", "_legs_bwd_inputs", "_legs_step", "_s4d_step")}
     | {("flops", "S4D fwd"), ("flops", "S4D fwd+bwd")}
 )
 

@@ -799,6 +799,7 @@ def s4d_step(
         TAB=tiles["TAB"],
         RATIO=plan.ratio,
         ACC=tiles["ACC"],
+        num_warps=8,  # the [M, R + V] state tiles and G fit without spilling (4: 1.1 KB)
         **sizes,
     )
     return o, new_state
