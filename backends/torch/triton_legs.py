@@ -467,8 +467,11 @@ def _legs_bwd_modes(
         p, v, V, s0, R, phi, ktab, t0, t1, i_s, pos, i_h, H, C, M, BT, BS, BV, BM, BMB, ACC, PREC
     )
     _legs_store_hat(p, phi, pos, phat_buf, tok, m_t, i_h, H, BS, BM, BMB)
+    p_m = (tok.to(tl.int64)[:, None] * H + i_h) * BM + o_m[None, :]
+    tl.store(p_buf + p_m, p, mask=m_t[:, None])
     dnum = load_rows(do, tok, i_h, H, V, o_v, m_t, ACC) / den[:, None]
     dden = -tl.sum(dnum * num, axis=1) / den  # -<do, o> / den
+    store_rows(dnum_buf, dnum, tok, i_h, H, V, o_v, m_t)
     gp = _legs_modes(
         dnum,
         v,
@@ -495,15 +498,12 @@ def _legs_bwd_modes(
         PREC,
     )
     gp += tl.where(o_m[None, :] == 0, dden[:, None], 0.0)  # + e_0 dden
+    tl.store(gp_buf + p_m, gp, mask=m_t[:, None])
+    _legs_store_hat(gp, phi, pos, ghat_buf, tok, m_t, i_h, H, BS, BM, BMB)
     dq = _legs_readout(
         gp, fk, R, s0, 0, phi, ktab, t0, t1, i_s, pos, i_h, H, C, M, BT, BS, BR, BM, BMB, ACC, PREC
     )
-    _legs_store_hat(gp, phi, pos, ghat_buf, tok, m_t, i_h, H, BS, BM, BMB)
     store_rows(dfq, dq, tok, i_h, H, R, tl.arange(0, BR), m_t)
-    p_m = (tok.to(tl.int64)[:, None] * H + i_h) * BM + o_m[None, :]
-    tl.store(p_buf + p_m, p, mask=m_t[:, None])
-    tl.store(gp_buf + p_m, gp, mask=m_t[:, None])
-    store_rows(dnum_buf, dnum, tok, i_h, H, V, o_v, m_t)
 
 
 @triton.jit
