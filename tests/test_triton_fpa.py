@@ -340,6 +340,29 @@ def test_matches_eager_twin(op):
     assert_close(mine, {n: v.numpy() for n, v in twin.items()}, "float64", f"{op}_attention")
 
 
+@pytest.mark.parametrize("op", ["fpa", "fox"])
+def test_float64_scalars_with_float32_q_match_eager_twin(op):
+    """float32 q, k, v with float64 field and level (or log f), which the launcher accepts: the
+    products accumulate in float32 (a float64 accumulator of float32 products gave dv ~1e37)."""
+    pytest.importorskip("attnspec.backends.torch.eager_fpa")
+    extra = {"log_f": gates(0.01, 2.0, unit=0.3)} if op == "fox" else {"field": "brackets"}
+    x = draw(17, 1, 40, 2, 2, 16, 16, level="one_walk", **extra)
+    t = {n: torch.tensor(a) for n, a in x.items()}
+    for n in NARROW:
+        t[n] = t[n].float()
+    scalars = (t["log_f"],) if op == "fox" else (t["field"], t["level"])
+    args = (t["q"], t["k"], t["v"], *scalars)
+    dlse = None if op == "fox" else t["dlse"]
+    got, want = {}, {}
+    for impl, out in (("triton", got), ("eager", want)):
+        o, lse = dispatch.lookup(f"{op}_fwd", impl)(*args, 0.3, None)
+        grads = dispatch.lookup(f"{op}_bwd", impl)(*args, o, lse, t["do"], dlse, 0.3, None)
+        out.update({"o": o} | dict(zip(("dq", "dk", "dv"), grads, strict=False)))
+    for n in want:
+        err = (got[n] - want[n]).norm() / want[n].norm()
+        assert err < 1e-5, f"{n}: relative error {err:.3g}"
+
+
 # ------------------------------------------------------------------------------ theta
 
 

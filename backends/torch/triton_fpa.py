@@ -566,7 +566,10 @@ def _bwd_dq_kernel(
     b_do = b_do.to(DOT)
     lse2 = tl.load(lse + tok_q * HQ + hq, mask=q_ok, other=float("inf")) * log2e
     b_delta = tl.load(delta + tok_q * HQ + hq, mask=q_ok, other=0.0)
-    dq_acc = tl.zeros([BT, BK], scale.dtype)
+    if DOT == tl.float64:  # accumulate in the operands' precision, as dk and dv
+        dq_acc = tl.zeros([BT, BK], tl.float64)
+    else:
+        dq_acc = tl.zeros([BT, BK], tl.float32)
     d_row = tl.zeros([BT], scale.dtype)
     if FOX:
         c_q = tl.load(blocks + hq * N_TOK + tok_q, mask=q_ok, other=0.0)
@@ -766,8 +769,14 @@ def _bwd_dkv_kernel(
     b_k = b_k.to(DOT)
     b_v = tl.load(v + k_rows * V + dw[None, :], mask=k_ok[:, None] & (dw < V)[None, :], other=0.0)
     b_v = b_v.to(DOT)
-    dk_acc = tl.zeros([BT, BK], scale.dtype)
-    dv_acc = tl.zeros([BT, BV], scale.dtype)
+    # The products accumulate in their operands' precision (float32 unless DOT is float64), also
+    # when the field is float64 and q is not.
+    if DOT == tl.float64:
+        dk_acc = tl.zeros([BT, BK], tl.float64)
+        dv_acc = tl.zeros([BT, BV], tl.float64)
+    else:
+        dk_acc = tl.zeros([BT, BK], tl.float32)
+        dv_acc = tl.zeros([BT, BV], tl.float32)
     d_col = tl.zeros([BT], scale.dtype)
     if FOX:
         c_k = tl.load(blocks + hq * N_TOK + tok_k, mask=k_ok, other=0.0)  # log f over [ks, j]
