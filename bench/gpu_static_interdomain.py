@@ -70,7 +70,8 @@ ASSERTED: set[tuple[str, str]] = (
     {("no_mma_sync", k) for k in (*_STATE_PASSES, "_s4d_step", "_legs_step")}
     | {("no_spill", k) for k in _STATE_PASSES}
     | {("no_spill", k) for k in ("_s4d_output", "_s4d_bwd_modes", "_s4d_bwd_inputs")}
-    | {("no_spill", k) for k in ("_legs_output", "_legs_bwd_inputs", "_legs_step", "_s4d_step")}
+    | {("no_spill", k) for k in ("_legs_output", "_legs_bwd_readout", "_legs_bwd_modes")}
+    | {("no_spill", k) for k in ("_legs_bwd_inputs", "_legs_step", "_s4d_step")}
     | {("flops", "S4D fwd"), ("flops", "S4D fwd+bwd")}
 )
 
@@ -315,8 +316,8 @@ def _ours_costs(name: str, a: dict[str, Any], grid: tuple[int, ...], n: int) -> 
         per, tile = readout(BR, e_adj) + readout(BV, e_adj), key + value
     elif name == "_legs_output":  # the readout has the products of the modes
         per, tile = legs_modes(BR) + legs_modes(BV), key + value
-    elif name == "_legs_bwd_modes":
-        per, tile = 2 * legs_modes(BR) + 2 * legs_modes(BV), 2 * (key + value)
+    elif name in ("_legs_bwd_readout", "_legs_bwd_modes"):  # modes and readout, as the output
+        per, tile = legs_modes(BR) + legs_modes(BV), key + value
     elif name == "_legs_bwd_inputs":
         per, tile = legs_modes(BR) + legs_modes(BV), key + value
     else:

@@ -108,7 +108,6 @@ def _legs_modes(
     ktab: tl.tensor,
     t0: tl.tensor,
     t1: tl.tensor,
-    n_i: tl.tensor,
     i_s: tl.tensor,
     pos: tl.tensor,
     i_h: tl.tensor,
@@ -353,37 +352,14 @@ def _legs_output(
     (eta = e_0 exactly, (I6)). Grid (sub-chunks, H)."""
     i_p, i_h = tl.program_id(0), tl.program_id(1)
     t0, t1, g, i_s, pos0 = sub_chunk(sub_info, i_p)
-    n_i = t0 + i_s * BS
     o_s = tl.arange(0, BS)
-    tok = n_i + o_s
+    tok = t0 + i_s * BS + o_s
     m_t = tok < t1
     pos = pos0 + i_s * BS + o_s
     s0 = states + (g * H + i_h).to(tl.int64) * M * C
     b_q = load_rows(fq, tok, i_h, H, R, tl.arange(0, BR), m_t, ACC)
     p = _legs_modes(
-        b_q,
-        fk,
-        R,
-        s0,
-        0,
-        phi,
-        ktab,
-        t0,
-        t1,
-        n_i,
-        i_s,
-        pos,
-        i_h,
-        H,
-        C,
-        M,
-        BT,
-        BS,
-        BR,
-        BM,
-        BMB,
-        ACC,
-        PREC,
+        b_q, fk, R, s0, 0, phi, ktab, t0, t1, i_s, pos, i_h, H, C, M, BT, BS, BR, BM, BMB, ACC, PREC
     )
     den = tl.sum(tl.where(tl.arange(0, BM)[None, :] == 0, p, 0.0), axis=1)  # (I6) eta = e_0
     num = _legs_readout(
@@ -394,7 +370,7 @@ def _legs_output(
 
 
 @triton.jit
-def _legs_bwd_modes(
+def _legs_bwd_readout(
     fq: tl.tensor,
     fk: tl.tensor,
     v: tl.tensor,
@@ -405,9 +381,63 @@ def _legs_bwd_modes(
     sub_info: tl.tensor,
     p_buf: tl.tensor,
     phat_buf: tl.tensor,
+    dnum_buf: tl.tensor,
+    dden_buf: tl.tensor,
+    H: tl.tensor,
+    R: tl.tensor,
+    V: tl.tensor,
+    M: tl.tensor,
+    C: tl.tensor,
+    BT: tl.constexpr,
+    BS: tl.constexpr,
+    BR: tl.constexpr,
+    BV: tl.constexpr,
+    BM: tl.constexpr,
+    BMB: tl.constexpr,
+    ACC: tl.constexpr,
+    PREC: tl.constexpr,
+) -> None:
+    """Backward through the ratio (I3) for the rows of one sub-chunk: recompute p, den, num;
+    keep p, Phi^T p, dnum = do / den and dden = -<do, o> / den for :func:`_legs_bwd_modes`
+    and the adjoint pass [L3]. Grid (sub-chunks, H)."""
+    i_p, i_h = tl.program_id(0), tl.program_id(1)
+    t0, t1, g, i_s, pos0 = sub_chunk(sub_info, i_p)
+    o_s = tl.arange(0, BS)
+    o_m = tl.arange(0, BM)
+    tok = t0 + i_s * BS + o_s
+    m_t = tok < t1
+    pos = pos0 + i_s * BS + o_s
+    s0 = states + (g * H + i_h).to(tl.int64) * M * C
+    b_q = load_rows(fq, tok, i_h, H, R, tl.arange(0, BR), m_t, ACC)
+    p = _legs_modes(
+        b_q, fk, R, s0, 0, phi, ktab, t0, t1, i_s, pos, i_h, H, C, M, BT, BS, BR, BM, BMB, ACC, PREC
+    )
+    p_m = (tok.to(tl.int64)[:, None] * H + i_h) * BM + o_m[None, :]
+    tl.store(p_buf + p_m, p, mask=m_t[:, None])
+    _legs_store_hat(p, phi, pos, phat_buf, tok, m_t, i_h, H, BS, BM, BMB)
+    den = tl.where(m_t, tl.sum(tl.where(o_m[None, :] == 0, p, 0.0), axis=1), 1.0)
+    num = _legs_readout(
+        p, v, V, s0, R, phi, ktab, t0, t1, i_s, pos, i_h, H, C, M, BT, BS, BV, BM, BMB, ACC, PREC
+    )
+    o_v = tl.arange(0, BV)
+    dnum = load_rows(do, tok, i_h, H, V, o_v, m_t, ACC) / den[:, None]
+    store_rows(dnum_buf, dnum, tok, i_h, H, V, o_v, m_t)
+    dden = -tl.sum(dnum * num, axis=1) / den  # -<do, o> / den
+    tl.store(dden_buf + tok.to(tl.int64) * H + i_h, dden, mask=m_t)
+
+
+@triton.jit
+def _legs_bwd_modes(
+    fk: tl.tensor,
+    v: tl.tensor,
+    states: tl.tensor,
+    phi: tl.tensor,
+    ktab: tl.tensor,
+    sub_info: tl.tensor,
+    dnum_buf: tl.tensor,
+    dden_buf: tl.tensor,
     gp_buf: tl.tensor,
     ghat_buf: tl.tensor,
-    dnum_buf: tl.tensor,
     dfq: tl.tensor,
     H: tl.tensor,
     R: tl.tensor,
@@ -423,81 +453,25 @@ def _legs_bwd_modes(
     ACC: tl.constexpr,
     PREC: tl.constexpr,
 ) -> None:
-    """Backward through (I3) for the rows of one sub-chunk: recompute p, den, num;
-    dnum = do / den, dden = -<do, o> / den, g(p_t) = Gamma_t dnum_t + e_0 dden_t,
-    dfq_t = U_t^T g(p_t). Keeps p, Phi^T p, g(p), Phi^T g(p) and dnum for the adjoint pass."""
+    """g(p_t) = Gamma_t dnum_t + e_0 dden_t and dfq_t = U_t^T g(p_t) for the rows of one
+    sub-chunk, from what :func:`_legs_bwd_readout` kept; keeps g(p) and Phi^T g(p) for the
+    adjoint pass [L3]. A program of its own: with the readout's it would not fit the registers.
+    Grid (sub-chunks, H)."""
     i_p, i_h = tl.program_id(0), tl.program_id(1)
     t0, t1, g, i_s, pos0 = sub_chunk(sub_info, i_p)
-    n_i = t0 + i_s * BS
     o_s = tl.arange(0, BS)
     o_m = tl.arange(0, BM)
-    o_v = tl.arange(0, BV)
-    tok = n_i + o_s
+    tok = t0 + i_s * BS + o_s
     m_t = tok < t1
     pos = pos0 + i_s * BS + o_s
     s0 = states + (g * H + i_h).to(tl.int64) * M * C
-    b_q = load_rows(fq, tok, i_h, H, R, tl.arange(0, BR), m_t, ACC)
-    p = _legs_modes(
-        b_q,
-        fk,
-        R,
-        s0,
-        0,
-        phi,
-        ktab,
-        t0,
-        t1,
-        n_i,
-        i_s,
-        pos,
-        i_h,
-        H,
-        C,
-        M,
-        BT,
-        BS,
-        BR,
-        BM,
-        BMB,
-        ACC,
-        PREC,
-    )
-    den = tl.where(m_t, tl.sum(tl.where(o_m[None, :] == 0, p, 0.0), axis=1), 1.0)
-    num = _legs_readout(
-        p, v, V, s0, R, phi, ktab, t0, t1, i_s, pos, i_h, H, C, M, BT, BS, BV, BM, BMB, ACC, PREC
-    )
-    _legs_store_hat(p, phi, pos, phat_buf, tok, m_t, i_h, H, BS, BM, BMB)
-    p_m = (tok.to(tl.int64)[:, None] * H + i_h) * BM + o_m[None, :]
-    tl.store(p_buf + p_m, p, mask=m_t[:, None])
-    dnum = load_rows(do, tok, i_h, H, V, o_v, m_t, ACC) / den[:, None]
-    dden = -tl.sum(dnum * num, axis=1) / den  # -<do, o> / den
-    store_rows(dnum_buf, dnum, tok, i_h, H, V, o_v, m_t)
+    dnum = load_rows(dnum_buf, tok, i_h, H, V, tl.arange(0, BV), m_t, ACC)
     gp = _legs_modes(
-        dnum,
-        v,
-        V,
-        s0,
-        R,
-        phi,
-        ktab,
-        t0,
-        t1,
-        n_i,
-        i_s,
-        pos,
-        i_h,
-        H,
-        C,
-        M,
-        BT,
-        BS,
-        BV,
-        BM,
-        BMB,
-        ACC,
-        PREC,
+        dnum, v, V, s0, R, phi, ktab, t0, t1, i_s, pos, i_h, H, C, M, BT, BS, BV, BM, BMB, ACC, PREC
     )
+    dden = tl.load(dden_buf + tok.to(tl.int64) * H + i_h, mask=m_t, other=0.0)
     gp += tl.where(o_m[None, :] == 0, dden[:, None], 0.0)  # + e_0 dden
+    p_m = (tok.to(tl.int64)[:, None] * H + i_h) * BM + o_m[None, :]
     tl.store(gp_buf + p_m, gp, mask=m_t[:, None])
     _legs_store_hat(gp, phi, pos, ghat_buf, tok, m_t, i_h, H, BS, BM, BMB)
     dq = _legs_readout(
@@ -772,7 +746,7 @@ def legs_bwd(
 
     Returns:
         (dfq, dfk, dv) in the dtype of their inputs. Time about 3x the forward; memory O(T M)
-        for four per-token mode buffers plus two sets of chunk states.
+        for four per-token mode buffers and dnum, dden plus two sets of chunk states.
     """
     plan = _legs_plan(fq, fk, v, M, cu_seqlens)
     check_cotangent("do", do, v)
@@ -784,23 +758,31 @@ def legs_bwd(
         torch.empty(fq_.shape[0], sizes["H"], BM, dtype=acc, device=dev) for _ in range(4)
     )
     dnum = torch.empty(do_.shape, dtype=acc, device=dev)
-    dfq = torch.empty_like(fq_)
-    _legs_bwd_modes[plan.grid_sub](
+    dden = torch.empty(do_.shape[:2], dtype=acc, device=dev)
+    tables = dict(states=states, phi=plan.phi, ktab=plan.ktab, sub_info=lay.sub_info, BMB=16)
+    _legs_bwd_readout[plan.grid_sub](
         fq=fq_,
         fk=fk_,
         v=v_,
         do=do_,
-        states=states,
-        phi=plan.phi,
-        ktab=plan.ktab,
-        sub_info=lay.sub_info,
         p_buf=p_buf,
         phat_buf=phat,
+        dnum_buf=dnum,
+        dden_buf=dden,
+        **tables,
+        **sizes,
+        **plan.tiles,
+    )
+    dfq = torch.empty_like(fq_)
+    _legs_bwd_modes[plan.grid_sub](
+        fk=fk_,
+        v=v_,
+        dnum_buf=dnum,
+        dden_buf=dden,
         gp_buf=gp_buf,
         ghat_buf=ghat,
-        dnum_buf=dnum,
         dfq=dfq,
-        BMB=16,
+        **tables,
         **sizes,
         **plan.tiles,
     )
