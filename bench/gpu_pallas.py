@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attnspec.backends.jax import fox_attention, fpa_attention, fpa_pallas
+from attnspec.conformance.metrics import relative_error as rel
 from attnspec.conformance.tolerances import tolerance
 from attnspec.reference import fpa as ref
 
@@ -60,11 +61,6 @@ DRY_MOSAIC_KINDS = ("fox",)
 def paths() -> list[str]:
     """The GPU paths of the JAX backend on the installed JAX."""
     return (["pallas"] if fpa_pallas.triton_lowering_available() else []) + ["mosaic"]
-
-
-def rel(x, r) -> float:
-    x = np.asarray(x, dtype=np.float64)
-    return float(np.linalg.norm(x - r) / max(np.linalg.norm(r), 1e-300))
 
 
 def canonical(x):

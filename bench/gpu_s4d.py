@@ -64,6 +64,7 @@ def reference_check(torch, ti, device, T: int) -> bool:
     """Outputs and gradients against the float64 reference, both readouts, two dtypes."""
     import numpy as np
 
+    from attnspec.conformance.metrics import relative_error
     from attnspec.conformance.tolerances import round_to, tolerance
     from attnspec.reference import interdomain as ref
 
@@ -98,11 +99,11 @@ def reference_check(torch, ti, device, T: int) -> bool:
                 round_to(np_(do), name),
                 readout=readout,
             )
-            errors = {"o": _rel(np_(o), want_o)}
+            errors = {"o": relative_error(np_(o), want_o)}
             for key, x in zip(("dfq", "dkt", "dvt"), grads[:3], strict=True):
-                errors[key] = _rel(np_(x), getattr(want, key))
+                errors[key] = relative_error(np_(x), getattr(want, key))
             for key, x in zip(("dlam", "db", "dc"), grads[3:6], strict=True):
-                errors[key] = _rel(cx(x), getattr(want, key))
+                errors[key] = relative_error(cx(x), getattr(want, key))
             tol_o = tolerance("interdomain_s4d", name, "output")
             tol_g = tolerance("interdomain_s4d", name, "gradient")
             passed = errors["o"] < tol_o and all(e < tol_g for k, e in errors.items() if k != "o")
@@ -111,12 +112,6 @@ def reference_check(torch, ti, device, T: int) -> bool:
             verdict = "pass" if passed else "FAIL"
             print(f"  check {name:<8} {readout:<6} T={T} M={M}: {verdict} ({errs})")
     return ok
-
-
-def _rel(x, want) -> float:
-    import numpy as np
-
-    return float(np.linalg.norm(x - want) / max(np.linalg.norm(want), 1e-300))
 
 
 def _timer(torch, dry: bool):

@@ -8,12 +8,9 @@ import pytest
 from scipy.signal import cont2discrete
 
 from attnspec.conformance.gradcheck import directional_check
+from attnspec.conformance.metrics import relative_error as rel_err
 from attnspec.reference import hippo
 from attnspec.reference import interdomain as I
-
-
-def rel_err(x, ref):
-    return np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-300)
 
 
 def positive_features(rng, shape):
