@@ -47,3 +47,14 @@ def pytest_configure(config: pytest.Config) -> None:
             f"not in the editable install yet: {', '.join(unlinked)}; run `make install` (a new "
             "subpackage also goes into [tool.setuptools] packages of pyproject.toml)"
         )
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch thread for a module's tests (``pytestmark = pytest.mark.usefixtures(...)``):
+    on tiny tensors OpenMP synchronisation, not arithmetic, dominates with two threads."""
+    torch = pytest.importorskip("torch")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

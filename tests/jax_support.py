@@ -22,12 +22,6 @@ def x64():
         yield
 
 
-def rel(x, r) -> float:
-    """Normwise relative error of ``x`` against the reference result ``r``."""
-    x = np.asarray(x, dtype=np.float64)
-    return float(np.linalg.norm(x - r) / max(np.linalg.norm(r), 1e-300))
-
-
 def canonical(x):
     """[B, T, N, ...] -> (B, N, T, ...), the reference's layout, in float64."""
     return np.swapaxes(np.asarray(x, dtype=np.float64), 1, 2)

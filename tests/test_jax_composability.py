@@ -12,9 +12,10 @@ import textwrap
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax_support import rel, x64  # noqa: F401  (x64: autouse fixture)
+from jax_support import x64  # noqa: F401  (x64: autouse fixture)
 
 from attnspec.backends.jax import fox_attention, fpa_attention, interdomain_s4d
+from attnspec.conformance.metrics import relative_error as rel
 from attnspec.reference import fpa as ref
 from attnspec.reference import interdomain as ref_idm
 

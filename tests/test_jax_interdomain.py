@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax_support import canonical, rel, x64  # noqa: F401  (x64: autouse fixture)
+from drawers import positive, s4d_parameters
+from jax_support import canonical, x64  # noqa: F401  (x64: autouse fixture)
 
 from attnspec.backends.jax import (
     fpa_layer,
@@ -24,32 +25,21 @@ from attnspec.backends.jax import (
     interdomain_s4d_step,
     s4d_state,
 )
+from attnspec.conformance.metrics import relative_error as rel
 from attnspec.reference import fpa as ref_fpa
-from attnspec.reference import hippo
 from attnspec.reference import interdomain as ref
-
-
-def ssm(N, M, rng, dt=(0.01, 0.3), ratio=False):
-    a_log, a_im = hippo.s4d_init(M)
-    lam = ref.s4d_lambda(np.log(rng.uniform(*dt, N)), np.tile(a_log, (N, 1)), np.tile(a_im, (N, 1)))
-    b = rng.standard_normal((N, M)) + 1j * rng.standard_normal((N, M))
-    c = (rng.standard_normal((N, M, M)) + 1j * rng.standard_normal((N, M, M))) / np.sqrt(2 * M)
-    if ratio:  # keeps the denominator of the ratio readout away from zero
-        b, c = np.abs(b) + 0j, np.eye(M) + 0.1 * c
-    return lam, b, c
-
-
-def features(shape, rng, positive):
-    x = rng.standard_normal(shape)
-    return np.exp(0.5 * x) if positive else x
 
 
 @pytest.mark.parametrize("readout", ["linear", "ratio"])
 def test_s4d_matches_the_reference_with_every_gradient(readout):
     B, T, N, R, dv, M = 2, 37, 3, 4, 5, 6
     rng = np.random.default_rng(0)
-    lam, b, c = ssm(N, M, rng, ratio=readout == "ratio")
-    fq, kt = (features((B, T, N, R), rng, readout == "ratio") for _ in range(2))
+    lam, b, c = s4d_parameters(rng, N, M, readout)
+    fq, kt = (
+        positive(rng, (2, B, T, N, R))
+        if readout == "ratio"
+        else rng.standard_normal((2, B, T, N, R))
+    )
     vt = rng.standard_normal((B, T, N, dv))
     do = rng.standard_normal((B, T, N, dv))
     pairs = (lam.real, lam.imag, b.real, b.imag, c.real, c.imag)
@@ -74,7 +64,7 @@ def test_s4d_packed_sequences_and_long_memory_in_float32():
     |Lambda| ~ 0.999 in float32: the carried states keep the float32 tolerance."""
     rng = np.random.default_rng(1)
     N, R, M = 2, 4, 8
-    lam, b, c = ssm(N, M, rng)
+    lam, b, c = s4d_parameters(rng, N, M)
     cu = (0, 1, 40, 41, 70)
     fq, kt, vt = rng.standard_normal((3, 1, 70, N, R))
     o = interdomain_s4d(*(jnp.asarray(x) for x in (fq, kt, vt, lam, b, c)), cu_seqlens=cu, chunk=16)
@@ -82,7 +72,7 @@ def test_s4d_packed_sequences_and_long_memory_in_float32():
         part = [canonical(x[:, start:stop]) for x in (fq, kt, vt)]
         assert rel(canonical(o[:, start:stop]), ref.interdomain_s4d(*part, lam, b, c)) <= 1e-12
 
-    lam, b, c = ssm(N, M, rng, dt=(1e-3, 2e-3))
+    lam, b, c = s4d_parameters(rng, N, M, dt=(1e-3, 2e-3))
     fq, kt, vt = rng.standard_normal((3, 1, 2048, N, R)).astype(np.float32)
     complex64 = [jnp.asarray(x, jnp.complex64) for x in (lam, b, c)]
     o = interdomain_s4d(*(jnp.asarray(x) for x in (fq, kt, vt)), *complex64)
@@ -96,8 +86,12 @@ def test_s4d_decode_steps_equal_the_parallel_op():
     rng = np.random.default_rng(2)
     B, T, N, R, dv, M = 2, 9, 2, 3, 4, 5
     for readout in ("linear", "ratio"):
-        lam, b, c = ssm(N, M, rng, ratio=readout == "ratio")
-        fq, kt = (features((B, T, N, R), rng, readout == "ratio") for _ in range(2))
+        lam, b, c = s4d_parameters(rng, N, M, readout)
+        fq, kt = (
+            positive(rng, (2, B, T, N, R))
+            if readout == "ratio"
+            else rng.standard_normal((2, B, T, N, R))
+        )
         vt = rng.standard_normal((B, T, N, dv))
         x = [jnp.asarray(a) for a in (fq, kt, vt, lam, b, c)]
         full = interdomain_s4d(*x, readout=readout, chunk=4)
@@ -114,7 +108,7 @@ def test_s4d_decode_steps_equal_the_parallel_op():
 def test_legs_matches_the_reference(M):
     rng = np.random.default_rng(M)
     B, T, N, R, dv = 2, 37, 2, 3, 4
-    fq, fk = np.exp(0.5 * rng.standard_normal((2, B, T, N, R)))
+    fq, fk = positive(rng, (2, B, T, N, R))
     v = rng.standard_normal((B, T, N, dv))
     do = rng.standard_normal((B, T, N, dv))
     o, pullback = jax.vjp(
@@ -149,7 +143,7 @@ def test_layers_take_the_reference_parameter_dicts():
 
 def test_bad_input_is_named():
     rng = np.random.default_rng(4)
-    lam, b, c = (jnp.asarray(x) for x in ssm(2, 3, rng))
+    lam, b, c = (jnp.asarray(x) for x in s4d_parameters(rng, 2, 3))
     fq = jnp.zeros((1, 5, 2, 4))
     vt = jnp.zeros((1, 5, 2, 3))
     cases = [
@@ -210,7 +204,7 @@ def test_initialisers_draw_the_reference_schema_from_a_key():
 
 def test_empty_batch_gives_empty_outputs_and_gradients():
     rng = np.random.default_rng(6)
-    lam, b, c = (jnp.asarray(x) for x in ssm(2, 3, rng))
+    lam, b, c = (jnp.asarray(x) for x in s4d_parameters(rng, 2, 3))
     fq = jnp.ones((0, 5, 2, 4))
     vt = jnp.ones((0, 5, 2, 3))
     assert interdomain_s4d(fq, fq, vt, lam, b, c).shape == (0, 5, 2, 3)
@@ -229,7 +223,7 @@ def test_a_zero_length_packed_sequence_contributes_nothing():
     # [decision, as FlashAttention's varlen]: offsets (0, 4, 4, 9) are (0, 4), (4, 9) and an
     # empty sequence
     rng = np.random.default_rng(7)
-    lam, b, c = ssm(2, 3, rng)
+    lam, b, c = s4d_parameters(rng, 2, 3)
     fq, kt, vt = (rng.standard_normal((1, 9, 2, d)) for d in (4, 4, 3))
     got = interdomain_s4d(
         *(jnp.asarray(x) for x in (fq, kt, vt, lam, b, c)), cu_seqlens=(0, 4, 4, 9)

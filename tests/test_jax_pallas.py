@@ -11,9 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax_support import canonical, rel, x64  # noqa: F401  (x64: autouse fixture)
+from jax_support import canonical, x64  # noqa: F401  (x64: autouse fixture)
 
 from attnspec.backends.jax import fox_attention, fpa_attention, fpa_mosaic, fpa_pallas
+from attnspec.conformance.metrics import relative_error as rel
 from attnspec.conformance.tolerances import tolerance
 from attnspec.reference import fpa as ref
 
