@@ -16,14 +16,7 @@ from attnspec.backends.torch import (  # noqa: E402
 )
 from attnspec.reference import fpa  # noqa: E402
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # tiny tensors: OpenMP synchronisation, not arithmetic, dominates with two threads
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def draw(rng, B=2, H=3, T=40, K=4, V=5):

@@ -5,51 +5,21 @@ import itertools
 
 import numpy as np
 import pytest
+from drawers import positive, to_ref, to_torch
+from drawers import s4d as s4d_draw
 
 torch = pytest.importorskip("torch")
 
 from attnspec.backends.torch import eager_interdomain, interdomain_legs, interdomain_s4d  # noqa: E402
+from attnspec.conformance.metrics import relative_error  # noqa: E402
 from attnspec.reference import hippo  # noqa: E402
 from attnspec.reference import interdomain as idm  # noqa: E402
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # tiny tensors: OpenMP synchronisation, not arithmetic, dominates with two threads
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def to_torch(x):
-    """Reference layout (B, H, T, ...) -> torch [B, T, H, ...]."""
-    return torch.from_numpy(np.ascontiguousarray(np.swapaxes(x, 1, 2)))
-
-
-def to_ref(x):
-    return np.swapaxes(x.detach().double().numpy(), 1, 2)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def pairs(z):
     return torch.from_numpy(np.stack([z.real, z.imag], axis=-1))
-
-
-def relative(got, want, floor=1e-300):
-    return np.linalg.norm(got - want) / max(np.linalg.norm(want), floor)
-
-
-def s4d_draw(rng, B, H, T, R, V, M, readout, dt=(0.01, 0.3)):
-    a_log, a_im = hippo.s4d_init(M)
-    lam = idm.s4d_lambda(np.log(rng.uniform(*dt, H)), np.tile(a_log, (H, 1)), np.tile(a_im, (H, 1)))
-    b = rng.standard_normal((H, M)) + 1j * rng.standard_normal((H, M))
-    c = (rng.standard_normal((H, M, M)) + 1j * rng.standard_normal((H, M, M))) / np.sqrt(2 * M)
-    if readout == "ratio":  # positive features, C near I: the denominator stays away from 0
-        fq, kt = np.exp(0.5 * rng.standard_normal((2, B, H, T, R)))
-        b, c = np.abs(b) + 0j, np.eye(M) + 0.1 * c
-    else:
-        fq, kt = rng.standard_normal((2, B, H, T, R))
-    return fq, kt, rng.standard_normal((B, H, T, V)), lam, b, c
 
 
 # (B, H, T, R, V, M), readout, chunk, |Lambda| range via dt
@@ -73,16 +43,16 @@ def test_s4d_kernels_match_the_reference(shape, readout, chunk, dt):
     args = [to_torch(x) for x in (fq, kt, vt)] + [pairs(p) for p in (lam, b, c)]
     o, final = eager_interdomain.s4d_fwd(*args, readout, None, None, chunk=chunk)
     grads = eager_interdomain.s4d_bwd(*args, readout, None, None, to_torch(do), None, chunk=chunk)
-    assert relative(to_ref(o), o_ref) < 1e-12
+    assert relative_error(to_ref(o), o_ref) < 1e-12
     states = idm.s4d_states(idm._ssm_inputs(kt, vt, readout), lam, b)[..., -1, :, :]
-    assert relative(torch.view_as_complex(final).numpy(), states) < 1e-12
+    assert relative_error(torch.view_as_complex(final).numpy(), states) < 1e-12
     # a gradient that vanishes (db with M = 1 under "ratio": H5 scale invariance) is compared
     # on the scale of the others
     floor = 1e-3 * max(np.linalg.norm(g) for g in g_ref)
     for name, got, want in zip(("dfq", "dkt", "dvt"), grads[:3], g_ref[:3], strict=True):
-        assert relative(to_ref(got), want, floor) < 1e-11, name
+        assert relative_error(to_ref(got), want, floor=floor) < 1e-11, name
     for name, got, want in zip(("dlam", "db", "dc"), grads[3:6], g_ref[3:], strict=True):
-        assert relative(torch.view_as_complex(got).numpy(), want, floor) < 1e-11, name
+        assert relative_error(torch.view_as_complex(got).numpy(), want, floor=floor) < 1e-11, name
     assert grads[6] is None
 
 
@@ -164,7 +134,7 @@ def test_long_memory_over_many_chunks_does_not_drift():
     o = interdomain_s4d(
         *args, *(torch.from_numpy(p).to(torch.complex64) for p in (lam, b, c)), readout="ratio"
     )
-    assert relative(to_ref(o), o_ref) < 1e-5
+    assert relative_error(to_ref(o), o_ref) < 1e-5
 
 
 # ------------------------------------------------------------------------------------- LegS
@@ -182,7 +152,7 @@ def test_long_memory_over_many_chunks_does_not_drift():
 def test_legs_matches_the_reference(shape, chunk, cu):
     B, H, T, R, V, M = shape
     rng = np.random.default_rng(T + chunk)
-    fq, fk = np.exp(0.5 * rng.standard_normal((2, B, H, T, R)))
+    fq, fk = positive(rng, (2, B, H, T, R))
     v, do = rng.standard_normal((2, B, H, T, V))
     segments = [(0, T)] if cu is None else list(itertools.pairwise(cu))
     o_ref = np.zeros(v.shape)
@@ -197,10 +167,10 @@ def test_legs_matches_the_reference(shape, chunk, cu):
     offsets = None if cu is None else torch.tensor(cu)
     o = eager_interdomain.legs_fwd(*args, M, offsets, chunk=chunk)
     grads = eager_interdomain.legs_bwd(*args, M, offsets, to_torch(do), chunk=chunk)
-    assert relative(to_ref(o), o_ref) < 1e-12
+    assert relative_error(to_ref(o), o_ref) < 1e-12
     floor = 1e-3 * max(np.linalg.norm(g) for g in g_ref)  # with M = 1, dfq = dfk = 0
     for name, got, want in zip(("dfq", "dfk", "dv"), grads, g_ref, strict=True):
-        assert relative(to_ref(got), want, floor) < 1e-12, name
+        assert relative_error(to_ref(got), want, floor=floor) < 1e-12, name
 
 
 def test_legs_chunk_products_are_products_of_the_exact_steps():
@@ -300,7 +270,7 @@ def test_a_mode_without_memory_lambda_zero_keeps_exact_gradients():
     want = idm.interdomain_s4d_vjp(fq, kt, vt, lam, b, c, do)
     args = [to_torch(x) for x in (fq, kt, vt)] + [pairs(p) for p in (lam, b, c)]
     got = eager_interdomain.s4d_bwd(*args, "linear", None, None, to_torch(do), None, chunk=4)
-    assert relative(torch.view_as_complex(got[3]).numpy(), want.dlam) < 1e-12
+    assert relative_error(torch.view_as_complex(got[3]).numpy(), want.dlam) < 1e-12
 
 
 # ------------------------------------------------- empty batches and zero-length sequences
@@ -326,7 +296,7 @@ def test_a_zero_length_packed_sequence_contributes_nothing_and_keeps_its_state(i
     for n, (a, e) in zip((0, 2), [(0, 8), (8, 16)], strict=True):  # (I11) from x0, 8 steps
         z = idm._ssm_inputs(kt[..., a:e, :], vt[..., a:e, :], "linear")
         want = idm.s4d_states(z, lam, b)[0, :, -1] + lam[:, :, None] ** 8 * x0[n]
-        assert relative(final[n].detach().numpy(), want) < 1e-12
+        assert relative_error(final[n].detach().numpy(), want) < 1e-12
     assert torch.equal(final[1], init[1])
     d_final = torch.randn(final.shape, dtype=final.dtype)
     torch.autograd.backward([o, final], [torch.zeros_like(o), d_final])

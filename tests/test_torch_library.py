@@ -7,14 +7,7 @@ torch = pytest.importorskip("torch")
 
 from attnspec.backends.torch import FirstPassageAttention, InterdomainAttention  # noqa: E402
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # tiny tensors: OpenMP synchronisation, not arithmetic, dominates with two threads
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def randn(*shape, dtype=torch.float64, grad=True):

@@ -12,14 +12,7 @@ from attnspec.backends.torch import FirstPassageAttention, InterdomainAttention 
 from attnspec.reference import fpa  # noqa: E402
 from attnspec.reference import interdomain as idm  # noqa: E402
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # tiny tensors: OpenMP synchronisation, not arithmetic, dominates with two threads
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 X = np.random.default_rng(0).standard_normal((2, 17, 16))
