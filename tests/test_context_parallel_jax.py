@@ -7,9 +7,8 @@ XLA reads the host device count once, when JAX starts, so everything runs in one
 """
 
 import json
-import os
-import subprocess
-import sys
+
+from jax_support import run_on_host_devices
 
 CHILD = r"""
 import json
@@ -111,16 +110,8 @@ EXPECTED = {
 
 def test_sharded_ops_on_four_host_devices():
     """One child process (one test, so that parallel test workers start it once)."""
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
-    ).strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    done = subprocess.run(
-        [sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=900
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    line = next(ln for ln in done.stdout.splitlines() if ln.startswith("REPORT"))
+    stdout = run_on_host_devices(CHILD, timeout=900)
+    line = next(ln for ln in stdout.splitlines() if ln.startswith("REPORT"))
     report = json.loads(line.removeprefix("REPORT"))
     assert report["devices"] == 4
 

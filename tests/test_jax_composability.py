@@ -4,15 +4,12 @@ Each result is compared with the reference (or, for sharding, with the same op o
 The sharding test runs in a subprocess: XLA's host device count must be set before JAX starts.
 """
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax_support import x64  # noqa: F401  (x64: autouse fixture)
+from jax_support import run_on_host_devices, x64  # noqa: F401  (x64: autouse fixture)
 
 from attnspec.backends.jax import fox_attention, fpa_attention, interdomain_s4d
 from attnspec.conformance.metrics import relative_error as rel
@@ -115,13 +112,4 @@ SHARDED = textwrap.dedent(
 
 
 def test_sharded_over_batch_and_heads_on_four_host_devices():
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
-    ).strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    done = subprocess.run(
-        [sys.executable, "-c", SHARDED], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "sharded ok" in done.stdout
+    assert "sharded ok" in run_on_host_devices(SHARDED, timeout=600)

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from drawers import positive, s4d_parameters
+from drawers import features, positive, s4d_parameters
 from jax_support import canonical, x64  # noqa: F401  (x64: autouse fixture)
 
 from attnspec.backends.jax import (
@@ -35,11 +35,7 @@ def test_s4d_matches_the_reference_with_every_gradient(readout):
     B, T, N, R, dv, M = 2, 37, 3, 4, 5, 6
     rng = np.random.default_rng(0)
     lam, b, c = s4d_parameters(rng, N, M, readout)
-    fq, kt = (
-        positive(rng, (2, B, T, N, R))
-        if readout == "ratio"
-        else rng.standard_normal((2, B, T, N, R))
-    )
+    fq, kt = features(rng, (2, B, T, N, R), readout)
     vt = rng.standard_normal((B, T, N, dv))
     do = rng.standard_normal((B, T, N, dv))
     pairs = (lam.real, lam.imag, b.real, b.imag, c.real, c.imag)
@@ -87,11 +83,7 @@ def test_s4d_decode_steps_equal_the_parallel_op():
     B, T, N, R, dv, M = 2, 9, 2, 3, 4, 5
     for readout in ("linear", "ratio"):
         lam, b, c = s4d_parameters(rng, N, M, readout)
-        fq, kt = (
-            positive(rng, (2, B, T, N, R))
-            if readout == "ratio"
-            else rng.standard_normal((2, B, T, N, R))
-        )
+        fq, kt = features(rng, (2, B, T, N, R), readout)
         vt = rng.standard_normal((B, T, N, dv))
         x = [jnp.asarray(a) for a in (fq, kt, vt, lam, b, c)]
         full = interdomain_s4d(*x, readout=readout, chunk=4)
