@@ -16,7 +16,7 @@ export NO_MKDOCS_2_WARNING ?= 1
 # follow; a file added or removed later needs a re-install, so the list is a prerequisite of the
 # install and is rewritten only when it changes (editing a file re-installs nothing), or when the
 # links are gone (rm -rf build).
-PACKAGE_DIRS := $(patsubst %/py.typed,%,$(wildcard */py.typed))
+PACKAGE_DIRS := $(patsubst %/py.typed,%,$(wildcard */py.typed src/*/py.typed))
 FILE_LIST    := $(VENV)/.attnspec-files
 
 $(FILE_LIST): FORCE

@@ -692,6 +692,24 @@ def draw_packing(rng: np.random.Generator, n: int) -> tuple[int, ...]:
     return tuple(int(x) for x in np.concatenate([[0], np.cumsum(lengths)]))
 
 
+# Zero-length packed sequences (reference/packing.py: they contribute nothing): first, two in a
+# row inside, last.
+EMPTY_SEGMENT_OFFSETS = [(0, 0, 9, 65), (0, 9, 9, 9, 65), (0, 56, 65, 65)]
+EMPTY_SEGMENT = (
+    "zero-length packed sequences (contributing nothing) first, two in a row inside, and last"
+)
+
+
+def _fpa_empty_segment(rng: np.random.Generator, n: int) -> Built:
+    offsets = EMPTY_SEGMENT_OFFSETS[n]
+    return _fpa_inputs(rng, (1, 2, offsets[-1], 16, 16)), {"cu_seqlens": offsets}
+
+
+def _fox_empty_segment(rng: np.random.Generator, n: int) -> Built:
+    offsets = EMPTY_SEGMENT_OFFSETS[n]
+    return _fox_inputs(rng, 1, 2, offsets[-1], decay=0.05), {"cu_seqlens": offsets}
+
+
 def _fpa_packings(rng: np.random.Generator, n: int) -> Built:
     offsets = draw_packing(rng, n)
     return _fpa_inputs(rng, (1, 2, offsets[-1], 16, 16)), {"cu_seqlens": offsets}
@@ -786,6 +804,9 @@ PACKINGS = (
 FPA_FAMILIES.update(
     {
         "packings": Family(3, _fpa_packings, PACKINGS, True, requires=("fpa_attention.varlen",)),
+        "empty_segment": Family(
+            3, _fpa_empty_segment, EMPTY_SEGMENT, True, requires=("fpa_attention.varlen",)
+        ),
         "varlen_gqa": Family(
             2,
             _fpa_varlen_gqa,
@@ -822,6 +843,9 @@ FPA_FAMILIES.update(
 FOX_FAMILIES.update(
     {
         "packings": Family(3, _fox_packings, PACKINGS, True, requires=("fox_attention.varlen",)),
+        "empty_segment": Family(
+            3, _fox_empty_segment, EMPTY_SEGMENT, True, requires=("fox_attention.varlen",)
+        ),
         "varlen_gqa": Family(
             2,
             _fox_varlen_gqa,
@@ -905,6 +929,14 @@ def _s4d_call_order(rng: np.random.Generator, n: int) -> Built:
     return _s4d_family([(2, 2, 65, 4, 4, 8)])(rng, n)
 
 
+def _s4d_empty_segment(rng: np.random.Generator, n: int) -> Built:
+    offsets = EMPTY_SEGMENT_OFFSETS[n]
+    inputs, params = _s4d_family(
+        [(1, 2, offsets[-1], 4, 4, 8)], readout=("linear", "ratio")[n % 2]
+    )(rng, n)
+    return inputs, {**params, "cu_seqlens": offsets}
+
+
 S4D_FAMILIES.update(
     {
         "packings": Family(
@@ -920,6 +952,13 @@ S4D_FAMILIES.update(
             "a mode with Lambda = 0 in each head, linear and ratio readouts",
             True,
             True,
+        ),
+        "empty_segment": Family(
+            3,
+            _s4d_empty_segment,
+            EMPTY_SEGMENT + "; linear and ratio readouts",
+            True,
+            requires=("interdomain_s4d.varlen",),
         ),
         "call_order": Family(1, _s4d_call_order, CALL_ORDER, True, True, call_order=True),
         "strided": Family(1, _s4d_family([(2, 2, 33, 4, 4, 8)]), STRIDED, True, layouts=("slice",)),

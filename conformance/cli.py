@@ -1,4 +1,5 @@
-"""The ``attnspec`` command: ``verify``, ``conformance``, ``theory`` and ``vectors`` subcommands.
+"""The kit's commands: ``attnspec verify``, ``attnspec conformance`` and ``attnspec vectors``
+(the ``attnspec`` command itself, which adds ``theory``, is :mod:`attnspec.cli`).
 
 Exit status: 0 all passed, 1 some case failed, 2 a usage error (bad arguments, a backend that
 does not load, a dtype it does not declare), 141 the reader of the output went away (``| head``).
@@ -71,8 +72,8 @@ def smoke_dtypes(declared: tuple[str, ...]) -> list[str]:
     return [d for d in SMOKE_DTYPES if d in declared] or list(declared[:1])
 
 
-def _version() -> str:
-    from . import __version__
+def version() -> str:
+    from attnspec import __version__
 
     if __version__ == "unknown":
         return "unknown (attnspec is not installed: pip install . in its checkout)"
@@ -127,7 +128,7 @@ def conformance_parser(prog: str = "attnspec conformance") -> argparse.ArgumentP
     p.add_argument(
         "--version",
         action="version",
-        version=f"attnspec {_version()}",
+        version=f"attnspec {version()}",
         help="print attnspec's version and exit",
     )
     p.add_argument("--backend", required=True, metavar="BACKEND", help=BACKEND_HELP)
@@ -190,7 +191,7 @@ def _protocol_members() -> list[str]:
 
 
 def _load_backend(name: str, device: str, requested: list[str] | None) -> Backend:
-    from attnspec.backends.registry import get_backend
+    from .registry import get_backend
 
     backend = get_backend(name, device)
     missing = [m for m in _protocol_members() if not hasattr(backend, m)]
@@ -245,9 +246,8 @@ def _report_path(path: str, backend: str, several: bool) -> str:
 
 
 def conformance_main(argv: list[str] | None = None, prog: str = "attnspec conformance") -> int:
-    from attnspec.backends.registry import available_backends
-
     from .cases import generate_cases
+    from .registry import available_backends
     from .report import format_report, write_json, write_junit
     from .runner import probe_dtypes, run
     from .skips import SkipList
@@ -456,7 +456,7 @@ def run_jobs(jobs: list[_Job], parallel: int) -> float:
 
 
 def verify_main(argv: list[str] | None = None, prog: str = "attnspec verify") -> int:
-    from attnspec.backends.registry import BUILTIN, get_backend
+    from .registry import BUILTIN, get_backend
 
     p = argparse.ArgumentParser(
         prog=prog,
@@ -629,30 +629,3 @@ def vectors_main(argv: list[str] | None = None, prog: str = "attnspec vectors") 
         with open(args.json, "w") as fh:
             json.dump([v.__dict__ for v in verdicts], fh, indent=1, default=float)
     return 1 if counts["failed"] else 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    return quiet_on_broken_pipe(lambda: _dispatch(argv))
-
-
-def _dispatch(argv: list[str]) -> int:
-    commands = {"verify": verify_main, "conformance": conformance_main, "vectors": vectors_main}
-    if argv and argv[0] == "--version":
-        print(f"attnspec {_version()}")
-        return 0
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in (*commands, "theory"):
-        print(
-            "usage: attnspec {verify,conformance,theory,vectors} ... | --version\n\n"
-            "  verify       the theory checks and the kit on every backend available here\n"
-            "  conformance  check a backend against the reference (see --help)\n"
-            "  theory       verify the theorems and identities numerically\n"
-            "  vectors      export golden vectors / check results from other languages",
-            file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout,
-        )
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
-    if argv[0] == "theory":
-        from attnspec.theory.__main__ import main as theory_main
-
-        return theory_main(argv[1:])
-    return commands[argv[0]](argv[1:], prog=f"attnspec {argv[0]}")

@@ -29,12 +29,12 @@ from typing import Any, Protocol
 import numpy as np
 from numpy.typing import NDArray
 
-from attnspec.backends.numpy_backend import NumpyBackend
 from attnspec.reference import hippo
 from attnspec.reference import interdomain as idm
 
 from .cases import case_seed
 from .metrics import compare, gradient_floors, row_ndim
+from .numpy_backend import NumpyBackend
 from .protocol import OPS, call_op
 from .runner import CaseResult
 from .tolerances import round_to, tolerance, wide_dtype
@@ -339,19 +339,10 @@ def summary(results: Sequence[CaseResult]) -> str:
 
 def load_backend(name: str) -> ContextParallelBackend:
     """ "torch" (gloo processes) or "jax" (forced host devices), or ``module:attribute``."""
-    if name == "torch":
-        from attnspec.backends.torch.context_parallel import KitBackend
+    from .registry import get_context_parallel_backend
 
-        return KitBackend()
-    if name == "jax":
-        from attnspec.backends.jax.context_parallel import KitBackend as JaxKitBackend
-
-        return JaxKitBackend()
-    module, _, attr = name.partition(":")
-    import importlib
-
-    obj = getattr(importlib.import_module(module), attr)
-    return obj() if isinstance(obj, type) else obj
+    backend: ContextParallelBackend = get_context_parallel_backend(name)
+    return backend
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,9 +26,10 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 from scipy.special import logsumexp
 
-from attnspec.backends.numpy_backend import FloatArray, NumpyBackend
 from attnspec.reference import fpa, hippo
 from attnspec.reference import interdomain as idm
+
+from .numpy_backend import FloatArray, NumpyBackend
 
 BLOCK = 64  # the tile size of the mutants that imitate tiled kernels
 
@@ -436,7 +437,7 @@ class GQAWrongHead(Mutant):
     ops: ClassVar[tuple[str, ...]] = ("fpa_attention", "fox_attention")
 
     def _patched(self) -> AbstractContextManager[Any]:
-        from attnspec.backends import numpy_backend
+        from . import numpy_backend
 
         def tile_heads(x: FloatArray, H: int, name: str) -> FloatArray:
             return np.tile(x, (1,) * (x.ndim - 3) + (H // x.shape[-3], 1, 1))
@@ -801,7 +802,7 @@ class GQABatchStride(_PatchedHeads):
     ops: ClassVar[tuple[str, ...]] = ("fpa_attention", "fox_attention")
 
     def _patched(self, params: Mapping[str, Any]) -> AbstractContextManager[Any]:
-        from attnspec.backends import numpy_backend
+        from . import numpy_backend
 
         return mock.patch.multiple(
             numpy_backend,
@@ -1154,6 +1155,35 @@ class HalfOnlySlightScale(Mutant):
         return super().fpa_attention(q, k, v, field, level, scale=s, return_lse=return_lse)
 
 
+def _merged_around_empty(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """cu_seqlens with every repeated offset value removed (a de-duplication that keeps the
+    values seen once), where only the zero-length sequences should go."""
+    if kwargs.get("cu_seqlens") is None:
+        return kwargs
+    values, counts = np.unique(np.asarray(kwargs["cu_seqlens"]), return_counts=True)
+    return {
+        **kwargs,
+        "cu_seqlens": tuple(int(v) for v, c in zip(values, counts, strict=True) if c == 1),
+    }
+
+
+class EmptySequenceMerges(Mutant):
+    """Zero-length packed sequences dropped by removing every offset that repeats: the
+    sequences on both sides of an empty one merge (or the offsets lose their 0 or their T and
+    are refused). Right whenever no sequence is empty."""
+
+    caught_by: ClassVar[tuple[str, ...]] = ("fpa/empty_segment/", "fox/empty_segment/")
+
+    FEATURES: ClassVar[tuple[str, ...]] = ("fpa_attention.varlen", "fox_attention.varlen")
+    ops: ClassVar[tuple[str, ...]] = ("fpa_attention", "fox_attention")
+
+    def fpa_attention(self, *args: Any, **kwargs: Any) -> Any:
+        return super().fpa_attention(*args, **_merged_around_empty(kwargs))
+
+    def fox_attention(self, *args: Any, **kwargs: Any) -> Any:
+        return super().fox_attention(*args, **_merged_around_empty(kwargs))
+
+
 MUTANTS: dict[str, type[Mutant]] = {
     cls.__name__: cls
     for cls in [
@@ -1197,6 +1227,7 @@ MUTANTS: dict[str, type[Mutant]] = {
         ThetaInInputDtype,
         LayerDropsBias,
         IgnoresStrides,
+        EmptySequenceMerges,
     ]
 }
 for _name, _cls in MUTANTS.items():

@@ -42,6 +42,7 @@ Complex parameters cross the boundary as (re, im) pairs of real arrays (``lam_re
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -75,7 +76,9 @@ class OpSpec:
     inputs: array arguments in canonical order; ``wide`` ones stay float32 or wider when the
     tested dtype is narrower (field, level and gate arithmetic, SSM parameters) [decision].
     outputs: names of the returned values with their tolerance quantity.
-    differentiable: inputs whose cotangents ``vjp`` must return.
+    differentiable: inputs whose cotangents ``vjp`` must return (none: the op has no VJP).
+    varlen, gqa: the op defines packed sequences (``cu_seqlens``) and grouped-query attention,
+    the optional capabilities ``<op>.varlen`` and ``<op>.gqa``.
     """
 
     name: str
@@ -84,6 +87,8 @@ class OpSpec:
     differentiable: tuple[str, ...] = ()
     wide: tuple[str, ...] = ()
     layer: bool = False
+    varlen: bool = False
+    gqa: bool = False
 
 
 S4D_PARAMS = ("lam_re", "lam_im", "b_re", "b_im", "c_re", "c_im")
@@ -97,6 +102,8 @@ OPS: dict[str, OpSpec] = {
             (("o", "output"), ("lse", "lse")),
             ("q", "k", "v", "field", "level"),
             wide=("field", "level"),
+            varlen=True,
+            gqa=True,
         ),
         OpSpec(
             "fox_attention",
@@ -104,6 +111,8 @@ OPS: dict[str, OpSpec] = {
             (("o", "output"),),
             ("q", "k", "v", "log_f"),
             wide=("log_f",),
+            varlen=True,
+            gqa=True,
         ),
         OpSpec(
             "fpa_decode",
@@ -118,11 +127,41 @@ OPS: dict[str, OpSpec] = {
             (("o", "output"),),
             ("fq", "kt", "vt", *S4D_PARAMS),
             wide=S4D_PARAMS,
+            varlen=True,
         ),
-        OpSpec("fpa_layer", ("x",), (("y", "output"),), layer=True),
-        OpSpec("interdomain_layer", ("x",), (("y", "output"),), layer=True),
+        OpSpec("fpa_layer", ("x",), (("y", "output"),), layer=True, varlen=True),
+        OpSpec("interdomain_layer", ("x",), (("y", "output"),), layer=True, varlen=True),
     ]
 }
+
+
+def op_features(ops: Iterable[str]) -> tuple[str, ...]:
+    """The optional capabilities ``<op>.varlen`` and ``<op>.gqa`` that the op table defines for
+    ``ops``, in table order."""
+    chosen = set(ops)
+    return tuple(
+        f"{spec.name}.{feature}"
+        for spec in OPS.values()
+        if spec.name in chosen
+        for feature in ("varlen", "gqa")
+        if getattr(spec, feature)
+    )
+
+
+def op_claims(
+    ops: Iterable[str],
+    *,
+    vjps: Iterable[str] | None = None,
+    features: Iterable[str] | None = None,
+    without: Iterable[str] = (),
+) -> set[str]:
+    """What a backend implementing ``ops`` claims, derived from the op table: each op,
+    ``<op>.vjp`` for each differentiable one (or for ``vjps`` when given), the features of
+    :func:`op_features` (or ``features`` when given), minus the capabilities in ``without``."""
+    ops = tuple(ops)
+    vjps = [op for op in ops if OPS[op].differentiable] if vjps is None else vjps
+    features = op_features(ops) if features is None else features
+    return ({*ops, *(f"{op}.vjp" for op in vjps), *features}) - set(without)
 
 
 def call_op(

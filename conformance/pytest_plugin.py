@@ -48,7 +48,7 @@ class _Session:
     """The backend and skip list of this pytest session, created on first use."""
 
     def __init__(self, config: pytest.Config) -> None:
-        from attnspec.backends.registry import get_backend
+        from .registry import get_backend
 
         self.name = config.getoption("--backend")
         self.device = config.getoption("--backend-device")

@@ -23,11 +23,10 @@ from typing import Any, TypeVar
 import numpy as np
 from numpy.typing import NDArray
 
-from attnspec.backends.numpy_backend import NumpyBackend
-
 from .cases import Case, partner
 from .gradcheck import directional_check
 from .metrics import Comparison, compare, compare_count, gradient_floors, row_ndim
+from .numpy_backend import NumpyBackend
 from .protocol import OPS, Backend, call_op
 from .skips import SkipList
 from .tolerances import round_to, tolerance, wide_dtype

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from attnspec.backends.numpy_backend import NumpyBackend
+from attnspec.conformance.numpy_backend import NumpyBackend
 from attnspec.conformance.tolerances import round_to
 from attnspec.reference import fpa
 

@@ -12,7 +12,8 @@ from importlib import metadata
 
 import pytest
 
-from attnspec.conformance.cli import BROKEN_PIPE, main
+from attnspec.cli import main
+from attnspec.conformance.cli import BROKEN_PIPE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "docs", "examples", "minimal_backend.py")
@@ -158,14 +159,18 @@ def test_version_comes_from_the_package_metadata(capsys):
     assert exit_.value.code == 0
     assert capsys.readouterr().out == f"attnspec {version}\n"
     assert run_cli("--version") == (0, f"attnspec {version}\n", "")
-    import attnspec.conformance
+    import attnspec
 
-    assert attnspec.conformance.__version__ == version
+    assert attnspec.__version__ == version
+    module = subprocess.run(
+        [sys.executable, "-m", "attnspec", "--version"], capture_output=True, text=True
+    )
+    assert (module.returncode, module.stdout) == (0, f"attnspec {version}\n")
 
 
 def test_a_missing_framework_names_the_install_that_works(monkeypatch):
     """attnspec is not on a package index: the hint is the checkout's extra."""
-    from attnspec.backends import registry
+    from attnspec.conformance import registry
 
     real = registry.importlib.util.find_spec
     monkeypatch.setattr(
@@ -273,7 +278,7 @@ def test_output_piped_to_head_has_no_broken_pipe_traceback():
 def test_a_reader_that_leaves_before_the_first_line():
     # The pipe is closed before the interpreter has started, so the first write must fail:
     # before the fix this printed a BrokenPipeError traceback.
-    entry_point = "import sys; from attnspec.conformance.cli import main; sys.exit(main())"
+    entry_point = "import sys; from attnspec.cli import main; sys.exit(main())"
     for argv in (["-m", "attnspec.conformance"], ["-c", entry_point, "conformance"]):
         proc = subprocess.Popen(
             [sys.executable, *argv, "--backend", "numpy", "--list"],

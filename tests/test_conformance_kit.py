@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from attnspec.backends.numpy_backend import NumpyBackend
-from attnspec.backends.registry import get_backend
+from attnspec.cli import main
 from attnspec.conformance import cases, mutants, runner, strategies, vectors
-from attnspec.conformance.cli import main
-from attnspec.conformance.metrics import compare
+from attnspec.conformance.metrics import compare, relative_error
+from attnspec.conformance.numpy_backend import NumpyBackend
+from attnspec.conformance.registry import get_backend
 from attnspec.conformance.report import format_report
 from attnspec.conformance.skips import SkipList
 from attnspec.conformance.tolerances import DTYPES, QUANTITIES, TOLERANCES, round_to
@@ -134,7 +134,7 @@ def test_ratio_cases_have_positive_denominators(all_cases):
         elif case.op == "interdomain_s4d" and case.params["readout"] == "ratio":
             assert (case.inputs["fq"] > 0).all() and (case.inputs["kt"] > 0).all()
             checked += 1
-    assert checked == 19  # LegS 13 (strided 2), S4D ratio 6 (packings 1, zero_mode 1)
+    assert checked == 20  # LegS 13 (strided 2), S4D ratio 7 (packings, zero_mode, empty_segment 1)
 
 
 def test_unknown_case_id():
@@ -170,6 +170,30 @@ def test_metric_fails_on_nan_shape_and_reports_worst_index():
     c = compare(off, ref, 1e-3)
     assert c.worst_index == (0, 1) and c.worst_abs == pytest.approx(1e-3)
     assert c.rel == pytest.approx(1e-3 / np.linalg.norm(ref))
+
+
+def test_relative_error_against_a_literal_sum():
+    rng = np.random.default_rng(0)
+    ref = rng.standard_normal((3, 4))
+    x = ref + 1e-3 * rng.standard_normal((3, 4))
+    pairs = list(zip(x.ravel().tolist(), ref.ravel().tolist(), strict=True))
+    error = sum((a - b) ** 2 for a, b in pairs) ** 0.5
+    literal = error / sum(b**2 for _, b in pairs) ** 0.5
+    assert relative_error(x, ref) == pytest.approx(literal, rel=1e-12)
+    assert relative_error(x, ref) == compare(x, ref, 1.0).rel  # the kit's own number
+    assert relative_error(x, ref, floor=1e3) == pytest.approx(error / 1e3, rel=1e-12)
+    assert relative_error(x.tolist(), ref.astype(np.float32)) == pytest.approx(
+        relative_error(x, ref.astype(np.float32).astype(np.float64))
+    )
+    assert relative_error([1.0 + 1.0j, 2.0], [1.0, 2.0]) == pytest.approx(5**-0.5)
+    # a zero reference: 0 when equal, inf otherwise (no tiny floor hides a nonzero value)
+    assert relative_error(np.zeros(3), np.zeros(3)) == 0.0
+    assert relative_error([0.0, 1e-100, 0.0], np.zeros(3)) == np.inf
+    assert np.isnan(relative_error([np.nan, 1.0], [1.0, 1.0]))
+    assert relative_error([np.inf, 1.0], [np.inf, 1.0]) == 0.0  # matching infinities
+    assert relative_error([-np.inf, 1.0], [np.inf, 1.0]) == np.inf
+    with pytest.raises(ValueError, match=r"x: expected the shape of ref \(3, 1\), got \(3,\)"):
+        relative_error(np.ones(3), np.ones((3, 1)))  # nothing broadcast
 
 
 # ------------------------------------------------------------------------- the reference passes
@@ -380,7 +404,7 @@ def test_cli_reports_json_junit_and_exit_codes(tmp_path, capsys):
 
 
 def test_missing_framework_names_the_extra(monkeypatch, capsys):
-    from attnspec.backends import registry
+    from attnspec.conformance import registry
 
     real = registry.importlib.util.find_spec
     monkeypatch.setattr(

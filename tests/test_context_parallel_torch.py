@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from attnspec.backends.torch import context_parallel as cp
+from attnspec.backends.torch.context_parallel_mutants import CAUGHT_BY, MUTANTS
 from attnspec.conformance import context_parallel as kit
-from attnspec.conformance.mutants_cp import CAUGHT_BY, MUTANTS
 
 TIMEOUT = 240.0  # seconds per launch: a deadlock fails the test instead of hanging it
 

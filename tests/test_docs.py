@@ -13,7 +13,7 @@ import tomllib
 import numpy as np
 import pytest
 
-from attnspec.conformance.cli import main
+from attnspec.cli import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(ROOT, "docs")

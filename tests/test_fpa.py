@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from attnspec.conformance.cases import fpa_kink_margin
 from attnspec.conformance.gradcheck import directional_check
+from attnspec.conformance.metrics import relative_error as rel_err
 from attnspec.reference import fpa
 
 SHAPES = [((), 1, 3, 2), ((), 2, 1, 1), ((2,), 7, 5, 3), ((2, 3), 5, 4, 6), ((1,), 13, 3, 3)]
@@ -22,10 +23,6 @@ def random_inputs(rng, lead, T, dk, dv, *, walk=True):
     field = np.cumsum(steps, axis=-1) if walk else steps
     level = field + rng.standard_normal((*lead, T))
     return q, k, v, field, level
-
-
-def rel_err(x, ref):
-    return np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-300)
 
 
 # ------------------------------------------------------------------------- (F1)-(F5) forward
@@ -660,7 +657,7 @@ def test_skippable_tiles_are_evictable_for_every_later_query():
 def test_the_numpy_backend_skips_a_zero_length_packed_sequence():
     # [decision, as FlashAttention's varlen]: offsets (0, 2, 2, 4) are (0, 2), (2, 4) and an
     # empty sequence that contributes nothing.
-    from attnspec.backends.numpy_backend import NumpyBackend
+    from attnspec.conformance.numpy_backend import NumpyBackend
 
     args = {name: x[:1, :1] for name, x in good().items()}  # B = 1, T = 4
     backend = NumpyBackend()

@@ -16,8 +16,8 @@ import jax
 import numpy as np
 import pytest
 
-from attnspec.backends.registry import get_backend
 from attnspec.conformance import cases
+from attnspec.conformance.registry import get_backend
 
 QUICK_COMPILE = "--xla_cpu_use_fusion_emitters=false --xla_backend_optimization_level=0"
 RUNS = [

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from flash_emulation import FlashEmulation
 
-from attnspec.backends.numpy_backend import NumpyBackend
 from attnspec.conformance import cases, metrics, mutants, runner
+from attnspec.conformance.numpy_backend import NumpyBackend
 from attnspec.conformance.report import format_report
 from attnspec.reference import fpa
 from attnspec.reference import interdomain as idm

@@ -12,17 +12,11 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
-from attnspec.backends.registry import get_backend  # noqa: E402
 from attnspec.conformance import cases, runner  # noqa: E402
+from attnspec.conformance.registry import get_backend  # noqa: E402
 from attnspec.conformance.skips import SkipList  # noqa: E402
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

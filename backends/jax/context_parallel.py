@@ -22,7 +22,6 @@ the torch implementation tiles them). The S4D core holds its shard's states, O(B
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,6 +31,8 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
+
+from attnspec.reference.packing import packing
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -84,14 +85,10 @@ def _gather(x: jax.Array, axis: str, world: int, layout: str) -> jax.Array:
 
 
 def _check_offsets(cu_seqlens: Sequence[int] | None, T: int) -> tuple[int, ...] | None:
-    if cu_seqlens is None:
-        return None
-    offsets = tuple(int(o) for o in cu_seqlens)
-    if len(offsets) < 2 or offsets[0] != 0 or offsets[-1] != T:
-        raise ValueError(f"cu_seqlens: expected global offsets from 0 to T = {T}, got {offsets}")
-    if any(b <= a for a, b in itertools.pairwise(offsets)):
-        raise ValueError(f"cu_seqlens: expected strictly increasing offsets, got {offsets}")
-    return offsets
+    """Global offsets checked by the one rule of :mod:`attnspec.reference.packing`, without
+    zero-length sequences (they contribute nothing): strictly increasing."""
+    plan = packing(cu_seqlens, T)
+    return None if plan is None else plan.nonempty_offsets
 
 
 def _segment_ids(offsets: tuple[int, ...] | None, T: int) -> np.ndarray | None:

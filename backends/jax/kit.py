@@ -31,7 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attnspec.conformance.protocol import S4D_PARAMS
+from attnspec.conformance.protocol import OPS as OP_TABLE
+from attnspec.conformance.protocol import S4D_PARAMS, op_claims
 
 from . import decode, fpa, interdomain, layers
 
@@ -224,18 +225,10 @@ class JaxBackend:
     name = "jax"
     implementation = "xla"
     dtypes: tuple[str, ...] = ("float64", "float32", "float16", "bfloat16")
-    OPS: tuple[str, ...] = (
-        "fpa_attention",
-        "fox_attention",
-        "fpa_decode",
-        "interdomain_legs",
-        "interdomain_s4d",
-        "fpa_layer",
-        "interdomain_layer",
-    )
-    VJPS = ("fpa_attention", "fox_attention", "interdomain_legs", "interdomain_s4d")
-    VARLEN = ("fpa_attention", "fox_attention", "interdomain_s4d")
-    GQA = ("fpa_attention", "fox_attention")
+    # every op of the protocol, with the VJPs and features the op table defines, but packed
+    # sequences through the layers
+    OPS: tuple[str, ...] = tuple(OP_TABLE)
+    NOT_IMPLEMENTED: tuple[str, ...] = ("fpa_layer.varlen", "interdomain_layer.varlen")
 
     def __init__(self, device: str = "cpu") -> None:
         platform, _, index = device.partition(":")
@@ -247,10 +240,7 @@ class JaxBackend:
         self.device = device
 
     def capabilities(self) -> set[str]:
-        caps = set(self.OPS)
-        for suffix, ops in (("vjp", self.VJPS), ("varlen", self.VARLEN), ("gqa", self.GQA)):
-            caps |= {f"{op}.{suffix}" for op in ops if op in self.OPS}
-        return caps
+        return op_claims(self.OPS, without=self.NOT_IMPLEMENTED)
 
     def asarray(self, x: np.ndarray, dtype: str) -> jax.Array:
         with jax.enable_x64(True):
@@ -289,7 +279,7 @@ class JaxBackend:
             folded = _fold_inputs(fold, inputs)
             static = _static(op, inputs, params)
             _count_program(op, self.implementation, static, folded)
-            if op in self.VJPS:
+            if OP_TABLE[op].differentiable:
                 outputs, _ = _joint(
                     op,
                     self.implementation,
@@ -423,7 +413,7 @@ class JaxBackend:
         cotangents: dict[str, jax.Array],
     ) -> dict[str, jax.Array]:
         """Input cotangents by name, from one jitted ``jax.vjp`` of the public function."""
-        if op not in self.VJPS or op not in self.OPS:
+        if f"{op}.vjp" not in self.capabilities():
             raise NotImplementedError(f"op: no VJP for {op!r} in the {self.name} backend")
         with jax.enable_x64(True):
             fold = _fold_for(op, inputs, params)

@@ -11,12 +11,13 @@ Nothing is broadcast or moved between devices.
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from attnspec.reference.packing import packing
 
 WIDE = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float64))
 REAL = (
@@ -77,7 +78,8 @@ def scale(value: float | None, head_dim: int) -> float:
 
 
 def offsets(cu_seqlens: object, batch: int, T: int) -> tuple[int, ...] | None:
-    """Static packed-sequence offsets (0, ..., T) as a tuple of ints; B must be 1."""
+    """Static packed-sequence offsets (0, ..., T) as a tuple of ints, checked by the one rule
+    of :mod:`attnspec.reference.packing` (zero-length sequences allowed); B must be 1."""
     if cu_seqlens is None:
         return None
     if isinstance(cu_seqlens, jax.core.Tracer):
@@ -85,19 +87,9 @@ def offsets(cu_seqlens: object, batch: int, T: int) -> tuple[int, ...] | None:
             "cu_seqlens: expected static offsets (a tuple of Python ints), got a traced array; "
             "pass it as a static argument"
         )
-    values = np.asarray(cu_seqlens)
-    if values.ndim != 1 or values.size < 2 or not np.issubdtype(values.dtype, np.integer):
-        raise ValueError(
-            f"cu_seqlens: expected a 1-D sequence of >= 2 integers, got {cu_seqlens!r}"
-        )
-    offs = tuple(int(c) for c in values)
-    if offs[0] != 0 or offs[-1] != T or any(b < a for a, b in itertools.pairwise(offs)):
-        raise ValueError(
-            f"cu_seqlens: expected non-decreasing offsets from 0 to T = {T}, got {offs}"
-        )
-    if batch != 1:
-        raise ValueError(f"q: packed sequences (cu_seqlens) need batch size 1, got {batch}")
-    return offs
+    plan = packing(cu_seqlens, T, batch=batch)
+    assert plan is not None
+    return plan.offsets
 
 
 def concrete(x: object) -> bool:

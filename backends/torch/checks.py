@@ -9,12 +9,13 @@ read the data and run inside the custom op, where they also hold in compiled cod
 
 from __future__ import annotations
 
-import itertools
 import math
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
+
+from attnspec.reference.packing import Packing, packing
 
 QKV_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 WIDE_DTYPES = (torch.float32, torch.float64)
@@ -142,16 +143,13 @@ def cu_seqlens(x: Tensor | None, B: int, q: Tensor) -> Tensor | None:
     return x.to(torch.int64)
 
 
-def cu_seqlens_values(x: Tensor, T: int) -> list[int]:
-    """Offsets start at 0, end at T and never decrease: a zero-length sequence is allowed and
-    contributes nothing, as in FlashAttention's varlen functions [decision]."""
-    offsets = x.tolist()
-    if offsets[0] != 0 or offsets[-1] != T:
-        raise ValueError(f"cu_seqlens: expected offsets from 0 to T = {T}, got {offsets}")
-    steps = [b - a for a, b in itertools.pairwise(offsets)]
-    if min(steps) < 0:
-        raise ValueError(f"cu_seqlens: expected non-decreasing offsets, got {offsets}")
-    return offsets
+def cu_seqlens_values(x: Tensor, T: int) -> Packing:
+    """The offsets' values checked by the one rule of :mod:`attnspec.reference.packing` (start
+    at 0, end at T, never decrease; a zero-length sequence contributes nothing, as in
+    FlashAttention's varlen functions [decision]). It reads the tensor (a device sync)."""
+    plan = packing(x.tolist(), T)
+    assert plan is not None
+    return plan
 
 
 def finite(name: str, x: Tensor) -> None:

@@ -34,7 +34,6 @@ over the group (DDP and FSDP over the context-parallel ranks do).
 
 from __future__ import annotations
 
-import itertools
 import os
 from collections.abc import Sequence
 from datetime import timedelta
@@ -43,6 +42,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from attnspec.reference.packing import packing
 
 from . import checks, dispatch, ops
 from .eager_fpa import compute_dtype, from_rows, prefix_min, suffix_min, to_rows
@@ -152,20 +153,18 @@ def agree(group: Any, local_error: str | None, description: dict[str, Any]) -> N
 
 
 def _offsets(cu_seqlens: Any, T: int) -> tuple[int, ...] | None:
-    """Global cu_seqlens as a tuple; ValueError unless it covers the gathered sequence."""
+    """Global cu_seqlens checked by the one rule of :mod:`attnspec.reference.packing` against
+    the gathered length (every rank passes the same offsets of the whole sequence), without
+    zero-length sequences (they contribute nothing): strictly increasing."""
     if cu_seqlens is None:
         return None
-    values = cu_seqlens.tolist() if isinstance(cu_seqlens, Tensor) else list(cu_seqlens)
-    if isinstance(cu_seqlens, Tensor) and cu_seqlens.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"cu_seqlens: expected int32 or int64 offsets, got {cu_seqlens.dtype}")
-    if len(values) < 2 or values[0] != 0 or values[-1] != T:
-        raise ValueError(
-            f"cu_seqlens: expected global offsets from 0 to the gathered length T = {T} "
-            f"(every rank passes the same offsets of the whole sequence), got {values}"
-        )
-    if any(b <= a for a, b in itertools.pairwise(values)):
-        raise ValueError(f"cu_seqlens: expected strictly increasing offsets, got {values}")
-    return tuple(int(v) for v in values)
+    if isinstance(cu_seqlens, Tensor):
+        if cu_seqlens.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"cu_seqlens: expected int32 or int64 offsets, got {cu_seqlens.dtype}")
+        cu_seqlens = cu_seqlens.tolist()
+    plan = packing(cu_seqlens, T)
+    assert plan is not None
+    return plan.nonempty_offsets
 
 
 def _local_offsets(offsets: tuple[int, ...], start: int, stop: int, device: Any) -> Tensor:

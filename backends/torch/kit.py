@@ -18,7 +18,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from attnspec.conformance.protocol import OPS, call_op
+from attnspec.conformance.protocol import OPS as OP_TABLE
+from attnspec.conformance.protocol import call_op, op_claims
 
 from . import dispatch, ops
 from .decode import FPADecodeCache
@@ -45,18 +46,8 @@ class TorchBackend:
 
     name = "torch"
     dtypes: tuple[str, ...] = ("float64", "float32", "float16", "bfloat16")
-    OPS = (
-        "fpa_attention",
-        "fox_attention",
-        "fpa_decode",
-        "interdomain_legs",
-        "interdomain_s4d",
-        "fpa_layer",
-        "interdomain_layer",
-    )
-    VJPS = ("fpa_attention", "fox_attention", "interdomain_legs", "interdomain_s4d")
-    VARLEN = ("fpa_attention", "fox_attention", "interdomain_s4d", "fpa_layer", "interdomain_layer")
-    GQA = ("fpa_attention", "fox_attention")
+    # every op of the protocol, with the VJPs and features the op table defines
+    OPS: tuple[str, ...] = tuple(OP_TABLE)
 
     def __init__(self, device: str = "cpu"):
         try:
@@ -67,13 +58,7 @@ class TorchBackend:
             raise ValueError(f"device: {device!r} asked for, but torch sees no CUDA device")
 
     def capabilities(self) -> set[str]:
-        return self._claims(set(self.OPS), set(self.VJPS))
-
-    def _claims(self, ops_: set[str], vjps: set[str]) -> set[str]:
-        caps = set(ops_) | {f"{op}.vjp" for op in vjps}
-        caps |= {f"{op}.varlen" for op in self.VARLEN if op in ops_}
-        caps |= {f"{op}.gqa" for op in self.GQA if op in ops_}
-        return caps
+        return op_claims(self.OPS)
 
     def _impl(self, op: str) -> str:
         return "eager"
@@ -266,9 +251,9 @@ class TorchBackend:
         cotangents: dict[str, Tensor],
     ) -> dict[str, Tensor]:
         """Input cotangents of ``op`` by torch autograd through the public op."""
-        if op not in self.VJPS:
+        if f"{op}.vjp" not in self.capabilities():
             raise NotImplementedError(f"op: no VJP for {op!r} in the {self.name} backend")
-        names = OPS[op].differentiable
+        names = OP_TABLE[op].differentiable
         leaves = {n: x.detach().requires_grad_() if n in names else x for n, x in inputs.items()}
         outputs = call_op(self, op, leaves, params)
         pairs = [(outputs[n], cot) for n, cot in cotangents.items()]
@@ -315,7 +300,7 @@ class TritonBackend(TorchBackend):
     def capabilities(self) -> set[str]:
         claimed = {op for op, (fwd, _) in self.KERNELS.items() if self._registered(fwd)}
         vjps = {op for op in claimed if self._registered(self.KERNELS[op][1])}
-        return self._claims(claimed, vjps)
+        return op_claims(claimed, vjps=vjps)
 
     def _impl(self, op: str) -> str:
         kernels = self.KERNELS.get(op)

@@ -110,17 +110,19 @@ def _empty_batch(shape: tuple[int, ...], dtype: torch.dtype, *inputs: Tensor) ->
     return inputs[0].new_zeros(shape, dtype=dtype) + tie
 
 
-def _drop_empty_sequences(cu_seqlens: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
-    """Offsets without their zero-length sequences, which contribute nothing [decision, as
-    FlashAttention's varlen], and the indices of the sequences kept (None when none is
-    dropped). It reads the offsets, so it runs inside the custom ops, before the kernel."""
+def _drop_empty_sequences(cu_seqlens: Tensor | None, T: int) -> tuple[Tensor | None, Tensor | None]:
+    """Offsets checked by the one rule of :mod:`attnspec.reference.packing`, without their
+    zero-length sequences, which contribute nothing [decision, as FlashAttention's varlen], and
+    the indices of the sequences kept (None when none is dropped). It reads the offsets, so it
+    runs inside the custom ops, before the kernel."""
     if cu_seqlens is None:
         return None, None
-    nonempty = cu_seqlens.diff() > 0
-    if bool(nonempty.all()):
+    plan = checks.cu_seqlens_values(cu_seqlens, T)
+    if not plan.has_empty:
         return cu_seqlens, None
-    keep = nonempty.nonzero().flatten()
-    return torch.cat([cu_seqlens[:1], cu_seqlens[1:][keep]]), keep
+    device = cu_seqlens.device
+    kept = torch.tensor(plan.kept, dtype=torch.int64, device=device)
+    return torch.tensor(plan.nonempty_offsets, dtype=cu_seqlens.dtype, device=device), kept
 
 
 # --------------------------------------------------------------------------------------------
@@ -145,9 +147,7 @@ def _fpa_fwd(
 ) -> tuple[Tensor, Tensor]:
     checks.finite("field", field)
     checks.finite("level", level)
-    if cu_seqlens is not None:
-        checks.cu_seqlens_values(cu_seqlens, q.shape[1])
-    cu_seqlens, _ = _drop_empty_sequences(cu_seqlens)
+    cu_seqlens, _ = _drop_empty_sequences(cu_seqlens, q.shape[1])
     with _no_autocast(q):
         return dispatch.lookup("fpa_fwd", impl)(q, k, v, field, level, scale, cu_seqlens)
 
@@ -188,7 +188,7 @@ def _fpa_bwd(
     cu_seqlens: Tensor | None,
     impl: str,
 ) -> tuple[Tensor, ...]:
-    cu_seqlens, _ = _drop_empty_sequences(cu_seqlens)
+    cu_seqlens, _ = _drop_empty_sequences(cu_seqlens, q.shape[1])
     with _no_autocast(q):
         kernel = dispatch.lookup("fpa_bwd", impl)
         return tuple(kernel(q, k, v, field, level, o, lse, do, dlse, scale, cu_seqlens))
@@ -350,9 +350,7 @@ def _fox_fwd(
     impl: str,
 ) -> tuple[Tensor, Tensor]:
     checks.log_gates(log_f)
-    if cu_seqlens is not None:
-        checks.cu_seqlens_values(cu_seqlens, q.shape[1])
-    cu_seqlens, _ = _drop_empty_sequences(cu_seqlens)
+    cu_seqlens, _ = _drop_empty_sequences(cu_seqlens, q.shape[1])
     with _no_autocast(q):
         return dispatch.lookup("fox_fwd", impl)(q, k, v, log_f, scale, cu_seqlens)
 
@@ -390,7 +388,7 @@ def _fox_bwd(
     cu_seqlens: Tensor | None,
     impl: str,
 ) -> tuple[Tensor, ...]:
-    cu_seqlens, _ = _drop_empty_sequences(cu_seqlens)
+    cu_seqlens, _ = _drop_empty_sequences(cu_seqlens, q.shape[1])
     with _no_autocast(q):
         kernel = dispatch.lookup("fox_bwd", impl)
         return tuple(kernel(q, k, v, log_f, o, lse, do, dlse, scale, cu_seqlens))
@@ -501,9 +499,7 @@ def _s4d_fwd(
     for name, x in (("lam", lam), ("b", b), ("c", c)):
         checks.finite(name, x)
     checks.decays(lam)
-    if cu_seqlens is not None:
-        checks.cu_seqlens_values(cu_seqlens, fq.shape[1])
-    offsets, keep = _drop_empty_sequences(cu_seqlens)
+    offsets, keep = _drop_empty_sequences(cu_seqlens, fq.shape[1])
     kept_initial = initial_state if keep is None or initial_state is None else initial_state[keep]
     with _no_autocast(fq):
         kernel = dispatch.lookup("s4d_fwd", impl)
@@ -558,7 +554,7 @@ def _s4d_bwd(
     dfinal_state: Tensor | None,
     impl: str,
 ) -> tuple[Tensor, ...]:
-    offsets, keep = _drop_empty_sequences(cu_seqlens)
+    offsets, keep = _drop_empty_sequences(cu_seqlens, fq.shape[1])
     kept_initial, kept_dfinal = initial_state, dfinal_state
     if keep is not None:
         kept_initial = None if initial_state is None else initial_state[keep]
@@ -780,9 +776,7 @@ def interdomain_s4d(
 def _legs_fwd(
     fq: Tensor, fk: Tensor, v: Tensor, M: int, cu_seqlens: Tensor | None, impl: str
 ) -> Tensor:
-    if cu_seqlens is not None:
-        checks.cu_seqlens_values(cu_seqlens, fq.shape[1])
-    cu_seqlens, _ = _drop_empty_sequences(cu_seqlens)
+    cu_seqlens, _ = _drop_empty_sequences(cu_seqlens, fq.shape[1])
     with _no_autocast(fq):
         return dispatch.lookup("legs_fwd", impl)(fq, fk, v, M, cu_seqlens)
 
@@ -801,7 +795,7 @@ def _(fq: Tensor, fk: Tensor, v: Tensor, M: int, cu_seqlens: Tensor | None, impl
 def _legs_bwd(
     fq: Tensor, fk: Tensor, v: Tensor, M: int, cu_seqlens: Tensor | None, do: Tensor, impl: str
 ) -> tuple[Tensor, ...]:
-    cu_seqlens, _ = _drop_empty_sequences(cu_seqlens)
+    cu_seqlens, _ = _drop_empty_sequences(cu_seqlens, fq.shape[1])
     with _no_autocast(fq):
         return tuple(dispatch.lookup("legs_bwd", impl)(fq, fk, v, M, cu_seqlens, do))
 

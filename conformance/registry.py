@@ -14,11 +14,17 @@ from types import ModuleType
 from typing import Any
 
 BUILTIN = {
-    "numpy": "attnspec.backends.numpy_backend:NumpyBackend",
+    "numpy": "attnspec.conformance.numpy_backend:NumpyBackend",
     "torch": "attnspec.backends.torch.kit:TorchBackend",
     "triton": "attnspec.backends.torch.kit:TritonBackend",
     "jax": "attnspec.backends.jax.kit:JaxBackend",
     "pallas": "attnspec.backends.jax.kit:PallasBackend",
+}
+
+# The context-parallel adapters (conformance/context_parallel.py): sharded runs of a framework.
+CONTEXT_PARALLEL = {
+    "torch": "attnspec.backends.torch.context_parallel:KitBackend",
+    "jax": "attnspec.backends.jax.context_parallel:KitBackend",
 }
 
 # The extra that provides each framework backend, for the message when it is missing.
@@ -100,3 +106,19 @@ def available_backends() -> list[str]:
             continue
         names.append(name)
     return names
+
+
+def get_context_parallel_backend(name: str) -> Any:
+    """The context-parallel adapter ``"torch"`` (gloo processes), ``"jax"`` (forced host
+    devices), or ``module:attribute`` (a class or factory, called with no argument, or an
+    object)."""
+    if name in CONTEXT_PARALLEL:
+        _require_extra(name)
+        return load_object(CONTEXT_PARALLEL[name])()
+    if ":" in name:
+        obj = load_object(name)
+        return obj() if isinstance(obj, type) else obj
+    raise ValueError(
+        f"backend: unknown context-parallel backend {name!r}; registered: "
+        f"{sorted(CONTEXT_PARALLEL)}, or give 'module:attribute'"
+    )

@@ -13,7 +13,6 @@ key/value head for its group of query heads (gradients summed over the group).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from itertools import pairwise
 from typing import Any, ClassVar, Literal, TypeVar, overload
 
 import numpy as np
@@ -21,22 +20,14 @@ from numpy.typing import ArrayLike, NDArray
 
 from attnspec.reference import fpa
 from attnspec.reference import interdomain as idm
+from attnspec.reference.packing import packing
+
+from .protocol import OPS as OP_TABLE
+from .protocol import op_claims, op_features
 
 # An array in the tested dtype (float16, float32 or float64), as the kit's adapter delivers it.
 FloatArray = NDArray[np.floating]
 Result = TypeVar("Result")
-
-
-def segments(cu_seqlens: ArrayLike, T: int) -> list[slice]:
-    """The non-empty packed sequences named by FlashAttention-style offsets (0, ..., T) as
-    slices of T."""
-    offsets = [int(x) for x in np.asarray(cu_seqlens).ravel()]
-    if len(offsets) < 2 or offsets[0] != 0 or offsets[-1] != T:
-        raise ValueError(f"cu_seqlens: expected offsets from 0 to T = {T}, got {offsets}")
-    if any(b < a for a, b in pairwise(offsets)):
-        raise ValueError(f"cu_seqlens: expected non-decreasing offsets, got {offsets}")
-    # a zero-length sequence contributes nothing [decision, as FlashAttention's varlen]
-    return [slice(a, b) for a, b in pairwise(offsets) if b > a]
 
 
 def _per_segment(
@@ -49,15 +40,15 @@ def _per_segment(
     if cu_seqlens is None:
         return [fn(**arrays)]
     first = next(iter(arrays))
-    if arrays[first].shape[0] != 1:
-        raise ValueError(f"cu_seqlens: packed sequences need B = 1, got {arrays[first].shape}")
     T = arrays[first].shape[token_axis[first]]
+    plan = packing(cu_seqlens, T, batch=arrays[first].shape[0])
+    assert plan is not None
     results = []
-    for part in segments(cu_seqlens, T):
+    for bos, eos in plan.bounds:  # a zero-length sequence contributes nothing
         sliced = {}
         for name, x in arrays.items():
             axis = token_axis.get(name)
-            sliced[name] = x if axis is None else np.take(x, np.arange(T)[part], axis=axis)
+            sliced[name] = x if axis is None else np.take(x, np.arange(bos, eos), axis=axis)
         results.append(fn(**sliced))
     return results
 
@@ -83,30 +74,9 @@ ATTENTION_AXES["d_lse"] = -1
 class NumpyBackend:
     name: str = "numpy"
     dtypes: tuple[str, ...] = ("float64", "float32", "float16")
-    OPS: ClassVar[tuple[str, ...]] = (
-        "fpa_attention",
-        "fox_attention",
-        "fpa_decode",
-        "interdomain_legs",
-        "interdomain_s4d",
-        "fpa_layer",
-        "interdomain_layer",
-    )
-    VJPS: ClassVar[tuple[str, ...]] = (
-        "fpa_attention",
-        "fox_attention",
-        "interdomain_legs",
-        "interdomain_s4d",
-    )
-    FEATURES: ClassVar[tuple[str, ...]] = (
-        "fpa_attention.varlen",
-        "fox_attention.varlen",
-        "interdomain_s4d.varlen",
-        "fpa_layer.varlen",
-        "interdomain_layer.varlen",
-        "fpa_attention.gqa",
-        "fox_attention.gqa",
-    )
+    # every op of the protocol, with every optional feature the op table defines
+    OPS: ClassVar[tuple[str, ...]] = tuple(OP_TABLE)
+    FEATURES: ClassVar[tuple[str, ...]] = op_features(OP_TABLE)
 
     def __init__(self, device: str = "cpu") -> None:
         if device != "cpu":
@@ -114,7 +84,7 @@ class NumpyBackend:
         self.device = device
 
     def capabilities(self) -> set[str]:
-        return set(self.OPS) | {f"{op}.vjp" for op in self.VJPS} | set(self.FEATURES)
+        return op_claims(self.OPS, features=self.FEATURES)
 
     def asarray(self, x: NDArray[Any], dtype: str) -> NDArray[Any]:
         return np.asarray(x, dtype=dtype)
