@@ -180,12 +180,14 @@ def cases(world: int) -> list[CPCase]:
         _fpa(rng, 1, 2, T, _walk(rng, (1, 2, T))),  # length-1 tail
         cu_seqlens=tuple(sorted(set(offsets))),
     )
+    # a zero-length sequence on the first shard border (reference/packing.py: contributes nothing)
+    with_empty = tuple(sorted((*set(offsets), L)))
     add(
         "zigzag-varlen",
         "fpa_attention",
         _fpa(rng, 1, 2, T, _walk(rng, (1, 2, T))),
         "zigzag",
-        cu_seqlens=tuple(sorted(set(offsets))),
+        cu_seqlens=with_empty,
     )
     one = world  # shards of length 1
     add("shard-length-1", "fpa_attention", _fpa(rng, 1, 2, one, _walk(rng, (1, 2, one))))
@@ -208,7 +210,7 @@ def cases(world: int) -> list[CPCase]:
         "interdomain_s4d",
         _s4d(rng, 1, 2, T),
         readout="linear",
-        cu_seqlens=tuple(sorted(set(offsets))),
+        cu_seqlens=with_empty,
     )
     add("shard-length-1", "interdomain_s4d", _s4d(rng, 1, 2, one), readout="linear")
     return out

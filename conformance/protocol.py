@@ -5,9 +5,9 @@ A backend is any object with:
 - ``name: str`` and ``dtypes: tuple[str, ...]`` (the dtypes it accepts: float64, float32,
   float16, bfloat16);
 - ``capabilities() -> set[str]``: the op names it implements, plus ``"<op>.vjp"`` for each op
-  whose gradients it provides, ``"<op>.varlen"`` (packed sequences, for fpa_attention,
-  fox_attention, interdomain_s4d and the two layers) and ``"<op>.gqa"`` (fewer key/value heads, for
-  fpa_attention and fox_attention). Anything absent is reported as "not implemented";
+  whose gradients it provides, ``"<op>.varlen"`` (packed sequences) and ``"<op>.gqa"`` (fewer
+  key/value heads) for the ops whose ``OpSpec`` in :data:`OPS` defines them. Anything absent
+  is reported as "not implemented"; :func:`op_claims` derives the set from the table;
 - ``asarray(x: numpy.ndarray, dtype: str)`` and ``to_numpy(x) -> numpy.ndarray``: the adapter,
   the only place where arrays cross between NumPy and the backend;
 - optionally ``asarray_strided(x, dtype, layout)``: ``x`` (B, H, T, D) as a non-contiguous view
@@ -28,7 +28,8 @@ Conventions the runner checks:
   when the tested dtype is narrower, float64 when it is float64).
 - Inputs and cotangents are never modified.
 - varlen: the case has B = 1 and ``params["cu_seqlens"]`` is a tuple of ints (0, ..., T),
-  FlashAttention's convention; each segment is an independent sequence.
+  FlashAttention's convention; each segment is an independent sequence, and a zero-length one
+  contributes nothing (:mod:`attnspec.reference.packing`).
 - Layers take x, the parameter dict and their options as keywords: ``increments`` for
   fpa_layer; ``readout``, ``gate``, ``use_rope``, ``output_norm`` for interdomain_layer (the
   optional parameters wg and norm_o_g are in the dict only when their flag is on).

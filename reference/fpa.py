@@ -993,6 +993,22 @@ FPA_PARAMETER_SCHEMA = {
 }
 
 
+def fpa_parameter_shapes(d: int, H: int, dk: int, dv: int) -> dict[str, tuple[int, ...]]:
+    """The shape of each parameter of :func:`fpa_layer` (:data:`FPA_PARAMETER_SCHEMA`) for model
+    width d, H heads, key width dk and value width dv: the one table the torch and JAX layers
+    take theirs from."""
+    return {
+        "wq": (d, H * dk),
+        "wk": (d, H * dk),
+        "wv": (d, H * dv),
+        "wo": (H * dv, d),
+        "w_delta": (d, H),
+        "b_delta": (H,),
+        "w_lam": (d, H),
+        "b_lam": (H,),
+    }
+
+
 def init_fpa_params(
     d: int, H: int, dk: int, dv: int, seed: int = 0
 ) -> dict[str, NDArray[np.float64]]:
@@ -1051,16 +1067,7 @@ def fpa_layer(
     H = P["b_delta"].shape[0]
     dk = P["wq"].shape[1] // H
     dv = P["wv"].shape[1] // H
-    expected = {
-        "wq": (d, H * dk),
-        "wk": (d, H * dk),
-        "wv": (d, H * dv),
-        "wo": (H * dv, d),
-        "w_delta": (d, H),
-        "w_lam": (d, H),
-        "b_lam": (H,),
-    }
-    for name, shape in expected.items():
+    for name, shape in fpa_parameter_shapes(d, H, dk, dv).items():
         check_shape(f"params[{name!r}]", P[name], shape, FPA_PARAMETER_SCHEMA[name])
 
     def heads(

@@ -868,6 +868,37 @@ PARAMETER_SCHEMA = {
 OPTIONAL_PARAMETERS = {"norm_o_g": "output_norm", "wg": "gate"}  # parameter: the flag asking for it
 
 
+def interdomain_parameter_shapes(
+    d: int, H: int, R: int, dv: int, M: int, *, output_norm: bool = True, gate: bool = False
+) -> dict[str, tuple[int, ...]]:
+    """The shape of each parameter of :func:`interdomain_layer` (:data:`PARAMETER_SCHEMA`) for
+    model width d, H heads, feature width R, value width dv and M modes, with the optional ones
+    the flags ask for: the one table the torch and JAX layers take theirs from."""
+    shapes = {
+        "wq": (d, H * R),
+        "wk": (d, H * R),
+        "wv": (d, H * dv),
+        "wo": (H * dv, d),
+        "conv_q": (4, H * R),
+        "conv_k": (4, H * R),
+        "norm_k_g": (H, R),
+        "norm_k_b": (H, R),
+        "norm_v_g": (H, dv),
+        "norm_v_b": (H, dv),
+        "log_dt": (H,),
+        "a_log": (H, M),
+        "a_im": (H, M),
+        "b_re": (H, M),
+        "b_im": (H, M),
+        "c_re": (H, M, M),
+        "c_im": (H, M, M),
+        "norm_o_g": (H, dv),
+        "wg": (d, H * dv),
+    }
+    flags = {"gate": gate, "output_norm": output_norm}
+    return {n: s for n, s in shapes.items() if flags.get(OPTIONAL_PARAMETERS.get(n, ""), True)}
+
+
 def init_interdomain_params(
     d: int,
     H: int,
@@ -976,27 +1007,9 @@ def interdomain_layer(
     H, R = P["norm_k_g"].shape
     dv = P["norm_v_g"].shape[1]
     M = P["a_log"].shape[1]
-    expected = {
-        "wq": (d, H * R),
-        "wk": (d, H * R),
-        "wv": (d, H * dv),
-        "wo": (H * dv, d),
-        "conv_q": (4, H * R),
-        "conv_k": (4, H * R),
-        "norm_k_b": (H, R),
-        "norm_v_g": (H, dv),
-        "norm_v_b": (H, dv),
-        "log_dt": (H,),
-        "a_log": (H, M),
-        "a_im": (H, M),
-        "b_re": (H, M),
-        "b_im": (H, M),
-        "c_re": (H, M, M),
-        "c_im": (H, M, M),
-        "norm_o_g": (H, dv),
-        "wg": (d, H * dv),
-    }
-    for name, shape in expected.items():
+    # every parameter given is checked, the optional ones too when their flag is off
+    every = interdomain_parameter_shapes(d, H, R, dv, M, output_norm=True, gate=True)
+    for name, shape in every.items():
         if name in P:
             check_shape(f"params[{name!r}]", P[name], shape, PARAMETER_SCHEMA[name])
 
@@ -1039,6 +1052,7 @@ __all__ = [
     "interdomain_layer",
     "interdomain_legs",
     "interdomain_legs_vjp",
+    "interdomain_parameter_shapes",
     "interdomain_s4d",
     "interdomain_s4d_oracle",
     "interdomain_s4d_vjp",

@@ -79,7 +79,9 @@ class Packing:
         return np.asarray(rows, dtype=np.int64).reshape(-1, 3)
 
 
-def packing(cu_seqlens: object, T: int, *, batch: int | None = None) -> Packing | None:
+def packing(
+    cu_seqlens: object, T: int, *, batch: int | None = None, what: str = "offsets"
+) -> Packing | None:
     """Check FlashAttention-style offsets against the rule of this module.
 
     Args:
@@ -87,6 +89,8 @@ def packing(cu_seqlens: object, T: int, *, batch: int | None = None) -> Packing 
             a framework tensor is converted by the caller (``tensor.tolist()``).
         T: the length of the token axis the offsets cover.
         batch: the batch size of the inputs, when the caller knows it: packing needs 1.
+        what: how the messages name the offsets ("global offsets" for a context-parallel call,
+            whose ranks all pass the offsets of the whole gathered sequence).
 
     Returns:
         The :class:`Packing`, or None when ``cu_seqlens`` is None.
@@ -106,7 +110,7 @@ def packing(cu_seqlens: object, T: int, *, batch: int | None = None) -> Packing 
         raise ValueError(f"cu_seqlens: expected integer offsets, got {cu_seqlens!r}")
     offsets = tuple(int(x) for x in values)
     if offsets[0] != 0 or offsets[-1] != T:
-        raise ValueError(f"cu_seqlens: expected offsets from 0 to T = {T}, got {offsets}")
+        raise ValueError(f"cu_seqlens: expected {what} from 0 to T = {T}, got {offsets}")
     if any(b < a for a, b in pairwise(offsets)):
         raise ValueError(f"cu_seqlens: expected non-decreasing offsets, got {offsets}")
     if batch is not None and batch != 1:

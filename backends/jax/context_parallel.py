@@ -87,7 +87,7 @@ def _gather(x: jax.Array, axis: str, world: int, layout: str) -> jax.Array:
 def _check_offsets(cu_seqlens: Sequence[int] | None, T: int) -> tuple[int, ...] | None:
     """Global offsets checked by the one rule of :mod:`attnspec.reference.packing`, without
     zero-length sequences (they contribute nothing): strictly increasing."""
-    plan = packing(cu_seqlens, T)
+    plan = packing(cu_seqlens, T, what="global offsets")
     return None if plan is None else plan.nonempty_offsets
 
 

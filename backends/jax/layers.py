@@ -26,8 +26,12 @@ from jax.typing import ArrayLike, DTypeLike
 
 from attnspec.reference import fpa as reference_fpa
 from attnspec.reference import interdomain as reference_interdomain
-from attnspec.reference.fpa import FPA_PARAMETER_SCHEMA
-from attnspec.reference.interdomain import OPTIONAL_PARAMETERS, PARAMETER_SCHEMA
+from attnspec.reference.fpa import FPA_PARAMETER_SCHEMA, fpa_parameter_shapes
+from attnspec.reference.interdomain import (
+    OPTIONAL_PARAMETERS,
+    PARAMETER_SCHEMA,
+    interdomain_parameter_shapes,
+)
 
 from . import validation as check
 from .decode import FPACache, _decode_step, fpa_cache
@@ -126,17 +130,7 @@ def fpa_layer(
     d = x.shape[-1]
     H = P["b_delta"].shape[0]
     dk, dv = P["wq"].shape[1] // H, P["wv"].shape[1] // H
-    shapes = {
-        "wq": (d, H * dk),
-        "wk": (d, H * dk),
-        "wv": (d, H * dv),
-        "wo": (H * dv, d),
-        "w_delta": (d, H),
-        "b_delta": (H,),
-        "w_lam": (d, H),
-        "b_lam": (H,),
-    }
-    _expect(P, shapes, FPA_PARAMETER_SCHEMA)
+    _expect(P, fpa_parameter_shapes(d, H, dk, dv), FPA_PARAMETER_SCHEMA)
     return _fpa_layer(x, P, increments, implementation)
 
 
@@ -227,24 +221,8 @@ def _interdomain_params(
     H, R = P["norm_k_g"].shape
     dv = P["norm_v_g"].shape[1]
     M = P["a_log"].shape[1]
-    shapes = {
-        "wq": (d, H * R),
-        "wk": (d, H * R),
-        "wv": (d, H * dv),
-        "wo": (H * dv, d),
-        "conv_q": (4, H * R),
-        "conv_k": (4, H * R),
-        "norm_k_b": (H, R),
-        "norm_v_b": (H, dv),
-        "log_dt": (H,),
-        "a_im": (H, M),
-        "b_re": (H, M),
-        "b_im": (H, M),
-        "c_re": (H, M, M),
-        "c_im": (H, M, M),
-        "norm_o_g": (H, dv),
-        "wg": (d, H * dv),
-    }
+    # every parameter given is checked, the optional ones too when their flag is off
+    shapes = interdomain_parameter_shapes(d, H, R, dv, M, output_norm=True, gate=True)
     _expect(P, shapes, PARAMETER_SCHEMA)
     return P
 

@@ -162,7 +162,7 @@ def _offsets(cu_seqlens: Any, T: int) -> tuple[int, ...] | None:
         if cu_seqlens.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"cu_seqlens: expected int32 or int64 offsets, got {cu_seqlens.dtype}")
         cu_seqlens = cu_seqlens.tolist()
-    plan = packing(cu_seqlens, T)
+    plan = packing(cu_seqlens, T, what="global offsets")
     assert plan is not None
     return plan.nonempty_offsets
 

@@ -20,8 +20,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnspec.reference import hippo
-from attnspec.reference.fpa import FPA_PARAMETER_SCHEMA
+from attnspec.reference.fpa import FPA_PARAMETER_SCHEMA, fpa_parameter_shapes
 from attnspec.reference.interdomain import PARAMETER_SCHEMA as INTERDOMAIN_PARAMETER_SCHEMA
+from attnspec.reference.interdomain import interdomain_parameter_shapes
 
 from . import checks
 from .decode import FPADecodeCache, S4DDecodeState
@@ -141,18 +142,8 @@ class FirstPassageAttention(nn.Module):
             self.register_parameter(name, nn.Parameter(init.to(device=device, dtype=dtype)))
 
     def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
-        """The reference schema (FPA_PARAMETER_SCHEMA) for this layer's sizes."""
-        d, H, dk, dv = self.d_model, self.n_heads, self.head_dim, self.value_dim
-        return {
-            "wq": (d, H * dk),
-            "wk": (d, H * dk),
-            "wv": (d, H * dv),
-            "wo": (H * dv, d),
-            "w_delta": (d, H),
-            "b_delta": (H,),
-            "w_lam": (d, H),
-            "b_lam": (H,),
-        }
+        """The reference's shapes (``fpa_parameter_shapes``) for this layer's sizes."""
+        return fpa_parameter_shapes(self.d_model, self.n_heads, self.head_dim, self.value_dim)
 
     @classmethod
     def from_reference_params(
@@ -349,32 +340,16 @@ class InterdomainAttention(nn.Module):
             self.register_parameter(name, nn.Parameter(value.to(device=device, dtype=dtype)))
 
     def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
-        """The reference schema (PARAMETER_SCHEMA of reference.interdomain) for these sizes."""
-        d, H, R, dv, M = self.d_model, self.n_heads, self.head_dim, self.value_dim, self.n_modes
-        shapes = {
-            "wq": (d, H * R),
-            "wk": (d, H * R),
-            "wv": (d, H * dv),
-            "wo": (H * dv, d),
-            "conv_q": (4, H * R),
-            "conv_k": (4, H * R),
-            "norm_k_g": (H, R),
-            "norm_k_b": (H, R),
-            "norm_v_g": (H, dv),
-            "norm_v_b": (H, dv),
-            "log_dt": (H,),
-            "a_log": (H, M),
-            "a_im": (H, M),
-            "b_re": (H, M),
-            "b_im": (H, M),
-            "c_re": (H, M, M),
-            "c_im": (H, M, M),
-        }
-        if self.output_norm:
-            shapes["norm_o_g"] = (H, dv)
-        if self.gate:
-            shapes["wg"] = (d, H * dv)
-        return shapes
+        """The reference's shapes (``interdomain_parameter_shapes``) for these sizes and flags."""
+        return interdomain_parameter_shapes(
+            self.d_model,
+            self.n_heads,
+            self.head_dim,
+            self.value_dim,
+            self.n_modes,
+            output_norm=self.output_norm,
+            gate=self.gate,
+        )
 
     def _initial_values(self) -> dict[str, Tensor]:
         """S4D-Inv, as init_interdomain_params: a_log = log(1/2), log_dt ~ U[log 1e-3, log 1e-1],
