@@ -1,5 +1,6 @@
 """Shared pieces of the JAX backend's tests: XLA:CPU compile settings, the float64 scope, the
-reference's layout and a child process with several host devices."""
+reference's layout, FPA inputs and expected values in the backend's layout, and a child process
+with several host devices."""
 
 import os
 import subprocess
@@ -15,6 +16,9 @@ os.environ.setdefault(
 import jax
 import numpy as np
 import pytest
+from drawers import attention
+
+from attnspec.conformance.numpy_backend import NumpyBackend
 
 
 @pytest.fixture(autouse=True)
@@ -27,6 +31,30 @@ def x64():
 def canonical(x):
     """[B, T, N, ...] -> (B, N, T, ...), the reference's layout, in float64."""
     return np.swapaxes(np.asarray(x, dtype=np.float64), 1, 2)
+
+
+KINDS = {
+    "walk": {},
+    "brackets": {"field": "brackets", "level": "one_walk"},  # ties everywhere (section 6)
+    "constant": {"field": "constant"},  # every segment minimum is tied
+}
+NUMPY = NumpyBackend()  # the reference as the kit runs it: per packed sequence, GQA by repeats
+
+
+def draw(B, T, N, K, H, Hv, seed=0, field_kind="walk"):
+    """q, k, v, field, level in the [B, T, N, ...] layout: N query heads, K key/value heads."""
+    x = attention(np.random.default_rng(seed), B, T, N, K, H, Hv, **KINDS[field_kind])
+    return tuple(np.swapaxes(a, 1, 2) for a in x)
+
+
+def reference_fpa(q, k, v, field, level, do, dlse, scale=None, cu_seqlens=None):
+    """o, lse and the five gradients by the reference on [B, T, ...] inputs, in its layout."""
+    inputs = {"q": q, "k": k, "v": v, "field": field, "level": level}
+    inputs = {name: canonical(x) for name, x in inputs.items()}
+    o, lse = NUMPY.fpa_attention(**inputs, scale=scale, cu_seqlens=cu_seqlens, return_lse=True)
+    params = {"scale": scale, "cu_seqlens": cu_seqlens}
+    g = NUMPY.vjp("fpa_attention", inputs, params, {"o": canonical(do), "lse": canonical(dlse)})
+    return o, lse, tuple(g[name] for name in inputs)
 
 
 def run_on_host_devices(code: str, timeout: float, devices: int = 4) -> str:

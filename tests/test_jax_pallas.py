@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax_support import canonical, x64  # noqa: F401  (x64: autouse fixture)
+from drawers import gated
+from jax_support import canonical, draw, reference_fpa, x64  # noqa: F401  (x64: autouse fixture)
 
 from attnspec.backends.jax import fox_attention, fpa_attention, fpa_mosaic, fpa_pallas
 from attnspec.conformance.metrics import relative_error as rel
@@ -19,30 +20,9 @@ from attnspec.conformance.tolerances import tolerance
 from attnspec.reference import fpa as ref
 
 
-def inputs(B, T, N, K, H, Hv, seed, kind="walk"):
-    rng = np.random.default_rng(seed)
-    q = rng.standard_normal((B, T, N, H))
-    k = rng.standard_normal((B, T, K, H))
-    v = rng.standard_normal((B, T, K, Hv))
-    if kind == "brackets":  # ties in every segment minimum, level = field
-        field = np.cumsum(rng.choice([1.0, -1.0, 0.0], (B, T, N)), axis=1)
-        return q, k, v, field, field.copy()
-    field = np.cumsum(rng.standard_normal((B, T, N)), axis=1)
-    return q, k, v, field, field + rng.standard_normal((B, T, N))
-
-
 def grads_of(fn, args, cotangent):
     out, pullback = jax.vjp(fn, *(jnp.asarray(a) for a in args))
     return out, pullback(cotangent)
-
-
-def expected_fpa(args, do, dlse, G):
-    q, k, v, field, level = (canonical(a) for a in args)
-    k, v = np.repeat(k, G, axis=1), np.repeat(v, G, axis=1)
-    o, lse = ref.fpa_attention(q, k, v, field, level, return_lse=True)
-    g = ref.fpa_attention_vjp(q, k, v, field, level, canonical(do), d_lse=canonical(dlse))
-    fold = lambda x: x.reshape(x.shape[0], -1, G, *x.shape[2:]).sum(2)  # noqa: E731
-    return o, lse, [g.dq, fold(g.dk), fold(g.dv), g.dfield, g.dlevel]
 
 
 @pytest.mark.parametrize(
@@ -54,7 +34,7 @@ def expected_fpa(args, do, dlse, G):
     ],
 )
 def test_fpa_kernels_match_the_reference(B, T, N, K, kind, cu):
-    args = inputs(B, T, N, K, 8, 5, seed=T + N, kind=kind)
+    args = draw(B, T, N, K, 8, 5, seed=T + N, field_kind=kind)
     rng = np.random.default_rng(0)
     do, dlse = rng.standard_normal((B, T, N, 5)), rng.standard_normal((B, T, N))
 
@@ -64,29 +44,22 @@ def test_fpa_kernels_match_the_reference(B, T, N, K, kind, cu):
         )
 
     (o, lse), grads = grads_of(fn, args, (jnp.asarray(do), jnp.asarray(dlse)))
-    parts = [(0, T)] if cu is None else list(itertools.pairwise(cu))
-    for start, stop in parts:
-        window = slice(start, stop)
-        expected = expected_fpa(
-            [a[:, window] for a in args], do[:, window], dlse[:, window], N // K
-        )
-        assert rel(canonical(o[:, window]), expected[0]) <= 1e-12
-        assert rel(np.swapaxes(lse[:, window], 1, 2), expected[1]) <= 1e-12
-        for g, r in zip(grads, expected[2], strict=True):
-            g = np.asarray(g)[:, window]
-            assert rel(canonical(g), r) <= 1e-12
+    o_ref, lse_ref, g_ref = reference_fpa(*args, do, dlse, cu_seqlens=cu)
+    for start, stop in itertools.pairwise(cu or (0, T)):  # each sequence on its own scale
+        w = slice(start, stop)
+        assert rel(canonical(o[:, w]), o_ref[:, :, w]) <= 1e-12
+        assert rel(canonical(lse[:, w]), lse_ref[:, :, w]) <= 1e-12
+        for g, r in zip(grads, g_ref, strict=True):
+            assert rel(canonical(g[:, w]), r[:, :, w]) <= 1e-12
 
 
 def test_fox_kernels_match_the_reference_with_unit_gates():
     B, T, N, H = 1, 40, 2, 8
     rng = np.random.default_rng(1)
-    q, k, v = rng.standard_normal((3, B, T, N, H))
-    log_f = -rng.exponential(0.5, (B, T, N))
-    log_f[rng.random(log_f.shape) < 0.4] = 0.0  # f = 1: ties of (F6)
+    args = gated(rng, B, T, N, N, H, H, unit=0.4)  # f = 1: ties of (F6); the reference layout
     do = rng.standard_normal((B, T, N, H))
     fn = lambda *a: fox_attention(*a, implementation="pallas", block_size=16)  # noqa: E731
-    o, grads = grads_of(fn, (q, k, v, log_f), jnp.asarray(do))
-    args = [canonical(a) for a in (q, k, v, log_f)]
+    o, grads = grads_of(fn, [np.swapaxes(a, 1, 2) for a in args], jnp.asarray(do))
     assert rel(canonical(o), ref.fox_attention_direct(*args)) <= 1e-12
     for g, r in zip(grads, ref.fox_attention_vjp(*args, canonical(do)), strict=True):
         assert rel(canonical(g), r) <= 1e-12
@@ -94,7 +67,7 @@ def test_fox_kernels_match_the_reference_with_unit_gates():
 
 def _pallas_and_xla(dtype):
     """Outputs, lse and gradients of the kernels and of the XLA loop on the same inputs."""
-    args = inputs(1, 40, 2, 1, 16, 8, seed=2)
+    args = draw(1, 40, 2, 1, 16, 8, seed=2)
     typed = [jnp.asarray(a, dtype if i < 3 else "float32") for i, a in enumerate(args)]
     rng = np.random.default_rng(3)
     do = jnp.asarray(rng.standard_normal((1, 40, 2, 8)), dtype)
@@ -129,7 +102,7 @@ def test_kernels_round_the_second_products_operands_in_low_precision(dtype):
     typed, do, dlse, pallas, xla = _pallas_and_xla(dtype)
     u = float(jnp.finfo(dtype).eps) / 2
     seen = [np.asarray(a, np.float64) for a in typed]
-    expected = expected_fpa(seen, np.asarray(do, np.float64), np.asarray(dlse, np.float64), 2)
+    expected = reference_fpa(*seen, np.asarray(do, np.float64), np.asarray(dlse, np.float64))
     for got, twin, x in zip(pallas[2:], xla[2:], typed, strict=True):
         assert got.dtype == twin.dtype == x.dtype
     o_err = rel(canonical(pallas[0]), expected[0])
@@ -144,7 +117,7 @@ def test_kernels_round_the_second_products_operands_in_low_precision(dtype):
 def test_vmap_of_grad_through_the_kernels():
     """The kernels batch under vmap (the pallas_call batching rule) inside the custom VJP."""
     E, T, N, H = 2, 20, 2, 8
-    args = inputs(E, T, N, N, H, H, seed=4)
+    args = draw(E, T, N, N, H, H, seed=4)
     args = [a[:, None] for a in args]  # an extra leading axis over examples, B = 1
     w = np.random.default_rng(5).standard_normal((E, 1, T, N, H))
 
@@ -154,11 +127,10 @@ def test_vmap_of_grad_through_the_kernels():
 
     grads = jax.vmap(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(*map(jnp.asarray, (*args, w)))
     for e in range(E):
-        x = [canonical(a[e]) for a in args[:3]] + [np.swapaxes(a[e], 1, 2) for a in args[3:]]
+        x = [canonical(a[e]) for a in args]
         expected = ref.fpa_attention_vjp(*x, canonical(w[e]))
         for got, want in zip(grads, expected, strict=True):
-            got = np.asarray(got[e])
-            assert rel(canonical(got), want) < 1e-12
+            assert rel(canonical(got[e]), want) < 1e-12
 
 
 def custom_calls(lowered, target=""):
@@ -352,7 +324,7 @@ def test_mosaic_kernels_match_the_reference(kind, cu):
     which round p the same way (at most one rounding of p apart, u); the gradients (the
     Mosaic GPU backward) against the reference; no race found by the interpreter."""
     B, T, N, K, H, Hv, dtype = 1, 100, 2, 1, 32, 16, "bfloat16"
-    q, k, v, field, level = inputs(B, T, N, K, H, Hv, seed=6, kind="brackets")  # ties
+    q, k, v, field, level = draw(B, T, N, K, H, Hv, seed=6, field_kind="brackets")  # ties
     if kind == "fpa":
         args = [jnp.asarray(a, dtype) for a in (q, k, v)] + [
             jnp.asarray(a, jnp.float32) for a in (field, level)
