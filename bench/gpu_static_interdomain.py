@@ -66,13 +66,19 @@ _STATE_PASSES = (
     "_legs_state_pass",
     "_legs_reverse_state_pass",
 )
+_S4D_CHUNK = ("_s4d_query", "_s4d_output", "_s4d_bwd_modes", "_s4d_bwd_inputs")
 ASSERTED: set[tuple[str, str]] = (
     {("no_mma_sync", k) for k in (*_STATE_PASSES, "_s4d_step", "_legs_step")}
     | {("no_spill", k) for k in _STATE_PASSES}
-    | {("no_spill", k) for k in ("_s4d_output", "_s4d_bwd_modes", "_s4d_bwd_inputs")}
+    | {("no_spill", k) for k in (*_S4D_CHUNK, "_s4d_step", "_legs_step")}
     | {("no_spill", k) for k in ("_legs_output", "_legs_bwd_readout", "_legs_bwd_modes")}
-    | {("no_spill", k) for k in ("_legs_bwd_inputs", "_legs_step", "_s4d_step")}
+    | {("no_spill", "_legs_bwd_inputs")}
     | {("flops", "S4D fwd"), ("flops", "S4D fwd+bwd")}
+    # the chunk-wide option (compiled unless --no-variant): wgmma throughout, the forward's
+    # chunk products without spill
+    | {("no_mma_sync", f"{CHUNK_WIDE}: {k}") for k in (*_STATE_PASSES[:3], *_S4D_CHUNK)}
+    | {("no_spill", f"{CHUNK_WIDE}: {k}") for k in (*_STATE_PASSES[:3], "_s4d_query")}
+    | {("flops", f"{CHUNK_WIDE} fwd")}
 )
 
 
@@ -274,7 +280,7 @@ def _ours_costs(name: str, a: dict[str, Any], grid: tuple[int, ...], n: int) -> 
         if name == "_legs_reverse_state_pass":
             return blocks * legs_step, _size(a["dstates"])
         raise NotImplementedError(name)
-    BS, BR, BV = a["BS"], a["BR"], a["BV"]
+    BS, BR, BV = a["BS"], a.get("BR", 0), a.get("BV", 0)
     BB = a.get("BB", BS)  # S4D: tokens per diagonal block
     NB, NS = BS // BB, BT // BS
     e_off = NB * (NS - 1) / 2 + NB - 1  # earlier blocks of the chunk per program, on average
@@ -283,7 +289,7 @@ def _ours_costs(name: str, a: dict[str, Any], grid: tuple[int, ...], n: int) -> 
     # S0 (or D) tiles read per program: keys M x R, values M x V, the ones column M; complex
     # float32 for S4D, float32 for LegS
     width = 8 if name.startswith("_s4d") else 4
-    key, value, ones = (a["M"] * x * width for x in (a["R"], a["V"], 1))
+    key, value, ones = (a["M"] * x * width for x in (a["R"], a.get("V", 0), 1))
     ratio = a.get("RATIO", False)
     sq = BS * BS
 
@@ -305,14 +311,16 @@ def _ours_costs(name: str, a: dict[str, Any], grid: tuple[int, ...], n: int) -> 
 
     mix = 8 * BS * BM * BM  # qe = G p: four [BS, BM] x [BM, BM]
 
-    if name == "_s4d_output":  # p (keys), qe, o (values), den (ones)
-        per = s4d_state(BR) + chunk_sum(BR) + mix + readout(BV, e_off)
-        tile = key + value + ratio * ones
+    if name == "_s4d_query":  # p (keys), qe
+        per, tile = s4d_state(BR) + chunk_sum(BR) + mix, key
+    elif name == "_s4d_output":  # o (values), den (ones)
+        per, tile = readout(BV, e_off), value + ratio * ones
     elif name == "_s4d_bwd_modes":  # p, g(qe), g(p), dfq (+ num, den)
         per = s4d_state(BR) + chunk_sum(BR, True) + s4d_state(BV) + chunk_sum(BV, True)
         per += 2 * mix + readout(BR, e_off) + ratio * readout(BV, e_off)
         tile = 2 * key + value + ratio * (value + 2 * ones)
-    elif name == "_s4d_bwd_inputs":  # the transposed gated attention over the later blocks
+    elif name == "_s4d_bwd_inputs":  # the transposed gated attention over the later blocks;
+        n //= 2  # grid (sub-chunks, H, 2): a key-side and a value-side program per sub-chunk
         per, tile = readout(BR, e_adj) + readout(BV, e_adj), key + value
     elif name == "_legs_output":  # the readout has the products of the modes
         per, tile = legs_modes(BR) + legs_modes(BV), key + value

@@ -27,17 +27,23 @@ from .triton_chunks import (
     check_param,
     flat,
     layout,
+    load_modes,
     load_rows,
     operand_type,
     pow2,
     sequences,
     state_tile,
+    store_modes,
     store_rows,
     sub_chunk,
 )
 from .triton_fpa import _bf16_nearest
 
 __all__ = ["s4d_fwd", "s4d_step"]
+
+# Software-pipeline depth of the forward's chunk programs: with Triton's default (3) the 64-row
+# readout holds more prefetched tiles than the registers fit (static gate: 96 B spilled).
+OUTPUT_STAGES = 2
 
 
 # --------------------------------------------------------------------------------------------
@@ -454,17 +460,59 @@ def _s4d_state_pass(
 
 
 @triton.jit
-def _s4d_output(
+def _s4d_query(
     fq: tl.tensor,
     kt: tl.tensor,
+    states: tl.tensor,
+    pw: tl.tensor,
+    b: tl.tensor,
+    gmat: tl.tensor,
+    sub_info: tl.tensor,
+    qe_buf: tl.tensor,
+    H: tl.tensor,
+    R: tl.tensor,
+    M: tl.tensor,
+    C: tl.tensor,
+    BT: tl.constexpr,
+    BS: tl.constexpr,
+    BB: tl.constexpr,
+    BR: tl.constexpr,
+    BM: tl.constexpr,
+    TAB: tl.constexpr,
+    DIAG_LOOP: tl.constexpr,
+    ACC: tl.constexpr,
+    PREC: tl.constexpr,
+) -> None:
+    """(I12) for the rows of one sub-chunk: p_t = x^K_t fq_t, qe_t = G p_t [S1], kept in
+    qe_buf [T, H, 2, BM] for :func:`_s4d_output` (a program of its own: with the readout's a
+    64-row program would not fit the registers). Grid (sub-chunks, H)."""
+    i_p, i_h = tl.program_id(0), tl.program_id(1)
+    t0, t1, g, i_s, _ = sub_chunk(sub_info, i_p)
+    sc = (t0, t1, i_s, i_h, H)
+    tok, m_t, _ = rows_of(sc, BS)
+    o_m = tl.arange(0, BM)
+    pw_h = pw + i_h * 2 * TAB
+    b_q = load_rows(fq, tok, i_h, H, R, tl.arange(0, BR), m_t, ACC)
+    t = _s4d_chunk_sum(b_q, kt, R, pw_h, sc, BT, BS, BB, BR, BM, TAB, DIAG_LOOP, ACC, PREC)
+    p = cmul(b_modes(b, i_h, M, BM, ACC), t)  # b t_t, then the state part
+    s0 = states + (g * H + i_h).to(tl.int64) * M * C * 2
+    s_re, s_im = state_tile(s0, 0, R, C, M, BR, BM, True)
+    y = tl.dot(b_q, s_re, input_precision=PREC), tl.dot(b_q, s_im, input_precision=PREC)
+    p = cadd(p, cmul(pow_at(pw_h, (tok - t0 + 1)[:, None], o_m[None, :], TAB, BM), y))
+    qe = s4d_mix(p, gmat + i_h * 2 * BM * BM, BM, PREC)  # C folded in
+    store_modes(qe_buf, qe[0], qe[1], tok, i_h, H, m_t, BM)
+
+
+@triton.jit
+def _s4d_output(
     vt: tl.tensor,
     o: tl.tensor,
     states: tl.tensor,
     pw: tl.tensor,
     gs: tl.tensor,
     b: tl.tensor,
-    gmat: tl.tensor,
     sub_info: tl.tensor,
+    qe_buf: tl.tensor,
     H: tl.tensor,
     R: tl.tensor,
     V: tl.tensor,
@@ -473,7 +521,6 @@ def _s4d_output(
     BT: tl.constexpr,
     BS: tl.constexpr,
     BB: tl.constexpr,
-    BR: tl.constexpr,
     BV: tl.constexpr,
     BM: tl.constexpr,
     TAB: tl.constexpr,
@@ -482,24 +529,17 @@ def _s4d_output(
     ACC: tl.constexpr,
     PREC: tl.constexpr,
 ) -> None:
-    """(I12)-(I13) for the rows of one sub-chunk: p_t = x^K_t fq_t, qe_t = G p_t,
-    o_t = Re(qe_t^H x^V_t), divided by Re(qe_t^H x^1_t) for the ratio readout [S1].
+    """(I13) for the rows of one sub-chunk: o_t = Re(qe_t^H x^V_t), divided by
+    Re(qe_t^H x^1_t) for the ratio readout [S3], qe from :func:`_s4d_query`.
     Grid (sub-chunks, H)."""
     i_p, i_h = tl.program_id(0), tl.program_id(1)
     t0, t1, g, i_s, _ = sub_chunk(sub_info, i_p)
     sc = (t0, t1, i_s, i_h, H)
     tok, m_t, _ = rows_of(sc, BS)
-    o_m = tl.arange(0, BM)
     b_c = b_modes(b, i_h, M, BM, ACC)
     pw_h = pw + i_h * 2 * TAB
     s0 = states + (g * H + i_h).to(tl.int64) * M * C * 2
-    fi = pow_at(pw_h, (tok - t0 + 1)[:, None], o_m[None, :], TAB, BM)  # Lambda^(t-t0+1)
-    b_q = load_rows(fq, tok, i_h, H, R, tl.arange(0, BR), m_t, ACC)
-    s_re, s_im = state_tile(s0, 0, R, C, M, BR, BM, True)
-    y = tl.dot(b_q, s_re, input_precision=PREC), tl.dot(b_q, s_im, input_precision=PREC)
-    t = _s4d_chunk_sum(b_q, kt, R, pw_h, sc, BT, BS, BB, BR, BM, TAB, DIAG_LOOP, ACC, PREC)
-    p = cadd(cmul(fi, y), cmul(b_c, t))  # p_t = Lambda^(t-t0+1) S0 q_t + b t_t
-    qe = s4d_mix(p, gmat + i_h * 2 * BM * BM, BM, PREC)  # (I12) C folded in
+    qe = load_modes(qe_buf, tok, i_h, H, m_t, BM)
     out = s4d_readout(
         qe, vt, V, s0, R, pw_h, b_c, sc, C, M, BT, BS, BB, BV, BM, TAB, DIAG_LOOP, ACC, PREC
     )
@@ -647,21 +687,24 @@ def s4d_fwd(
     plan = s4d_plan(fq, kt, vt, lam, b, c, readout, cu_seqlens, initial_state)
     fq_, kt_, vt_ = flat(fq), flat(kt), flat(vt)
     states, final = s4d_state_pass_launch(plan, kt_, vt_, initial_state)
+    lay, sizes, tiles = plan.layout, plan.sizes, plan.tiles
+    qe = torch.empty(fq_.shape[0], sizes["H"], 2, tiles["BM"], dtype=plan.acc, device=fq.device)
+    common = dict(states=states, pw=plan.tables.pw, b=plan.b, sub_info=lay.sub_info, qe_buf=qe)
+    common |= dict(num_stages=OUTPUT_STAGES, H=sizes["H"], R=sizes["R"], M=sizes["M"], C=sizes["C"])
+    tiles = {k: x for k, x in tiles.items() if k not in ("BR", "BV")}
+    _s4d_query[plan.grid_sub](
+        fq=fq_, kt=kt_, gmat=plan.gmat, BR=plan.tiles["BR"], **common, **tiles
+    )
     o = torch.empty_like(vt_)
     _s4d_output[plan.grid_sub](
-        fq=fq_,
-        kt=kt_,
         vt=vt_,
         o=o,
-        states=states,
-        pw=plan.tables.pw,
         gs=plan.tables.gs,
-        b=plan.b,
-        gmat=plan.gmat,
-        sub_info=plan.layout.sub_info,
         RATIO=plan.ratio,
-        **plan.sizes,
-        **plan.tiles,
+        V=sizes["V"],
+        BV=plan.tiles["BV"],
+        **common,
+        **tiles,
     )
     return o.reshape(vt.shape), final
 

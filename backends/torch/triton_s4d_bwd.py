@@ -487,22 +487,25 @@ def _s4d_bwd_inputs(
     PREC: tl.constexpr,
 ) -> None:
     """dz_t = Re(conj(b)^T gx_t) for the rows of one sub-chunk [S5]: dkt from (g(p), fq, D^K)
-    and dvt from (qe, dnum, D^V). Grid (sub-chunks, H)."""
+    and dvt from (qe, dnum, D^V), in programs of their own (a 64-row program with both would not
+    fit the registers). Grid (sub-chunks, H, 2): key side, value side."""
     i_p, i_h = tl.program_id(0), tl.program_id(1)
     t0, t1, g, j_s, _ = sub_chunk(sub_info, i_p)
     sc = (t0, t1, j_s, i_h, H)
     tok, m_t, _ = rows_of(sc, BS)
-    b_c = b_modes(b, i_h, M, BM, ACC)
-    pw_h = pw + i_h * 2 * TAB
-    d_st = dstates + (g * H + i_h).to(tl.int64) * M * C * 2
-    dk = _s4d_adjoint_inputs(
-        gp_buf, fq, R, d_st, 0, pw_h, b_c, sc, C, M, BT, BS, BB, BR, BM, TAB, DIAG_LOOP, ACC, PREC
-    )
-    store_rows(dkt, dk, tok, i_h, H, R, tl.arange(0, BR), m_t)
-    dv = _s4d_adjoint_inputs(
-        qe_buf, dnum, V, d_st, R, pw_h, b_c, sc, C, M, BT, BS, BB, BV, BM, TAB, DIAG_LOOP, ACC, PREC
-    )
-    store_rows(dvt, dv, tok, i_h, H, V, tl.arange(0, BV), m_t)
+    bc = b_modes(b, i_h, M, BM, ACC)
+    pw = pw + i_h * 2 * TAB
+    ds = dstates + (g * H + i_h).to(tl.int64) * M * C * 2
+    if tl.program_id(2) == 0:
+        dk = _s4d_adjoint_inputs(
+            gp_buf, fq, R, ds, 0, pw, bc, sc, C, M, BT, BS, BB, BR, BM, TAB, DIAG_LOOP, ACC, PREC
+        )
+        store_rows(dkt, dk, tok, i_h, H, R, tl.arange(0, BR), m_t)
+    else:
+        dv = _s4d_adjoint_inputs(
+            qe_buf, dnum, V, ds, R, pw, bc, sc, C, M, BT, BS, BB, BV, BM, TAB, DIAG_LOOP, ACC, PREC
+        )
+        store_rows(dvt, dv, tok, i_h, H, V, tl.arange(0, BV), m_t)
 
 
 # --------------------------------------------------------------------------------------------
@@ -619,7 +622,7 @@ def s4d_bwd(
         **plan.state_tiles,
     )
     dkt, dvt = torch.empty_like(kt_), torch.empty_like(vt_)
-    _s4d_bwd_inputs[plan.grid_sub](
+    _s4d_bwd_inputs[(*plan.grid_sub, 2)](
         fq=fq_,
         dnum=dnum,
         qe_buf=qe_buf,
