@@ -18,7 +18,6 @@ kernels (``fpa_mosaic``, 16-bit inputs), which produce the same partial sums too
 from __future__ import annotations
 
 import functools
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, overload
@@ -27,6 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike, DTypeLike
+
+from attnspec.reference.packing import Packing
 
 from . import blockwise, tiles
 from . import validation as check
@@ -75,8 +76,7 @@ def _segments(cu_seqlens: tuple[int, ...] | None, Tp: int, bs: int) -> jax.Array
     if cu_seqlens is None:
         return None
     seg = np.full(Tp, len(cu_seqlens), dtype=np.int32)
-    for n, (start, stop) in enumerate(itertools.pairwise(cu_seqlens)):
-        seg[start:stop] = n
+    seg[: cu_seqlens[-1]] = Packing(cu_seqlens).segment_ids()
     return jnp.asarray(seg.reshape(Tp // bs, bs))
 
 

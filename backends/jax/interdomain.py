@@ -18,7 +18,6 @@ host (float64) once per (T, M, L), so the readout (I3) never materialises a stat
 from __future__ import annotations
 
 import functools
-import itertools
 from collections.abc import Sequence
 from typing import NamedTuple, TypedDict
 
@@ -30,6 +29,7 @@ from jax.typing import ArrayLike, DTypeLike
 from numpy.typing import NDArray
 
 from attnspec.reference import hippo
+from attnspec.reference.packing import Packing
 
 from . import validation as check
 
@@ -79,8 +79,7 @@ def _segment_gates(cu_seqlens: tuple[int, ...] | None, Tp: int, L: int) -> _Segm
     if cu_seqlens is None:
         return None
     ids = np.full(Tp, len(cu_seqlens), dtype=np.int64)
-    for n, (start, stop) in enumerate(itertools.pairwise(cu_seqlens)):
-        ids[start:stop] = n
+    ids[: cu_seqlens[-1]] = Packing(cu_seqlens).segment_ids()
     seg = ids.reshape(-1, L)
     before = np.concatenate([[-1], seg[:-1, -1]])  # segment of the token before each chunk
     return _SegmentGates(
