@@ -74,11 +74,12 @@ ASSERTED: set[tuple[str, str]] = (
     | {("no_spill", k) for k in ("_legs_output", "_legs_bwd_readout", "_legs_bwd_modes")}
     | {("no_spill", "_legs_bwd_inputs")}
     | {("flops", "S4D fwd"), ("flops", "S4D fwd+bwd")}
-    # the chunk-wide option (compiled unless --no-variant): wgmma throughout, the forward's
-    # chunk products without spill
+    # the chunk-wide option (compiled unless --no-variant): wgmma throughout, its query program
+    # without spill, forward FLOPs and state bytes
     | {("no_mma_sync", f"{CHUNK_WIDE}: {k}") for k in (*_STATE_PASSES[:3], *_S4D_CHUNK)}
     | {("no_spill", f"{CHUNK_WIDE}: {k}") for k in (*_STATE_PASSES[:3], "_s4d_query")}
     | {("flops", f"{CHUNK_WIDE} fwd")}
+    | {("state_bytes", f"{CHUNK_WIDE} {p}") for p in ("fwd", "fwd+bwd")}
 )
 
 
@@ -287,8 +288,9 @@ def _ours_costs(name: str, a: dict[str, Any], grid: tuple[int, ...], n: int) -> 
     e_adj = BT // BB - 1 - NB * (NS - 1) / 2  # later blocks of the chunk per program
     diag = 0 if a.get("DIAG_LOOP", True) else 1  # the [BS, BS] tile form of the diagonal
     # S0 (or D) tiles read per program: keys M x R, values M x V, the ones column M; complex
-    # float32 for S4D, float32 for LegS
-    width = 8 if name.startswith("_s4d") else 4
+    # (two planes) for S4D, real for LegS, in the stored states' dtype
+    st = a["states"] if a.get("states") is not None else a["dstates"]
+    width = st.element_size() * (2 if name.startswith("_s4d") else 1)
     key, value, ones = (a["M"] * x * width for x in (a["R"], a.get("V", 0), 1))
     ratio = a.get("RATIO", False)
     sq = BS * BS

@@ -41,8 +41,8 @@ from .triton_fpa import _bf16_nearest
 
 __all__ = ["s4d_fwd", "s4d_step"]
 
-# Software-pipeline depth of the forward's chunk programs: with Triton's default (3) the 64-row
-# readout holds more prefetched tiles than the registers fit (static gate: 96 B spilled).
+# Software-pipeline depth of the chunk programs of the forward and of _s4d_bwd_modes: with
+# Triton's default (3) they hold more prefetched tiles than the registers fit (static gate).
 OUTPUT_STAGES = 2
 
 
@@ -369,6 +369,7 @@ def ones_readout(
     k_i = (tok - sc[0] + 1)[:, None]
     ptr = s0 + (o_m * C + c_one) * 2
     s1 = tl.load(ptr, mask=o_m < M, other=0.0), tl.load(ptr + 1, mask=o_m < M, other=0.0)
+    s1 = s1[0].to(tabs[0].dtype.element_ty), s1[1].to(tabs[0].dtype.element_ty)  # as stored
     g = pow_at(tabs[1], k_i, o_m[None, :], TAB, BM)
     x1 = cadd(
         cmul(pow_at(tabs[0], k_i, o_m[None, :], TAB, BM), (s1[0][None, :], s1[1][None, :])),
@@ -435,8 +436,8 @@ def _s4d_state_pass(
         t0 = bos + k * BT
         L = tl.minimum(BT, eos - t0)
         p_st = states + ((g0 + k) * H + i_h).to(tl.int64) * M * C * 2 + p_hm
-        tl.store(p_st, s_re, mask=m_hm)
-        tl.store(p_st + 1, s_im, mask=m_hm)
+        tl.store(p_st, s_re.to(states.dtype.element_ty), mask=m_hm)  # 16-bit for bf16 inputs
+        tl.store(p_st + 1, s_im.to(states.dtype.element_ty), mask=m_hm)
         tok = t0 + o_t
         m_t = o_t < L
         if i_c < NKB:
@@ -497,6 +498,7 @@ def _s4d_query(
     p = cmul(b_modes(b, i_h, M, BM, ACC), t)  # b t_t, then the state part
     s0 = states + (g * H + i_h).to(tl.int64) * M * C * 2
     s_re, s_im = state_tile(s0, 0, R, C, M, BR, BM, True)
+    s_re, s_im = s_re.to(ACC), s_im.to(ACC)
     y = tl.dot(b_q, s_re, input_precision=PREC), tl.dot(b_q, s_im, input_precision=PREC)
     p = cadd(p, cmul(pow_at(pw_h, (tok - t0 + 1)[:, None], o_m[None, :], TAB, BM), y))
     qe = s4d_mix(p, gmat + i_h * 2 * BM * BM, BM, PREC)  # C folded in
@@ -571,6 +573,15 @@ class S4DPlan(NamedTuple):
     tiles: dict[str, Any]  # constexpr tile sizes of the output-pass kernels
     state_tiles: dict[str, Any]  # ... and of the state-pass kernels
     operands: tuple[Any, bool]  # the forward state pass's product type, bf16 rounding emulated
+    stored: torch.dtype  # dtype of the chunk states between the passes (see :func:`stored_type`)
+
+
+def stored_type(dtype: torch.dtype, acc: torch.dtype) -> torch.dtype:
+    """dtype of the chunk states (and adjoint states) the state passes store and the chunk
+    programs read: bfloat16 for bfloat16 inputs (chunk_gla stores its states in the inputs'
+    dtype; bfloat16 has float32's range), else the accumulation dtype. The passes carry the
+    states in float32 from chunk to chunk; only the stored copies are rounded."""
+    return torch.bfloat16 if dtype == torch.bfloat16 else acc
 
 
 def s4d_plan(
@@ -627,6 +638,7 @@ def s4d_plan(
         tiles=dict(**sub, **common),
         state_tiles=dict(BC=BC, RATIO=ratio, **common),
         operands=(OP, ROUND_BF16),
+        stored=stored_type(fq.dtype, acc),
     )
 
 
@@ -635,7 +647,7 @@ def s4d_state_pass_launch(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     lay, sizes = plan.layout, plan.sizes
     shape = (sizes["H"], sizes["M"], sizes["C"], 2)
-    states = torch.empty(lay.n_chunks, *shape, dtype=plan.acc, device=kt.device)
+    states = torch.empty(lay.n_chunks, *shape, dtype=plan.stored, device=kt.device)
     final = torch.empty(lay.N, *shape, dtype=plan.acc, device=kt.device)
     _s4d_state_pass[plan.grid_states](
         kt=kt,

@@ -26,6 +26,7 @@ from .triton_chunks import (
     sub_chunk,
 )
 from .triton_s4d import (
+    OUTPUT_STAGES,
     b_modes,
     cadd,
     cmul,
@@ -245,6 +246,7 @@ def _s4d_bwd_modes(
     # key side: p and dp/dLambda at fixed S0
     b_q = load_rows(fq, tok, i_h, H, R, tl.arange(0, BR), m_t, ACC)
     s_re, s_im = state_tile(s0, 0, R, C, M, BR, BM, True)
+    s_re, s_im = s_re.to(ACC), s_im.to(ACC)
     y = tl.dot(b_q, s_re, input_precision=PREC), tl.dot(b_q, s_im, input_precision=PREC)
     pt, pd = _s4d_chunk_sum_dlam(
         b_q, kt, R, pw_h, dpw_h, sc, BT, BS, BB, BR, BM, TAB, DIAG_LOOP, ACC, PREC
@@ -266,6 +268,7 @@ def _s4d_bwd_modes(
         store_rows(dnum_buf, dnum, tok, i_h, H, V, o_v, m_t)
         tl.store(dden_buf + tok.to(tl.int64) * H + i_h, dden, mask=m_t)
     s_re, s_im = state_tile(s0, R, V, C, M, BV, BM, True)
+    s_re, s_im = s_re.to(ACC), s_im.to(ACC)
     y = tl.dot(dnum, s_re, input_precision=PREC), tl.dot(dnum, s_im, input_precision=PREC)
     gqt, gqd = _s4d_chunk_sum_dlam(
         dnum, vt, V, pw_h, dpw_h, sc, BT, BS, BB, BV, BM, TAB, DIAG_LOOP, ACC, PREC
@@ -357,8 +360,8 @@ def _s4d_reverse_state_pass(
         t0 = bos + k * BT
         L = tl.minimum(BT, eos - t0)
         off = ((g0 + k) * H + i_h).to(tl.int64) * M * C * 2 + p_hm
-        tl.store(dstates + off, d_re, mask=m_hm)
-        tl.store(dstates + off + 1, d_im, mask=m_hm)
+        tl.store(dstates + off, d_re.to(dstates.dtype.element_ty), mask=m_hm)
+        tl.store(dstates + off + 1, d_im.to(dstates.dtype.element_ty), mask=m_hm)
         tok = t0 + o_t
         m_t = o_t < L
         if i_c < NKB:
@@ -421,10 +424,10 @@ def _s4d_chunk_grads(
     c_loc, c_st, m_c = channel_block(i_c, NKB, R, CV, BC)
     off = (i_g * H + i_h).to(tl.int64) * M * C * 2 + (o_m[:, None] * C + c_st[None, :]) * 2
     m_hm = (o_m < M)[:, None] & m_c[None, :]
-    s_re = tl.load(states + off, mask=m_hm, other=0.0)
-    s_im = tl.load(states + off + 1, mask=m_hm, other=0.0)
-    d_re = tl.load(dstates + off, mask=m_hm, other=0.0)
-    d_im = tl.load(dstates + off + 1, mask=m_hm, other=0.0)
+    s_re = tl.load(states + off, mask=m_hm, other=0.0).to(ACC)
+    s_im = tl.load(states + off + 1, mask=m_hm, other=0.0).to(ACC)
+    d_re = tl.load(dstates + off, mask=m_hm, other=0.0).to(ACC)
+    d_im = tl.load(dstates + off + 1, mask=m_hm, other=0.0).to(ACC)
     b_re, b_im = b_modes(b, i_h, M, BM, ACC)
     pw_h = pw + i_h * 2 * TAB
     dpw_h = dpw + i_h * 2 * TAB
@@ -580,10 +583,15 @@ def s4d_bwd(
         gb_part=gb1,
         RATIO=plan.ratio,
         **sizes,
+        num_stages=OUTPUT_STAGES,
         **plan.tiles,
     )
     dstates = torch.empty_like(states)
-    dh0 = torch.empty_like(states[: lay.N]) if initial_state is not None else None
+    dh0 = (
+        torch.empty(states[: lay.N].shape, dtype=acc, device=dev)
+        if initial_state is not None
+        else None
+    )
     _s4d_reverse_state_pass[plan.grid_states](
         fq=fq_,
         dnum=dnum,
