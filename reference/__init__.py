@@ -33,6 +33,7 @@ from .fpa import (
 from .hippo import (
     discrete_orthonormal_basis,
     discretize,
+    legs_chunk_products,
     legs_project,
     legs_project_closed_form,
     legs_step,
@@ -97,6 +98,7 @@ __all__ = [
     "interdomain_s4d",
     "interdomain_s4d_oracle",
     "interdomain_s4d_vjp",
+    "legs_chunk_products",
     "legs_project",
     "legs_project_closed_form",
     "legs_step",

@@ -86,6 +86,40 @@ def legs_step(n: int, M: int) -> tuple[NDArray[np.float64], NDArray[np.float64]]
     return E.copy(), F.copy()
 
 
+def legs_chunk_products(
+    M: int, L: int, stop: int, start: int = 0
+) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+    """(I5) composed across chunks of L tokens: the tables a chunked LegS scan multiplies by.
+
+    For the token at 0-based position p (token n = p + 1) in the chunk that starts at n0:
+    Phi[p] = E_{p+1} ... E_{n0+1} carries the state before the chunk to p, and
+    K[p, j] = E_{p+1} ... E_{n0+j+2} F_{n0+j+1} weighs the input at n0 + j (zero when
+    n0 + j > p), so c_p = Phi[p] c_{n0-1} + sum_j K[p, j] f_{n0+j}. Chunks start at multiples of
+    L; the rows are those of positions start .. stop - 1 (start a multiple of L). The torch,
+    Triton and JAX LegS kernels take their chunk tables from here (reshaped to their layouts).
+
+    Returns:
+        Phi (stop - start, M, M), K (stop - start, L, M), float64.
+
+    Cost: O((stop - start) M^2 (M + L)) time, plus the steps' expm (cached per (n, M)).
+    """
+    M, L = positive_int("M", M), positive_int("L", L)
+    if start < 0 or start % L or stop < start:
+        raise ValueError(
+            f"start: expected a multiple of L = {L} in [0, stop = {stop}], got {start}"
+        )
+    phi = np.zeros((stop - start, M, M))
+    weights = np.zeros((stop - start, L, M))
+    for n0 in range(start, stop, L):
+        P, K = np.eye(M), np.zeros((M, L))
+        for p in range(n0, min(n0 + L, stop)):
+            E, F = _legs_step_cached(p + 1, M)  # (I5) token n = p + 1
+            P, K = E @ P, E @ K
+            K[:, p - n0] = F
+            phi[p - start], weights[p - start] = P, K.T
+    return phi, weights
+
+
 def legs_project(f: ArrayLike, M: int) -> NDArray[np.float64]:
     """Causal LegS projection of a token sequence by the recurrence (I5).
 

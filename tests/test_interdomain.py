@@ -704,3 +704,25 @@ def test_layer_parameters_of_the_wrong_rank_are_named():
     p["norm_v_g"] = np.ones((3, 2))
     with pytest.raises(ValueError, match=re.escape("params['norm_v_g']: expected shape (2, 2)")):
         I.interdomain_layer(np.zeros((1, 3, 4)), p)
+
+
+@pytest.mark.parametrize(("M", "L", "T", "start"), [(3, 4, 10, 0), (4, 8, 24, 8), (2, 1, 3, 1)])
+def test_legs_chunk_products_compose_the_exact_steps(M, L, T, start):
+    """Phi and K of hippo.legs_chunk_products against the recurrence (I5) run token by token
+    from each chunk's start: c_p = Phi[p] c_before + sum_j K[p, j] f_j."""
+    rng = np.random.default_rng(3)
+    phi, K = hippo.legs_chunk_products(M, L, T, start)
+    assert phi.shape == (T - start, M, M) and K.shape == (T - start, L, M)
+    f = rng.standard_normal(T)
+    for n0 in range(start, T, L):
+        before = rng.standard_normal(M)
+        c = before.copy()
+        for p in range(n0, min(n0 + L, T)):
+            E, F = hippo.legs_step(p + 1, M)
+            c = E @ c + F * f[p]
+            j = np.arange(p - n0 + 1)
+            got = phi[p - start] @ before + K[p - start, j].T @ f[n0 + j]
+            np.testing.assert_allclose(got, c, rtol=1e-12, atol=1e-12)
+            assert not K[p - start, p - n0 + 1 :].any()  # inputs after p weigh nothing
+    with pytest.raises(ValueError, match="start: expected a multiple of L"):
+        hippo.legs_chunk_products(M, 4, 8, 2)

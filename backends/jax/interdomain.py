@@ -364,27 +364,16 @@ def _s4d_step(
 
 @functools.lru_cache(maxsize=2)
 def legs_chunk_operators(T: int, M: int, L: int) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
-    """(I5) across chunks of L tokens, float64, from the exact steps E_n, F_n of ``legs_step``.
+    """(I5) across chunks of L tokens, float64: ``hippo.legs_chunk_products`` by chunk.
 
     entry[c, p] (nc, L, M, M) = E_{t0+p+1} ... E_{t0+1}: the state before chunk c carried to
     token p of the chunk (t0 = c L; 1-based steps). inject[c, p, q] (nc, L, L, M) =
     E_{t0+p+1} ... E_{t0+q+2} F_{t0+q+1} for q <= p, else 0: token q's input in the state at p.
     Time O(T M^2 (M + L)) once per (T, M, L); memory O(T M (M + L)).
     """
+    entry, inject = hippo.legs_chunk_products(M, L, T)
     nc = T // L
-    steps = [hippo.legs_step(n, M) for n in range(1, T + 1)]
-    E = np.stack([s[0] for s in steps]).reshape(nc, L, M, M)
-    F = np.stack([s[1] for s in steps]).reshape(nc, L, M)
-    entry = np.zeros((nc, L, M, M))
-    inject = np.zeros((nc, L, L, M))
-    carried = np.broadcast_to(np.eye(M), (nc, M, M))
-    for p in range(L):
-        carried = E[:, p] @ carried
-        entry[:, p] = carried
-        if p:
-            inject[:, p, :p] = np.einsum("cmk,cqk->cqm", E[:, p], inject[:, p - 1, :p])
-        inject[:, p, p] = F[:, p]
-    return entry, inject
+    return entry.reshape(nc, L, M, M), inject.reshape(nc, L, L, M)
 
 
 def _legs_core(

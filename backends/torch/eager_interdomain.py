@@ -426,18 +426,11 @@ _LEGS_CONSTANTS: dict[tuple, list[tuple[Tensor, Tensor]]] = {}
 
 
 def _legs_products(M: int, L: int, index: int) -> tuple[Tensor, Tensor]:
-    """Chunk ``index`` (tokens n = index L + 1 ... index L + L, 1-based) in float64:
-    P [L, M, M], P_t = E_t ... E_{t0}; K [L, L, M], K[t, s] = E_t ... E_{s+1} F_s (0 for s > t)."""
-    G = torch.zeros(M, M + L, dtype=torch.float64)  # [P_t | K[t, :]^T], one step at a time
-    G[:, :M] = torch.eye(M, dtype=torch.float64)
-    P = torch.empty(L, M, M, dtype=torch.float64)
-    K = torch.empty(L, L, M, dtype=torch.float64)
-    for t in range(L):
-        E, F = hippo.legs_step(index * L + t + 1, M)  # (I5)
-        G = torch.from_numpy(E) @ G
-        G[:, M + t] = torch.from_numpy(F)
-        P[t], K[t] = G[:, :M], G[:, M:].T
-    return P, K
+    """Chunk ``index`` (tokens n = index L + 1 ... index L + L, 1-based) in float64, from
+    ``hippo.legs_chunk_products``: P [L, M, M], P_t = E_t ... E_{t0}; K [L, L, M],
+    K[t, s] = E_t ... E_{s+1} F_s (0 for s > t)."""
+    P, K = hippo.legs_chunk_products(M, L, (index + 1) * L, index * L)
+    return torch.from_numpy(P), torch.from_numpy(K)
 
 
 def legs_constants(
