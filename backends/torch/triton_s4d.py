@@ -701,7 +701,8 @@ def s4d_fwd(
     states, final = s4d_state_pass_launch(plan, kt_, vt_, initial_state)
     lay, sizes, tiles = plan.layout, plan.sizes, plan.tiles
     qe = torch.empty(fq_.shape[0], sizes["H"], 2, tiles["BM"], dtype=plan.acc, device=fq.device)
-    common = dict(states=states, pw=plan.tables.pw, b=plan.b, sub_info=lay.sub_info, qe_buf=qe)
+    common: dict[str, Any] = dict(states=states, pw=plan.tables.pw, b=plan.b, qe_buf=qe)
+    common["sub_info"] = lay.sub_info
     common |= dict(num_stages=OUTPUT_STAGES, H=sizes["H"], R=sizes["R"], M=sizes["M"], C=sizes["C"])
     tiles = {k: x for k, x in tiles.items() if k not in ("BR", "BV")}
     _s4d_query[plan.grid_sub](
