@@ -1,7 +1,8 @@
 """The static Hopper gate of the Interdomain kernels (bench/gpu_static_interdomain.py): every
 Triton kernel compiled for sm_90 as the launcher on an H100/H200 would launch it, with the
-asserted budgets (no mma.sync, no spill, FLOPs per token against chunk_gla); and its FLOP and
-state-byte model checked against what each launch executes under the interpreter."""
+asserted budgets (no mma.sync, no spill, FLOPs and state bytes per token against chunk_gla);
+and its FLOP and state-byte model checked against what each launch executes under the
+interpreter."""
 
 import json
 import os
@@ -74,3 +75,8 @@ def test_hopper_gate(tmp_path):
         assert rows[name]["hgmma"] > 0 and rows[name]["hmma"] == 0, name
     cost = report["per_token"]
     assert cost["S4D"]["fwd"]["flops"] <= 2.0 * cost["chunk_gla"]["fwd"]["flops"]
+    # the chunk-wide option's state bytes (bf16 chunk states, one read per chunk)
+    for p in ("fwd", "fwd+bwd"):
+        got = cost["S4D chunk-wide"][p]["state_bytes"]
+        assert got <= 2.0 * cost["chunk_gla"][p]["state_bytes"], p
+    assert not any(r["stack"] for r in rows.values())  # no spill in the default tiling

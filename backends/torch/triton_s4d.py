@@ -694,7 +694,8 @@ def s4d_fwd(
     Returns:
         o [B, T, H, V] in the dtype of fq; the final state [N, H, M, C, 2] in float32
         (float64 for float64 inputs). Time O(T (M (R + V + M) + chunk (R + V + M))) per head;
-        memory O(T / chunk * M (R + V)) for the chunk states.
+        memory O(T / chunk * M (R + V)) for the chunk states (bf16 for bf16 inputs), O(T M)
+        for qe.
     """
     plan = s4d_plan(fq, kt, vt, lam, b, c, readout, cu_seqlens, initial_state)
     fq_, kt_, vt_ = flat(fq), flat(kt), flat(vt)
