@@ -369,7 +369,8 @@ def ones_readout(
     k_i = (tok - sc[0] + 1)[:, None]
     ptr = s0 + (o_m * C + c_one) * 2
     s1 = tl.load(ptr, mask=o_m < M, other=0.0), tl.load(ptr + 1, mask=o_m < M, other=0.0)
-    s1 = s1[0].to(tabs[0].dtype.element_ty), s1[1].to(tabs[0].dtype.element_ty)  # as stored
+    # the states may be stored in bf16 (stored_type): widened to the tables' dtype
+    s1 = s1[0].to(tabs[0].dtype.element_ty), s1[1].to(tabs[0].dtype.element_ty)
     g = pow_at(tabs[1], k_i, o_m[None, :], TAB, BM)
     x1 = cadd(
         cmul(pow_at(tabs[0], k_i, o_m[None, :], TAB, BM), (s1[0][None, :], s1[1][None, :])),
