@@ -17,5 +17,3 @@ try:
     __version__ = _metadata.version("attnspec")
 except _metadata.PackageNotFoundError:  # a source tree that was never installed
     __version__ = "unknown"
-
-__all__ = ["__version__"]
