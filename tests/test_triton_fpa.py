@@ -218,6 +218,14 @@ def test_fields_and_levels(field, level, tiles):
     check(7, tiles=(tiles, tiles), B=2, T=70, HQ=1, H=1, K=16, V=16, field=field, level=level)
 
 
+@pytest.mark.parametrize(("field", "level"), [("walk", "offset"), ("brackets", "one_walk")])
+def test_backward_diagonal_in_steps_narrower_than_the_visited_tiles(field, level):
+    """dq and dk/dv step through their diagonal tile ``diagonal`` rows at a time (the Hopper
+    tiles: 32 of 64); T = 70 ends inside a step."""
+    steps = tf.Tiles(32, 32, diagonal=16)
+    check(8, tiles=(SMALL, steps), B=2, T=70, HQ=1, H=1, K=16, V=16, field=field, level=level)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_dtypes(dtype):
     check(3, dtype, tiles=(SMALL, SMALL), B=1, T=100, HQ=2, H=1, K=32, V=16)
@@ -286,6 +294,12 @@ def test_interpreter_rounds_bf16_operands_like_a_gpu():
 )
 def test_fox_matches_reference(log_f):
     check(8, tiles=(SMALL, SMALL), B=2, T=70, HQ=2, H=1, K=16, V=16, log_f=log_f)
+
+
+def test_fox_backward_diagonal_in_steps_narrower_than_the_visited_tiles():
+    """As for FPA: dk/dv steps 16 rows of its 32-row diagonal tile (dq steps 32)."""
+    steps = tf.Tiles(32, 32, diagonal=16)
+    check(8, tiles=(SMALL, steps), B=2, T=70, HQ=2, H=1, K=16, V=16, log_f=gates(0.01, 1.0))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -443,6 +457,8 @@ def test_tiles_must_nest():
         tf.Tiles(16, 32)
     with pytest.raises(ValueError, match="power of two >= 16"):
         tf.Tiles(24, 8)
+    with pytest.raises(ValueError, match=r"Tiles\.diagonal"):
+        tf.Tiles(64, 64, diagonal=24)
 
 
 # ------------------------------------------------------------------------------ GPU compiler
@@ -467,9 +483,9 @@ for fox in (False, True):
     unused = dict(level=None, links=None) if fox else {}
     build(tf._fwd_kernel, sizes | dict(FOX=fox, SKIP=not fox) | ({"level": None} if fox else {}))
     for sums in ("tf32x3", "bf16x2"):
-        extra = dict(FOX=fox, SUM_PRECISION=sums, INTERPRET=False)
+        extra = dict(FOX=fox, SUM_PRECISION=sums, INTERPRET=False, BDQ=16)
         build(tf._bwd_dq_kernel, sizes | unused | extra)
-    build(tf._bwd_dkv_kernel, sizes | unused | dict(FOX=fox))
+    build(tf._bwd_dkv_kernel, sizes | unused | dict(FOX=fox, BDK=16))
 build(tf._block_minima_kernel, dict(HQ=2, BT=32, LOG_BT=5, WITH_LINKS=True))
 build(tf._block_sums_kernel, dict(HQ=2, BT=32))
 build(tf._delta_kernel, dict(HQ=2, V=16, BLOCK=64, BV=16, HAS_DLSE=True))

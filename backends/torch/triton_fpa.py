@@ -69,6 +69,10 @@ MAX_HEAD_DIM = 256
 class Tiles:
     """Tile sizes of one pass: a program owns ``own`` rows and visits tiles of ``visit`` rows,
     with ``num_warps`` warps and a software pipeline of ``num_stages`` (Triton's default 3).
+    The backward visits its diagonal tile ``min(visit, diagonal)`` rows at a time (FoX's dq:
+    ``visit``): there FPA carries the in-tile minima and dq the dfield sums beside the
+    accumulators, and at 64 rows a step they spill registers at the Hopper tiles, as FoX's
+    dk/dv does (bench/gpu_static.py).
 
     Powers of two, at least 16 (the smallest ``tl.dot``), ``own`` a multiple of ``visit``.
     """
@@ -77,9 +81,10 @@ class Tiles:
     visit: int
     num_warps: int = 4
     num_stages: int = 3
+    diagonal: int = 32
 
     def __post_init__(self) -> None:
-        for name in ("own", "visit"):
+        for name in ("own", "visit", "diagonal"):
             size = getattr(self, name)
             if size < 16 or size & (size - 1):
                 raise ValueError(f"Tiles.{name}: expected a power of two >= 16, got {size}")
@@ -529,6 +534,7 @@ def _bwd_dq_kernel(
     V: tl.constexpr,
     BT: tl.constexpr,
     BS: tl.constexpr,
+    BDQ: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
     LOG_BT: tl.constexpr,
@@ -582,8 +588,8 @@ def _bwd_dq_kernel(
         to_prefix = tl.zeros([BT], scale.dtype)  # G of pairs whose argmin lies in B
         in_gap = tl.zeros([BT], scale.dtype)  # G of pairs whose argmin lies in the gap, by row
 
-    for s in range(qs, tl.minimum(qs + BT, T), BS):  # the diagonal tile
-        ik = s + tl.arange(0, BS)
+    for s in range(qs, tl.minimum(qs + BT, T), BDQ):  # the diagonal tile
+        ik = s + tl.arange(0, BDQ)
         k_ok = ik < T
         k_rows = (bos + ik) * H + h
         b_k = tl.load(
@@ -737,6 +743,7 @@ def _bwd_dkv_kernel(
     V: tl.constexpr,
     BT: tl.constexpr,
     BS: tl.constexpr,
+    BDK: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
     LOG_BT: tl.constexpr,
@@ -789,8 +796,8 @@ def _bwd_dkv_kernel(
         )
         to_suffix = tl.zeros([BT], scale.dtype)  # G of pairs whose argmin lies in A
 
-    for s in range(ks, tl.minimum(ks + BT, T), BS):  # the diagonal tile
-        iq = s + tl.arange(0, BS)
+    for s in range(ks, tl.minimum(ks + BT, T), BDK):  # the diagonal tile
+        iq = s + tl.arange(0, BDK)
         q_ok = iq < T
         q_rows = ((bos + iq) * HQ + hq)[:, None]
         b_q = tl.load(
@@ -844,7 +851,7 @@ def _bwd_dkv_kernel(
             mid = tl.where(enter, tl.minimum(mid, pending), mid)
             end = bos + tl.minimum(s + BT, T) - 1  # that BT tile's last token
             pending = tl.where(enter, tl.load(top + end, mask=enter), pending)
-            b_min = tl.load(top + bos + iq, mask=q_ok, other=float("inf"))  # B_i
+            b_min = tl.load(top + bos + iq, mask=q_ok, other=0.0)  # B_i
             a = tl.minimum(a_min, mid)
             c = tl.maximum(lev - a, 0.0)
             # t* in A: A_j < mid, A_j < B_i, active iff lev_j >= A_j (rows "suffix"); other rows
@@ -860,7 +867,13 @@ def _bwd_dkv_kernel(
             do + q_rows * V + dw[None, :], mask=q_ok[:, None] & (dw < V)[None, :], other=0.0
         )
         b_do = b_do.to(DOT)
-        lse2 = tl.load(lse + (bos + iq) * HQ + hq, mask=q_ok, other=float("inf")) * log2e
+        # Queries past T: q and dO rows are 0, so their logits and dp are 0 and G = p (0 - 0) = 0
+        # exactly while p is finite; FPA's penalty is >= 0, so p <= 1 with lse 0 and B 0 there
+        # (zero-filled loads: no mask carried through the software pipeline).
+        lse2 = (
+            tl.load(lse + (bos + iq) * HQ + hq, mask=q_ok, other=float("inf") if FOX else 0.0)
+            * log2e
+        )
         b_delta = tl.load(delta + (bos + iq) * HQ + hq, mask=q_ok, other=0.0)
         b_s = tl.dot(b_k, tl.trans(b_q), input_precision=PRECISION).to(scale.dtype) * scale
         if FOX:
@@ -1158,6 +1171,8 @@ def kernel_sizes(
         V=V,
         BT=BT,
         BS=tiles.visit,
+        BDQ=tiles.visit if fox else min(tiles.visit, tiles.diagonal),  # dq's diagonal step
+        BDK=min(tiles.visit, tiles.diagonal),  # dk/dv's
         BK=_block(K),
         BV=_block(V),
         LOG_BT=BT.bit_length() - 1,
