@@ -48,7 +48,9 @@ def test_sass_loops_are_backward_branches():
 
 def test_static_gate_sm90_d128_bf16(tmp_path):
     """Every FPA/FoX kernel at the launcher's Hopper tiles within the shared-memory limit, its
-    dots on wgmma, the asserted budgets against fla's kernels met (the gate exits 1 otherwise)."""
+    dots on wgmma, the asserted budgets against fla's kernels met (the gate exits 1 otherwise):
+    instructions per off-diagonal iteration, and no more spill instructions (STL + LDL) per
+    visited row in any loop than fla's matching loop."""
     pytest.importorskip("triton.backends.nvidia")
     pytest.importorskip("fla")
     env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
@@ -69,4 +71,11 @@ def test_static_gate_sm90_d128_bf16(tmp_path):
             row = rows[impl, role]
             assert row["shared"] <= sm90.SHARED_LIMIT and row["hgmma"] > 0 and row["hmma"] == 0
             assert row["off"]["instructions"] > 0 and row["diag"]["instructions"] > 0
+            peer = rows["fla", role]
+            for loop in ("off", "diag"):  # the diagonal of dq and dk/dv steps BD rows
+                step = row.get("BD", row["BS"]) if loop == "diag" else row["BS"]
+                mine = (row[loop]["stl"] + row[loop]["ldl"]) * peer["BS"]
+                theirs = (peer[loop]["stl"] + peer[loop]["ldl"]) * step
+                assert mine <= theirs, (impl, role, loop, row[loop], peer[loop])
     assert {("fla", r) for r in ("fwd", "dq", "dkv")} <= rows.keys()
+    assert report["failures"] == []
