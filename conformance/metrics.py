@@ -1,7 +1,7 @@
 """Comparison of a backend's array with the reference.
 
 Three numbers per array: the normwise relative error ||x - ref|| / max(||ref||, floor)
-(:func:`relative_error`, also what the tests and benchmarks compare with), the worst
+(:func:`relative_error`, defined in :mod:`attnspec.reference.metrics` for every layer), the worst
 row's relative error (a row is one token's vector, or one scalar for per-token quantities), and
 the largest elementwise error with its index. The row error keeps a bug confined to one tile from
 being averaged away; the floor keeps a gradient that is essentially zero in the reference from
@@ -13,10 +13,12 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
+
+from attnspec.reference.metrics import difference, normwise
+from attnspec.reference.metrics import relative_error as relative_error  # re-exported
 
 TINY = 1e-30
 
@@ -80,45 +82,6 @@ class Comparison:
         )
 
 
-def relative_error(x: ArrayLike, ref: ArrayLike, *, floor: float = 0.0) -> float:
-    """The normwise relative error ||x - ref|| / max(||ref||, floor) of ``x`` against ``ref``.
-
-    The one definition for the kit and for every test and benchmark that compares with a
-    reference. Both sides are taken as float64 arrays (complex128 when either is complex; a torch
-    tensor converts first: ``t.detach().double().cpu().numpy()``); an infinite entry of ``ref``
-    that ``x`` matches counts as equal, and the norm of ``ref`` is over its finite entries. With
-    a zero denominator the error is 0 if ``x`` equals ``ref`` and inf otherwise; NaN in ``x``
-    gives NaN, which fails every ``<=``. Shapes must match: nothing is broadcast.
-
-    Args:
-        floor: lower bound of the denominator, for a reference that is essentially zero
-            (a gradient that vanishes): the error is then absolute on that scale.
-    """
-    x, ref = np.asarray(x), np.asarray(ref)
-    kind = np.complex128 if np.iscomplexobj(x) or np.iscomplexobj(ref) else np.float64
-    x, ref = x.astype(kind), ref.astype(kind)
-    if x.shape != ref.shape:
-        raise ValueError(f"x: expected the shape of ref {ref.shape}, got {x.shape}")
-    return _normwise(*_difference(x, ref), floor)
-
-
-def _difference(x: NDArray[Any], ref: NDArray[Any]) -> tuple[NDArray[np.float64], NDArray[Any]]:
-    """|x - ref| with matching infinities 0, and ref with its non-finite entries 0."""
-    with np.errstate(invalid="ignore"):  # inf - inf where the infinities match
-        diff = np.asarray(np.abs(x - ref))  # an array also for 0-d inputs
-    finite = np.isfinite(ref)
-    diff[~finite & (x == ref)] = 0.0  # matching infinities
-    return diff, np.where(finite, ref, 0.0)
-
-
-def _normwise(diff: NDArray[np.float64], ref: NDArray[Any], floor: float) -> float:
-    error = float(np.linalg.norm(diff))
-    denominator = max(float(np.linalg.norm(ref)), floor)
-    if denominator > 0:
-        return error / denominator
-    return 0.0 if error == 0 else error * math.inf  # NaN stays NaN
-
-
 def _problem(problem: str, tolerance: float, index: tuple[int, ...] = ()) -> Comparison:
     return Comparison(math.inf, tolerance, math.inf, index, problem, math.inf, ())
 
@@ -149,8 +112,8 @@ def compare(
             tolerance,
             index,
         )
-    diff, ref0 = _difference(x, ref)
-    rel = _normwise(diff, ref0, max(floor, TINY))
+    diff, ref0 = difference(x, ref)
+    rel = normwise(diff, ref0, max(floor, TINY))
     if diff.size == 0:
         return Comparison(rel, tolerance, 0.0, ())
     index = tuple(int(i) for i in np.unravel_index(np.nanargmax(diff), diff.shape))

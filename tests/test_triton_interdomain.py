@@ -19,11 +19,14 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
+from drawers import to_ref  # noqa: E402
+
 from attnspec.backends.torch import dispatch  # noqa: E402
 from attnspec.backends.torch import triton_chunks as chunks  # noqa: E402
 from attnspec.backends.torch import triton_legs as legs  # noqa: E402
 from attnspec.backends.torch import triton_s4d as s4d  # noqa: E402
 from attnspec.backends.torch import triton_s4d_bwd as s4d_grad  # noqa: E402
+from attnspec.conformance.metrics import relative_error as rel_err  # noqa: E402
 from attnspec.conformance.tolerances import round_to, tolerance  # noqa: E402
 from attnspec.reference import hippo  # noqa: E402
 from attnspec.reference import interdomain as ref  # noqa: E402
@@ -39,19 +42,9 @@ DTYPES = {
 }
 
 
-def rel_err(x, want) -> float:
-    x, want = np.asarray(x, dtype=np.complex128), np.asarray(want, dtype=np.complex128)
-    assert np.isfinite(x).all(), "non-finite values"
-    return float(np.linalg.norm(x - want) / max(np.linalg.norm(want), 1e-300))
-
-
 def to_torch(x: np.ndarray, dtype: str = "float64") -> torch.Tensor:
     """Reference layout (B, H, T, D) -> torch layout [B, T, H, D]."""
     return torch.tensor(np.swapaxes(x, 1, 2), dtype=DTYPES[dtype], device=DEVICE).contiguous()
-
-
-def from_torch(x: torch.Tensor) -> np.ndarray:
-    return np.swapaxes(x.detach().double().cpu().numpy(), 1, 2)
 
 
 def pair(z: np.ndarray, dtype: str = "float64") -> torch.Tensor:
@@ -111,13 +104,13 @@ def check_s4d(case, do, readout, dtype="float64", blocks=None):
     assert o.dtype == DTYPES[dtype] and g[0].dtype == DTYPES[dtype]
     r = rounded(case, dtype)
     want = ref.interdomain_s4d(**r, readout=readout)
-    assert rel_err(from_torch(o), want) < tolerance("interdomain_s4d", dtype, "output")
+    assert rel_err(to_ref(o), want) < tolerance("interdomain_s4d", dtype, "output")
     do_r = round_to(do, dtype)
     gw = ref.interdomain_s4d_vjp(*r.values(), do_r, readout=readout)
     tol = tolerance("interdomain_s4d", dtype, "gradient")
     got = {"dfq": g[0], "dkt": g[1], "dvt": g[2]}
     for name, x in got.items():
-        assert rel_err(from_torch(x), getattr(gw, name)) < tol, name
+        assert rel_err(to_ref(x), getattr(gw, name)) < tol, name
     for name, x in zip(("dlam", "db", "dc"), g[3:6], strict=True):
         assert rel_err(unpair(x), getattr(gw, name)) < tol, name
 
@@ -172,7 +165,7 @@ def test_s4d_long_memory_does_not_drift():
     case, do = s4d_case(11, B=1, H=1, T=1000, R=4, V=4, M=16, mag=0.9995)
     o, final, _ = run_s4d(case, do, "linear", "float32", backward=False)
     r = rounded(case, "float32")
-    assert rel_err(from_torch(o), ref.interdomain_s4d(**r)) < 1e-5
+    assert rel_err(to_ref(o), ref.interdomain_s4d(**r)) < 1e-5
     z = np.concatenate([r["kt"], r["vt"]], axis=-1)
     x_last = ref.s4d_states(z, r["lam"], r["b"])[:, :, -1]  # (B, H, M, C)
     assert rel_err(unpair(final), x_last) < 1e-5
@@ -201,10 +194,10 @@ def test_s4d_varlen_with_a_length_one_segment():
         gw = ref.interdomain_s4d_vjp(*seg.values(), do[:, :, a:e], readout="ratio")
         for name in ("dfq", "dkt", "dvt", "dlam", "db", "dc"):
             want[name].append(getattr(gw, name))
-    assert rel_err(from_torch(o), np.concatenate(want["o"], axis=2)) < 1e-12
+    assert rel_err(to_ref(o), np.concatenate(want["o"], axis=2)) < 1e-12
     assert rel_err(unpair(final), np.concatenate(want["final"])) < 1e-12
     for name, x in zip(("dfq", "dkt", "dvt"), g[:3], strict=True):
-        assert rel_err(from_torch(x), np.concatenate(want[name], axis=2)) < 1e-12, name
+        assert rel_err(to_ref(x), np.concatenate(want[name], axis=2)) < 1e-12, name
     for name, x in zip(("dlam", "db", "dc"), g[3:6], strict=True):
         assert rel_err(unpair(x), sum(want[name])) < 1e-12, name
 
@@ -361,7 +354,7 @@ def test_s4d_varlen_needs_batch_one():
         *(to_torch(case[k]) for k in ("fq", "kt", "vt")),
         *(pair(case[k]) for k in ("lam", "b", "c")),
     ]
-    with pytest.raises(ValueError, match="batch size B = 1"):
+    with pytest.raises(ValueError, match="cu_seqlens: packed sequences need B = 1"):
         s4d.s4d_fwd(*args, "linear", torch.tensor([0, 2, 4], device=DEVICE), None)
 
 
@@ -389,12 +382,10 @@ def check_legs(case, do, M, dtype="float64", blocks=None, cu=None):
     for a, e in itertools.pairwise(cu):
         seg = {k: v[:, :, a:e] for k, v in r.items()}
         want = ref.interdomain_legs(seg["fq"], seg["fk"], seg["v"], M)
-        assert rel_err(from_torch(o)[:, :, a:e], want) < tolerance(
-            "interdomain_legs", dtype, "output"
-        )
+        assert rel_err(to_ref(o)[:, :, a:e], want) < tolerance("interdomain_legs", dtype, "output")
         gw = ref.interdomain_legs_vjp(seg["fq"], seg["fk"], seg["v"], M, do_r[:, :, a:e])
         for name, x in zip(("dfq", "dfk", "dv"), g, strict=True):
-            got, exp = from_torch(x)[:, :, a:e], getattr(gw, name)
+            got, exp = to_ref(x)[:, :, a:e], getattr(gw, name)
             if np.linalg.norm(exp) < 1e-12:  # M = 1 or T = 1: this gradient vanishes
                 assert np.abs(got).max() < 1e-10, name
             else:

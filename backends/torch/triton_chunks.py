@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from attnspec.reference.packing import packing
+
 from .triton_fpa import interpreting
 
 __all__ = ["Blocks", "Layout", "block_sizes"]
@@ -201,12 +203,12 @@ def _build_layout(cu_list: list[int], chunk: int, sub_chunk: int, device: torch.
 
 
 def sequences(name: str, x: torch.Tensor, cu_seqlens: torch.Tensor | None) -> list[int]:
-    """Sequence offsets on the flat token axis of x [B, T, ...] as a Python list."""
+    """Sequence offsets on the flat token axis of x [B, T, ...] as a Python list, checked by the
+    one rule of :mod:`attnspec.reference.packing`; the custom ops drop zero-length sequences
+    before the kernels, so the launchers see strictly increasing offsets."""
     B, T = x.shape[:2]
     if cu_seqlens is None:
         return [i * T for i in range(B + 1)]
-    if B != 1:
-        raise ValueError(f"{name}: with cu_seqlens expected batch size B = 1, got B = {B}")
     if cu_seqlens.ndim != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
         raise ValueError(
             f"cu_seqlens: expected a 1-D int32/int64 tensor, got {cu_seqlens.dtype} "
@@ -214,12 +216,14 @@ def sequences(name: str, x: torch.Tensor, cu_seqlens: torch.Tensor | None) -> li
         )
     if cu_seqlens.device != x.device:
         raise ValueError(f"cu_seqlens: expected device {x.device}, got {cu_seqlens.device}")
-    cu = cu_seqlens.tolist()
-    if len(cu) < 2 or cu[0] != 0 or cu[-1] != T or any(b <= a for a, b in itertools.pairwise(cu)):
+    plan = packing(cu_seqlens.tolist(), T, batch=B)
+    assert plan is not None
+    if plan.has_empty:
         raise ValueError(
-            f"cu_seqlens: expected strictly increasing offsets from 0 to T = {T}, got {cu}"
+            f"cu_seqlens: the kernels take non-empty sequences (the ops drop zero-length ones "
+            f"first), got {list(plan.offsets)}"
         )
-    return cu
+    return list(plan.offsets)
 
 
 def check_inputs(

@@ -46,27 +46,10 @@ __all__ = ["LegsState", "legs_bwd", "legs_chunk_tables", "legs_fwd", "legs_step"
 
 @functools.lru_cache(maxsize=8)
 def legs_chunk_tables(M: int, chunk: int, n_max: int) -> tuple[np.ndarray, np.ndarray]:
-    """Products of the exact LegS steps (I5) within chunks of ``chunk`` positions, float64.
-
-    For the token at 0-based position p, with n0 the first position of its chunk:
-    Phi[p] = E_{p+1} ... E_{n0+1} (M, M), the transition from the state before the chunk, and
-    K[p, j] = E_{p+1} ... E_{n0+j+2} F_{n0+j+1} (M,), the weight of the input at n0 + j
-    (zero when n0 + j > p). So c_p = Phi[p] c_{n0-1} + sum_j K[p, j] f_{n0+j}.
-
-    Returns:
-        Phi (n_max, M, M), K (n_max, chunk, M). Time O(n_max M^2 (M + chunk)), once per
-        (M, chunk, n_max).
-    """
-    phi = np.zeros((n_max, M, M))
-    weights = np.zeros((n_max, chunk, M))
-    for start in range(0, n_max, chunk):
-        P, K = np.eye(M), np.zeros((M, chunk))
-        for p in range(start, min(start + chunk, n_max)):
-            E, F = hippo.legs_step(p + 1, M)  # (I5) token n = p + 1
-            P, K = E @ P, E @ K
-            K[:, p - start] = F
-            phi[p], weights[p] = P, K.T
-    return phi, weights
+    """Products of the exact LegS steps (I5) within chunks of ``chunk`` positions, float64:
+    ``hippo.legs_chunk_products(M, chunk, n_max)``, Phi (n_max, M, M) and K (n_max, chunk, M)
+    with c_p = Phi[p] c_{n0-1} + sum_j K[p, j] f_{n0+j} for the chunk that starts at n0."""
+    return hippo.legs_chunk_products(M, chunk, n_max)
 
 
 _LEGS_DEVICE_TABLES: dict[
