@@ -3,7 +3,7 @@
 Every Triton kernel of backends/torch/triton_s4d.py, triton_s4d_bwd.py and triton_legs.py (the
 passes of the forward and the backward, and the decode steps) is compiled for sm_90 without a
 GPU (bench/sm90.py) exactly as a launch on an H100/H200 compiles it: the launchers themselves
-run on CPU tensors at the Hopper blocks (``triton_chunks.DEVICE_BLOCKS[(9, 0)]``: chunk 64,
+run on CPU tensors at the Hopper blocks (``triton_chunks.DEVICE_BLOCKS["hopper"]``: chunk 64,
 sub-chunk 16, 8 warps) with every kernel launch captured instead of run, so the arguments,
 constexprs, grids and alignment are the launcher's. The shapes: B = 1, T = 512, H = 16,
 M = R = 64, dv = 128, bf16 features, the denominator-free readout. The peer is fla's chunk_gla
@@ -163,7 +163,7 @@ def ours(blocks: Any = None, variant: str = "") -> list[Captured]:
 
     from attnspec.backends.torch import triton_chunks, triton_legs, triton_s4d, triton_s4d_bwd
 
-    hopper = blocks or triton_chunks.DEVICE_BLOCKS[(9, 0)]
+    hopper = blocks or triton_chunks.DEVICE_BLOCKS["hopper"]
     bf16 = torch.bfloat16
     fq, kt, vt, do = _inputs(bf16, (R, R, DV, DV))
     rng = np.random.default_rng(0)
@@ -568,7 +568,7 @@ def interpreter_counts() -> list[tuple[Captured, float, float]]:
     builder.create_dot, builder.create_masked_load, builder.create_masked_store = dot, load, store
     grid_executor.__call__ = call
     try:
-        hopper = triton_chunks.DEVICE_BLOCKS[(9, 0)]
+        hopper = triton_chunks.DEVICE_BLOCKS["hopper"]
         g = torch.Generator().manual_seed(0)
         fq, kt, vt, do = (torch.randn(1, 128, 1, w, generator=g) for w in (R, R, DV, DV))
         lam = torch.view_as_real(0.9 * torch.exp(1j * torch.rand(1, M, generator=g)))

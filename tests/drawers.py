@@ -23,6 +23,18 @@ def attention(rng, B, T, HQ, H, K, V, *, field="walk", level="offset", centre=0.
     return x["q"], k, v, x["field"] + centre, x["level"] + centre
 
 
+def field(rng, kind, shape):
+    """A field of one of the kit's kinds (:func:`cases._fields`: "walk", "monotone", "brackets",
+    "constant", "huge", "cliff"), a walk along the last axis of ``shape``."""
+    return cases._fields(rng, kind, shape)
+
+
+def level(rng, kind, field_):
+    """Levels of one of the kit's kinds (:func:`cases._levels`: "offset", "one_walk",
+    "extreme") for ``field_``."""
+    return cases._levels(rng, kind, field_)
+
+
 def gated(rng, B, T, HQ, H, K, V, *, unit=0.0, decay=0.5):
     """q, k, v, log_f of forget-gate attention; log f = -Exp(decay) - 0.01, a fraction ``unit``
     of the gates exactly 1 (log f = 0: the ties of (F6))."""

@@ -23,6 +23,8 @@ torch = pytest.importorskip("torch")
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 
+import drawers  # noqa: E402
+
 from attnspec.backends.torch import dispatch  # noqa: E402
 from attnspec.backends.torch import triton_fpa as tf  # noqa: E402
 from attnspec.conformance.metrics import compare  # noqa: E402
@@ -45,31 +47,17 @@ LARGE = tf.Tiles(64, 64)
 
 
 def walk_field(rng, kind: str, shape) -> np.ndarray:
-    """(B, T, HQ) fields: signs, ties, magnitudes and descents the kernels must survive."""
-    steps = {
-        "walk": lambda: rng.standard_normal(shape),
-        "monotone": lambda: -rng.exponential(0.5, shape) - 0.01,  # FoX-like
-        "brackets": lambda: rng.choice([1.0, -1.0, 0.0], size=shape, p=[0.35, 0.35, 0.3]),
-        "constant": lambda: np.zeros(shape),  # every segment minimum tied
-        "huge": lambda: 1e4 * rng.standard_normal(shape) / np.sqrt(shape[1]),
-    }
+    """(B, T, HQ) fields: the kit's kinds (tests/drawers.py: walk, monotone, brackets, constant,
+    huge, cliff), and a sawtooth that ties the minima of every 16-row tile."""
     if kind == "sawtooth":  # period 16: every 16-row tile has the same minimum, at offset 8
         return np.broadcast_to(np.abs(np.arange(shape[1]) % 16 - 8.0)[:, None], shape).copy()
-    if kind == "cliff":  # a -inf-like descent midway
-        field = np.cumsum(rng.standard_normal(shape), axis=1)
-        field[:, shape[1] // 2 :] -= 1e30
-        return field
-    return np.cumsum(steps[kind](), axis=1)
+    B, T, HQ = shape
+    return np.ascontiguousarray(np.swapaxes(drawers.field(rng, kind, (B, HQ, T)), 1, 2))
 
 
 def levels(rng, kind: str, field: np.ndarray) -> np.ndarray:
-    if kind == "one_walk":
-        return field.copy()
-    if kind == "offset":
-        return field + rng.standard_normal(field.shape)
-    if kind == "extreme":  # some keys never die, some at once
-        return field + rng.choice([-1e4, 0.0, 1e4], size=field.shape)
-    raise ValueError(kind)
+    """The kit's level kinds (one_walk, offset, extreme)."""
+    return drawers.level(rng, kind, field)
 
 
 def draw(seed, B, T, HQ, H, K, V, *, field="walk", level="offset", log_f=None):
@@ -448,7 +436,7 @@ def test_bad_input_names_the_argument(change, message):
 def test_varlen_needs_batch_one():
     a = _args(q=torch.zeros(2, 8, 2, 16), k=torch.zeros(2, 8, 1, 16), v=torch.zeros(2, 8, 1, 16))
     a |= {"field": torch.zeros(2, 8, 2), "level": torch.zeros(2, 8, 2)}
-    with pytest.raises(ValueError, match="cu_seqlens: expected B = 1"):
+    with pytest.raises(ValueError, match="cu_seqlens: packed sequences need B = 1"):
         tf.fpa_fwd(**a | {"cu_seqlens": torch.tensor([0, 8])})
 
 
@@ -505,3 +493,23 @@ def test_kernels_compile_for_sm90(tmp_path):
         [sys.executable, "-c", SM90_COMPILE], env=env, capture_output=True, text=True, timeout=600
     )
     assert result.returncode == 0, result.stderr[-4000:]
+
+
+def test_one_device_class_for_every_triton_family(monkeypatch):
+    """Both Triton families pick their tiles by devices.device_class: the interpreter (or a CPU
+    tensor) gets the interpreter row, a CUDA device its class's row; every class has a row."""
+    from attnspec.backends.torch import devices, triton_chunks
+
+    cpu = torch.device("cpu")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert devices.device_class(cpu) == "interpreter"
+    assert triton_chunks.blocks_for(cpu) == triton_chunks.INTERPRETER_BLOCKS
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert devices.device_class(cpu) == "interpreter"  # only the interpreter runs CPU tensors
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert devices.device_class(torch.device("cuda")) == "hopper"
+    assert triton_chunks.blocks_for(torch.device("cuda")) == triton_chunks.DEVICE_BLOCKS["hopper"]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    assert devices.device_class(torch.device("cuda")) == "gpu"
+    for kind in {*devices.DEVICE_CLASSES.values(), "gpu", "interpreter"}:
+        assert kind in tf.TILE_TABLE

@@ -34,7 +34,7 @@ import triton.language as tl
 
 from attnspec.reference.packing import packing
 
-from .triton_fpa import interpreting
+from .devices import device_class, interpreting
 
 __all__ = ["Blocks", "Layout", "block_sizes"]
 
@@ -63,10 +63,10 @@ class Blocks:
     legs_sub_chunk: int | None = None  # LegS: tokens per output program (None: the sub-chunk)
 
 
-# Per device capability; anything else takes the default. The interpreter counts operations,
-# not registers: whole chunks per program and wide channel blocks run fastest there.
-DEVICE_BLOCKS = {(9, 0): Blocks(), (8, 0): Blocks()}
+# Per device class (devices.device_class); any other GPU takes the default. The interpreter counts
+# operations, not registers: whole chunks per program and wide channel blocks run fastest there.
 INTERPRETER_BLOCKS = Blocks(64, 64, 4, diag_loop=False, channels=64)
+DEVICE_BLOCKS = {"hopper": Blocks(), "ampere": Blocks(), "interpreter": INTERPRETER_BLOCKS}
 _override: list[Blocks] = []
 
 
@@ -104,9 +104,7 @@ def blocks_for(device: torch.device) -> Blocks:
     """The tile sizes a launch on ``device`` uses (an active :func:`block_sizes` first)."""
     if _override:
         return _override[-1]
-    if device.type == "cuda":
-        return DEVICE_BLOCKS.get(torch.cuda.get_device_capability(device), Blocks())
-    return INTERPRETER_BLOCKS
+    return DEVICE_BLOCKS.get(device_class(device), Blocks())
 
 
 def pow2(n: int, least: int = 16) -> int:

@@ -46,7 +46,6 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -55,7 +54,10 @@ import torch
 import triton
 import triton.language as tl
 
+from attnspec.reference.packing import packing
+
 from . import dispatch
+from .devices import device_class, interpreting
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -127,19 +129,6 @@ def forced_tiles(forward: Tiles, backward: Tiles | None = None) -> Iterator[None
         yield
     finally:
         _forced_tiles = previous
-
-
-def interpreting() -> bool:
-    """True when Triton kernels run under the interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-
-
-def device_class(device: torch.device) -> str:
-    """The row of :data:`TILE_TABLE` for ``device``."""
-    if interpreting():
-        return "interpreter"
-    major, _ = torch.cuda.get_device_capability(device)
-    return {9: "hopper", 8: "ampere"}.get(major, "gpu")
 
 
 def tile_choice(kind: str, backward: bool, K: int, V: int, dtype: torch.dtype) -> Tiles:
@@ -1084,14 +1073,9 @@ def _layout(
         raise ValueError("cu_seqlens: expected a 1-D tensor of sequence offsets")
     if cu_seqlens.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"cu_seqlens: expected int32 or int64, got {cu_seqlens.dtype}")
-    if B != 1:
-        raise ValueError(f"cu_seqlens: expected B = 1 with packed sequences, got B = {B}")
-    offsets = cu_seqlens.tolist()
-    if len(offsets) < 2 or offsets[0] != 0 or offsets[-1] != T:
-        raise ValueError(f"cu_seqlens: expected offsets from 0 to T = {T}, got {offsets}")
-    lengths = tuple(b - a for a, b in itertools.pairwise(offsets))
-    if min(lengths) < 0:
-        raise ValueError(f"cu_seqlens: expected non-decreasing offsets, got {offsets}")
+    plan = packing(cu_seqlens.tolist(), T, batch=B)  # the one rule (reference/packing.py)
+    assert plan is not None
+    lengths = tuple(b - a for a, b in itertools.pairwise(plan.offsets))
     return _Layout(B, T, HQ, H, K, V, lengths)
 
 
