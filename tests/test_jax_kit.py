@@ -20,10 +20,18 @@ from attnspec.conformance import cases
 from attnspec.conformance.registry import get_backend
 
 QUICK_COMPILE = "--xla_cpu_use_fusion_emitters=false --xla_backend_optimization_level=0"
+# The full float32 run in two halves by op: runs of about the same length, shared by the workers.
+ATTENTION = ("fpa_attention", "fox_attention", "fpa_decode")
 RUNS = [
-    ("jax", ("float32",), False),
-    ("jax", ("float64", "bfloat16"), True),
-    ("pallas", ("float32", "bfloat16"), True),
+    ("jax", ("float32",), False, ATTENTION),
+    (
+        "jax",
+        ("float32",),
+        False,
+        ("interdomain_legs", "interdomain_s4d", "fpa_layer", "interdomain_layer"),
+    ),
+    ("jax", ("float64", "bfloat16"), True, None),
+    ("pallas", ("float32", "bfloat16"), True, None),
 ]
 
 
@@ -32,12 +40,14 @@ def first_of_each_family(backend: str) -> list[str]:
     return [i for i in cases.case_ids(ops) if i.endswith("/0")]
 
 
-@pytest.mark.parametrize("backend, dtypes, subset", RUNS)
-def test_kit_passes(backend, dtypes, subset):
+@pytest.mark.parametrize("backend, dtypes, subset, ops", RUNS)
+def test_kit_passes(backend, dtypes, subset, ops):
     command = [sys.executable, "-m", "attnspec.conformance", "--backend", backend]
     command += ["--dtypes", *dtypes]
     if subset:
         command += ["--cases", *first_of_each_family(backend)]
+    if ops:
+        command += ["--ops", *ops]
     env = {**os.environ, "XLA_FLAGS": QUICK_COMPILE, "JAX_PLATFORMS": "cpu"}
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
@@ -102,3 +112,9 @@ def test_compiled_programs_stay_within_the_budget(monkeypatch):
     assert all(r.verdict == "passed" for r in report.results), report.results
     assert max(n for n, _ in seen) <= 2
     assert any(size == 0 for _, size in seen[1:])  # a clear happened before a compilation
+
+
+def test_the_full_float32_run_covers_every_op():
+    halves = [set(ops) for backend, _, subset, ops in RUNS if backend == "jax" and not subset]
+    assert set().union(*halves) == set(get_backend("jax").OPS)
+    assert sum(len(h) for h in halves) == len(get_backend("jax").OPS)  # no op run twice

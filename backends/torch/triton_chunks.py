@@ -28,11 +28,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-from attnspec.reference.packing import packing
+from attnspec.reference.packing import Packing, packing
 
 from .devices import device_class, interpreting
 
@@ -174,24 +175,20 @@ def layout(cu_list: list[int], chunk: int, sub_chunk: int, device: torch.device)
 
 
 def _build_layout(cu_list: list[int], chunk: int, sub_chunk: int, device: torch.device) -> Layout:
-    offsets: list[int] = [0]
-    chunks: list[tuple[int, int]] = []
-    info: list[tuple[int, int, int, int, int]] = []
-    for n in range(len(cu_list) - 1):
-        bos, eos = cu_list[n], cu_list[n + 1]
-        for k in range(-(-(eos - bos) // chunk)):
-            t0 = bos + k * chunk
-            t1 = min(t0 + chunk, eos)
-            g = offsets[-1] + k
-            chunks.append((t0, t1))
-            info.extend((t0, t1, g, i, t0 - bos) for i in range(-(-(t1 - t0) // sub_chunk)))
-        offsets.append(offsets[-1] + -(-(eos - bos) // chunk))
+    rows = Packing(tuple(cu_list)).chunks(chunk)  # (sequence, t0, t1) of every chunk, in order
+    counts = [int(c) for c in np.bincount(rows[:, 0], minlength=len(cu_list) - 1)]
+    offsets = [0, *itertools.accumulate(counts)]
+    info = [
+        (int(t0), int(t1), g, i, int(t0) - cu_list[n])
+        for g, (n, t0, t1) in enumerate(rows)
+        for i in range(-(-(t1 - t0) // sub_chunk))
+    ]
     to = functools.partial(torch.tensor, dtype=torch.int32, device=device)
     lengths = [b - a for a, b in itertools.pairwise(cu_list)]
     return Layout(
         to(cu_list),
         to(offsets),
-        to(chunks).reshape(-1, 2),
+        to(rows[:, 1:].tolist()).reshape(-1, 2),
         to(info).reshape(-1, 5),
         len(cu_list) - 1,
         offsets[-1],

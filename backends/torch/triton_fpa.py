@@ -54,7 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attnspec.reference.packing import packing
+from attnspec.reference.packing import Packing, packing
 
 from . import dispatch
 from .devices import device_class, interpreting
@@ -1084,14 +1084,11 @@ def _sequences(
     lengths: tuple[int, ...], BT: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """(cu_seqlens, tiles, tile_start, NT_MAX): tiles lists (sequence, tile) pairs in order."""
+    offsets = [0, *itertools.accumulate(lengths)]
+    rows = Packing(tuple(offsets)).chunks(BT)  # (sequence, start, end) of every tile, in order
+    pairs = [(int(n), (int(a) - offsets[n]) // BT) for n, a, _ in rows]
     counts = [triton.cdiv(n, BT) for n in lengths]
-    offsets = [0]
-    for n in lengths:
-        offsets.append(offsets[-1] + n)
-    starts = [0]
-    for c in counts:
-        starts.append(starts[-1] + c)
-    pairs = [(s, t) for s, c in enumerate(counts) for t in range(c)]
+    starts = [0, *itertools.accumulate(counts)]
     return (
         torch.tensor(offsets, dtype=torch.int64, device=device),
         torch.tensor(pairs, dtype=torch.int32, device=device).reshape(-1, 2),
