@@ -50,6 +50,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -1087,7 +1088,7 @@ def _sequences(
     offsets = [0, *itertools.accumulate(lengths)]
     rows = Packing(tuple(offsets)).chunks(BT)  # (sequence, start, end) of every tile, in order
     pairs = [(int(n), (int(a) - offsets[n]) // BT) for n, a, _ in rows]
-    counts = [triton.cdiv(n, BT) for n in lengths]
+    counts = np.bincount(rows[:, 0], minlength=len(lengths)).tolist()  # tiles per sequence
     starts = [0, *itertools.accumulate(counts)]
     return (
         torch.tensor(offsets, dtype=torch.int64, device=device),
