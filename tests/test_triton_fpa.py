@@ -25,7 +25,7 @@ tl = pytest.importorskip("triton.language")
 
 import drawers  # noqa: E402
 
-from attnspec.backends.torch import dispatch  # noqa: E402
+from attnspec.backends.torch import dispatch, fox_attention, fpa_attention  # noqa: E402
 from attnspec.backends.torch import triton_fpa as tf  # noqa: E402
 from attnspec.conformance.metrics import compare  # noqa: E402
 from attnspec.conformance.tolerances import round_to, tolerance  # noqa: E402
@@ -399,6 +399,8 @@ def test_tile_skipping_is_the_reference_without_the_skipped_tiles():
 
 
 # ------------------------------------------------------------------------------ bad input
+# Checked once, by the public op (backends/torch/checks.py), before the Triton kernel is reached;
+# the launchers assert only their invariants.
 
 
 def _args(**change):
@@ -417,12 +419,11 @@ def _args(**change):
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"k": torch.zeros(1, 8, 3, 16)}, "k: expected H heads dividing the HQ = 2"),
-        ({"v": torch.zeros(1, 8, 1, 16, dtype=torch.float64)}, "v: expected dtype"),
-        ({"field": torch.zeros(1, 8, 2, dtype=torch.float16)}, "field: expected dtype"),
+        ({"k": torch.zeros(1, 8, 3, 16)}, "k: expected H heads dividing the 2 query heads of q"),
+        ({"v": torch.zeros(1, 8, 1, 16, dtype=torch.float64)}, "v: expected the dtype of q"),
+        ({"field": torch.zeros(1, 8, 2, dtype=torch.int32)}, "field: expected dtype"),
         ({"level": torch.zeros(1, 9, 2)}, "level: expected shape (1, 8, 2)"),
-        ({"q": torch.zeros(1, 8, 16, 2).transpose(2, 3)}, "q: expected a contiguous tensor"),
-        ({"q": torch.zeros(1, 8, 2, 300), "k": torch.zeros(1, 8, 1, 300)}, "head dim K"),
+        ({"q": torch.zeros(1, 8, 2, 300), "k": torch.zeros(1, 8, 1, 300)}, "q: head dim K = 300"),
         ({"cu_seqlens": torch.tensor([0, 3, 2, 8])}, "cu_seqlens: expected non-decreasing"),
         ({"cu_seqlens": torch.tensor([0, 3, 7])}, "cu_seqlens: expected offsets from 0 to T = 8"),
         ({"scale": float("nan")}, "scale: expected a finite number"),
@@ -430,14 +431,34 @@ def _args(**change):
 )
 def test_bad_input_names_the_argument(change, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        tf.fpa_fwd(**_args(**change))
+        fpa_attention(**_args(**change), impl="triton")
 
 
 def test_varlen_needs_batch_one():
     a = _args(q=torch.zeros(2, 8, 2, 16), k=torch.zeros(2, 8, 1, 16), v=torch.zeros(2, 8, 1, 16))
-    a |= {"field": torch.zeros(2, 8, 2), "level": torch.zeros(2, 8, 2)}
     with pytest.raises(ValueError, match="cu_seqlens: packed sequences need B = 1"):
-        tf.fpa_fwd(**a | {"cu_seqlens": torch.tensor([0, 8])})
+        fox_attention(
+            a["q"], a["k"], a["v"], torch.zeros(2, 8, 2), cu_seqlens=torch.tensor([0, 8]),
+            impl="triton",
+        )  # fmt: skip
+
+
+def test_impl_triton_on_cpu_needs_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    message = "impl: Triton kernels need a CUDA device, or TRITON_INTERPRET=1 on cpu"
+    with pytest.raises(ValueError, match=message):
+        fpa_attention(**_args(), impl="triton")
+
+
+def test_the_op_hands_the_kernel_contiguous_inputs():
+    """The launchers assert contiguity; the op makes a transposed q contiguous first."""
+    rng = np.random.default_rng(3)
+    q = torch.tensor(rng.standard_normal((1, 8, 16, 2))).transpose(2, 3)
+    k, v = (torch.tensor(rng.standard_normal((1, 8, 1, 16))) for _ in range(2))
+    field = torch.tensor(rng.standard_normal((1, 8, 2)))
+    got = fpa_attention(q, k, v, field, field, impl="triton")
+    assert not q.is_contiguous()
+    assert torch.equal(got, fpa_attention(q.contiguous(), k, v, field, field, impl="triton"))
 
 
 def test_tiles_must_nest():

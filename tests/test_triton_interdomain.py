@@ -21,11 +21,12 @@ pytest.importorskip("triton")
 
 from drawers import to_ref  # noqa: E402
 
-from attnspec.backends.torch import dispatch  # noqa: E402
+from attnspec.backends.torch import dispatch, interdomain_legs  # noqa: E402
 from attnspec.backends.torch import triton_chunks as chunks  # noqa: E402
 from attnspec.backends.torch import triton_legs as legs  # noqa: E402
 from attnspec.backends.torch import triton_s4d as s4d  # noqa: E402
 from attnspec.backends.torch import triton_s4d_bwd as s4d_grad  # noqa: E402
+from attnspec.backends.torch.ops import s4d_pairs  # noqa: E402
 from attnspec.conformance.metrics import relative_error as rel_err  # noqa: E402
 from attnspec.conformance.tolerances import round_to, tolerance  # noqa: E402
 from attnspec.reference import hippo  # noqa: E402
@@ -327,11 +328,24 @@ def s4d_args(T=5, H=2, M=3, R=4, V=3):
     ]
 
 
+# Bad input is checked once, by the public ops (backends/torch/checks.py), before the kernels;
+# the launchers assert only their invariants.
+
+
+def s4d_op(args):
+    """The public pairs op on [fq, kt, vt, lam, b, c, readout, cu_seqlens, initial_state]."""
+    fq, kt, vt, lam, b, c, readout, cu_seqlens, initial_state = args
+    return s4d_pairs(
+        fq, kt, vt, lam, b, c,
+        readout=readout, cu_seqlens=cu_seqlens, initial_state=initial_state, impl="triton",
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "change, match",
     [
         (lambda a: a.__setitem__(1, a[1][..., :2]), r"kt: expected shape \(1, 5, 2, 4\)"),
-        (lambda a: a.__setitem__(2, a[2].float()), "vt: expected dtype torch.float64"),
+        (lambda a: a.__setitem__(2, a[2].float()), r"vt: expected the dtype of fq \(float64\)"),
         (lambda a: a.__setitem__(4, a[4][:, :2]), r"b: expected shape \(2, 3, 2\)"),
         (lambda a: a.__setitem__(5, a[5][..., :1]), r"c: expected shape \(2, 3, 3, 2\)"),
         (lambda a: a[3].__setitem__((0, 0, 0), float("nan")), "lam: contains NaN"),
@@ -339,13 +353,17 @@ def s4d_args(T=5, H=2, M=3, R=4, V=3):
         (lambda a: a.__setitem__(7, torch.tensor([0, 3], device=DEVICE)), "cu_seqlens: expected"),
         (lambda a: a.__setitem__(7, torch.tensor([1, 5], device=DEVICE)), "cu_seqlens: expected"),
         (lambda a: a.__setitem__(8, torch.zeros(1, 2, 3, 8, 2)), r"initial_state: expected shape"),
+        (
+            lambda a: a.__setitem__(8, torch.full((1, 2, 3, 7, 2), float("nan"), dtype=a[3].dtype)),
+            "initial_state: contains NaN",
+        ),
     ],
 )
 def test_s4d_bad_input_names_the_argument(change, match):
     args = [*s4d_args(), "linear", None, None]
     change(args)
     with pytest.raises(ValueError, match=match):
-        s4d.s4d_fwd(*args)
+        s4d_op(args)
 
 
 def test_s4d_varlen_needs_batch_one():
@@ -355,7 +373,7 @@ def test_s4d_varlen_needs_batch_one():
         *(pair(case[k]) for k in ("lam", "b", "c")),
     ]
     with pytest.raises(ValueError, match="cu_seqlens: packed sequences need B = 1"):
-        s4d.s4d_fwd(*args, "linear", torch.tensor([0, 2, 4], device=DEVICE), None)
+        s4d_op([*args, "linear", torch.tensor([0, 2, 4], device=DEVICE), None])
 
 
 # --------------------------------------------------------------------------------------------
@@ -480,9 +498,9 @@ def test_legs_decode_steps_equal_the_chunked_kernel():
     "change, match",
     [
         (lambda a: a.__setitem__(1, a[1][:, :3]), r"fk: expected shape \(1, 6, 2, 4\)"),
-        (lambda a: a.__setitem__(2, a[2].half()), "v: expected dtype torch.float64"),
-        (lambda a: a.__setitem__(3, 0), "M: expected a positive int"),
-        (lambda a: a.__setitem__(4, torch.tensor([0, 4, 4, 6], device=DEVICE)), "cu_seqlens"),
+        (lambda a: a.__setitem__(2, a[2].half()), r"v: expected the dtype of fq \(float64\)"),
+        (lambda a: a.__setitem__(3, 0), "M: expected an integer >= 1"),
+        (lambda a: a.__setitem__(4, torch.tensor([0, 4, 3, 6], device=DEVICE)), "non-decreasing"),
     ],
 )
 def test_legs_bad_input_names_the_argument(change, match):
@@ -490,7 +508,7 @@ def test_legs_bad_input_names_the_argument(change, match):
     args = [*(to_torch(case[k]) for k in ("fq", "fk", "v")), 4, None]
     change(args)
     with pytest.raises(ValueError, match=match):
-        legs.legs_fwd(*args)
+        interdomain_legs(*args[:4], cu_seqlens=args[4], impl="triton")
 
 
 # --------------------------------------------------------------------------------------------

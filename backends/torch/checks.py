@@ -5,6 +5,11 @@ ValueError naming the argument, what was expected and what arrived; nothing is b
 between devices or promoted silently. Shape, dtype and device checks read only metadata, so they
 run while ``torch.compile`` traces; value checks (NaN/Inf, positive gates, cu_seqlens offsets)
 read the data and run inside the custom op, where they also hold in compiled code.
+
+These are the only checks of user input on the torch path: the kernels behind the custom ops
+(the eager twins, the Triton launchers) assert the invariants they rely on and raise nothing of
+their own, except where a kernel has a limit of its own (:func:`head_dims`) or a result is
+undefined (the ratio readout's zero denominator).
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ import torch
 from torch import Tensor
 
 from attnspec.reference.packing import Packing, packing
+
+from .devices import interpreting
 
 QKV_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 WIDE_DTYPES = (torch.float32, torch.float64)
@@ -111,6 +118,26 @@ def attention_inputs(q: Tensor, k: Tensor, v: Tensor) -> AttentionDims:
     if V < 1:
         raise ValueError(f"v: expected a value dim V >= 1, got shape {tuple(v.shape)}")
     return AttentionDims(B, T, HQ, H, K, V)
+
+
+def triton_device(device: torch.device) -> None:
+    """impl="triton" needs a CUDA device, or the Triton interpreter for CPU tensors."""
+    if device.type == "cpu" and not interpreting():
+        raise ValueError(
+            f"impl: Triton kernels need a CUDA device, or TRITON_INTERPRET=1 on cpu; got {device} "
+            "tensors"
+        )
+
+
+def head_dims(K: int, V: int, limit: int, kernels: str) -> None:
+    """K and V within the largest head dim of an implementation's kernels (a limit of those
+    kernels, not of the op: the eager twins take any)."""
+    for arg, name, size in (("q", "K", K), ("v", "V", V)):
+        if size > limit:
+            raise ValueError(
+                f"{arg}: head dim {name} = {size} exceeds the {kernels} kernels' limit of "
+                f"{limit}; impl='eager' takes any"
+            )
 
 
 def per_token(name: str, x: Tensor, q: Tensor) -> Tensor:

@@ -68,13 +68,14 @@ if torch.cuda.is_available():
 
 def resolve_impl(kernel: str, impl: str | None, device: torch.device) -> str:
     """The implementation of ``kernel`` to run: ``impl`` if given (ValueError if it is not
-    registered); otherwise "triton" for CUDA tensors when a Triton kernel is registered, else
-    "eager"."""
+    registered, or if it is "triton" for CPU tensors outside the Triton interpreter); otherwise
+    "triton" for CUDA tensors when a Triton kernel is registered, else "eager"."""
     if impl is None:
         return "triton" if device.type == "cuda" and _has_triton(kernel) else "eager"
     if not isinstance(impl, str):
         raise ValueError(f"impl: expected None, 'eager' or 'triton', got {impl!r}")
     if impl == "triton":
+        checks.triton_device(device)
         load_triton_kernels()
     dispatch.lookup(kernel, impl)
     return impl
@@ -496,8 +497,9 @@ def _s4d_fwd(
     initial_state: Tensor | None,
     impl: str,
 ) -> tuple[Tensor, Tensor]:
-    for name, x in (("lam", lam), ("b", b), ("c", c)):
-        checks.finite(name, x)
+    for name, x in (("lam", lam), ("b", b), ("c", c), ("initial_state", initial_state)):
+        if x is not None:
+            checks.finite(name, x)
     checks.decays(lam)
     offsets, keep = _drop_empty_sequences(cu_seqlens, fq.shape[1])
     kept_initial = initial_state if keep is None or initial_state is None else initial_state[keep]

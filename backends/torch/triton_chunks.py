@@ -1,7 +1,8 @@
 """The chunk layer shared by the Interdomain Triton kernels (S4D and LegS).
 
 Host side: the tile sizes per device (:class:`Blocks`), the flat token axis split into
-sequences, chunks and sub-chunks (:class:`Layout`, the varlen tables), argument checks.
+sequences, chunks and sub-chunks (:class:`Layout`, the varlen tables), the launchers' asserts
+(user input is checked once, by the public ops in :mod:`.checks`).
 Device side (``@triton.jit`` helpers): rows of ``[T, H, W]`` tensors, per-token mode buffers,
 tiles of a chunk state ``[M, C(, 2)]`` and the channel blocks of a state pass.
 
@@ -33,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attnspec.reference.packing import Packing, packing
+from attnspec.reference.packing import Packing
 
 from .devices import device_class, interpreting
 
@@ -198,27 +199,19 @@ def _build_layout(cu_list: list[int], chunk: int, sub_chunk: int, device: torch.
 
 
 def sequences(name: str, x: torch.Tensor, cu_seqlens: torch.Tensor | None) -> list[int]:
-    """Sequence offsets on the flat token axis of x [B, T, ...] as a Python list, checked by the
-    one rule of :mod:`attnspec.reference.packing`; the custom ops drop zero-length sequences
-    before the kernels, so the launchers see strictly increasing offsets."""
+    """Sequence offsets on the flat token axis of x [B, T, ...] as a Python list.
+
+    The public ops check the offsets (``checks.cu_seqlens``, the one rule of
+    :mod:`attnspec.reference.packing`) and drop zero-length sequences before the kernels, so the
+    launchers only assert what they rely on: offsets from 0 to T, strictly increasing, B = 1."""
     B, T = x.shape[:2]
     if cu_seqlens is None:
         return [i * T for i in range(B + 1)]
-    if cu_seqlens.ndim != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
-        raise ValueError(
-            f"cu_seqlens: expected a 1-D int32/int64 tensor, got {cu_seqlens.dtype} "
-            f"of shape {tuple(cu_seqlens.shape)}"
-        )
-    if cu_seqlens.device != x.device:
-        raise ValueError(f"cu_seqlens: expected device {x.device}, got {cu_seqlens.device}")
-    plan = packing(cu_seqlens.tolist(), T, batch=B)
-    assert plan is not None
-    if plan.has_empty:
-        raise ValueError(
-            f"cu_seqlens: the kernels take non-empty sequences (the ops drop zero-length ones "
-            f"first), got {list(plan.offsets)}"
-        )
-    return list(plan.offsets)
+    assert cu_seqlens.ndim == 1 and cu_seqlens.device == x.device, "offsets checked by the op"
+    offsets = [int(o) for o in cu_seqlens.tolist()]
+    assert B == 1 and offsets[0] == 0 and offsets[-1] == T, f"{name}: offsets {offsets}"
+    assert all(a < b for a, b in itertools.pairwise(offsets)), "zero-length sequences dropped"
+    return offsets
 
 
 def check_inputs(
@@ -226,44 +219,27 @@ def check_inputs(
     tensors: Sequence[torch.Tensor],
     widths: Sequence[int | None] | None = None,
 ) -> None:
-    """Same device, a floating dtype shared by all, [B, T, H, *] with matching B, T, H."""
+    """Assert the launchers' invariants: [B, T, H, *] with matching B, T, H (and the given last
+    widths), one dtype, one device. User input is checked once, by the public ops
+    (:mod:`.checks`); these asserts guard direct calls of the kernels."""
     ref = tensors[0]
-    if ref.ndim != 4:
-        raise ValueError(f"{names[0]}: expected [B, T, H, D], got shape {tuple(ref.shape)}")
-    if ref.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
-        raise ValueError(f"{names[0]}: expected a floating dtype, got {ref.dtype}")
-    if ref.shape[1] < 1:
-        raise ValueError(f"{names[0]}: expected T >= 1, got shape {tuple(ref.shape)}")
+    assert ref.ndim == 4 and ref.shape[1] >= 1, f"{names[0]}: {tuple(ref.shape)}"
     for name, x, width in zip(names, tensors, widths or [None] * len(names), strict=True):
-        if x.device != ref.device:
-            raise ValueError(
-                f"{name}: expected device {ref.device} (as {names[0]}), got {x.device}"
-            )
-        if x.dtype != ref.dtype:
-            raise ValueError(f"{name}: expected dtype {ref.dtype} (as {names[0]}), got {x.dtype}")
         expected = (*ref.shape[:3], width if width is not None else x.shape[-1])
-        if x.ndim != 4 or tuple(x.shape) != expected:
-            raise ValueError(f"{name}: expected shape {expected}, got {tuple(x.shape)}")
+        assert tuple(x.shape) == expected, f"{name}: {tuple(x.shape)}, expected {expected}"
+        assert x.dtype == ref.dtype and x.device == ref.device, f"{name}: {x.dtype}, {x.device}"
 
 
 def check_param(name: str, x: torch.Tensor, shape: tuple[int, ...], device: torch.device) -> None:
-    if tuple(x.shape) != shape:
-        raise ValueError(f"{name}: expected shape {shape} (re, im last), got {tuple(x.shape)}")
-    if x.device != device:
-        raise ValueError(f"{name}: expected device {device}, got {x.device}")
-    if x.dtype not in (torch.float32, torch.float64):
-        raise ValueError(f"{name}: expected float32 or float64, got {x.dtype}")
-    if not torch.isfinite(x).all():
-        raise ValueError(f"{name}: contains NaN or Inf")
+    """Assert an SSM parameter or state's shape (re, im last), device and float32-or-wider
+    dtype (its values are checked by the ops)."""
+    assert tuple(x.shape) == shape, f"{name}: {tuple(x.shape)}, expected {shape}"
+    assert x.device == device and x.dtype in (torch.float32, torch.float64), f"{name}: {x.dtype}"
 
 
 def check_cotangent(name: str, x: torch.Tensor, like: torch.Tensor) -> None:
-    """A cotangent with the shape, dtype and device of the output it belongs to."""
-    if tuple(x.shape) != tuple(like.shape) or x.device != like.device or x.dtype != like.dtype:
-        raise ValueError(
-            f"{name}: expected shape {tuple(like.shape)}, dtype {like.dtype} on {like.device}, "
-            f"got {tuple(x.shape)}, {x.dtype} on {x.device}"
-        )
+    """Assert a cotangent has the shape, dtype and device of the output it belongs to."""
+    assert (x.shape, x.dtype, x.device) == (like.shape, like.dtype, like.device), name
 
 
 # --------------------------------------------------------------------------------------------

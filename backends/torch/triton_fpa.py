@@ -55,9 +55,9 @@ import torch
 import triton
 import triton.language as tl
 
-from attnspec.reference.packing import Packing, packing
+from attnspec.reference.packing import Packing
 
-from . import dispatch
+from . import checks, dispatch
 from .devices import device_class, interpreting
 
 LOG2E = math.log2(math.e)
@@ -1011,25 +1011,6 @@ class _Layout:
         return self.B * self.T
 
 
-def _check_tensor(
-    name: str,
-    x: object,
-    shape: tuple[int, ...],
-    dtypes: tuple[torch.dtype, ...],
-    device: torch.device,
-) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise ValueError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
-    if tuple(x.shape) != tuple(shape):
-        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(x.shape)}")
-    if x.dtype not in dtypes:
-        raise ValueError(f"{name}: expected dtype in {[str(d) for d in dtypes]}, got {x.dtype}")
-    if x.device != device:
-        raise ValueError(f"{name}: expected device {device} (that of q), got {x.device}")
-    if not x.is_contiguous():
-        raise ValueError(f"{name}: expected a contiguous tensor")
-
-
 def _layout(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -1037,46 +1018,28 @@ def _layout(
     wide: dict[str, torch.Tensor],
     cu_seqlens: torch.Tensor | None,
 ) -> _Layout:
-    """Validate q, k, v, the per-token scalars ``wide`` and cu_seqlens; return the shapes."""
-    if not isinstance(q, torch.Tensor) or q.dim() != 4:
-        raise ValueError(f"q: expected a 4-D tensor [B, T, HQ, K], got {getattr(q, 'shape', q)}")
+    """The shapes of one call and the lengths of its sequences.
+
+    The public ops check the inputs once (:mod:`.checks`; offsets by the one rule of
+    :mod:`attnspec.reference.packing`) and pass contiguous tensors; the launchers assert only the
+    invariants they rely on: shapes that agree, one dtype for q, k, v and one float32-or-wider
+    dtype for the per-token scalars (float64 with float64 q), one device, contiguity."""
     B, T, HQ, K = q.shape
-    device = q.device
-    if device.type == "cpu" and not interpreting():
-        raise ValueError("q: Triton kernels need a CUDA device, or TRITON_INTERPRET=1 on cpu")
-    _check_tensor("q", q, (B, T, HQ, K), _DTYPES, device)
-    if not isinstance(k, torch.Tensor) or k.dim() != 4:
-        raise ValueError(f"k: expected a 4-D tensor [B, T, H, K], got {getattr(k, 'shape', k)}")
-    H = k.shape[2]
-    if H < 1 or HQ % H:
-        raise ValueError(f"k: expected H heads dividing the HQ = {HQ} heads of q, got H = {H}")
-    _check_tensor("k", k, (B, T, H, K), (q.dtype,), device)
-    if not isinstance(v, torch.Tensor) or v.dim() != 4:
-        raise ValueError(f"v: expected a 4-D tensor [B, T, H, V], got {getattr(v, 'shape', v)}")
-    V = v.shape[3]
-    _check_tensor("v", v, (B, T, H, V), (q.dtype,), device)
-    if T < 1:
-        raise ValueError(f"q: expected a sequence of length T >= 1, got T = {T}")
-    for name, size in (("K", K), ("V", V)):
-        if not 1 <= size <= MAX_HEAD_DIM:
-            raise ValueError(f"q, v: head dim {name} must be in [1, {MAX_HEAD_DIM}], got {size}")
-    wide_dtype = None
-    for name, x in wide.items():
-        _check_tensor(name, x, (B, T, HQ), _WIDE, device)
-        if wide_dtype is not None and x.dtype != wide_dtype:
-            raise ValueError(f"{name}: expected dtype {wide_dtype} (as the other scalars)")
-        wide_dtype = x.dtype
-    if q.dtype == torch.float64 and wide_dtype != torch.float64:
-        raise ValueError(f"{', '.join(wide)}: expected float64 with float64 q, got {wide_dtype}")
+    H, V = k.shape[2], v.shape[3]
+    assert T >= 1 and H >= 1 and HQ % H == 0, (tuple(q.shape), tuple(k.shape))
+    assert (tuple(k.shape), tuple(v.shape)) == ((B, T, H, K), (B, T, H, V)), (k.shape, v.shape)
+    assert q.dtype in _DTYPES and q.dtype == k.dtype == v.dtype, (q.dtype, k.dtype, v.dtype)
+    dtypes = {x.dtype for x in wide.values()}
+    assert len(dtypes) == 1 and dtypes <= set(_WIDE), dtypes
+    assert q.dtype != torch.float64 or dtypes == {torch.float64}, dtypes
+    for name, x in {"q": q, "k": k, "v": v, **wide}.items():
+        assert x.device == q.device and x.is_contiguous(), name
+        assert name not in wide or tuple(x.shape) == (B, T, HQ), (name, x.shape)
     if cu_seqlens is None:
         return _Layout(B, T, HQ, H, K, V, (T,) * B)
-    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1:
-        raise ValueError("cu_seqlens: expected a 1-D tensor of sequence offsets")
-    if cu_seqlens.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"cu_seqlens: expected int32 or int64, got {cu_seqlens.dtype}")
-    plan = packing(cu_seqlens.tolist(), T, batch=B)  # the one rule (reference/packing.py)
-    assert plan is not None
-    lengths = tuple(b - a for a, b in itertools.pairwise(plan.offsets))
+    offsets = [int(o) for o in cu_seqlens.tolist()]
+    assert B == 1 and offsets[0] == 0 and offsets[-1] == T, offsets
+    lengths = tuple(b - a for a, b in itertools.pairwise(offsets))
     return _Layout(B, T, HQ, H, K, V, lengths)
 
 
@@ -1134,11 +1097,10 @@ def _block(n: int) -> int:
 
 
 def _resolve_scale(scale: float | None, K: int) -> float:
-    if scale is None:
-        return K**-0.5
-    if isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale):
-        raise ValueError(f"scale: expected a finite number or None, got {scale!r}")
-    return float(scale)
+    """None: 1/sqrt(K) (direct calls of the kernels); the ops pass the checked scale."""
+    value = K**-0.5 if scale is None else float(scale)
+    assert math.isfinite(value), value
+    return value
 
 
 def kernel_sizes(
@@ -1206,8 +1168,7 @@ def _per_token_scalars(
     """The per-token scalars by the names the caller knows them: log_f, or field and level."""
     if fox:
         return {"log_f": field}
-    if level is None:
-        raise ValueError("level: expected a tensor [B, T, HQ], got None")
+    assert level is not None
     return {"field": field, "level": level}
 
 
@@ -1224,6 +1185,7 @@ def _forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     wide = _per_token_scalars(field, level, fox)
     shape = _layout(q, k, v, wide, cu_seqlens)
+    checks.head_dims(shape.K, shape.V, MAX_HEAD_DIM, "Triton FPA/FoX")
     scale = _resolve_scale(scale, shape.K)
     tiles = tiles_for(q.device, backward=False, K=shape.K, V=shape.V, dtype=q.dtype)
     BT = tiles.own
@@ -1274,18 +1236,20 @@ def _backward(
     wide = _per_token_scalars(field, level, fox)
     shape = _layout(q, k, v, wide, cu_seqlens)
     B, T, HQ, H, G = shape.B, shape.T, shape.HQ, shape.H, shape.G
-    _check_tensor("o", o, (B, T, HQ, shape.V), (q.dtype,), q.device)
-    _check_tensor("do", do, (B, T, HQ, shape.V), (q.dtype,), q.device)
-    _check_tensor("lse", lse, (B, T, HQ), (field.dtype,), q.device)
+    acc = field.dtype
+    assert max(shape.K, shape.V) <= MAX_HEAD_DIM, (shape.K, shape.V)
+    outputs = {"o": (o, q.dtype, shape.V), "do": (do, q.dtype, shape.V), "lse": (lse, acc, None)}
     if dlse is not None:
-        _check_tensor("dlse", dlse, (B, T, HQ), (field.dtype,), q.device)
+        outputs["dlse"] = (dlse, acc, None)
+    for name, (x, dtype, width) in outputs.items():
+        expected = (B, T, HQ) if width is None else (B, T, HQ, width)
+        assert (tuple(x.shape), x.dtype) == (expected, dtype) and x.is_contiguous(), name
     scale = _resolve_scale(scale, shape.K)
     tiles = tiles_for(q.device, backward=True, K=shape.K, V=shape.V, dtype=q.dtype)
     BT = tiles.own
     cu, tile_list, tile_start, nt_max = _sequences(shape.lengths, BT, q.device)
     ntiles = tile_list.shape[0]
     consts = _constants(scale, math.inf, field.dtype, q.device)
-    acc = field.dtype
     delta = torch.empty(B, T, HQ, dtype=acc, device=q.device)
     _delta_kernel[(triton.cdiv(shape.n_tok, ROW_BLOCK), HQ)](
         o, do, dlse, delta, shape.n_tok, HQ, shape.V, ROW_BLOCK, _block(shape.V), dlse is not None,
@@ -1367,8 +1331,7 @@ def fpa_fwd(
     Time O(T^2 (K + V) / 2) per head; memory O(T) beyond the inputs (2 log2(BT) floats per token
     for the block minima).
     """
-    if theta is not None and not (isinstance(theta, int | float) and theta > 0):
-        raise ValueError(f"theta: expected a positive number or None, got {theta!r}")
+    assert theta is None or theta > 0, theta
     return _forward(q, k, v, field, level, scale, cu_seqlens, theta, fox=False)
 
 

@@ -627,9 +627,8 @@ def _legs_plan(
     M: int,
     cu_seqlens: torch.Tensor | None,
 ) -> _LegsPlan:
-    check_inputs(("fq", "fk", "v"), (fq, fk, v), (None, fq.shape[-1] if fq.ndim else 0, None))
-    if isinstance(M, bool) or not isinstance(M, int) or M < 1:
-        raise ValueError(f"M: expected a positive int, got {M!r}")
+    check_inputs(("fq", "fk", "v"), (fq, fk, v), (None, fq.shape[-1], None))
+    assert isinstance(M, int) and M >= 1, M
     _, _, H, R = fq.shape
     V = v.shape[-1]
     cu = sequences("fq", fq, cu_seqlens)
@@ -881,26 +880,18 @@ def legs_step(
         inputs; the old one is not modified). Time O(M^2 (R + V)) per (sequence, head);
         memory O(M (R + V)).
     """
-    for name, x in (("fq", fq), ("fk", fk), ("v", v)):
-        if x.ndim != 3:
-            raise ValueError(f"{name}: expected [B, H, D] (one token), got {tuple(x.shape)}")
+    assert fq.ndim == fk.ndim == v.ndim == 3, "one token: [B, H, D]"
     check_inputs(
         ("fq", "fk", "v"), (fq[:, None], fk[:, None], v[:, None]), (None, fq.shape[-1], None)
     )
-    if isinstance(M, bool) or not isinstance(M, int) or M < 1:
-        raise ValueError(f"M: expected a positive int, got {M!r}")
+    assert isinstance(M, int) and M >= 1, M
     B, H, R = fq.shape
     V = v.shape[-1]
     acc, ACC, PREC = acc_types(fq.dtype)
     shape = (B, H, M, R + V)
     n = 1 if state is None else state.n + 1
-    if state is not None and (
-        tuple(state.c.shape) != shape or state.c.dtype != acc or state.c.device != fq.device
-    ):
-        raise ValueError(
-            f"state: expected c {shape} {acc} on {fq.device}, got {tuple(state.c.shape)} "
-            f"{state.c.dtype} on {state.c.device}"
-        )
+    if state is not None:
+        assert (tuple(state.c.shape), state.c.dtype, state.c.device) == (shape, acc, fq.device)
     BM = pow2(M)
     E, F = hippo.legs_step(n, M)
     e_t = torch.zeros(BM, BM, dtype=acc)

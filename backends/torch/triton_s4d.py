@@ -596,13 +596,10 @@ def s4d_plan(
     cu_seqlens: torch.Tensor | None,
     initial_state: torch.Tensor | None,
 ) -> S4DPlan:
-    check_inputs(("fq", "kt", "vt"), (fq, kt, vt), (None, fq.shape[-1] if fq.ndim else 0, None))
-    if readout not in ("linear", "ratio"):
-        raise ValueError(f"readout: expected 'linear' or 'ratio', got {readout!r}")
+    check_inputs(("fq", "kt", "vt"), (fq, kt, vt), (None, fq.shape[-1], None))
+    assert readout in ("linear", "ratio"), readout
     _, _, H, R = fq.shape
     V = vt.shape[-1]
-    if lam.ndim != 3:
-        raise ValueError(f"lam: expected shape (H, M, 2) (re, im last), got {tuple(lam.shape)}")
     M = lam.shape[1]
     check_param("lam", lam, (H, M, 2), fq.device)
     check_param("b", b, (H, M, 2), fq.device)
@@ -822,20 +819,14 @@ def s4d_step(
         o [B, H, V] in the dtype of fq and the new state (a new tensor; ``state`` is not
         modified). Time O(M (R + V + M)) per (sequence, head); memory O(M (R + V)).
     """
-    for name, x in (("fq", fq), ("kt", kt), ("vt", vt)):
-        if x.ndim != 3:
-            raise ValueError(f"{name}: expected [B, H, D] (one token), got {tuple(x.shape)}")
+    assert fq.ndim == kt.ndim == vt.ndim == 3, "one token: [B, H, D]"
     B = fq.shape[0]
     plan = s4d_plan(fq[:, None], kt[:, None], vt[:, None], lam, b, c, readout, None, None)
     sizes = plan.sizes
     shape = (B, sizes["H"], sizes["M"], sizes["C"], 2)
     if state is None:
         state = torch.zeros(shape, dtype=plan.acc, device=fq.device)
-    elif tuple(state.shape) != shape or state.dtype != plan.acc or state.device != fq.device:
-        raise ValueError(
-            f"state: expected {shape} {plan.acc} on {fq.device}, got {tuple(state.shape)} "
-            f"{state.dtype} on {state.device}"
-        )
+    assert (tuple(state.shape), state.dtype, state.device) == (shape, plan.acc, fq.device)
     state = state.contiguous()
     new_state = torch.empty_like(state)
     o = torch.empty(B, sizes["H"], sizes["V"], dtype=vt.dtype, device=fq.device)
