@@ -179,3 +179,41 @@ def test_the_triton_kernels_underneath_under_the_interpreter(monkeypatch):
     results = kit.judge(jobs, got, refs, 2)
     assert len(results) == 2
     assert all(r.verdict == "passed" for r in results), [(r.case_id, r.message) for r in results]
+
+
+def _triton_worker(rank, world, path):
+    """impl="triton" against impl="eager" on a batch of two rows with bfloat16 gates, zigzag
+    (two chunks per rank): the op widens the gates (as the single-device op does) and hands the
+    kernels contiguous chunks."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 8, 2, 4, generator=g) for _ in range(3))
+    field = torch.randn(2, 8, 2, generator=g).cumsum(1).bfloat16()
+    log_f = -torch.rand(2, 8, 2, generator=g).bfloat16()
+    errors = {}
+    for name, op, gates in (
+        ("fpa", cp.fpa_attention, (field, field + 0.5)),
+        ("fox", cp.fox_attention, (log_f,)),
+    ):
+        got = {}
+        for impl in ("triton", "eager"):
+            leaves = [
+                cp.shard_sequence(x, rank, world, layout="zigzag").clone().requires_grad_()
+                for x in (q, k, v, *gates)
+            ]
+            o = op(*leaves, layout="zigzag", impl=impl)
+            o.backward(torch.ones_like(o))
+            got[impl] = [o.detach(), *(x.grad.float() for x in leaves)]
+        errors[name] = max(
+            float((a - b).norm() / b.norm()) for a, b in zip(*got.values(), strict=True)
+        )
+    with open(os.path.join(path, f"rank{rank}.json"), "w") as fh:
+        json.dump(errors, fh)
+
+
+def test_the_triton_kernels_take_a_batch_and_half_precision_gates(monkeypatch, tmp_path):
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    cp.spawn(_triton_worker, 2, str(tmp_path), timeout=TIMEOUT)
+    for r in range(2):
+        errors = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert max(errors.values()) < 1e-4, (r, errors)

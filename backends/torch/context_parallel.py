@@ -487,7 +487,7 @@ class _AttentionCP(torch.autograd.Function):
                 *(w.contiguous() for w in wide),
                 o[:, sl].contiguous(),
                 lse[:, sl].contiguous(),
-                do[:, sl],
+                do[:, sl].contiguous(),
                 dlse[:, sl].contiguous(),
                 plan.scale,
                 cu,
@@ -656,9 +656,9 @@ def fpa_attention(
 
     def local_checks() -> None:
         dims = checks.attention_inputs(q, k, v)
-        checks.per_token("field", field, q)
-        checks.per_token("level", level, q)
-        checks.same_dtype(("field", "level"), (field, level))
+        s_holder["field"] = checks.per_token("field", field, q)  # half gates widened, as ops
+        s_holder["level"] = checks.per_token("level", level, q)
+        checks.same_dtype(("field", "level"), (s_holder["field"], s_holder["level"]))
         checks.finite("field", field)
         checks.finite("level", level)
         s_holder["scale"] = checks.scale(scale, dims.K)
@@ -681,6 +681,7 @@ def fpa_attention(
         ops.resolve_impl("fpa_fwd", impl, q.device),
         sharding,
     )
+    field, level = s_holder["field"], s_holder["level"]
     if q.dtype == torch.float64:
         field, level = field.to(torch.float64), level.to(torch.float64)
     o, lse = _AttentionCP.apply(plan, q, k, v, field, level)
@@ -706,7 +707,7 @@ def fox_attention(
 
     def local_checks() -> None:
         dims = checks.attention_inputs(q, k, v)
-        checks.per_token("log_f", log_f, q)
+        s_holder["log_f"] = checks.per_token("log_f", log_f, q)  # half gates widened, as ops
         checks.log_gates(log_f)
         s_holder["scale"] = checks.scale(scale, dims.K)
         if cu_seqlens is not None and dims.B != 1:
@@ -726,6 +727,7 @@ def fox_attention(
         ops.resolve_impl("fox_fwd", impl, q.device),
         sharding,
     )
+    log_f = s_holder["log_f"]
     if q.dtype == torch.float64:
         log_f = log_f.to(torch.float64)
     o, _ = _AttentionCP.apply(plan, q, k, v, log_f, log_f)
