@@ -6,11 +6,12 @@ GPU (bench/sm90.py) exactly as a launch on an H100/H200 compiles it: the launche
 run on CPU tensors at the Hopper blocks (``triton_chunks.DEVICE_BLOCKS["hopper"]``: chunk 64,
 sub-chunk 16, 8 warps) with every kernel launch captured instead of run, so the arguments,
 constexprs, grids and alignment are the launcher's. The shapes: B = 1, T = 512, H = 16,
-M = R = 64, dv = 128, bf16 features, the denominator-free readout. The peer is fla's chunk_gla
-forward (chunk_gla_fwd) and backward (chunk_gla_bwd, recomputing the states as its autograd
-Function does) at the same real state size: GLA key dim K = 2M = 128, V = dv, chunk 64, its
-launches captured the same way. fla autotunes on the GPU; here each of its autotuned kernels
-takes the config nearest to BK = BV = 64, 4 warps, 2 stages (:data:`FLA_CONFIG`).
+M = R = 64, dv = 128, bf16 features, the denominator-free readout; beside the default, the S4D
+tilings of :func:`VARIANTS` (chunk-wide loop and lag forms, the 16-row lag form). The peer is
+fla's chunk_gla forward (chunk_gla_fwd) and backward (chunk_gla_bwd, recomputing the states as
+its autograd Function does) at the same real state size: GLA key dim K = 2M = 128, V = dv, chunk
+64, its launches captured the same way. fla autotunes on the GPU; here each of its autotuned
+kernels takes the config nearest to BK = BV = 64, 4 warps, 2 stages (:data:`FLA_CONFIG`).
 
 Printed per kernel: dynamic shared memory, registers, stack bytes per thread, spill instructions
 (STL + LDL), tensor-core instruction kinds (wgmma = HGMMA, mma.sync = HMMA, with operand type).
@@ -47,14 +48,36 @@ M, R, DV = 64, 64, 128
 FLA_CONFIG = {"BK": 64, "BV": 64, "num_warps": 4, "num_stages": 2}
 BUDGET_RATIO = 2.0
 CHUNK_WIDE = "S4D chunk-wide"  # the S4D option of one program per 64-token chunk
+CHUNK_WIDE_LAG = "S4D chunk-wide lag"  # ... with the whole chunk one diagonal block, lag form
+ROWS16_LAG = "S4D 16-row lag"  # the 16-row default tiling with the lag form
 
 
 def CHUNK_WIDE_BLOCKS() -> Any:
     """The S4D tiling with one output program per 64-token chunk (64-row products, wgmma) and
-    diagonal blocks of 16 tokens; reported beside the default, not asserted."""
+    diagonal blocks of 16 tokens walked token by token; reported beside the default."""
     from attnspec.backends.torch.triton_chunks import Blocks
 
-    return Blocks(64, 64, 8, diag_loop=True, channels=32, diag_block=16, legs_sub_chunk=16)
+    return Blocks(64, 64, 8, diagonal="loop", channels=32, diag_block=16, legs_sub_chunk=16)
+
+
+def VARIANTS() -> dict[str, Any]:
+    """The S4D tilings reported beside the Hopper default (each compiled and modelled): the
+    chunk-wide loop form, the chunk-wide lag form (the chunk one diagonal block: no earlier-
+    block loop, no token loop) and the 16-row default tiling with the lag form."""
+    import dataclasses
+
+    wide = CHUNK_WIDE_BLOCKS()
+    return {
+        CHUNK_WIDE: wide,
+        CHUNK_WIDE_LAG: dataclasses.replace(wide, diagonal="lag", diag_block=64),
+        ROWS16_LAG: dataclasses.replace(_hopper(), diagonal="lag"),
+    }
+
+
+def _hopper() -> Any:
+    from attnspec.backends.torch import triton_chunks
+
+    return triton_chunks.DEVICE_BLOCKS["hopper"]
 
 
 # Budgets that fail the gate; the rest are reported. (kind, kernel or pass): kinds "no_mma_sync",
@@ -80,6 +103,13 @@ ASSERTED: set[tuple[str, str]] = (
     | {("no_spill", f"{CHUNK_WIDE}: {k}") for k in (*_STATE_PASSES[:3], "_s4d_query")}
     | {("flops", f"{CHUNK_WIDE} fwd")}
     | {("state_bytes", f"{CHUNK_WIDE} {p}") for p in ("fwd", "fwd+bwd")}
+    # the chunk-wide lag form: wgmma throughout, state bytes; the 16-row lag form: no spill in
+    # its query and input-gradient programs, forward FLOPs
+    | {("no_mma_sync", f"{CHUNK_WIDE_LAG}: {k}") for k in (*_STATE_PASSES[:3], *_S4D_CHUNK)}
+    | {("no_spill", f"{CHUNK_WIDE_LAG}: {k}") for k in _STATE_PASSES[:3]}
+    | {("state_bytes", f"{CHUNK_WIDE_LAG} {p}") for p in ("fwd", "fwd+bwd")}
+    | {("no_spill", f"{ROWS16_LAG}: {k}") for k in (*_STATE_PASSES[:3], "_s4d_query")}
+    | {("no_spill", f"{ROWS16_LAG}: _s4d_bwd_inputs"), ("flops", f"{ROWS16_LAG} fwd")}
 )
 
 
@@ -250,10 +280,11 @@ def plan_costs(c: Captured) -> tuple[float, float]:
 
     A model of the kernel's code, each term a tl.dot (2 m n k) or a state tile: loops over the
     earlier (or later) sub-chunks of a chunk run (NS - 1) / 2 times on average (NS sub-chunks
-    per chunk), the LegS loops over j <= i_s one more; the diagonal's token loop runs on CUDA
-    cores and is not counted. State bytes: the chunk-state tensors a state pass writes
-    (ours ``states``/``dstates``, fla ``h``/``dh``) and the tiles of them each chunk program
-    reads. Kernels without tensor-core products or state traffic count zero."""
+    per chunk), the LegS loops over j <= i_s one more; the diagonal's token loop ("loop") runs
+    on CUDA cores and is not counted, its "tile" and "lag" forms are matmuls. State bytes: the
+    chunk-state tensors a state pass writes (ours ``states``/``dstates``, fla ``h``/``dh``) and
+    the tiles of them each chunk program reads. Kernels without tensor-core products or state
+    traffic count zero."""
     a, n, name = c.args, c.programs, c.name
     if name.startswith("_s4d") or name.startswith("_legs"):
         return _ours_costs(name, a, c.grid, n)
@@ -286,7 +317,7 @@ def _ours_costs(name: str, a: dict[str, Any], grid: tuple[int, ...], n: int) -> 
     NB, NS = BS // BB, BT // BS
     e_off = NB * (NS - 1) / 2 + NB - 1  # earlier blocks of the chunk per program, on average
     e_adj = BT // BB - 1 - NB * (NS - 1) / 2  # later blocks of the chunk per program
-    diag = 0 if a.get("DIAG_LOOP", True) else 1  # the [BS, BS] tile form of the diagonal
+    form = a.get("DIAG", "loop")  # the form of the diagonal blocks (Blocks.diagonal)
     # S0 (or D) tiles read per program: keys M x R, values M x V, the ones column M; complex
     # (two planes) for S4D, real for LegS, in the stored states' dtype
     st = a["states"] if a.get("states") is not None else a["dstates"]
@@ -299,14 +330,24 @@ def _ours_costs(name: str, a: dict[str, Any], grid: tuple[int, ...], n: int) -> 
         return 4 * BS * D * BM
 
     def chunk_sum(D: int, dlam: bool = False) -> float:  # per earlier block: scores, then two
-        # [BS, BB] x [BB, BM] (four with the derivative table); the diagonal tile twice with it
-        return (
-            e_off * (2 * BS * D * BB + (8 if dlam else 4) * BS * BB * BM)
-            + (1 + dlam) * diag * 2 * sq * D
-        )
+        # [BS, BB] x [BB, BM] (four with the derivative table). The diagonal: "tile" its [BS, BS]
+        # scores (twice with the derivative table), "lag" the scores once and two [BS, BB] x
+        # [BB, BM] per table
+        off = e_off * (2 * BS * D * BB + (8 if dlam else 4) * BS * BB * BM)
+        if form == "tile":
+            return off + (1 + dlam) * 2 * sq * D
+        if form == "lag":
+            return off + 2 * sq * D + (1 + dlam) * 4 * BS * BB * BM
+        return off
 
-    def readout(D: int, blocks: float) -> float:  # the state part; per block scores and S z
-        return s4d_state(D) + blocks * (4 * BS * BM * BB + 2 * BS * BB * D) + diag * 2 * sq * D
+    def readout(D: int, blocks: float) -> float:  # the state part; per block scores and S z;
+        # the diagonal's S z ("tile"), with its scores by lag ("lag", two [BS, BM] x [BM, BB])
+        base = s4d_state(D) + blocks * (4 * BS * BM * BB + 2 * BS * BB * D)
+        if form == "tile":
+            return base + 2 * sq * D
+        if form == "lag":
+            return base + 4 * BS * BM * BB + 2 * sq * D
+        return base
 
     def legs_modes(D: int) -> float:  # blocks of S0 q_t, then q . z per sub-chunk j <= i_s
         return 2 * BS * D * BM + ((NS - 1) / 2 + 1) * 2 * sq * D
@@ -574,7 +615,7 @@ def interpreter_counts() -> list[tuple[Captured, float, float]]:
         lam = torch.view_as_real(0.9 * torch.exp(1j * torch.rand(1, M, generator=g)))
         b = torch.view_as_real(torch.ones(1, M, dtype=torch.complex64))
         c = torch.view_as_real(torch.eye(M, dtype=torch.complex64)[None])
-        for blocks in (hopper, CHUNK_WIDE_BLOCKS()):
+        for blocks in (hopper, *(b for b in VARIANTS().values() if b != hopper)):
             with triton_chunks.block_sizes(**dataclasses.asdict(blocks)):
                 for readout in ("linear", "ratio"):
                     args = (fq.abs(), kt.abs(), vt, lam, b, c, readout, None, None)
@@ -610,7 +651,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plan-only", action="store_true", help="the FLOP/byte model only")
     parser.add_argument("--no-peer", action="store_true", help="skip compiling chunk_gla")
     parser.add_argument(
-        "--no-variant", action="store_true", help="skip compiling the chunk-wide S4D tiling"
+        "--no-variant", action="store_true", help="skip the S4D tilings beside the default"
     )
     parser.add_argument("--kernels", default="", help="compile only kernels matching this regex")
     parser.add_argument(
@@ -623,17 +664,18 @@ def main(argv: list[str] | None = None) -> int:
         return check_plan()
     os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU, before triton is imported
     t0 = time.perf_counter()
-    mine = ours() + ours(CHUNK_WIDE_BLOCKS(), CHUNK_WIDE)
+    variants = {k: b for k, b in VARIANTS().items() if b != _hopper()}  # beside the default
+    mine = ours() + [c for name, b in variants.items() for c in ours(b, name)]
     peer = fla_chunk_gla()
     tokens = B * T * H
     costs = {
         impl: pass_costs([c for c in mine + peer if c.impl == impl], tokens)
-        for impl in ("S4D", CHUNK_WIDE, "LegS", "chunk_gla")
+        for impl in ("S4D", *variants, "LegS", "chunk_gla")
     }
     chosen = [
         c
         for c in mine + ([] if args.no_peer else peer)
-        if re.search(args.kernels, c.name) and not (args.no_variant and c.impl == CHUNK_WIDE)
+        if re.search(args.kernels, c.name) and not (args.no_variant and c.impl in variants)
     ]
     rows = [] if args.plan_only else compile_rows(chosen)
     print(f"== Interdomain static Hopper gate (sm_90, bf16; launches captured in "

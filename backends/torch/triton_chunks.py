@@ -46,11 +46,12 @@ class Blocks:
     """Tile sizes: ``chunk`` tokens per state-pass step, ``sub_chunk`` tokens per output program
     (both powers of two, sub_chunk <= chunk; at least 16 on a GPU, where tl.dot needs it).
 
-    ``diag_loop`` walks the pairs inside a diagonal block token by token with [BS, M] tiles,
-    as on a GPU; the interpreter default uses whole-chunk sub-chunks and [BS, BS, M] tiles,
-    which cost it far fewer operations. S4D splits a sub-chunk into diagonal blocks of
-    ``diag_block`` tokens (the pairs of different blocks are matmuls), so a GPU program can own
-    a whole chunk (64-row products, wgmma) while the token loop stays 16 long; LegS reads
+    ``diagonal`` is the form of the pairs inside a diagonal block (docs/kernels-interdomain.md
+    [S2]): ``"loop"`` walks them token by token with [BS, M] tiles, ``"tile"`` forms one
+    [BS, BS, M] tile, ``"lag"`` turns the [BS, BS] scores into [BS, lag] by a skew (a gather) so
+    that every diagonal product is a matmul against the table rows Lambda^k. S4D splits a
+    sub-chunk into diagonal blocks of ``diag_block`` tokens (the pairs of different blocks are
+    matmuls), so a GPU program can own a whole chunk (64-row products, wgmma); LegS reads
     per-position tables and keeps programs of ``legs_sub_chunk`` tokens. ``channels``: state
     channels per state-pass program (at most; a power of two >= 16). Static resource use on
     sm_90: ``python -m bench.gpu_static_interdomain``.
@@ -59,15 +60,17 @@ class Blocks:
     chunk: int = 64
     sub_chunk: int = 16
     num_warps: int = 8
-    diag_loop: bool = True  # pairs inside a sub-chunk token by token (else as [BS, BS, M] tiles)
+    diagonal: str = "loop"  # the pairs inside a diagonal block: "loop", "tile" or "lag"
     channels: int = 32
     diag_block: int | None = None  # S4D: tokens per diagonal block (None: the sub-chunk)
     legs_sub_chunk: int | None = None  # LegS: tokens per output program (None: the sub-chunk)
 
 
+DIAGONALS = ("loop", "tile", "lag")  # the forms of a diagonal block (Blocks.diagonal)
+
 # Per device class (devices.device_class); any other GPU takes the default. The interpreter counts
 # operations, not registers: whole chunks per program and wide channel blocks run fastest there.
-INTERPRETER_BLOCKS = Blocks(64, 64, 4, diag_loop=False, channels=64)
+INTERPRETER_BLOCKS = Blocks(64, 64, 4, diagonal="lag", channels=64)
 DEVICE_BLOCKS = {"hopper": Blocks(), "ampere": Blocks(), "interpreter": INTERPRETER_BLOCKS}
 _override: list[Blocks] = []
 
@@ -76,13 +79,15 @@ _override: list[Blocks] = []
 def block_sizes(
     chunk: int,
     sub_chunk: int,
-    diag_loop: bool = True,
+    diagonal: str = "loop",
     num_warps: int = 4,
     channels: int = 64,
     diag_block: int | None = None,
     legs_sub_chunk: int | None = None,
 ) -> Iterator[None]:
     """Force the tile sizes inside the block (tests use small chunks in the interpreter)."""
+    if diagonal not in DIAGONALS:
+        raise ValueError(f"diagonal: expected one of {DIAGONALS}, got {diagonal!r}")
     sizes = {"chunk": chunk, "sub_chunk": sub_chunk, "diag_block": diag_block or sub_chunk}
     sizes["legs_sub_chunk"] = legs_sub_chunk or sub_chunk
     for name, value in sizes.items():
@@ -94,7 +99,7 @@ def block_sizes(
     if sizes["diag_block"] > sub_chunk:
         raise ValueError(f"diag_block: expected at most sub_chunk = {sub_chunk}, got {diag_block}")
     _override.append(
-        Blocks(chunk, sub_chunk, num_warps, diag_loop, channels, diag_block, legs_sub_chunk)
+        Blocks(chunk, sub_chunk, num_warps, diagonal, channels, diag_block, legs_sub_chunk)
     )
     try:
         yield

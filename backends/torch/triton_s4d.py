@@ -150,6 +150,69 @@ def rows_of(sc: tl.tuple, BS: tl.constexpr) -> tl.tuple:
 
 
 @triton.jit
+def lag_skew(
+    x: tl.tensor, valid: tl.tensor, BS: tl.constexpr, BK: tl.constexpr, W: tl.constexpr
+) -> tl.tensor:
+    """y[t, j] = x[t, (t - j) mod W] where valid, else 0: [BS, BK] from x [BS, W] (W a power of
+    two). One index map for both directions of the lag domain [S2]: scores by token pair to
+    scores by lag (y[t, k] = x[t, t - k], lag k = t - u) and back (y[t, u] = x[t, t - u])."""
+    t = tl.arange(0, BS)[:, None]
+    j = tl.arange(0, BK)[None, :]
+    return tl.where(valid, tl.gather(x, (t - j) & (W - 1), axis=1), 0.0)
+
+
+@triton.jit
+def lag_table(tab: tl.tensor, BB: tl.constexpr, BM: tl.constexpr, TAB: tl.constexpr) -> tl.tuple:
+    """The rows of lags k = 0..BB-1 of a table: (re, im) [BB, BM]."""
+    return pow_at(tab, tl.arange(0, BB)[:, None], tl.arange(0, BM)[None, :], TAB, BM)
+
+
+@triton.jit
+def lag_apply(
+    sk: tl.tensor,
+    tab: tl.tensor,
+    acc: tl.tuple,
+    BB: tl.constexpr,
+    BM: tl.constexpr,
+    TAB: tl.constexpr,
+    PREC: tl.constexpr,
+) -> tl.tuple:
+    """acc + sum_k sk[t, k] T[k] for scores by lag sk [BS, BB] and the table T = tab: the
+    diagonal sum as one [BS, BB] x [BB, BM] matmul per plane [S2]."""
+    w_re, w_im = lag_table(tab, BB, BM, TAB)
+    re = acc[0] + tl.dot(sk, w_re, input_precision=PREC)
+    return re, acc[1] + tl.dot(sk, w_im, input_precision=PREC)
+
+
+@triton.jit
+def same_block(sc: tl.tuple, BS: tl.constexpr, BB: tl.constexpr) -> tl.tensor:
+    """[BS, BS] mask of the token pairs (t, u) of sub-chunk sc in one diagonal block, u <= t."""
+    r = sc[2] * BS + tl.arange(0, BS)
+    return ((r[:, None] // BB) == (r[None, :] // BB)) & (r[None, :] <= r[:, None])
+
+
+@triton.jit
+def lag_scores(
+    b_q: tl.tensor,
+    src: tl.tensor,
+    W: tl.tensor,
+    sc: tl.tuple,
+    BS: tl.constexpr,
+    BB: tl.constexpr,
+    BD: tl.constexpr,
+    ACC: tl.constexpr,
+    PREC: tl.constexpr,
+) -> tl.tensor:
+    """The scores q_t . z_u of the pairs inside each row's diagonal block by lag k = t - u:
+    [BS, BB], zero for k past the row's position in its block [S2]."""
+    tok, m_t, _ = rows_of(sc, BS)
+    z = load_rows(src, tok, sc[3], sc[4], W, tl.arange(0, BD), m_t, ACC)
+    a = tl.dot(b_q, tl.trans(z), input_precision=PREC)  # [BS (t), BS (u)]
+    k = tl.arange(0, BB)[None, :]
+    return lag_skew(a, k <= ((sc[2] * BS + tl.arange(0, BS)) % BB)[:, None], BS, BB, BS)
+
+
+@triton.jit
 def s4d_mix(p: tl.tuple, g_h: tl.tensor, BM: tl.constexpr, PREC: tl.constexpr) -> tl.tuple:
     """qe_t = G p_t for every row t, i.e. P G^T, G = C^H C of this head (I12) [S1]."""
     o_m = tl.arange(0, BM)
@@ -180,19 +243,20 @@ def s4d_offdiag(
     r = i_s * BS + tl.arange(0, BS)  # rows, from the chunk start
     o_b = tl.arange(0, BB)
     o_m = tl.arange(0, BM)
-    v_re, v_im = pow_at(pw, (BB - o_b)[:, None], o_m[None, :], TAB, BM)  # Lambda^(n-u)
     a_re = tl.zeros([BS, BM], dtype=ACC)
     a_im = tl.zeros([BS, BM], dtype=ACC)
-    for j in range(0, i_s * (BS // BB) + BS // BB - 1):
-        tok_u = t0 + j * BB + o_b
-        z = load_rows(src, tok_u, i_h, H, W, tl.arange(0, BD), tok_u < t1, ACC)
-        s = tl.dot(b_q, tl.trans(z), input_precision=PREC)  # q_t . z_u [BS, BB]
-        k = r - (j + 1) * BB  # rows at or before the block's end read the zero row
-        f = pow_at(pw, tl.where(k >= 0, k, BT + 1)[:, None], o_m[None, :], TAB, BM)
-        x = tl.dot(s, v_re, input_precision=PREC), tl.dot(s, v_im, input_precision=PREC)
-        x_re, x_im = cmul(f, x)
-        a_re += x_re
-        a_im += x_im
+    if BT > BB:  # (a chunk of one block has no earlier block)
+        v_re, v_im = pow_at(pw, (BB - o_b)[:, None], o_m[None, :], TAB, BM)  # Lambda^(n-u)
+        for j in range(0, i_s * (BS // BB) + BS // BB - 1):
+            tok_u = t0 + j * BB + o_b
+            z = load_rows(src, tok_u, i_h, H, W, tl.arange(0, BD), tok_u < t1, ACC)
+            s = tl.dot(b_q, tl.trans(z), input_precision=PREC)  # q_t . z_u [BS, BB]
+            k = r - (j + 1) * BB  # rows at or before the block's end read the zero row
+            f = pow_at(pw, tl.where(k >= 0, k, BT + 1)[:, None], o_m[None, :], TAB, BM)
+            x = tl.dot(s, v_re, input_precision=PREC), tl.dot(s, v_im, input_precision=PREC)
+            x_re, x_im = cmul(f, x)
+            a_re += x_re
+            a_im += x_im
     return a_re, a_im
 
 
@@ -210,20 +274,20 @@ def s4d_diag(
     BD: tl.constexpr,
     BM: tl.constexpr,
     TAB: tl.constexpr,
-    DIAG_LOOP: tl.constexpr,
+    DIAG: tl.constexpr,
     ACC: tl.constexpr,
     PREC: tl.constexpr,
 ) -> tl.tuple:
     """acc + the sum over the pairs u <= t inside each row's diagonal block of (q_t . z_u)
-    T[t - u], T the table tab: token by token with [BS, M] tiles (DIAG_LOOP; z rows gathered
-    per row), else as one [BS, BS, M] tile [S2]."""
+    T[t - u], T the table tab, in the form DIAG: "loop" token by token with [BS, M] tiles (z rows
+    gathered per row), "tile" one [BS, BS, M] tile, "lag" one matmul of the scores by lag [S2]."""
     t0, t1, i_s, i_h, H = sc
     tok, m_t, _ = rows_of(sc, BS)
     r = i_s * BS + tl.arange(0, BS)
     o_d = tl.arange(0, BD)
     o_m = tl.arange(0, BM)
     t_re, t_im = acc
-    if DIAG_LOOP:
+    if DIAG == "loop":
         for u_off in range(0, BB):
             u = (r // BB) * BB + u_off  # the u_off-th token of each row's block
             m_u = (t0 + u < t1)[:, None] & (o_d < W)[None, :]
@@ -237,15 +301,17 @@ def s4d_diag(
             w_re, w_im = pow_at(tab, k, o_m[None, :], TAB, BM)
             t_re += a_u[:, None] * w_re
             t_im += a_u[:, None] * w_im
-    else:
+    elif DIAG == "tile":
         z = load_rows(src, tok, i_h, H, W, o_d, m_t, ACC)
         a = tl.dot(b_q, tl.trans(z), input_precision=PREC)
         lag = r[:, None] - r[None, :]
-        same = (r[:, None] // BB) == (r[None, :] // BB)
-        k_d = tl.where((lag >= 0) & same & m_t[None, :], lag, BT + 1)[:, :, None]
+        k_d = tl.where(same_block(sc, BS, BB) & m_t[None, :], lag, BT + 1)[:, :, None]
         w_re, w_im = pow_at(tab, k_d, o_m[None, None, :], TAB, BM)
         t_re += tl.sum(a[:, :, None] * w_re, axis=1)
         t_im += tl.sum(a[:, :, None] * w_im, axis=1)
+    else:  # "lag"
+        sk = lag_scores(b_q, src, W, sc, BS, BB, BD, ACC, PREC)
+        t_re, t_im = lag_apply(sk, tab, (t_re, t_im), BB, BM, TAB, PREC)
     return t_re, t_im
 
 
@@ -262,14 +328,14 @@ def _s4d_chunk_sum(
     BD: tl.constexpr,
     BM: tl.constexpr,
     TAB: tl.constexpr,
-    DIAG_LOOP: tl.constexpr,
+    DIAG: tl.constexpr,
     ACC: tl.constexpr,
     PREC: tl.constexpr,
 ) -> tl.tuple:
     """sum_{t0<=u<=t} Lambda^(t-u) (q_t . z_u) for the rows t of sub-chunk sc, [BS, BM]:
     split at the ends of the earlier diagonal blocks, Lambda^(t-u) inside a row's block [S2]."""
     t = s4d_offdiag(b_q, src, W, pw, sc, BT, BS, BB, BD, BM, TAB, ACC, PREC)
-    return s4d_diag(b_q, src, W, pw, sc, t, BT, BS, BB, BD, BM, TAB, DIAG_LOOP, ACC, PREC)
+    return s4d_diag(b_q, src, W, pw, sc, t, BT, BS, BB, BD, BM, TAB, DIAG, ACC, PREC)
 
 
 @triton.jit
@@ -290,7 +356,7 @@ def s4d_readout(
     BD: tl.constexpr,
     BM: tl.constexpr,
     TAB: tl.constexpr,
-    DIAG_LOOP: tl.constexpr,
+    DIAG: tl.constexpr,
     ACC: tl.constexpr,
     PREC: tl.constexpr,
 ) -> tl.tensor:
@@ -307,18 +373,19 @@ def s4d_readout(
     o_d = tl.arange(0, BD)
     o_m = tl.arange(0, BM)
     out = tl.zeros([BS, BD], dtype=ACC)
-    wk_re, wk_im = cmul(b, pow_at(pw, (BB - o_b)[:, None], o_m[None, :], TAB, BM))  # [BB, BM]
-    for j in range(0, i_s * (BS // BB) + BS // BB - 1):
-        k = r - (j + 1) * BB
-        f_re, f_im = pow_at(pw, tl.where(k >= 0, k, BT + 1)[:, None], o_m[None, :], TAB, BM)
-        qf_re = q_re * f_re + q_im * f_im  # q conj(Lambda^(t-n))
-        qf_im = q_im * f_re - q_re * f_im
-        s = tl.dot(qf_re, tl.trans(wk_re), input_precision=PREC)
-        s += tl.dot(qf_im, tl.trans(wk_im), input_precision=PREC)  # [BS, BB]
-        tok_u = t0 + j * BB + o_b
-        z = load_rows(src, tok_u, i_h, H, W, o_d, tok_u < t1, ACC)
-        out += tl.dot(s, z, input_precision=PREC)
-    if DIAG_LOOP:
+    if BT > BB:
+        wk_re, wk_im = cmul(b, pow_at(pw, (BB - o_b)[:, None], o_m[None, :], TAB, BM))
+        for j in range(0, i_s * (BS // BB) + BS // BB - 1):
+            k = r - (j + 1) * BB
+            f_re, f_im = pow_at(pw, tl.where(k >= 0, k, BT + 1)[:, None], o_m[None, :], TAB, BM)
+            qf_re = q_re * f_re + q_im * f_im  # q conj(Lambda^(t-n))
+            qf_im = q_im * f_re - q_re * f_im
+            s = tl.dot(qf_re, tl.trans(wk_re), input_precision=PREC)
+            s += tl.dot(qf_im, tl.trans(wk_im), input_precision=PREC)  # [BS, BB]
+            tok_u = t0 + j * BB + o_b
+            z = load_rows(src, tok_u, i_h, H, W, o_d, tok_u < t1, ACC)
+            out += tl.dot(s, z, input_precision=PREC)
+    if DIAG == "loop":
         for u_off in range(0, BB):
             u = (r // BB) * BB + u_off
             m_u = (t0 + u < t1)[:, None] & (o_d < W)[None, :]
@@ -331,14 +398,19 @@ def s4d_readout(
             w_re, w_im = cmul(b, pow_at(pw, k, o_m[None, :], TAB, BM))
             s_u = tl.sum(q_re * w_re + q_im * w_im, axis=1)  # S[t, u]
             out += s_u[:, None] * z_u.to(ACC)
-    else:
+    elif DIAG == "tile":
         lag = r[:, None] - r[None, :]
-        same = (r[:, None] // BB) == (r[None, :] // BB)
-        k_d = tl.where((lag >= 0) & same & m_t[None, :], lag, BT + 1)[:, :, None]
+        k_d = tl.where(same_block(sc, BS, BB) & m_t[None, :], lag, BT + 1)[:, :, None]
         w_re, w_im = pow_at(pw, k_d, o_m[None, None, :], TAB, BM)
         bd_re = b_re[:, None, :] * w_re - b_im[:, None, :] * w_im
         bd_im = b_re[:, None, :] * w_im + b_im[:, None, :] * w_re
         s = tl.sum(q_re[:, None, :] * bd_re + q_im[:, None, :] * bd_im, axis=2)
+        out += tl.dot(s, load_rows(src, tok, i_h, H, W, o_d, m_t, ACC), input_precision=PREC)
+    else:  # "lag": scores by lag S'[t, k] = Re(q_t^H b Lambda^k), S[t, u] = S'[t, t - u]
+        w_re, w_im = cmul(b, lag_table(pw, BB, BM, TAB))  # [BB, BM]
+        s = tl.dot(q_re, tl.trans(w_re), input_precision=PREC)
+        s += tl.dot(q_im, tl.trans(w_im), input_precision=PREC)  # [BS, BB]
+        s = lag_skew(s, same_block(sc, BS, BB), BS, BS, BB)
         out += tl.dot(s, load_rows(src, tok, i_h, H, W, o_d, m_t, ACC), input_precision=PREC)
     fi_re, fi_im = pow_at(pw, (tok - t0 + 1)[:, None], o_m[None, :], TAB, BM)
     s_re, s_im = state_tile(s0, c_off, W, C, M, BD, BM, False)
@@ -481,7 +553,7 @@ def _s4d_query(
     BR: tl.constexpr,
     BM: tl.constexpr,
     TAB: tl.constexpr,
-    DIAG_LOOP: tl.constexpr,
+    DIAG: tl.constexpr,
     ACC: tl.constexpr,
     PREC: tl.constexpr,
 ) -> None:
@@ -495,7 +567,7 @@ def _s4d_query(
     o_m = tl.arange(0, BM)
     pw_h = pw + i_h * 2 * TAB
     b_q = load_rows(fq, tok, i_h, H, R, tl.arange(0, BR), m_t, ACC)
-    t = _s4d_chunk_sum(b_q, kt, R, pw_h, sc, BT, BS, BB, BR, BM, TAB, DIAG_LOOP, ACC, PREC)
+    t = _s4d_chunk_sum(b_q, kt, R, pw_h, sc, BT, BS, BB, BR, BM, TAB, DIAG, ACC, PREC)
     p = cmul(b_modes(b, i_h, M, BM, ACC), t)  # b t_t, then the state part
     s0 = states + (g * H + i_h).to(tl.int64) * M * C * 2
     s_re, s_im = state_tile(s0, 0, R, C, M, BR, BM, True)
@@ -528,7 +600,7 @@ def _s4d_output(
     BM: tl.constexpr,
     TAB: tl.constexpr,
     RATIO: tl.constexpr,
-    DIAG_LOOP: tl.constexpr,
+    DIAG: tl.constexpr,
     ACC: tl.constexpr,
     PREC: tl.constexpr,
 ) -> None:
@@ -544,7 +616,7 @@ def _s4d_output(
     s0 = states + (g * H + i_h).to(tl.int64) * M * C * 2
     qe = load_modes(qe_buf, tok, i_h, H, m_t, BM)
     out = s4d_readout(
-        qe, vt, V, s0, R, pw_h, b_c, sc, C, M, BT, BS, BB, BV, BM, TAB, DIAG_LOOP, ACC, PREC
+        qe, vt, V, s0, R, pw_h, b_c, sc, C, M, BT, BS, BB, BV, BM, TAB, DIAG, ACC, PREC
     )
     if RATIO:  # (I13) ratio readout
         x1, _ = ones_readout(s0, R + V, (pw_h, gs + i_h * 2 * TAB), b_c, sc, C, M, BS, BM, TAB)
@@ -620,7 +692,7 @@ def s4d_plan(
     common = dict(BT=blocks.chunk, BM=BM, TAB=(blocks.chunk + 2) * BM, ACC=ACC, PREC=PREC)
     common["num_warps"] = blocks.num_warps
     BB = min(blocks.diag_block or blocks.sub_chunk, blocks.sub_chunk)
-    sub = dict(BS=blocks.sub_chunk, BB=BB, BR=pow2(R), BV=pow2(V), DIAG_LOOP=blocks.diag_loop)
+    sub = dict(BS=blocks.sub_chunk, BB=BB, BR=pow2(R), BV=pow2(V), DIAG=blocks.diagonal)
     return S4DPlan(
         ratio=ratio,
         acc=acc,

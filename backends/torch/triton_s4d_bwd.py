@@ -30,6 +30,10 @@ from .triton_s4d import (
     b_modes,
     cadd,
     cmul,
+    lag_apply,
+    lag_scores,
+    lag_skew,
+    lag_table,
     ones_readout,
     pow_at,
     rows_of,
@@ -38,6 +42,7 @@ from .triton_s4d import (
     s4d_plan,
     s4d_readout,
     s4d_state_pass_launch,
+    same_block,
 )
 
 __all__ = ["s4d_bwd"]
@@ -68,7 +73,7 @@ def _s4d_chunk_sum_dlam(
     BD: tl.constexpr,
     BM: tl.constexpr,
     TAB: tl.constexpr,
-    DIAG_LOOP: tl.constexpr,
+    DIAG: tl.constexpr,
     ACC: tl.constexpr,
     PREC: tl.constexpr,
 ) -> tl.tuple:
@@ -79,31 +84,37 @@ def _s4d_chunk_sum_dlam(
     r = i_s * BS + tl.arange(0, BS)
     o_b = tl.arange(0, BB)
     o_m = tl.arange(0, BM)
-    v_re, v_im = pow_at(pw, (BB - o_b)[:, None], o_m[None, :], TAB, BM)
-    dv_re, dv_im = pow_at(dpw, (BB - o_b)[:, None], o_m[None, :], TAB, BM)
     t_re = tl.zeros([BS, BM], dtype=ACC)
     t_im = tl.zeros([BS, BM], dtype=ACC)
     d_re = tl.zeros([BS, BM], dtype=ACC)
     d_im = tl.zeros([BS, BM], dtype=ACC)
-    for j in range(0, i_s * (BS // BB) + BS // BB - 1):
-        tok_u = t0 + j * BB + o_b
-        z = load_rows(src, tok_u, i_h, H, W, tl.arange(0, BD), tok_u < t1, ACC)
-        s = tl.dot(b_q, tl.trans(z), input_precision=PREC)  # q_t . z_u [BS, BB]
-        k = tl.where(r >= (j + 1) * BB, r - (j + 1) * BB, BT + 1)[:, None]
-        f, df = pow_at(pw, k, o_m[None, :], TAB, BM), pow_at(dpw, k, o_m[None, :], TAB, BM)
-        x = tl.dot(s, v_re, input_precision=PREC), tl.dot(s, v_im, input_precision=PREC)
-        y_re, y_im = cmul(f, x)
-        t_re += y_re
-        t_im += y_im
-        y_re, y_im = cmul(df, x)
-        d_re += y_re
-        d_im += y_im
-        x = tl.dot(s, dv_re, input_precision=PREC), tl.dot(s, dv_im, input_precision=PREC)
-        y_re, y_im = cmul(f, x)
-        d_re += y_re
-        d_im += y_im
-    t = s4d_diag(b_q, src, W, pw, sc, (t_re, t_im), BT, BS, BB, BD, BM, TAB, DIAG_LOOP, ACC, PREC)
-    d = s4d_diag(b_q, src, W, dpw, sc, (d_re, d_im), BT, BS, BB, BD, BM, TAB, DIAG_LOOP, ACC, PREC)
+    if BT > BB:  # (a chunk of one block has no earlier block)
+        v_re, v_im = pow_at(pw, (BB - o_b)[:, None], o_m[None, :], TAB, BM)
+        dv_re, dv_im = pow_at(dpw, (BB - o_b)[:, None], o_m[None, :], TAB, BM)
+        for j in range(0, i_s * (BS // BB) + BS // BB - 1):
+            tok_u = t0 + j * BB + o_b
+            z = load_rows(src, tok_u, i_h, H, W, tl.arange(0, BD), tok_u < t1, ACC)
+            s = tl.dot(b_q, tl.trans(z), input_precision=PREC)  # q_t . z_u [BS, BB]
+            k = tl.where(r >= (j + 1) * BB, r - (j + 1) * BB, BT + 1)[:, None]
+            f, df = pow_at(pw, k, o_m[None, :], TAB, BM), pow_at(dpw, k, o_m[None, :], TAB, BM)
+            x = tl.dot(s, v_re, input_precision=PREC), tl.dot(s, v_im, input_precision=PREC)
+            y_re, y_im = cmul(f, x)
+            t_re += y_re
+            t_im += y_im
+            y_re, y_im = cmul(df, x)
+            d_re += y_re
+            d_im += y_im
+            x = tl.dot(s, dv_re, input_precision=PREC), tl.dot(s, dv_im, input_precision=PREC)
+            y_re, y_im = cmul(f, x)
+            d_re += y_re
+            d_im += y_im
+    if DIAG == "lag":  # one skew of the scores serves both tables
+        sk = lag_scores(b_q, src, W, sc, BS, BB, BD, ACC, PREC)
+        t = lag_apply(sk, pw, (t_re, t_im), BB, BM, TAB, PREC)
+        d = lag_apply(sk, dpw, (d_re, d_im), BB, BM, TAB, PREC)
+    else:
+        t = s4d_diag(b_q, src, W, pw, sc, (t_re, t_im), BT, BS, BB, BD, BM, TAB, DIAG, ACC, PREC)
+        d = s4d_diag(b_q, src, W, dpw, sc, (d_re, d_im), BT, BS, BB, BD, BM, TAB, DIAG, ACC, PREC)
     return t, d
 
 
@@ -125,7 +136,7 @@ def _s4d_adjoint_inputs(
     BD: tl.constexpr,
     BM: tl.constexpr,
     TAB: tl.constexpr,
-    DIAG_LOOP: tl.constexpr,
+    DIAG: tl.constexpr,
     ACC: tl.constexpr,
     PREC: tl.constexpr,
 ) -> tl.tensor:
@@ -141,20 +152,21 @@ def _s4d_adjoint_inputs(
     o_d = tl.arange(0, BD)
     o_m = tl.arange(0, BM)
     dz = tl.zeros([BS, BD], dtype=ACC)
-    w_re, w_im = pow_at(pw, o_b[:, None], o_m[None, :], TAB, BM)  # Lambda^(s-n) [BB, BM]
     # Later diagonal blocks i: Lambda^(s-t) = Lambda^(s-n) Lambda^(n-t), n the start of block i.
-    for i in range(i_s * (BS // BB) + 1, tl.cdiv(t1 - t0, BB)):
-        tok_s = t0 + i * BB + o_b
-        m_s = tok_s < t1
-        q_re, q_im = load_modes(q_buf, tok_s, i_h, H, m_s, BM)
-        qf_re = q_re * w_re + q_im * w_im  # q_s conj(Lambda^(s-n))
-        qf_im = q_im * w_re - q_re * w_im
-        k = tl.where(r < i * BB, i * BB - r, BT + 1)[:, None]
-        wk_re, wk_im = cmul(b, pow_at(pw, k, o_m[None, :], TAB, BM))  # b Lambda^(n-t)
-        st = tl.dot(wk_re, tl.trans(qf_re), input_precision=PREC)
-        st += tl.dot(wk_im, tl.trans(qf_im), input_precision=PREC)  # [BS (t), BB (s)]
-        dz += tl.dot(st, load_rows(zsrc, tok_s, i_h, H, W, o_d, m_s, ACC), input_precision=PREC)
-    if DIAG_LOOP:
+    if BT > BB:
+        w_re, w_im = pow_at(pw, o_b[:, None], o_m[None, :], TAB, BM)  # Lambda^(s-n) [BB, BM]
+        for i in range(i_s * (BS // BB) + 1, tl.cdiv(t1 - t0, BB)):
+            tok_s = t0 + i * BB + o_b
+            m_s = tok_s < t1
+            q_re, q_im = load_modes(q_buf, tok_s, i_h, H, m_s, BM)
+            qf_re = q_re * w_re + q_im * w_im  # q_s conj(Lambda^(s-n))
+            qf_im = q_im * w_re - q_re * w_im
+            k = tl.where(r < i * BB, i * BB - r, BT + 1)[:, None]
+            wk_re, wk_im = cmul(b, pow_at(pw, k, o_m[None, :], TAB, BM))  # b Lambda^(n-t)
+            st = tl.dot(wk_re, tl.trans(qf_re), input_precision=PREC)
+            st += tl.dot(wk_im, tl.trans(qf_im), input_precision=PREC)  # [BS (t), BB (s)]
+            dz += tl.dot(st, load_rows(zsrc, tok_s, i_h, H, W, o_d, m_s, ACC), input_precision=PREC)
+    if DIAG == "loop":
         for s_off in range(0, BB):
             s = (r // BB) * BB + s_off  # the s_off-th token of each row's block
             tok_s = t0 + s
@@ -168,16 +180,23 @@ def _s4d_adjoint_inputs(
             p_z = zsrc + (tok_s.to(tl.int64) * H + i_h)[:, None] * W + o_d[None, :]
             z_s = tl.load(p_z, mask=m_s[:, None] & (o_d < W)[None, :], other=0.0)
             dz += st_s[:, None] * z_s.to(ACC)
-    else:
+    elif DIAG == "tile":
         lag = r[None, :] - r[:, None]  # s - t
-        same = (r[:, None] // BB) == (r[None, :] // BB)
-        k_u = tl.where((lag >= 0) & same & m_t[None, :], lag, BT + 1)[:, :, None]
+        k_u = tl.where(tl.trans(same_block(sc, BS, BB)) & m_t[None, :], lag, BT + 1)[:, :, None]
         w_re, w_im = pow_at(pw, k_u, o_m[None, None, :], TAB, BM)
         bu_re = b_re[:, None, :] * w_re - b_im[:, None, :] * w_im
         bu_im = b_re[:, None, :] * w_im + b_im[:, None, :] * w_re
         q_re, q_im = load_modes(q_buf, tok, i_h, H, m_t, BM)
         st = tl.sum(q_re[None, :, :] * bu_re + q_im[None, :, :] * bu_im, axis=2)
         dz += tl.dot(st, load_rows(zsrc, tok, i_h, H, W, o_d, m_t, ACC), input_precision=PREC)
+    else:  # "lag": P[s, k] = Re(q_s^H b Lambda^k), st[t, s] = P[s, s - t]
+        wk_re, wk_im = cmul(b, lag_table(pw, BB, BM, TAB))  # [BB, BM]
+        q_re, q_im = load_modes(q_buf, tok, i_h, H, m_t, BM)
+        st = tl.dot(q_re, tl.trans(wk_re), input_precision=PREC)
+        st += tl.dot(q_im, tl.trans(wk_im), input_precision=PREC)  # [BS (s), BB]
+        st = lag_skew(st, same_block(sc, BS, BB), BS, BS, BB)  # [BS (s), BS (t)]
+        z = load_rows(zsrc, tok, i_h, H, W, o_d, m_t, ACC)
+        dz += tl.dot(tl.trans(st), z, input_precision=PREC)
     k_e = tl.maximum(t1 - 1 - tok, 0)[:, None]
     fe_re, fe_im = cmul(b, pow_at(pw, k_e, o_m[None, :], TAB, BM))  # b Lambda^(e-t)
     d_re, d_im = state_tile(d_st, c_off, W, C, M, BD, BM, False)
@@ -222,7 +241,7 @@ def _s4d_bwd_modes(
     BM: tl.constexpr,
     TAB: tl.constexpr,
     RATIO: tl.constexpr,
-    DIAG_LOOP: tl.constexpr,
+    DIAG: tl.constexpr,
     ACC: tl.constexpr,
     PREC: tl.constexpr,
 ) -> None:
@@ -249,7 +268,7 @@ def _s4d_bwd_modes(
     s_re, s_im = s_re.to(ACC), s_im.to(ACC)
     y = tl.dot(b_q, s_re, input_precision=PREC), tl.dot(b_q, s_im, input_precision=PREC)
     pt, pd = _s4d_chunk_sum_dlam(
-        b_q, kt, R, pw_h, dpw_h, sc, BT, BS, BB, BR, BM, TAB, DIAG_LOOP, ACC, PREC
+        b_q, kt, R, pw_h, dpw_h, sc, BT, BS, BB, BR, BM, TAB, DIAG, ACC, PREC
     )
     p = cadd(cmul(pow_at(pw_h, k_i, o_m[None, :], TAB, BM), y), cmul(b_c, pt))
     pd = cadd(cmul(pow_at(dpw_h, k_i, o_m[None, :], TAB, BM), y), cmul(b_c, pd))
@@ -259,7 +278,7 @@ def _s4d_bwd_modes(
     dnum = load_rows(do, tok, i_h, H, V, o_v, m_t, ACC)
     if RATIO:
         num = s4d_readout(
-            qe, vt, V, s0, R, pw_h, b_c, sc, C, M, BT, BS, BB, BV, BM, TAB, DIAG_LOOP, ACC, PREC
+            qe, vt, V, s0, R, pw_h, b_c, sc, C, M, BT, BS, BB, BV, BM, TAB, DIAG, ACC, PREC
         )
         x1, g1 = ones_readout(s0, R + V, (pw_h, gs + i_h * 2 * TAB), b_c, sc, C, M, BS, BM, TAB)
         den = tl.where(m_t, tl.sum(qe[0] * x1[0] + qe[1] * x1[1], axis=1), 1.0)
@@ -271,7 +290,7 @@ def _s4d_bwd_modes(
     s_re, s_im = s_re.to(ACC), s_im.to(ACC)
     y = tl.dot(dnum, s_re, input_precision=PREC), tl.dot(dnum, s_im, input_precision=PREC)
     gqt, gqd = _s4d_chunk_sum_dlam(
-        dnum, vt, V, pw_h, dpw_h, sc, BT, BS, BB, BV, BM, TAB, DIAG_LOOP, ACC, PREC
+        dnum, vt, V, pw_h, dpw_h, sc, BT, BS, BB, BV, BM, TAB, DIAG, ACC, PREC
     )
     gq = cadd(cmul(pow_at(pw_h, k_i, o_m[None, :], TAB, BM), y), cmul(b_c, gqt))
     gqd = cadd(cmul(pow_at(dpw_h, k_i, o_m[None, :], TAB, BM), y), cmul(b_c, gqd))
@@ -293,7 +312,7 @@ def _s4d_bwd_modes(
     gb_re, gb_im = gb_re + d_re, gb_im + d_im
     store_modes(gp_buf, gp[0], gp[1], tok, i_h, H, m_t, BM)
     dq = s4d_readout(
-        gp, kt, R, s0, 0, pw_h, b_c, sc, C, M, BT, BS, BB, BR, BM, TAB, DIAG_LOOP, ACC, PREC
+        gp, kt, R, s0, 0, pw_h, b_c, sc, C, M, BT, BS, BB, BR, BM, TAB, DIAG, ACC, PREC
     )
     store_rows(dfq, dq, tok, i_h, H, R, tl.arange(0, BR), m_t)
     p_part = (i_p * H + i_h).to(tl.int64) * 2 * BM + o_m
@@ -485,7 +504,7 @@ def _s4d_bwd_inputs(
     BV: tl.constexpr,
     BM: tl.constexpr,
     TAB: tl.constexpr,
-    DIAG_LOOP: tl.constexpr,
+    DIAG: tl.constexpr,
     ACC: tl.constexpr,
     PREC: tl.constexpr,
 ) -> None:
@@ -501,12 +520,12 @@ def _s4d_bwd_inputs(
     ds = dstates + (g * H + i_h).to(tl.int64) * M * C * 2
     if tl.program_id(2) == 0:
         dk = _s4d_adjoint_inputs(
-            gp_buf, fq, R, ds, 0, pw, bc, sc, C, M, BT, BS, BB, BR, BM, TAB, DIAG_LOOP, ACC, PREC
+            gp_buf, fq, R, ds, 0, pw, bc, sc, C, M, BT, BS, BB, BR, BM, TAB, DIAG, ACC, PREC
         )
         store_rows(dkt, dk, tok, i_h, H, R, tl.arange(0, BR), m_t)
     else:
         dv = _s4d_adjoint_inputs(
-            qe_buf, dnum, V, ds, R, pw, bc, sc, C, M, BT, BS, BB, BV, BM, TAB, DIAG_LOOP, ACC, PREC
+            qe_buf, dnum, V, ds, R, pw, bc, sc, C, M, BT, BS, BB, BV, BM, TAB, DIAG, ACC, PREC
         )
         store_rows(dvt, dv, tok, i_h, H, V, tl.arange(0, BV), m_t)
 
