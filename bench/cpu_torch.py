@@ -28,6 +28,7 @@ import numpy as np
 import scipy
 import torch
 
+from attnspec.backends.tile_sizes import EAGER_CHUNK
 from attnspec.backends.torch import (
     eager_interdomain,
     fox_attention,
@@ -236,9 +237,9 @@ def main(argv=None) -> int:
         for T in args.lengths:
             if op == "LegS":  # the step products are built once per (T, M): time that apart
                 start = time.perf_counter()
-                for index in range(-(-T // eager_interdomain.LEGS_CHUNK)):
+                for index in range(-(-T // EAGER_CHUNK["legs"])):
                     eager_interdomain.legs_constants(
-                        M, eager_interdomain.LEGS_CHUNK, index, torch.float32, "cpu"
+                        M, EAGER_CHUNK["legs"], index, torch.float32, "cpu"
                     )
                 build[T] = time.perf_counter() - start
             if op in ("FPA", "FoX"):

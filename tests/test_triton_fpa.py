@@ -517,20 +517,24 @@ def test_kernels_compile_for_sm90(tmp_path):
 
 
 def test_one_device_class_for_every_triton_family(monkeypatch):
-    """Both Triton families pick their tiles by devices.device_class: the interpreter (or a CPU
-    tensor) gets the interpreter row, a CUDA device its class's row; every class has a row."""
+    """Both Triton families pick their tiles from the one table (backends/tile_sizes.py) by
+    devices.device_class: the interpreter (or a CPU tensor) gets the interpreter row, a CUDA
+    device its class's row; every class has a row in both tables."""
+    from attnspec.backends import tile_sizes
     from attnspec.backends.torch import devices, triton_chunks
 
     cpu = torch.device("cpu")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert devices.device_class(cpu) == "interpreter"
-    assert triton_chunks.blocks_for(cpu) == triton_chunks.INTERPRETER_BLOCKS
+    assert triton_chunks.blocks_for(cpu) == tile_sizes.DEVICE_BLOCKS["interpreter"]
+    assert tf.tiles_for(cpu, backward=True) == tile_sizes.TILE_TABLE["interpreter"][1]
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert devices.device_class(cpu) == "interpreter"  # only the interpreter runs CPU tensors
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert devices.device_class(torch.device("cuda")) == "hopper"
-    assert triton_chunks.blocks_for(torch.device("cuda")) == triton_chunks.DEVICE_BLOCKS["hopper"]
+    assert triton_chunks.blocks_for(torch.device("cuda")) == tile_sizes.DEVICE_BLOCKS["hopper"]
+    assert tf.tiles_for(torch.device("cuda"), backward=False) == tile_sizes.TILE_TABLE["hopper"][0]
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
     assert devices.device_class(torch.device("cuda")) == "gpu"
-    for kind in {*devices.DEVICE_CLASSES.values(), "gpu", "interpreter"}:
-        assert kind in tf.TILE_TABLE
+    for kind in {*tile_sizes.DEVICE_CLASSES.values(), "gpu", "interpreter"}:
+        assert kind in tile_sizes.TILE_TABLE

@@ -29,11 +29,11 @@ from jax.typing import ArrayLike, DTypeLike
 
 from attnspec.reference.packing import Packing
 
+from ..tile_sizes import JAX_BLOCK, fitted
 from . import blockwise, tiles
 from . import validation as check
 
 IMPLEMENTATIONS = ("xla", "pallas", "mosaic")
-DEFAULT_BLOCK = {"xla": 128, "pallas": 64, "mosaic": 64}
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ class AttentionConfig:
 
     kind: str
     scale: float
-    block: int = DEFAULT_BLOCK["xla"]
+    block: int = JAX_BLOCK["xla"]
     cu_seqlens: tuple[int, ...] | None = None
     implementation: str = "xla"
     interpret: bool = False
@@ -57,7 +57,7 @@ class AttentionConfig:
 
 def tile_size(block: int, T: int) -> int:
     """Positions per tile: ``block``, or the next power of two >= max(T, 16) when T is short."""
-    return min(block, max(16, 1 << (T - 1).bit_length()))
+    return fitted(block, T, 16)
 
 
 def compute_dtype(*arrays: jax.Array) -> jnp.dtype:
@@ -392,7 +392,7 @@ def _config(
         raise ValueError(
             f"implementation: expected one of {IMPLEMENTATIONS}, got {implementation!r}"
         )
-    block = DEFAULT_BLOCK[implementation] if block_size is None else block_size
+    block = JAX_BLOCK[implementation] if block_size is None else block_size
     if isinstance(block, bool) or not isinstance(block, int) or block < 16 or block & (block - 1):
         raise ValueError(f"block_size: expected a power of two >= 16, got {block_size!r}")
     if implementation == "mosaic":

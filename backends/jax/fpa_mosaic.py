@@ -37,9 +37,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ..tile_sizes import JAX_BLOCK
 from .blockwise import Partials, Penalties
 
-BLOCK = 64  # rows of a wgmma tile (one warpgroup), and the positions of a key block
+# rows of a wgmma tile (one warpgroup), and the positions of a key block: the table's 64
+BLOCK = JAX_BLOCK["mosaic"]
 NARROW = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 

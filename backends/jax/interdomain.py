@@ -31,6 +31,7 @@ from numpy.typing import NDArray
 from attnspec.reference import hippo
 from attnspec.reference.packing import Packing
 
+from ..tile_sizes import JAX_CHUNK, fitted
 from . import validation as check
 
 HIGHEST = lax.Precision.HIGHEST
@@ -39,7 +40,7 @@ READOUTS = ("linear", "ratio")
 
 def chunk_size(chunk: int, T: int) -> int:
     """Tokens per chunk: ``chunk``, or the next power of two >= max(T, 8) when T is short."""
-    return min(chunk, max(8, 1 << (T - 1).bit_length()))
+    return fitted(chunk, T, 8)
 
 
 def _pad_time(x: jax.Array, Tp: int, axis: int = 2) -> jax.Array:
@@ -248,7 +249,7 @@ def interdomain_s4d(
     *,
     readout: str = "linear",
     cu_seqlens: Sequence[int] | None = None,
-    chunk: int = 64,
+    chunk: int = JAX_CHUNK["s4d"],
     validate: bool = True,
 ) -> jax.Array:
     """The S4D core of the Interdomain layer, (I11)-(I13), chunked.
@@ -432,7 +433,7 @@ def _legs_public(
 
 
 def interdomain_legs(
-    fq: ArrayLike, fk: ArrayLike, v: ArrayLike, M: int, *, chunk: int = 32
+    fq: ArrayLike, fk: ArrayLike, v: ArrayLike, M: int, *, chunk: int = JAX_CHUNK["legs"]
 ) -> jax.Array:
     """Interdomain attention with the HiPPO-LegS basis: (I2)/(I5) coefficients, (I3) readout.
 

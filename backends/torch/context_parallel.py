@@ -45,11 +45,11 @@ from torch import Tensor
 
 from attnspec.reference.packing import packing
 
+from ..tile_sizes import CONTEXT_PARALLEL_QUERY_BLOCK
 from . import checks, dispatch, ops
 from .eager_fpa import compute_dtype, from_rows, prefix_min, suffix_min, to_rows
 
 LAYOUTS = ("contiguous", "zigzag")
-QUERY_BLOCK = 128  # query rows per cross-chunk tile: memory O(T/P * QUERY_BLOCK)
 _INF = float("inf")
 
 
@@ -316,8 +316,8 @@ def _cross_forward(
     N, La, _ = q.shape
     o = q.new_empty(N, La, v.shape[2])
     lse = q.new_empty(N, La)
-    for i0 in range(0, La, QUERY_BLOCK):
-        i1 = min(La, i0 + QUERY_BLOCK)
+    for i0 in range(0, La, CONTEXT_PARALLEL_QUERY_BLOCK):
+        i1 = min(La, i0 + CONTEXT_PARALLEL_QUERY_BLOCK)
         pen, _ = tile.penalty(i0, i1)
         s = torch.baddbmm(pen, q[:, i0:i1], k.transpose(1, 2), beta=-1, alpha=scale)
         if mask is not None:
@@ -349,8 +349,8 @@ def _cross_backward(
 ) -> None:
     """(G1)-(G3) of a cross tile with the merged lse and delta = <dO, o> - dLSE."""
     La = q.shape[1]
-    for i0 in range(0, La, QUERY_BLOCK):
-        i1 = min(La, i0 + QUERY_BLOCK)
+    for i0 in range(0, La, CONTEXT_PARALLEL_QUERY_BLOCK):
+        i1 = min(La, i0 + CONTEXT_PARALLEL_QUERY_BLOCK)
         pen, m = tile.penalty(i0, i1)
         s = torch.baddbmm(pen, q[:, i0:i1], k.transpose(1, 2), beta=-1, alpha=scale)
         if mask is not None:

@@ -22,7 +22,8 @@ from torch import Tensor
 
 from attnspec.reference import hippo
 
-from . import checks, eager_fpa
+from ..tile_sizes import EAGER_QUERY_BLOCK
+from . import checks
 from .eager_fpa import FPAPenalty, Tile, attend, compute_dtype, from_rows, to_rows
 from .ops import interdomain_s4d
 
@@ -203,7 +204,7 @@ class FPADecodeCache:
             to_rows(v, wide, groups),
             checks.scale(self.scale, K),
             evicting,
-            eager_fpa.QUERY_BLOCK,
+            EAGER_QUERY_BLOCK,
         )
         # the cache after the last token: m_j = min field over (j, T), kept if depth < theta
         after = torch.cat([fs[:, 1:], torch.full_like(fs[:, :1], _INF)], dim=1)

@@ -1,8 +1,9 @@
 """Device classes of the Triton kernels: one test for the interpreter, one name per GPU kind.
 
-Every Triton kernel family keeps its tile table keyed by these names (``triton_fpa.TILE_TABLE``,
-``triton_chunks.DEVICE_BLOCKS``) and has one override for tests (``triton_fpa.forced_tiles``,
-``triton_chunks.block_sizes``). The static Hopper gates compile at the ``"hopper"`` rows.
+Every Triton kernel family picks its row of the one tile table (``backends/tile_sizes.py``:
+``TILE_TABLE``, ``DEVICE_BLOCKS``) by these names and has one override for tests
+(``triton_fpa.forced_tiles``, ``triton_chunks.block_sizes``). The static Hopper gates compile at
+the ``"hopper"`` rows.
 """
 
 from __future__ import annotations
@@ -11,10 +12,9 @@ import os
 
 import torch
 
-__all__ = ["DEVICE_CLASSES", "device_class", "interpreting"]
+from ..tile_sizes import DEVICE_CLASSES
 
-# Compute capability major -> class; any other CUDA device is "gpu".
-DEVICE_CLASSES = {9: "hopper", 8: "ampere"}
+__all__ = ["DEVICE_CLASSES", "device_class", "interpreting"]
 
 
 def interpreting() -> bool:

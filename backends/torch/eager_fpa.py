@@ -28,10 +28,8 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from ..tile_sizes import EAGER_KEY_BLOCK, EAGER_QUERY_BLOCK
 from . import dispatch
-
-QUERY_BLOCK = 128  # query rows per tile: memory O(T * QUERY_BLOCK), matmuls wide enough for BLAS
-KEY_BLOCK: int | None = None  # keys per block left of the diagonal; None: all of them at once
 
 _INF = float("inf")
 
@@ -71,9 +69,9 @@ def segments(cu_seqlens: Tensor | None, T: int) -> list[tuple[int, int]]:
 
 
 def tile_sizes(block: int | None, key_block: int | None) -> tuple[int, int | None]:
-    """The tile sizes of a call: the module's QUERY_BLOCK and KEY_BLOCK unless given."""
-    return (QUERY_BLOCK if block is None else block), (
-        KEY_BLOCK if key_block is None else key_block
+    """The tile sizes of a call: the table's EAGER_QUERY_BLOCK and EAGER_KEY_BLOCK unless given."""
+    return (EAGER_QUERY_BLOCK if block is None else block), (
+        EAGER_KEY_BLOCK if key_block is None else key_block
     )
 
 

@@ -40,11 +40,9 @@ from torch import Tensor
 
 from attnspec.reference import hippo
 
+from ..tile_sizes import EAGER_CHUNK
 from . import dispatch
 from .eager_fpa import segments
-
-S4D_CHUNK = 64
-LEGS_CHUNK = 64
 
 
 def ratio(num: Tensor, den: Tensor, names: str, t0: int) -> Tensor:
@@ -325,7 +323,7 @@ def _s4d_setup(
     readout: str,
     chunk: int | None,
 ) -> tuple[torch.dtype, Tensor, S4DScan, list[Tensor]]:
-    chunk = S4D_CHUNK if chunk is None else chunk
+    chunk = EAGER_CHUNK["s4d"] if chunk is None else chunk
     dtype = torch.promote_types(torch.promote_types(fq.dtype, torch.float32), lam.dtype)
     lam_c, b_c, c_c = (_as_complex(p, dtype) for p in (lam, b, c))
     model = S4DScan(
@@ -525,7 +523,7 @@ class LegSScan:
 def _legs_setup(
     fq: Tensor, fk: Tensor, v: Tensor, M: int, chunk: int | None
 ) -> tuple[LegSScan, list[Tensor]]:
-    chunk = LEGS_CHUNK if chunk is None else chunk
+    chunk = EAGER_CHUNK["legs"] if chunk is None else chunk
     dtype = torch.promote_types(fq.dtype, torch.float32)
     xs = [_heads_first(fq, dtype), _heads_first(fk, dtype), _heads_first(v, dtype)]
     return LegSScan(M, chunk), xs

@@ -1,6 +1,7 @@
 """The chunk layer shared by the Interdomain Triton kernels (S4D and LegS).
 
-Host side: the tile sizes per device (:class:`Blocks`), the flat token axis split into
+Host side: the tile sizes of a launch (:func:`blocks_for`: a row of ``DEVICE_BLOCKS`` in
+``backends/tile_sizes.py``, or the :func:`block_sizes` override), the flat token axis split into
 sequences, chunks and sub-chunks (:class:`Layout`, the varlen tables), the launchers' asserts
 (user input is checked once, by the public ops in :mod:`.checks`).
 Device side (``@triton.jit`` helpers): rows of ``[T, H, W]`` tensors, per-token mode buffers,
@@ -26,7 +27,6 @@ import functools
 import itertools
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
@@ -36,42 +36,12 @@ import triton.language as tl
 
 from attnspec.reference.packing import Packing
 
+from ..tile_sizes import DEVICE_BLOCKS, DIAGONALS, Blocks
 from .devices import device_class, interpreting
 
-__all__ = ["Blocks", "Layout", "block_sizes"]
+__all__ = ["Blocks", "Layout", "block_sizes", "blocks_for"]
 
 
-@dataclass(frozen=True)
-class Blocks:
-    """Tile sizes: ``chunk`` tokens per state-pass step, ``sub_chunk`` tokens per output program
-    (both powers of two, sub_chunk <= chunk; at least 16 on a GPU, where tl.dot needs it).
-
-    ``diagonal`` is the form of the pairs inside a diagonal block (docs/kernels-interdomain.md
-    [S2]): ``"loop"`` walks them token by token with [BS, M] tiles, ``"tile"`` forms one
-    [BS, BS, M] tile, ``"lag"`` turns the [BS, BS] scores into [BS, lag] by a skew (a gather) so
-    that every diagonal product is a matmul against the table rows Lambda^k. S4D splits a
-    sub-chunk into diagonal blocks of ``diag_block`` tokens (the pairs of different blocks are
-    matmuls), so a GPU program can own a whole chunk (64-row products, wgmma); LegS reads
-    per-position tables and keeps programs of ``legs_sub_chunk`` tokens. ``channels``: state
-    channels per state-pass program (at most; a power of two >= 16). Static resource use on
-    sm_90: ``python -m bench.gpu_static_interdomain``.
-    """
-
-    chunk: int = 64
-    sub_chunk: int = 16
-    num_warps: int = 8
-    diagonal: str = "loop"  # the pairs inside a diagonal block: "loop", "tile" or "lag"
-    channels: int = 32
-    diag_block: int | None = None  # S4D: tokens per diagonal block (None: the sub-chunk)
-    legs_sub_chunk: int | None = None  # LegS: tokens per output program (None: the sub-chunk)
-
-
-DIAGONALS = ("loop", "tile", "lag")  # the forms of a diagonal block (Blocks.diagonal)
-
-# Per device class (devices.device_class); any other GPU takes the default. The interpreter counts
-# operations, not registers: whole chunks per program and wide channel blocks run fastest there.
-INTERPRETER_BLOCKS = Blocks(64, 64, 4, diagonal="lag", channels=64)
-DEVICE_BLOCKS = {"hopper": Blocks(), "ampere": Blocks(), "interpreter": INTERPRETER_BLOCKS}
 _override: list[Blocks] = []
 
 

@@ -57,6 +57,7 @@ import triton.language as tl
 
 from attnspec.reference.packing import Packing
 
+from ..tile_sizes import HOPPER_WIDE, TILE_TABLE, Tiles
 from . import checks, dispatch
 from .devices import device_class, interpreting
 
@@ -68,50 +69,6 @@ MAX_HEAD_DIM = 256
 # ------------------------------------------------------------------------------- tile sizes
 
 
-@dataclass(frozen=True)
-class Tiles:
-    """Tile sizes of one pass: a program owns ``own`` rows and visits tiles of ``visit`` rows,
-    with ``num_warps`` warps and a software pipeline of ``num_stages`` (Triton's default 3).
-    The backward visits its diagonal tile ``min(visit, diagonal)`` rows at a time (FoX's dq:
-    ``visit``): there FPA carries the in-tile minima and dq the dfield sums beside the
-    accumulators, and at 64 rows a step they spill registers at the Hopper tiles, as FoX's
-    dk/dv does (bench/gpu_static.py).
-
-    Powers of two, at least 16 (the smallest ``tl.dot``), ``own`` a multiple of ``visit``.
-    """
-
-    own: int
-    visit: int
-    num_warps: int = 4
-    num_stages: int = 3
-    diagonal: int = 32
-
-    def __post_init__(self) -> None:
-        for name in ("own", "visit", "diagonal"):
-            size = getattr(self, name)
-            if size < 16 or size & (size - 1):
-                raise ValueError(f"Tiles.{name}: expected a power of two >= 16, got {size}")
-        if self.own % self.visit:
-            raise ValueError(f"Tiles: own ({self.own}) must be a multiple of visit ({self.visit})")
-
-
-# (forward, backward) per device class. Hopper (sm90): flash-linear-attention's table for its
-# FoX kernel (BT = 128, BS = 64, 8 warps; shared/notes/kernel-anchors.md). The interpreter runs
-# fastest with 64 x 64 tiles (shared/notes/triton-jax-on-cpu.md).
-TILE_TABLE: dict[str, tuple[Tiles, Tiles]] = {
-    "hopper": (Tiles(128, 64, 8), Tiles(128, 64, 8)),
-    "ampere": (Tiles(128, 32, 4), Tiles(64, 32, 4)),
-    "gpu": (Tiles(64, 32, 4), Tiles(64, 32, 4)),
-    "interpreter": (Tiles(64, 64), Tiles(64, 64)),
-}
-# Hopper at wider rows (bytes per row of q, k, v: element size x the head dim's power of two):
-# (forward, backward) tiles that keep every kernel within a block's 232,448 B of shared memory
-# (bench/gpu_static.py), for rows above 256 B (16-bit D > 128, float32 D > 64) and above 512 B.
-HOPPER_WIDE: dict[int, tuple[Tiles, Tiles]] = {
-    512: (Tiles(128, 32, 8, 3), Tiles(128, 32, 8, 2)),
-    1024: (Tiles(64, 32, 4, 2), Tiles(64, 16, 4, 2)),
-    2048: (Tiles(64, 16, 4, 2), Tiles(32, 16, 4, 2)),
-}
 PREPASS_WARPS = 4  # the per-token passes (block minima and sums, delta, dfield, segment sums)
 ROW_BLOCK = 64  # tokens per program of the delta pass; gap sums per step of the dfield pass
 SEGMENT_BLOCK = 1024  # tokens per step of the FoX reverse segment sums
