@@ -267,6 +267,7 @@ def test_interpreter_rounds_bf16_operands_like_a_gpu():
     conversion truncates): nearest, ties to even, as torch and the GPU do."""
     x = torch.randn(256) * torch.logspace(-6, 6, 256)
     x[:4] = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 2**-9])  # ties
+    x[4:9] = torch.tensor([float("inf"), -float("inf"), 3.4028235e38, -0.0, 1e-40])  # max -> inf
     y = torch.empty_like(x)
     _round_trip[(1,)](x, y, N=256)
     assert torch.equal(y, x.bfloat16().float())
