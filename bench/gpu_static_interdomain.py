@@ -89,7 +89,14 @@ _STATE_PASSES = (
     "_legs_state_pass",
     "_legs_reverse_state_pass",
 )
-_S4D_CHUNK = ("_s4d_query", "_s4d_output", "_s4d_bwd_modes", "_s4d_bwd_inputs")
+_S4D_CHUNK = (
+    "_s4d_query",
+    "_s4d_output",
+    "_s4d_bwd_query",
+    "_s4d_bwd_values",
+    "_s4d_bwd_readout",
+    "_s4d_bwd_inputs",
+)
 ASSERTED: set[tuple[str, str]] = (
     {("no_mma_sync", k) for k in (*_STATE_PASSES, "_s4d_step", "_legs_step")}
     | {("no_spill", k) for k in _STATE_PASSES}
@@ -107,6 +114,7 @@ ASSERTED: set[tuple[str, str]] = (
     # its query and input-gradient programs, forward FLOPs
     | {("no_mma_sync", f"{CHUNK_WIDE_LAG}: {k}") for k in (*_STATE_PASSES[:3], *_S4D_CHUNK)}
     | {("no_spill", f"{CHUNK_WIDE_LAG}: {k}") for k in _STATE_PASSES[:3]}
+    | {("no_spill", f"{CHUNK_WIDE_LAG}: {k}") for k in ("_s4d_bwd_readout", "_s4d_bwd_inputs")}
     | {("state_bytes", f"{CHUNK_WIDE_LAG} {p}") for p in ("fwd", "fwd+bwd")}
     | {("no_spill", f"{ROWS16_LAG}: {k}") for k in (*_STATE_PASSES[:3], "_s4d_query")}
     | {("no_spill", f"{ROWS16_LAG}: _s4d_bwd_inputs"), ("flops", f"{ROWS16_LAG} fwd")}
@@ -358,10 +366,14 @@ def _ours_costs(name: str, a: dict[str, Any], grid: tuple[int, ...], n: int) -> 
         per, tile = s4d_state(BR) + chunk_sum(BR) + mix, key
     elif name == "_s4d_output":  # o (values), den (ones)
         per, tile = readout(BV, e_off), value + ratio * ones
-    elif name == "_s4d_bwd_modes":  # p, g(qe), g(p), dfq (+ num, den)
-        per = s4d_state(BR) + chunk_sum(BR, True) + s4d_state(BV) + chunk_sum(BV, True)
-        per += 2 * mix + readout(BR, e_off) + ratio * readout(BV, e_off)
-        tile = 2 * key + value + ratio * (value + 2 * ones)
+    elif name == "_s4d_bwd_query":  # p, its chunk sum and derivative, qe
+        per, tile = s4d_state(BR) + chunk_sum(BR, True) + mix, key
+    elif name == "_s4d_bwd_ratio":  # num, den (the ratio readout)
+        per, tile = readout(BV, e_off), value + ones
+    elif name == "_s4d_bwd_values":  # g(qe), its chunk sum and derivative, g(p) (+ x^1 twice)
+        per, tile = s4d_state(BV) + chunk_sum(BV, True) + mix, value + ratio * 2 * ones
+    elif name == "_s4d_bwd_readout":  # dfq, the readout of g(p)
+        per, tile = readout(BR, e_off), key
     elif name == "_s4d_bwd_inputs":  # the transposed gated attention over the later blocks;
         n //= 2  # grid (sub-chunks, H, 2): a key-side and a value-side program per sub-chunk
         per, tile = readout(BR, e_adj) + readout(BV, e_adj), key + value

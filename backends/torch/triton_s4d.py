@@ -32,7 +32,6 @@ from .triton_chunks import (
     operand_type,
     pow2,
     sequences,
-    state_tile,
     store_modes,
     store_rows,
     sub_chunk,
@@ -41,8 +40,8 @@ from .triton_fpa import _bf16_nearest
 
 __all__ = ["s4d_fwd", "s4d_step"]
 
-# Software-pipeline depth of the chunk programs of the forward and of _s4d_bwd_modes: with
-# Triton's default (3) they hold more prefetched tiles than the registers fit (static gate).
+# Software-pipeline depth of the chunk programs of the forward and of the backward through the
+# readout: with Triton's default (3) they hold more prefetched tiles than the registers fit.
 OUTPUT_STAGES = 2
 
 
@@ -111,10 +110,43 @@ def cadd(a: tl.tuple, b: tl.tuple) -> tl.tuple:
 
 
 @triton.jit
-def cdot(a: tl.tuple, b: tl.tuple, PREC: tl.constexpr) -> tl.tuple:
-    """The complex matmul a b from four real ones."""
-    re = tl.dot(a[0], b[0], input_precision=PREC) - tl.dot(a[1], b[1], input_precision=PREC)
-    im = tl.dot(a[0], b[1], input_precision=PREC) + tl.dot(a[1], b[0], input_precision=PREC)
+def opnd(x: tl.tensor, OP: tl.constexpr, ROUND_BF16: tl.constexpr) -> tl.tensor:
+    """x as a tl.dot operand of type OP (``triton_chunks.operand_type``): the inputs' 16-bit
+    type for 16-bit
+    inputs (float32 accumulation), else x; under the interpreter a bfloat16 operand is a float32
+    value rounded to bfloat16 (ROUND_BF16), the rounding a GPU's bfloat16 product sees."""
+    if ROUND_BF16:
+        return _bf16_nearest(x.to(tl.float32))
+    return x.to(OP)
+
+
+@triton.jit
+def mm(
+    a: tl.tensor, b: tl.tensor, OP: tl.constexpr, ROUND_BF16: tl.constexpr, PREC: tl.constexpr
+) -> tl.tensor:
+    """tl.dot(a, b) on operands of type OP, accumulated in float32 (float64 for float64)."""
+    return tl.dot(opnd(a, OP, ROUND_BF16), opnd(b, OP, ROUND_BF16), input_precision=PREC)
+
+
+@triton.jit
+def mm_state(
+    x: tl.tensor, s: tl.tensor, OP: tl.constexpr, RB: tl.constexpr, PREC: tl.constexpr
+) -> tl.tensor:
+    """x s for a tile s of a stored chunk state (:func:`stored_type`): operands of type OP when
+    the states are bf16 (bf16 inputs: the states are exact bf16 operands), else of the states'
+    type (float32 states for fp16 inputs, whose range a state may exceed)."""
+    if s.dtype == tl.bfloat16:
+        return mm(x, s, OP, RB, PREC)
+    return tl.dot(x.to(s.dtype), s, input_precision=PREC)
+
+
+@triton.jit
+def cdot(
+    a: tl.tuple, b: tl.tuple, OP: tl.constexpr, RB: tl.constexpr, PREC: tl.constexpr
+) -> tl.tuple:
+    """The complex matmul a b from four real ones (operands of type OP, see :func:`mm`)."""
+    re = mm(a[0], b[0], OP, RB, PREC) - mm(a[1], b[1], OP, RB, PREC)
+    im = mm(a[0], b[1], OP, RB, PREC) + mm(a[1], b[0], OP, RB, PREC)
     return re, im
 
 
@@ -138,6 +170,31 @@ def pow_at(
     """The table entry at row k of each mode (k broadcast against o_m)."""
     off = k * BM + o_m
     return tl.load(tab + off), tl.load(tab + TAB + off)
+
+
+@triton.jit
+def state_pairs(
+    s0: tl.tensor,
+    c_off: tl.tensor,
+    W: tl.tensor,
+    C: tl.tensor,
+    M: tl.tensor,
+    BD: tl.constexpr,
+    BM: tl.constexpr,
+    TRANS: tl.constexpr,
+) -> tl.tuple:
+    """``triton_chunks.state_tile`` loaded as one tile of (re, im) pairs, [BM, BD, 2] (or
+    [BD, BM, 2] if TRANS), then split: contiguous pairs, wider loads, fewer addresses."""
+    o_d = tl.arange(0, BD)
+    o_m = tl.arange(0, BM)
+    o_2 = tl.arange(0, 2)[None, None, :]
+    if TRANS:
+        ptr = s0 + ((o_m[None, :] * C + c_off + o_d[:, None]) * 2)[:, :, None] + o_2
+        mask = ((o_d < W)[:, None] & (o_m < M)[None, :])[:, :, None]
+    else:
+        ptr = s0 + ((o_m[:, None] * C + c_off + o_d[None, :]) * 2)[:, :, None] + o_2
+        mask = ((o_m < M)[:, None] & (o_d < W)[None, :])[:, :, None]
+    return tl.split(tl.load(ptr, mask=mask, other=0.0))
 
 
 @triton.jit
@@ -175,6 +232,8 @@ def lag_apply(
     BB: tl.constexpr,
     BM: tl.constexpr,
     TAB: tl.constexpr,
+    OP: tl.constexpr,
+    RB: tl.constexpr,
     PREC: tl.constexpr,
 ) -> tl.tuple:
     """acc + sum_k sk[t, k] T[k] for scores by lag sk [BS, BB] and the table T = tab: the
@@ -200,24 +259,32 @@ def lag_scores(
     BS: tl.constexpr,
     BB: tl.constexpr,
     BD: tl.constexpr,
-    ACC: tl.constexpr,
+    OP: tl.constexpr,
+    RB: tl.constexpr,
     PREC: tl.constexpr,
 ) -> tl.tensor:
     """The scores q_t . z_u of the pairs inside each row's diagonal block by lag k = t - u:
     [BS, BB], zero for k past the row's position in its block [S2]."""
     tok, m_t, _ = rows_of(sc, BS)
-    z = load_rows(src, tok, sc[3], sc[4], W, tl.arange(0, BD), m_t, ACC)
-    a = tl.dot(b_q, tl.trans(z), input_precision=PREC)  # [BS (t), BS (u)]
+    z = load_rows(src, tok, sc[3], sc[4], W, tl.arange(0, BD), m_t, OP)
+    a = mm(b_q, tl.trans(z), OP, RB, PREC)  # [BS (t), BS (u)]
     k = tl.arange(0, BB)[None, :]
     return lag_skew(a, k <= ((sc[2] * BS + tl.arange(0, BS)) % BB)[:, None], BS, BB, BS)
 
 
 @triton.jit
-def s4d_mix(p: tl.tuple, g_h: tl.tensor, BM: tl.constexpr, PREC: tl.constexpr) -> tl.tuple:
+def s4d_mix(
+    p: tl.tuple,
+    g_h: tl.tensor,
+    BM: tl.constexpr,
+    OP: tl.constexpr,
+    RB: tl.constexpr,
+    PREC: tl.constexpr,
+) -> tl.tuple:
     """qe_t = G p_t for every row t, i.e. P G^T, G = C^H C of this head (I12) [S1]."""
     o_m = tl.arange(0, BM)
     ptr = g_h + o_m[None, :] * BM + o_m[:, None]  # [n, m] holds G[m, n]
-    return cdot(p, (tl.load(ptr), tl.load(ptr + BM * BM)), PREC)
+    return cdot(p, (tl.load(ptr), tl.load(ptr + BM * BM)), p[0].dtype, False, PREC)
 
 
 @triton.jit
@@ -234,6 +301,8 @@ def s4d_offdiag(
     BM: tl.constexpr,
     TAB: tl.constexpr,
     ACC: tl.constexpr,
+    OP: tl.constexpr,
+    RB: tl.constexpr,
     PREC: tl.constexpr,
 ) -> tl.tuple:
     """sum over the earlier diagonal blocks j of the chunk of Lambda^(t-n) (q_t . z_u)
@@ -249,8 +318,8 @@ def s4d_offdiag(
         v_re, v_im = pow_at(pw, (BB - o_b)[:, None], o_m[None, :], TAB, BM)  # Lambda^(n-u)
         for j in range(0, i_s * (BS // BB) + BS // BB - 1):
             tok_u = t0 + j * BB + o_b
-            z = load_rows(src, tok_u, i_h, H, W, tl.arange(0, BD), tok_u < t1, ACC)
-            s = tl.dot(b_q, tl.trans(z), input_precision=PREC)  # q_t . z_u [BS, BB]
+            z = load_rows(src, tok_u, i_h, H, W, tl.arange(0, BD), tok_u < t1, OP)
+            s = mm(b_q, tl.trans(z), OP, RB, PREC)  # q_t . z_u [BS, BB]
             k = r - (j + 1) * BB  # rows at or before the block's end read the zero row
             f = pow_at(pw, tl.where(k >= 0, k, BT + 1)[:, None], o_m[None, :], TAB, BM)
             x = tl.dot(s, v_re, input_precision=PREC), tl.dot(s, v_im, input_precision=PREC)
@@ -276,6 +345,8 @@ def s4d_diag(
     TAB: tl.constexpr,
     DIAG: tl.constexpr,
     ACC: tl.constexpr,
+    OP: tl.constexpr,
+    RB: tl.constexpr,
     PREC: tl.constexpr,
 ) -> tl.tuple:
     """acc + the sum over the pairs u <= t inside each row's diagonal block of (q_t . z_u)
@@ -296,22 +367,22 @@ def s4d_diag(
                 mask=m_u,
                 other=0.0,
             )
-            a_u = tl.sum(b_q * z_u.to(ACC), axis=1)  # q_t . z_u [BS]
+            a_u = tl.sum(b_q.to(ACC) * z_u.to(ACC), axis=1)  # q_t . z_u [BS]
             k = tl.where(r >= u, r - u, BT + 1)[:, None]
             w_re, w_im = pow_at(tab, k, o_m[None, :], TAB, BM)
             t_re += a_u[:, None] * w_re
             t_im += a_u[:, None] * w_im
     elif DIAG == "tile":
-        z = load_rows(src, tok, i_h, H, W, o_d, m_t, ACC)
-        a = tl.dot(b_q, tl.trans(z), input_precision=PREC)
+        z = load_rows(src, tok, i_h, H, W, o_d, m_t, OP)
+        a = mm(b_q, tl.trans(z), OP, RB, PREC)
         lag = r[:, None] - r[None, :]
         k_d = tl.where(same_block(sc, BS, BB) & m_t[None, :], lag, BT + 1)[:, :, None]
         w_re, w_im = pow_at(tab, k_d, o_m[None, None, :], TAB, BM)
         t_re += tl.sum(a[:, :, None] * w_re, axis=1)
         t_im += tl.sum(a[:, :, None] * w_im, axis=1)
     else:  # "lag"
-        sk = lag_scores(b_q, src, W, sc, BS, BB, BD, ACC, PREC)
-        t_re, t_im = lag_apply(sk, tab, (t_re, t_im), BB, BM, TAB, PREC)
+        sk = lag_scores(b_q, src, W, sc, BS, BB, BD, OP, RB, PREC)
+        t_re, t_im = lag_apply(sk, tab, (t_re, t_im), BB, BM, TAB, OP, RB, PREC)
     return t_re, t_im
 
 
@@ -330,12 +401,14 @@ def _s4d_chunk_sum(
     TAB: tl.constexpr,
     DIAG: tl.constexpr,
     ACC: tl.constexpr,
+    OP: tl.constexpr,
+    RB: tl.constexpr,
     PREC: tl.constexpr,
 ) -> tl.tuple:
     """sum_{t0<=u<=t} Lambda^(t-u) (q_t . z_u) for the rows t of sub-chunk sc, [BS, BM]:
     split at the ends of the earlier diagonal blocks, Lambda^(t-u) inside a row's block [S2]."""
-    t = s4d_offdiag(b_q, src, W, pw, sc, BT, BS, BB, BD, BM, TAB, ACC, PREC)
-    return s4d_diag(b_q, src, W, pw, sc, t, BT, BS, BB, BD, BM, TAB, DIAG, ACC, PREC)
+    t = s4d_offdiag(b_q, src, W, pw, sc, BT, BS, BB, BD, BM, TAB, ACC, OP, RB, PREC)
+    return s4d_diag(b_q, src, W, pw, sc, t, BT, BS, BB, BD, BM, TAB, DIAG, ACC, OP, RB, PREC)
 
 
 @triton.jit
@@ -358,6 +431,8 @@ def s4d_readout(
     TAB: tl.constexpr,
     DIAG: tl.constexpr,
     ACC: tl.constexpr,
+    OP: tl.constexpr,
+    RB: tl.constexpr,
     PREC: tl.constexpr,
 ) -> tl.tensor:
     """out_t[c] = Re(q_t^H x_t[:, c]) over the channels [c_off, c_off + W) of the state for the
@@ -380,11 +455,11 @@ def s4d_readout(
             f_re, f_im = pow_at(pw, tl.where(k >= 0, k, BT + 1)[:, None], o_m[None, :], TAB, BM)
             qf_re = q_re * f_re + q_im * f_im  # q conj(Lambda^(t-n))
             qf_im = q_im * f_re - q_re * f_im
-            s = tl.dot(qf_re, tl.trans(wk_re), input_precision=PREC)
-            s += tl.dot(qf_im, tl.trans(wk_im), input_precision=PREC)  # [BS, BB]
+            s = mm(qf_re, tl.trans(wk_re), ACC, False, PREC)
+            s += mm(qf_im, tl.trans(wk_im), ACC, False, PREC)  # [BS, BB]
             tok_u = t0 + j * BB + o_b
             z = load_rows(src, tok_u, i_h, H, W, o_d, tok_u < t1, ACC)
-            out += tl.dot(s, z, input_precision=PREC)
+            out += mm(s, z, ACC, False, PREC)
     if DIAG == "loop":
         for u_off in range(0, BB):
             u = (r // BB) * BB + u_off
@@ -405,18 +480,18 @@ def s4d_readout(
         bd_re = b_re[:, None, :] * w_re - b_im[:, None, :] * w_im
         bd_im = b_re[:, None, :] * w_im + b_im[:, None, :] * w_re
         s = tl.sum(q_re[:, None, :] * bd_re + q_im[:, None, :] * bd_im, axis=2)
-        out += tl.dot(s, load_rows(src, tok, i_h, H, W, o_d, m_t, ACC), input_precision=PREC)
+        out += mm(s, load_rows(src, tok, i_h, H, W, o_d, m_t, ACC), ACC, False, PREC)
     else:  # "lag": scores by lag S'[t, k] = Re(q_t^H b Lambda^k), S[t, u] = S'[t, t - u]
         w_re, w_im = cmul(b, lag_table(pw, BB, BM, TAB))  # [BB, BM]
-        s = tl.dot(q_re, tl.trans(w_re), input_precision=PREC)
-        s += tl.dot(q_im, tl.trans(w_im), input_precision=PREC)  # [BS, BB]
+        s = mm(q_re, tl.trans(w_re), ACC, False, PREC)
+        s += mm(q_im, tl.trans(w_im), ACC, False, PREC)  # [BS, BB]
         s = lag_skew(s, same_block(sc, BS, BB), BS, BS, BB)
-        out += tl.dot(s, load_rows(src, tok, i_h, H, W, o_d, m_t, ACC), input_precision=PREC)
+        out += mm(s, load_rows(src, tok, i_h, H, W, o_d, m_t, ACC), ACC, False, PREC)
     fi_re, fi_im = pow_at(pw, (tok - t0 + 1)[:, None], o_m[None, :], TAB, BM)
-    s_re, s_im = state_tile(s0, c_off, W, C, M, BD, BM, False)
+    s_re, s_im = state_pairs(s0, c_off, W, C, M, BD, BM, False)
     # Re(conj(q Lambda^(t-t0+1)) S0) [S3]
-    out += tl.dot(q_re * fi_re + q_im * fi_im, s_re.to(ACC), input_precision=PREC)
-    out += tl.dot(q_im * fi_re - q_re * fi_im, s_im.to(ACC), input_precision=PREC)
+    out += mm(q_re * fi_re + q_im * fi_im, s_re, ACC, False, PREC)
+    out += mm(q_im * fi_re - q_re * fi_im, s_im, ACC, False, PREC)
     return out
 
 
@@ -555,6 +630,8 @@ def _s4d_query(
     TAB: tl.constexpr,
     DIAG: tl.constexpr,
     ACC: tl.constexpr,
+    OP: tl.constexpr,
+    RB: tl.constexpr,
     PREC: tl.constexpr,
 ) -> None:
     """(I12) for the rows of one sub-chunk: p_t = x^K_t fq_t, qe_t = G p_t [S1], kept in
@@ -566,15 +643,14 @@ def _s4d_query(
     tok, m_t, _ = rows_of(sc, BS)
     o_m = tl.arange(0, BM)
     pw_h = pw + i_h * 2 * TAB
-    b_q = load_rows(fq, tok, i_h, H, R, tl.arange(0, BR), m_t, ACC)
-    t = _s4d_chunk_sum(b_q, kt, R, pw_h, sc, BT, BS, BB, BR, BM, TAB, DIAG, ACC, PREC)
+    b_q = load_rows(fq, tok, i_h, H, R, tl.arange(0, BR), m_t, OP)
+    t = _s4d_chunk_sum(b_q, kt, R, pw_h, sc, BT, BS, BB, BR, BM, TAB, DIAG, ACC, OP, RB, PREC)
     p = cmul(b_modes(b, i_h, M, BM, ACC), t)  # b t_t, then the state part
     s0 = states + (g * H + i_h).to(tl.int64) * M * C * 2
-    s_re, s_im = state_tile(s0, 0, R, C, M, BR, BM, True)
-    s_re, s_im = s_re.to(ACC), s_im.to(ACC)
-    y = tl.dot(b_q, s_re, input_precision=PREC), tl.dot(b_q, s_im, input_precision=PREC)
+    s_re, s_im = state_pairs(s0, 0, R, C, M, BR, BM, True)
+    y = mm_state(b_q, s_re, OP, RB, PREC), mm_state(b_q, s_im, OP, RB, PREC)
     p = cadd(p, cmul(pow_at(pw_h, (tok - t0 + 1)[:, None], o_m[None, :], TAB, BM), y))
-    qe = s4d_mix(p, gmat + i_h * 2 * BM * BM, BM, PREC)  # C folded in
+    qe = s4d_mix(p, gmat + i_h * 2 * BM * BM, BM, OP, RB, PREC)  # C folded in
     store_modes(qe_buf, qe[0], qe[1], tok, i_h, H, m_t, BM)
 
 
@@ -602,6 +678,8 @@ def _s4d_output(
     RATIO: tl.constexpr,
     DIAG: tl.constexpr,
     ACC: tl.constexpr,
+    OP: tl.constexpr,
+    RB: tl.constexpr,
     PREC: tl.constexpr,
 ) -> None:
     """(I13) for the rows of one sub-chunk: o_t = Re(qe_t^H x^V_t), divided by
@@ -616,7 +694,7 @@ def _s4d_output(
     s0 = states + (g * H + i_h).to(tl.int64) * M * C * 2
     qe = load_modes(qe_buf, tok, i_h, H, m_t, BM)
     out = s4d_readout(
-        qe, vt, V, s0, R, pw_h, b_c, sc, C, M, BT, BS, BB, BV, BM, TAB, DIAG, ACC, PREC
+        qe, vt, V, s0, R, pw_h, b_c, sc, C, M, BT, BS, BB, BV, BM, TAB, DIAG, ACC, OP, RB, PREC
     )
     if RATIO:  # (I13) ratio readout
         x1, _ = ones_readout(s0, R + V, (pw_h, gs + i_h * 2 * TAB), b_c, sc, C, M, BS, BM, TAB)
@@ -693,6 +771,8 @@ def s4d_plan(
     common["num_warps"] = blocks.num_warps
     BB = min(blocks.diag_block or blocks.sub_chunk, blocks.sub_chunk)
     sub = dict(BS=blocks.sub_chunk, BB=BB, BR=pow2(R), BV=pow2(V), DIAG=blocks.diagonal)
+    sub |= dict(OP=OP, RB=ROUND_BF16)  # the chunk programs' product operands (see mm_state)
+    stored = stored_type(fq.dtype, acc)
     return S4DPlan(
         ratio=ratio,
         acc=acc,
@@ -708,7 +788,7 @@ def s4d_plan(
         tiles=dict(**sub, **common),
         state_tiles=dict(BC=BC, RATIO=ratio, **common),
         operands=(OP, ROUND_BF16),
-        stored=stored_type(fq.dtype, acc),
+        stored=stored,
     )
 
 

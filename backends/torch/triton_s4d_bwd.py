@@ -8,6 +8,8 @@ docs/kernels-interdomain.md, sections S4-S6, cited below as [S4]...
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -20,7 +22,6 @@ from .triton_chunks import (
     flat,
     load_modes,
     load_rows,
-    state_tile,
     store_modes,
     store_rows,
     sub_chunk,
@@ -34,6 +35,8 @@ from .triton_s4d import (
     lag_scores,
     lag_skew,
     lag_table,
+    mm,
+    mm_state,
     ones_readout,
     pow_at,
     rows_of,
@@ -43,6 +46,7 @@ from .triton_s4d import (
     s4d_readout,
     s4d_state_pass_launch,
     same_block,
+    state_pairs,
 )
 
 __all__ = ["s4d_bwd"]
@@ -75,6 +79,8 @@ def _s4d_chunk_sum_dlam(
     TAB: tl.constexpr,
     DIAG: tl.constexpr,
     ACC: tl.constexpr,
+    OP: tl.constexpr,
+    RB: tl.constexpr,
     PREC: tl.constexpr,
 ) -> tl.tuple:
     """:func:`.triton_s4d._s4d_chunk_sum` and its derivative by Lambda (dpw: the table of
@@ -93,8 +99,8 @@ def _s4d_chunk_sum_dlam(
         dv_re, dv_im = pow_at(dpw, (BB - o_b)[:, None], o_m[None, :], TAB, BM)
         for j in range(0, i_s * (BS // BB) + BS // BB - 1):
             tok_u = t0 + j * BB + o_b
-            z = load_rows(src, tok_u, i_h, H, W, tl.arange(0, BD), tok_u < t1, ACC)
-            s = tl.dot(b_q, tl.trans(z), input_precision=PREC)  # q_t . z_u [BS, BB]
+            z = load_rows(src, tok_u, i_h, H, W, tl.arange(0, BD), tok_u < t1, OP)
+            s = mm(b_q, tl.trans(z), OP, RB, PREC)  # q_t . z_u [BS, BB]
             k = tl.where(r >= (j + 1) * BB, r - (j + 1) * BB, BT + 1)[:, None]
             f, df = pow_at(pw, k, o_m[None, :], TAB, BM), pow_at(dpw, k, o_m[None, :], TAB, BM)
             x = tl.dot(s, v_re, input_precision=PREC), tl.dot(s, v_im, input_precision=PREC)
@@ -109,12 +115,16 @@ def _s4d_chunk_sum_dlam(
             d_re += y_re
             d_im += y_im
     if DIAG == "lag":  # one skew of the scores serves both tables
-        sk = lag_scores(b_q, src, W, sc, BS, BB, BD, ACC, PREC)
-        t = lag_apply(sk, pw, (t_re, t_im), BB, BM, TAB, PREC)
-        d = lag_apply(sk, dpw, (d_re, d_im), BB, BM, TAB, PREC)
+        sk = lag_scores(b_q, src, W, sc, BS, BB, BD, OP, RB, PREC)
+        t = lag_apply(sk, pw, (t_re, t_im), BB, BM, TAB, OP, RB, PREC)
+        d = lag_apply(sk, dpw, (d_re, d_im), BB, BM, TAB, OP, RB, PREC)
     else:
-        t = s4d_diag(b_q, src, W, pw, sc, (t_re, t_im), BT, BS, BB, BD, BM, TAB, DIAG, ACC, PREC)
-        d = s4d_diag(b_q, src, W, dpw, sc, (d_re, d_im), BT, BS, BB, BD, BM, TAB, DIAG, ACC, PREC)
+        t = s4d_diag(
+            b_q, src, W, pw, sc, (t_re, t_im), BT, BS, BB, BD, BM, TAB, DIAG, ACC, OP, RB, PREC
+        )
+        d = s4d_diag(
+            b_q, src, W, dpw, sc, (d_re, d_im), BT, BS, BB, BD, BM, TAB, DIAG, ACC, OP, RB, PREC
+        )
     return t, d
 
 
@@ -138,6 +148,8 @@ def _s4d_adjoint_inputs(
     TAB: tl.constexpr,
     DIAG: tl.constexpr,
     ACC: tl.constexpr,
+    OP: tl.constexpr,
+    RB: tl.constexpr,
     PREC: tl.constexpr,
 ) -> tl.tensor:
     """dz_t[c] = Re(sum_m conj(b_m) gx_t[m, c]) for the rows t of sub-chunk sc, with
@@ -163,9 +175,9 @@ def _s4d_adjoint_inputs(
             qf_im = q_im * w_re - q_re * w_im
             k = tl.where(r < i * BB, i * BB - r, BT + 1)[:, None]
             wk_re, wk_im = cmul(b, pow_at(pw, k, o_m[None, :], TAB, BM))  # b Lambda^(n-t)
-            st = tl.dot(wk_re, tl.trans(qf_re), input_precision=PREC)
-            st += tl.dot(wk_im, tl.trans(qf_im), input_precision=PREC)  # [BS (t), BB (s)]
-            dz += tl.dot(st, load_rows(zsrc, tok_s, i_h, H, W, o_d, m_s, ACC), input_precision=PREC)
+            st = mm(wk_re, tl.trans(qf_re), ACC, False, PREC)
+            st += mm(wk_im, tl.trans(qf_im), ACC, False, PREC)  # [BS (t), BB (s)]
+            dz += mm(st, load_rows(zsrc, tok_s, i_h, H, W, o_d, m_s, ACC), ACC, False, PREC)
     if DIAG == "loop":
         for s_off in range(0, BB):
             s = (r // BB) * BB + s_off  # the s_off-th token of each row's block
@@ -188,29 +200,138 @@ def _s4d_adjoint_inputs(
         bu_im = b_re[:, None, :] * w_im + b_im[:, None, :] * w_re
         q_re, q_im = load_modes(q_buf, tok, i_h, H, m_t, BM)
         st = tl.sum(q_re[None, :, :] * bu_re + q_im[None, :, :] * bu_im, axis=2)
-        dz += tl.dot(st, load_rows(zsrc, tok, i_h, H, W, o_d, m_t, ACC), input_precision=PREC)
+        dz += mm(st, load_rows(zsrc, tok, i_h, H, W, o_d, m_t, ACC), ACC, False, PREC)
     else:  # "lag": P[s, k] = Re(q_s^H b Lambda^k), st[t, s] = P[s, s - t]
         wk_re, wk_im = cmul(b, lag_table(pw, BB, BM, TAB))  # [BB, BM]
         q_re, q_im = load_modes(q_buf, tok, i_h, H, m_t, BM)
-        st = tl.dot(q_re, tl.trans(wk_re), input_precision=PREC)
-        st += tl.dot(q_im, tl.trans(wk_im), input_precision=PREC)  # [BS (s), BB]
+        st = mm(q_re, tl.trans(wk_re), ACC, False, PREC)
+        st += mm(q_im, tl.trans(wk_im), ACC, False, PREC)  # [BS (s), BB]
         st = lag_skew(st, same_block(sc, BS, BB), BS, BS, BB)  # [BS (s), BS (t)]
         z = load_rows(zsrc, tok, i_h, H, W, o_d, m_t, ACC)
-        dz += tl.dot(tl.trans(st), z, input_precision=PREC)
+        dz += mm(tl.trans(st), z, ACC, False, PREC)
     k_e = tl.maximum(t1 - 1 - tok, 0)[:, None]
     fe_re, fe_im = cmul(b, pow_at(pw, k_e, o_m[None, :], TAB, BM))  # b Lambda^(e-t)
-    d_re, d_im = state_tile(d_st, c_off, W, C, M, BD, BM, False)
-    dz += tl.dot(fe_re, d_re.to(ACC), input_precision=PREC)
-    dz += tl.dot(fe_im, d_im.to(ACC), input_precision=PREC)
+    d_re, d_im = state_pairs(d_st, c_off, W, C, M, BD, BM, False)
+    dz += mm(fe_re, d_re, ACC, False, PREC)  # on operands of the stored states' type
+    dz += mm(fe_im, d_im, ACC, False, PREC)
     return dz
 
 
 @triton.jit
-def _s4d_bwd_modes(
+def _s4d_bwd_query(
     fq: tl.tensor,
     kt: tl.tensor,
+    states: tl.tensor,
+    pw: tl.tensor,
+    dpw: tl.tensor,
+    b: tl.tensor,
+    gmat: tl.tensor,
+    sub_info: tl.tensor,
+    p_buf: tl.tensor,
+    qe_buf: tl.tensor,
+    pt_buf: tl.tensor,
+    pd_buf: tl.tensor,
+    H: tl.tensor,
+    R: tl.tensor,
+    M: tl.tensor,
+    C: tl.tensor,
+    BT: tl.constexpr,
+    BS: tl.constexpr,
+    BB: tl.constexpr,
+    BR: tl.constexpr,
+    BM: tl.constexpr,
+    TAB: tl.constexpr,
+    DIAG: tl.constexpr,
+    ACC: tl.constexpr,
+    OP: tl.constexpr,
+    RB: tl.constexpr,
+    PREC: tl.constexpr,
+) -> None:
+    """The key side of the backward through the readout for the rows of one sub-chunk [S4]:
+    p, qe = G p, the chunk sum without b (pt) and dp/dLambda (pd), each kept in a per-token
+    buffer [T, H, 2, BM]. Grid (sub-chunks, H)."""
+    i_p, i_h = tl.program_id(0), tl.program_id(1)
+    t0, t1, g, i_s, _ = sub_chunk(sub_info, i_p)
+    sc = (t0, t1, i_s, i_h, H)
+    tok, m_t, _ = rows_of(sc, BS)
+    o_m = tl.arange(0, BM)
+    b_c = b_modes(b, i_h, M, BM, ACC)
+    pw_h = pw + i_h * 2 * TAB
+    dpw_h = dpw + i_h * 2 * TAB
+    s0 = states + (g * H + i_h).to(tl.int64) * M * C * 2
+    k_i = (tok - t0 + 1)[:, None]
+    b_q = load_rows(fq, tok, i_h, H, R, tl.arange(0, BR), m_t, OP)
+    s_re, s_im = state_pairs(s0, 0, R, C, M, BR, BM, True)
+    y = mm_state(b_q, s_re, OP, RB, PREC), mm_state(b_q, s_im, OP, RB, PREC)  # S0 q_t
+    pt, pd = _s4d_chunk_sum_dlam(
+        b_q, kt, R, pw_h, dpw_h, sc, BT, BS, BB, BR, BM, TAB, DIAG, ACC, OP, RB, PREC
+    )
+    store_modes(pt_buf, pt[0], pt[1], tok, i_h, H, m_t, BM)
+    pd = cadd(cmul(pow_at(dpw_h, k_i, o_m[None, :], TAB, BM), y), cmul(b_c, pd))
+    store_modes(pd_buf, pd[0], pd[1], tok, i_h, H, m_t, BM)
+    p = cadd(cmul(pow_at(pw_h, k_i, o_m[None, :], TAB, BM), y), cmul(b_c, pt))
+    store_modes(p_buf, p[0], p[1], tok, i_h, H, m_t, BM)
+    qe = s4d_mix(p, gmat + i_h * 2 * BM * BM, BM, OP, RB, PREC)
+    store_modes(qe_buf, qe[0], qe[1], tok, i_h, H, m_t, BM)
+
+
+@triton.jit
+def _s4d_bwd_ratio(
     vt: tl.tensor,
     do: tl.tensor,
+    states: tl.tensor,
+    pw: tl.tensor,
+    gs: tl.tensor,
+    b: tl.tensor,
+    sub_info: tl.tensor,
+    qe_buf: tl.tensor,
+    dnum_buf: tl.tensor,
+    dden_buf: tl.tensor,
+    H: tl.tensor,
+    R: tl.tensor,
+    V: tl.tensor,
+    M: tl.tensor,
+    C: tl.tensor,
+    BT: tl.constexpr,
+    BS: tl.constexpr,
+    BB: tl.constexpr,
+    BV: tl.constexpr,
+    BM: tl.constexpr,
+    TAB: tl.constexpr,
+    DIAG: tl.constexpr,
+    ACC: tl.constexpr,
+    OP: tl.constexpr,
+    RB: tl.constexpr,
+    PREC: tl.constexpr,
+) -> None:
+    """The ratio readout's cotangents for the rows of one sub-chunk [S4]: num and den again
+    (the forward's readout), dnum = do / den and dden = -<do, o> / den into dnum_buf and
+    dden_buf. Grid (sub-chunks, H)."""
+    i_p, i_h = tl.program_id(0), tl.program_id(1)
+    t0, t1, g, i_s, _ = sub_chunk(sub_info, i_p)
+    sc = (t0, t1, i_s, i_h, H)
+    tok, m_t, _ = rows_of(sc, BS)
+    o_v = tl.arange(0, BV)
+    b_c = b_modes(b, i_h, M, BM, ACC)
+    pw_h = pw + i_h * 2 * TAB
+    s0 = states + (g * H + i_h).to(tl.int64) * M * C * 2
+    qe = load_modes(qe_buf, tok, i_h, H, m_t, BM)
+    num = s4d_readout(
+        qe, vt, V, s0, R, pw_h, b_c, sc, C, M, BT, BS, BB, BV, BM, TAB, DIAG, ACC, OP, RB, PREC
+    )
+    x1, _ = ones_readout(s0, R + V, (pw_h, gs + i_h * 2 * TAB), b_c, sc, C, M, BS, BM, TAB)
+    den = tl.where(m_t, tl.sum(qe[0] * x1[0] + qe[1] * x1[1], axis=1), 1.0)
+    dnum = load_rows(do, tok, i_h, H, V, o_v, m_t, ACC) / den[:, None]
+    dden = -tl.sum(dnum * num, axis=1) / den  # -<do, o> / den
+    store_rows(dnum_buf, dnum, tok, i_h, H, V, o_v, m_t)
+    tl.store(dden_buf + tok.to(tl.int64) * H + i_h, dden, mask=m_t)
+
+
+@triton.jit
+def _s4d_bwd_values(
+    vt: tl.tensor,
+    dnum: tl.tensor,
+    dden: tl.tensor,
     states: tl.tensor,
     pw: tl.tensor,
     dpw: tl.tensor,
@@ -219,13 +340,9 @@ def _s4d_bwd_modes(
     b: tl.tensor,
     gmat: tl.tensor,
     sub_info: tl.tensor,
-    p_buf: tl.tensor,
     qe_buf: tl.tensor,
     gq_buf: tl.tensor,
     gp_buf: tl.tensor,
-    dnum_buf: tl.tensor,
-    dden_buf: tl.tensor,
-    dfq: tl.tensor,
     glam_part: tl.tensor,
     gb_part: tl.tensor,
     H: tl.tensor,
@@ -236,90 +353,136 @@ def _s4d_bwd_modes(
     BT: tl.constexpr,
     BS: tl.constexpr,
     BB: tl.constexpr,
-    BR: tl.constexpr,
     BV: tl.constexpr,
     BM: tl.constexpr,
     TAB: tl.constexpr,
     RATIO: tl.constexpr,
     DIAG: tl.constexpr,
     ACC: tl.constexpr,
+    OP: tl.constexpr,
+    RB: tl.constexpr,
     PREC: tl.constexpr,
 ) -> None:
-    """Backward through the readout for the rows of one sub-chunk [S4]. Recomputes p, qe (and
-    num, den for the ratio readout: dnum = do / den, dden = -<do, o> / den), then
-    g(qe_t) = x^V_t dnum_t (+ x^1_t dden_t), g(p_t) = G g(qe_t), dfq_t = Re(x^K_t^H g(p_t)),
-    and the chunk-internal parts of g(Lambda) and g(b) summed over the rows. dnum_buf and
-    dden_buf are written with the ratio readout only. Grid (sub-chunks, H)."""
+    """The value side for the rows of one sub-chunk [S4]: g(qe_t) = x^V_t dnum_t (+ x^1_t dden_t
+    for the ratio readout; dnum is do for the linear one) and its chunk sum without b and
+    derivative by Lambda, their parts of g(Lambda) and g(b) against qe (part 0 of the
+    partial sums), g(p) = G g(qe) into gp_buf, g(qe) into gq_buf. Grid (sub-chunks, H)."""
     i_p, i_h = tl.program_id(0), tl.program_id(1)
     t0, t1, g, i_s, _ = sub_chunk(sub_info, i_p)
     sc = (t0, t1, i_s, i_h, H)
     tok, m_t, _ = rows_of(sc, BS)
     o_m = tl.arange(0, BM)
-    o_v = tl.arange(0, BV)
     b_c = b_modes(b, i_h, M, BM, ACC)
     pw_h = pw + i_h * 2 * TAB
     dpw_h = dpw + i_h * 2 * TAB
-    g_h = gmat + i_h * 2 * BM * BM
     s0 = states + (g * H + i_h).to(tl.int64) * M * C * 2
     k_i = (tok - t0 + 1)[:, None]
-    # key side: p and dp/dLambda at fixed S0
-    b_q = load_rows(fq, tok, i_h, H, R, tl.arange(0, BR), m_t, ACC)
-    s_re, s_im = state_tile(s0, 0, R, C, M, BR, BM, True)
-    s_re, s_im = s_re.to(ACC), s_im.to(ACC)
-    y = tl.dot(b_q, s_re, input_precision=PREC), tl.dot(b_q, s_im, input_precision=PREC)
-    pt, pd = _s4d_chunk_sum_dlam(
-        b_q, kt, R, pw_h, dpw_h, sc, BT, BS, BB, BR, BM, TAB, DIAG, ACC, PREC
-    )
-    p = cadd(cmul(pow_at(pw_h, k_i, o_m[None, :], TAB, BM), y), cmul(b_c, pt))
-    pd = cadd(cmul(pow_at(dpw_h, k_i, o_m[None, :], TAB, BM), y), cmul(b_c, pd))
-    qe = s4d_mix(p, g_h, BM, PREC)
-    store_modes(p_buf, p[0], p[1], tok, i_h, H, m_t, BM)
-    # value side: g(qe) and its derivative
-    dnum = load_rows(do, tok, i_h, H, V, o_v, m_t, ACC)
-    if RATIO:
-        num = s4d_readout(
-            qe, vt, V, s0, R, pw_h, b_c, sc, C, M, BT, BS, BB, BV, BM, TAB, DIAG, ACC, PREC
+    s_re, s_im = state_pairs(s0, R, V, C, M, BV, BM, True)
+    if RATIO:  # dnum = do / den, not an input: float32 operands
+        dn = load_rows(dnum, tok, i_h, H, V, tl.arange(0, BV), m_t, ACC)
+        y = mm(dn, s_re, ACC, False, PREC), mm(dn, s_im, ACC, False, PREC)
+        gqt, gqd = _s4d_chunk_sum_dlam(
+            dn, vt, V, pw_h, dpw_h, sc, BT, BS, BB, BV, BM, TAB, DIAG, ACC, ACC, False, PREC
         )
-        x1, g1 = ones_readout(s0, R + V, (pw_h, gs + i_h * 2 * TAB), b_c, sc, C, M, BS, BM, TAB)
-        den = tl.where(m_t, tl.sum(qe[0] * x1[0] + qe[1] * x1[1], axis=1), 1.0)
-        dnum = dnum / den[:, None]
-        dden = -tl.sum(dnum * num, axis=1) / den  # -<do, o> / den
-        store_rows(dnum_buf, dnum, tok, i_h, H, V, o_v, m_t)
-        tl.store(dden_buf + tok.to(tl.int64) * H + i_h, dden, mask=m_t)
-    s_re, s_im = state_tile(s0, R, V, C, M, BV, BM, True)
-    s_re, s_im = s_re.to(ACC), s_im.to(ACC)
-    y = tl.dot(dnum, s_re, input_precision=PREC), tl.dot(dnum, s_im, input_precision=PREC)
-    gqt, gqd = _s4d_chunk_sum_dlam(
-        dnum, vt, V, pw_h, dpw_h, sc, BT, BS, BB, BV, BM, TAB, DIAG, ACC, PREC
-    )
-    gq = cadd(cmul(pow_at(pw_h, k_i, o_m[None, :], TAB, BM), y), cmul(b_c, gqt))
+    else:  # dnum = do
+        dn = load_rows(dnum, tok, i_h, H, V, tl.arange(0, BV), m_t, OP)
+        y = mm_state(dn, s_re, OP, RB, PREC), mm_state(dn, s_im, OP, RB, PREC)
+        gqt, gqd = _s4d_chunk_sum_dlam(
+            dn, vt, V, pw_h, dpw_h, sc, BT, BS, BB, BV, BM, TAB, DIAG, ACC, OP, RB, PREC
+        )
     gqd = cadd(cmul(pow_at(dpw_h, k_i, o_m[None, :], TAB, BM), y), cmul(b_c, gqd))
+    gq = cadd(cmul(pow_at(pw_h, k_i, o_m[None, :], TAB, BM), y), cmul(b_c, gqt))
     if RATIO:  # + x^1_t dden_t
+        dd = tl.load(dden + tok.to(tl.int64) * H + i_h, mask=m_t, other=0.0)[:, None]
+        x1, g1 = ones_readout(s0, R + V, (pw_h, gs + i_h * 2 * TAB), b_c, sc, C, M, BS, BM, TAB)
         dx1, _ = ones_readout(s0, R + V, (dpw_h, dgs + i_h * 2 * TAB), b_c, sc, C, M, BS, BM, TAB)
-        gq = gq[0] + dden[:, None] * x1[0], gq[1] + dden[:, None] * x1[1]
-        gqt = gqt[0] + dden[:, None] * g1[0], gqt[1] + dden[:, None] * g1[1]
-        gqd = gqd[0] + dden[:, None] * dx1[0], gqd[1] + dden[:, None] * dx1[1]
-    # g(Lambda) = sum_t g(p) conj(dp/dLambda) + qe conj(d g(qe)/dLambda); g(b) the same with the
-    # chunk sums without b (rows outside the sequence are zero throughout) [S4].
+        gq = gq[0] + dd * x1[0], gq[1] + dd * x1[1]
+        gqt = gqt[0] + dd * g1[0], gqt[1] + dd * g1[1]
+        gqd = gqd[0] + dd * dx1[0], gqd[1] + dd * dx1[1]
+    # g(Lambda) and g(b): qe conj(d g(qe)/dLambda), qe conj(the chunk sum without b) [S4]
+    qe = load_modes(qe_buf, tok, i_h, H, m_t, BM)
     gl_re, gl_im = _row_sum_conj(qe, gqd)
     gb_re, gb_im = _row_sum_conj(qe, gqt)
-    store_modes(qe_buf, qe[0], qe[1], tok, i_h, H, m_t, BM)
-    gp = s4d_mix(gq, g_h, BM, PREC)  # G^H = G
     store_modes(gq_buf, gq[0], gq[1], tok, i_h, H, m_t, BM)
-    d_re, d_im = _row_sum_conj(gp, pd)
-    gl_re, gl_im = gl_re + d_re, gl_im + d_im
-    d_re, d_im = _row_sum_conj(gp, pt)
-    gb_re, gb_im = gb_re + d_re, gb_im + d_im
+    gp = s4d_mix(gq, gmat + i_h * 2 * BM * BM, BM, OP, RB, PREC)  # G^H = G
     store_modes(gp_buf, gp[0], gp[1], tok, i_h, H, m_t, BM)
-    dq = s4d_readout(
-        gp, kt, R, s0, 0, pw_h, b_c, sc, C, M, BT, BS, BB, BR, BM, TAB, DIAG, ACC, PREC
-    )
-    store_rows(dfq, dq, tok, i_h, H, R, tl.arange(0, BR), m_t)
     p_part = (i_p * H + i_h).to(tl.int64) * 2 * BM + o_m
     tl.store(glam_part + p_part, gl_re)
     tl.store(glam_part + p_part + BM, gl_im)
     tl.store(gb_part + p_part, gb_re)
     tl.store(gb_part + p_part + BM, gb_im)
+
+
+@triton.jit
+def _s4d_bwd_readout(
+    kt: tl.tensor,
+    states: tl.tensor,
+    pw: tl.tensor,
+    b: tl.tensor,
+    sub_info: tl.tensor,
+    gp_buf: tl.tensor,
+    pt_buf: tl.tensor,
+    pd_buf: tl.tensor,
+    dfq: tl.tensor,
+    glam_part: tl.tensor,
+    gb_part: tl.tensor,
+    H: tl.tensor,
+    R: tl.tensor,
+    M: tl.tensor,
+    C: tl.tensor,
+    BT: tl.constexpr,
+    BS: tl.constexpr,
+    BB: tl.constexpr,
+    BR: tl.constexpr,
+    BM: tl.constexpr,
+    TAB: tl.constexpr,
+    DIAG: tl.constexpr,
+    ACC: tl.constexpr,
+    OP: tl.constexpr,
+    RB: tl.constexpr,
+    PREC: tl.constexpr,
+) -> None:
+    """dfq_t = Re(x^K_t^H g(p_t)) for the rows of one sub-chunk (the readout of g(p) over the
+    key channels) and the key side's parts of g(Lambda) and g(b), g(p) conj(pd) and
+    g(p) conj(pt) (part 1 of the partial sums) [S4]. Grid (sub-chunks, H)."""
+    i_p, i_h = tl.program_id(0), tl.program_id(1)
+    t0, t1, g, i_s, _ = sub_chunk(sub_info, i_p)
+    sc = (t0, t1, i_s, i_h, H)
+    tok, m_t, _ = rows_of(sc, BS)
+    o_m = tl.arange(0, BM)
+    gp = load_modes(gp_buf, tok, i_h, H, m_t, BM)
+    gl_re, gl_im = _row_sum_conj(gp, load_modes(pd_buf, tok, i_h, H, m_t, BM))
+    gb_re, gb_im = _row_sum_conj(gp, load_modes(pt_buf, tok, i_h, H, m_t, BM))
+    p_part = ((tl.num_programs(0) + i_p) * H + i_h).to(tl.int64) * 2 * BM + o_m
+    tl.store(glam_part + p_part, gl_re)
+    tl.store(glam_part + p_part + BM, gl_im)
+    tl.store(gb_part + p_part, gb_re)
+    tl.store(gb_part + p_part + BM, gb_im)
+    s0 = states + (g * H + i_h).to(tl.int64) * M * C * 2
+    dq = s4d_readout(
+        gp,
+        kt,
+        R,
+        s0,
+        0,
+        pw + i_h * 2 * TAB,
+        b_modes(b, i_h, M, BM, ACC),
+        sc,
+        C,
+        M,
+        BT,
+        BS,
+        BB,
+        BR,
+        BM,
+        TAB,
+        DIAG,
+        ACC,
+        OP,
+        RB,
+        PREC,
+    )
+    store_rows(dfq, dq, tok, i_h, H, R, tl.arange(0, BR), m_t)
 
 
 @triton.jit
@@ -506,6 +669,8 @@ def _s4d_bwd_inputs(
     TAB: tl.constexpr,
     DIAG: tl.constexpr,
     ACC: tl.constexpr,
+    OP: tl.constexpr,
+    RB: tl.constexpr,
     PREC: tl.constexpr,
 ) -> None:
     """dz_t = Re(conj(b)^T gx_t) for the rows of one sub-chunk [S5]: dkt from (g(p), fq, D^K)
@@ -520,18 +685,44 @@ def _s4d_bwd_inputs(
     ds = dstates + (g * H + i_h).to(tl.int64) * M * C * 2
     if tl.program_id(2) == 0:
         dk = _s4d_adjoint_inputs(
-            gp_buf, fq, R, ds, 0, pw, bc, sc, C, M, BT, BS, BB, BR, BM, TAB, DIAG, ACC, PREC
+            gp_buf, fq, R, ds, 0, pw, bc, sc, C, M, BT, BS, BB, BR, BM, TAB, DIAG, ACC, OP, RB, PREC
         )
         store_rows(dkt, dk, tok, i_h, H, R, tl.arange(0, BR), m_t)
     else:
         dv = _s4d_adjoint_inputs(
-            qe_buf, dnum, V, ds, R, pw, bc, sc, C, M, BT, BS, BB, BV, BM, TAB, DIAG, ACC, PREC
+            qe_buf,
+            dnum,
+            V,
+            ds,
+            R,
+            pw,
+            bc,
+            sc,
+            C,
+            M,
+            BT,
+            BS,
+            BB,
+            BV,
+            BM,
+            TAB,
+            DIAG,
+            ACC,
+            OP,
+            RB,
+            PREC,
         )
         store_rows(dvt, dv, tok, i_h, H, V, tl.arange(0, BV), m_t)
 
 
 # --------------------------------------------------------------------------------------------
 # Launcher
+
+
+def _args(kernel: Any, shared: dict[str, Any]) -> dict[str, Any]:
+    """The launch arguments of ``shared`` that ``kernel`` takes (tiles, sizes, options)."""
+    names = set(kernel.arg_names) | {"num_warps", "num_stages"}
+    return {k: v for k, v in shared.items() if k in names}
 
 
 def _complex_modes(buf: torch.Tensor, M: int) -> torch.Tensor:
@@ -572,38 +763,65 @@ def s4d_bwd(
     fq_, kt_, vt_, do_ = flat(fq), flat(kt), flat(vt), flat(do)
     dev, acc, BM = fq.device, plan.acc, plan.tiles["BM"]
     states, _ = s4d_state_pass_launch(plan, kt_, vt_, initial_state)
-    p_buf, qe_buf, gq_buf, gp_buf = (
-        torch.empty(fq_.shape[0], H, 2, BM, dtype=acc, device=dev) for _ in range(4)
+    p_buf, qe_buf, gq_buf, gp_buf, pt_buf, pd_buf = (
+        torch.empty(fq_.shape[0], H, 2, BM, dtype=acc, device=dev) for _ in range(6)
     )
-    # With the ratio readout dnum = do / den and dden are written by _s4d_bwd_modes.
+    # With the ratio readout dnum = do / den and dden are written by _s4d_bwd_ratio.
     dnum = torch.empty(do_.shape, dtype=acc, device=dev) if plan.ratio else do_
     dden = torch.empty(do_.shape[:2], dtype=acc, device=dev) if plan.ratio else None
     dfq = torch.empty_like(fq_)
-    glam1 = torch.empty(lay.n_sub, H, 2, BM, dtype=acc, device=dev)
+    glam1 = torch.empty(2, lay.n_sub, H, 2, BM, dtype=acc, device=dev)  # value, key side
     gb1 = torch.empty_like(glam1)
-    _s4d_bwd_modes[plan.grid_sub](
+    launch = dict(states=states, b=plan.b, sub_info=lay.sub_info, **sizes)
+    launch |= dict(num_stages=OUTPUT_STAGES, **plan.tiles)
+    grid = plan.grid_sub
+    _s4d_bwd_query[grid](
         fq=fq_,
         kt=kt_,
-        vt=vt_,
-        do=do_,
-        states=states,
-        **tab._asdict(),
-        b=plan.b,
+        pw=tab.pw,
+        dpw=tab.dpw,
         gmat=plan.gmat,
-        sub_info=lay.sub_info,
         p_buf=p_buf,
+        qe_buf=qe_buf,
+        pt_buf=pt_buf,
+        pd_buf=pd_buf,
+        **_args(_s4d_bwd_query, launch),
+    )
+    if plan.ratio:
+        _s4d_bwd_ratio[grid](
+            vt=vt_,
+            do=do_,
+            pw=tab.pw,
+            gs=tab.gs,
+            qe_buf=qe_buf,
+            dnum_buf=dnum,
+            dden_buf=dden,
+            **_args(_s4d_bwd_ratio, launch),
+        )
+    _s4d_bwd_values[grid](
+        vt=vt_,
+        dnum=dnum,
+        dden=dden,
+        **tab._asdict(),
+        gmat=plan.gmat,
         qe_buf=qe_buf,
         gq_buf=gq_buf,
         gp_buf=gp_buf,
-        dnum_buf=dnum if plan.ratio else None,
-        dden_buf=dden,
-        dfq=dfq,
         glam_part=glam1,
         gb_part=gb1,
         RATIO=plan.ratio,
-        **sizes,
-        num_stages=OUTPUT_STAGES,
-        **plan.tiles,
+        **_args(_s4d_bwd_values, launch),
+    )
+    _s4d_bwd_readout[grid](
+        kt=kt_,
+        pw=tab.pw,
+        gp_buf=gp_buf,
+        pt_buf=pt_buf,
+        pd_buf=pd_buf,
+        dfq=dfq,
+        glam_part=glam1,
+        gb_part=gb1,
+        **_args(_s4d_bwd_readout, launch),
     )
     dstates = torch.empty_like(states)
     dh0 = (
