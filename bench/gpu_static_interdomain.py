@@ -114,9 +114,16 @@ ASSERTED: set[tuple[str, str]] = (
     # its query and input-gradient programs, forward FLOPs
     | {("no_mma_sync", f"{CHUNK_WIDE_LAG}: {k}") for k in (*_STATE_PASSES[:3], *_S4D_CHUNK)}
     | {("no_spill", f"{CHUNK_WIDE_LAG}: {k}") for k in _STATE_PASSES[:3]}
-    | {("no_spill", f"{CHUNK_WIDE_LAG}: {k}") for k in ("_s4d_bwd_readout", "_s4d_bwd_inputs")}
+    | {("no_spill", f"{CHUNK_WIDE_LAG}: {k}") for k in ("_s4d_output", "_s4d_bwd_readout")}
+    | {
+        ("no_spill", f"{CHUNK_WIDE_LAG}: _s4d_bwd_inputs"),
+        ("no_spill", f"{CHUNK_WIDE}: _s4d_output"),
+    }
     | {("state_bytes", f"{CHUNK_WIDE_LAG} {p}") for p in ("fwd", "fwd+bwd")}
-    | {("no_spill", f"{ROWS16_LAG}: {k}") for k in (*_STATE_PASSES[:3], "_s4d_query")}
+    | {
+        ("no_spill", f"{ROWS16_LAG}: {k}")
+        for k in (*_STATE_PASSES[:3], "_s4d_query", "_s4d_output")
+    }
     | {("no_spill", f"{ROWS16_LAG}: _s4d_bwd_inputs"), ("flops", f"{ROWS16_LAG} fwd")}
 )
 

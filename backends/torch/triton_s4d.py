@@ -141,6 +141,18 @@ def mm_state(
 
 
 @triton.jit
+def mm_scores(
+    a: tl.tensor, b: tl.tensor, OP: tl.constexpr, RB: tl.constexpr, PREC: tl.constexpr
+) -> tl.tensor:
+    """a b for computed scores a (float32) and input rows b: bf16 operands for bf16 inputs (a
+    rounded, as chunk_gla rounds its attention matrix for A v), else a's type (fp16's range is
+    too narrow for a computed value)."""
+    if RB or OP == tl.bfloat16:
+        return mm(a, b, OP, RB, PREC)
+    return tl.dot(a, b.to(a.dtype), input_precision=PREC)
+
+
+@triton.jit
 def cdot(
     a: tl.tuple, b: tl.tuple, OP: tl.constexpr, RB: tl.constexpr, PREC: tl.constexpr
 ) -> tl.tuple:
@@ -232,8 +244,6 @@ def lag_apply(
     BB: tl.constexpr,
     BM: tl.constexpr,
     TAB: tl.constexpr,
-    OP: tl.constexpr,
-    RB: tl.constexpr,
     PREC: tl.constexpr,
 ) -> tl.tuple:
     """acc + sum_k sk[t, k] T[k] for scores by lag sk [BS, BB] and the table T = tab: the
@@ -277,14 +287,12 @@ def s4d_mix(
     p: tl.tuple,
     g_h: tl.tensor,
     BM: tl.constexpr,
-    OP: tl.constexpr,
-    RB: tl.constexpr,
     PREC: tl.constexpr,
 ) -> tl.tuple:
     """qe_t = G p_t for every row t, i.e. P G^T, G = C^H C of this head (I12) [S1]."""
     o_m = tl.arange(0, BM)
     ptr = g_h + o_m[None, :] * BM + o_m[:, None]  # [n, m] holds G[m, n]
-    return cdot(p, (tl.load(ptr), tl.load(ptr + BM * BM)), p[0].dtype, False, PREC)
+    return cdot(p, (tl.load(ptr), tl.load(ptr + BM * BM)), p[0].dtype, False, PREC)  # TF32
 
 
 @triton.jit
@@ -382,7 +390,7 @@ def s4d_diag(
         t_im += tl.sum(a[:, :, None] * w_im, axis=1)
     else:  # "lag"
         sk = lag_scores(b_q, src, W, sc, BS, BB, BD, OP, RB, PREC)
-        t_re, t_im = lag_apply(sk, tab, (t_re, t_im), BB, BM, TAB, OP, RB, PREC)
+        t_re, t_im = lag_apply(sk, tab, (t_re, t_im), BB, BM, TAB, PREC)
     return t_re, t_im
 
 
@@ -438,7 +446,9 @@ def s4d_readout(
     """out_t[c] = Re(q_t^H x_t[:, c]) over the channels [c_off, c_off + W) of the state for the
     rows of sub-chunk sc: a gated attention with scores S[t, u] = Re(sum_m conj(q_t[m]) b_m
     Lambda_m^(t-u)), split at the ends of the earlier diagonal blocks, then the state part
-    [S3]. Returns out [BS, BD]."""
+    [S3]. The products S z and (q conj(Lambda^k)) S0 take bf16 operands for bf16 inputs with
+    OP, RB of the plan (:func:`mm_scores`, :func:`mm_state`); the backward passes float32
+    ones. Returns out [BS, BD]."""
     t0, t1, i_s, i_h, H = sc
     tok, m_t, _ = rows_of(sc, BS)
     r = i_s * BS + tl.arange(0, BS)
@@ -458,8 +468,8 @@ def s4d_readout(
             s = mm(qf_re, tl.trans(wk_re), ACC, False, PREC)
             s += mm(qf_im, tl.trans(wk_im), ACC, False, PREC)  # [BS, BB]
             tok_u = t0 + j * BB + o_b
-            z = load_rows(src, tok_u, i_h, H, W, o_d, tok_u < t1, ACC)
-            out += mm(s, z, ACC, False, PREC)
+            z = load_rows(src, tok_u, i_h, H, W, o_d, tok_u < t1, OP)
+            out += mm_scores(s, z, OP, RB, PREC)
     if DIAG == "loop":
         for u_off in range(0, BB):
             u = (r // BB) * BB + u_off
@@ -480,18 +490,18 @@ def s4d_readout(
         bd_re = b_re[:, None, :] * w_re - b_im[:, None, :] * w_im
         bd_im = b_re[:, None, :] * w_im + b_im[:, None, :] * w_re
         s = tl.sum(q_re[:, None, :] * bd_re + q_im[:, None, :] * bd_im, axis=2)
-        out += mm(s, load_rows(src, tok, i_h, H, W, o_d, m_t, ACC), ACC, False, PREC)
+        out += mm_scores(s, load_rows(src, tok, i_h, H, W, o_d, m_t, OP), OP, RB, PREC)
     else:  # "lag": scores by lag S'[t, k] = Re(q_t^H b Lambda^k), S[t, u] = S'[t, t - u]
         w_re, w_im = cmul(b, lag_table(pw, BB, BM, TAB))  # [BB, BM]
         s = mm(q_re, tl.trans(w_re), ACC, False, PREC)
         s += mm(q_im, tl.trans(w_im), ACC, False, PREC)  # [BS, BB]
         s = lag_skew(s, same_block(sc, BS, BB), BS, BS, BB)
-        out += mm(s, load_rows(src, tok, i_h, H, W, o_d, m_t, ACC), ACC, False, PREC)
+        out += mm_scores(s, load_rows(src, tok, i_h, H, W, o_d, m_t, OP), OP, RB, PREC)
     fi_re, fi_im = pow_at(pw, (tok - t0 + 1)[:, None], o_m[None, :], TAB, BM)
     s_re, s_im = state_pairs(s0, c_off, W, C, M, BD, BM, False)
     # Re(conj(q Lambda^(t-t0+1)) S0) [S3]
-    out += mm(q_re * fi_re + q_im * fi_im, s_re, ACC, False, PREC)
-    out += mm(q_im * fi_re - q_re * fi_im, s_im, ACC, False, PREC)
+    out += mm_state(q_re * fi_re + q_im * fi_im, s_re, OP, RB, PREC)
+    out += mm_state(q_im * fi_re - q_re * fi_im, s_im, OP, RB, PREC)
     return out
 
 
@@ -650,7 +660,7 @@ def _s4d_query(
     s_re, s_im = state_pairs(s0, 0, R, C, M, BR, BM, True)
     y = mm_state(b_q, s_re, OP, RB, PREC), mm_state(b_q, s_im, OP, RB, PREC)
     p = cadd(p, cmul(pow_at(pw_h, (tok - t0 + 1)[:, None], o_m[None, :], TAB, BM), y))
-    qe = s4d_mix(p, gmat + i_h * 2 * BM * BM, BM, OP, RB, PREC)  # C folded in
+    qe = s4d_mix(p, gmat + i_h * 2 * BM * BM, BM, PREC)  # C folded in
     store_modes(qe_buf, qe[0], qe[1], tok, i_h, H, m_t, BM)
 
 

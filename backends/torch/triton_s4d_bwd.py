@@ -116,8 +116,8 @@ def _s4d_chunk_sum_dlam(
             d_im += y_im
     if DIAG == "lag":  # one skew of the scores serves both tables
         sk = lag_scores(b_q, src, W, sc, BS, BB, BD, OP, RB, PREC)
-        t = lag_apply(sk, pw, (t_re, t_im), BB, BM, TAB, OP, RB, PREC)
-        d = lag_apply(sk, dpw, (d_re, d_im), BB, BM, TAB, OP, RB, PREC)
+        t = lag_apply(sk, pw, (t_re, t_im), BB, BM, TAB, PREC)
+        d = lag_apply(sk, dpw, (d_re, d_im), BB, BM, TAB, PREC)
     else:
         t = s4d_diag(
             b_q, src, W, pw, sc, (t_re, t_im), BT, BS, BB, BD, BM, TAB, DIAG, ACC, OP, RB, PREC
@@ -148,8 +148,6 @@ def _s4d_adjoint_inputs(
     TAB: tl.constexpr,
     DIAG: tl.constexpr,
     ACC: tl.constexpr,
-    OP: tl.constexpr,
-    RB: tl.constexpr,
     PREC: tl.constexpr,
 ) -> tl.tensor:
     """dz_t[c] = Re(sum_m conj(b_m) gx_t[m, c]) for the rows t of sub-chunk sc, with
@@ -271,7 +269,7 @@ def _s4d_bwd_query(
     store_modes(pd_buf, pd[0], pd[1], tok, i_h, H, m_t, BM)
     p = cadd(cmul(pow_at(pw_h, k_i, o_m[None, :], TAB, BM), y), cmul(b_c, pt))
     store_modes(p_buf, p[0], p[1], tok, i_h, H, m_t, BM)
-    qe = s4d_mix(p, gmat + i_h * 2 * BM * BM, BM, OP, RB, PREC)
+    qe = s4d_mix(p, gmat + i_h * 2 * BM * BM, BM, PREC)
     store_modes(qe_buf, qe[0], qe[1], tok, i_h, H, m_t, BM)
 
 
@@ -317,7 +315,7 @@ def _s4d_bwd_ratio(
     s0 = states + (g * H + i_h).to(tl.int64) * M * C * 2
     qe = load_modes(qe_buf, tok, i_h, H, m_t, BM)
     num = s4d_readout(
-        qe, vt, V, s0, R, pw_h, b_c, sc, C, M, BT, BS, BB, BV, BM, TAB, DIAG, ACC, OP, RB, PREC
+        qe, vt, V, s0, R, pw_h, b_c, sc, C, M, BT, BS, BB, BV, BM, TAB, DIAG, ACC, ACC, False, PREC
     )
     x1, _ = ones_readout(s0, R + V, (pw_h, gs + i_h * 2 * TAB), b_c, sc, C, M, BS, BM, TAB)
     den = tl.where(m_t, tl.sum(qe[0] * x1[0] + qe[1] * x1[1], axis=1), 1.0)
@@ -404,7 +402,7 @@ def _s4d_bwd_values(
     gl_re, gl_im = _row_sum_conj(qe, gqd)
     gb_re, gb_im = _row_sum_conj(qe, gqt)
     store_modes(gq_buf, gq[0], gq[1], tok, i_h, H, m_t, BM)
-    gp = s4d_mix(gq, gmat + i_h * 2 * BM * BM, BM, OP, RB, PREC)  # G^H = G
+    gp = s4d_mix(gq, gmat + i_h * 2 * BM * BM, BM, PREC)  # G^H = G
     store_modes(gp_buf, gp[0], gp[1], tok, i_h, H, m_t, BM)
     p_part = (i_p * H + i_h).to(tl.int64) * 2 * BM + o_m
     tl.store(glam_part + p_part, gl_re)
@@ -459,28 +457,9 @@ def _s4d_bwd_readout(
     tl.store(gb_part + p_part, gb_re)
     tl.store(gb_part + p_part + BM, gb_im)
     s0 = states + (g * H + i_h).to(tl.int64) * M * C * 2
-    dq = s4d_readout(
-        gp,
-        kt,
-        R,
-        s0,
-        0,
-        pw + i_h * 2 * TAB,
-        b_modes(b, i_h, M, BM, ACC),
-        sc,
-        C,
-        M,
-        BT,
-        BS,
-        BB,
-        BR,
-        BM,
-        TAB,
-        DIAG,
-        ACC,
-        OP,
-        RB,
-        PREC,
+    pw_h, b_c = pw + i_h * 2 * TAB, b_modes(b, i_h, M, BM, ACC)
+    dq = s4d_readout(  # TF32: bf16 here costs the kit's bf16 gradients
+        gp, kt, R, s0, 0, pw_h, b_c, sc, C, M, BT, BS, BB, BR, BM, TAB, DIAG, ACC, ACC, False, PREC
     )
     store_rows(dfq, dq, tok, i_h, H, R, tl.arange(0, BR), m_t)
 
@@ -685,32 +664,12 @@ def _s4d_bwd_inputs(
     ds = dstates + (g * H + i_h).to(tl.int64) * M * C * 2
     if tl.program_id(2) == 0:
         dk = _s4d_adjoint_inputs(
-            gp_buf, fq, R, ds, 0, pw, bc, sc, C, M, BT, BS, BB, BR, BM, TAB, DIAG, ACC, OP, RB, PREC
+            gp_buf, fq, R, ds, 0, pw, bc, sc, C, M, BT, BS, BB, BR, BM, TAB, DIAG, ACC, PREC
         )
         store_rows(dkt, dk, tok, i_h, H, R, tl.arange(0, BR), m_t)
     else:
         dv = _s4d_adjoint_inputs(
-            qe_buf,
-            dnum,
-            V,
-            ds,
-            R,
-            pw,
-            bc,
-            sc,
-            C,
-            M,
-            BT,
-            BS,
-            BB,
-            BV,
-            BM,
-            TAB,
-            DIAG,
-            ACC,
-            OP,
-            RB,
-            PREC,
+            qe_buf, dnum, V, ds, R, pw, bc, sc, C, M, BT, BS, BB, BV, BM, TAB, DIAG, ACC, PREC
         )
         store_rows(dvt, dv, tok, i_h, H, V, tl.arange(0, BV), m_t)
 
