@@ -114,7 +114,8 @@ ASSERTED: set[tuple[str, str]] = (
     # its query and input-gradient programs, forward FLOPs
     | {("no_mma_sync", f"{CHUNK_WIDE_LAG}: {k}") for k in (*_STATE_PASSES[:3], *_S4D_CHUNK)}
     | {("no_spill", f"{CHUNK_WIDE_LAG}: {k}") for k in _STATE_PASSES[:3]}
-    | {("no_spill", f"{CHUNK_WIDE_LAG}: {k}") for k in ("_s4d_output", "_s4d_bwd_readout")}
+    | {("no_spill", f"{CHUNK_WIDE_LAG}: {k}") for k in ("_s4d_query", "_s4d_output")}
+    | {("no_spill", f"{CHUNK_WIDE_LAG}: _s4d_bwd_readout")}
     | {
         ("no_spill", f"{CHUNK_WIDE_LAG}: _s4d_bwd_inputs"),
         ("no_spill", f"{CHUNK_WIDE}: _s4d_output"),

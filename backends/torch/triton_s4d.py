@@ -654,12 +654,25 @@ def _s4d_query(
     o_m = tl.arange(0, BM)
     pw_h = pw + i_h * 2 * TAB
     b_q = load_rows(fq, tok, i_h, H, R, tl.arange(0, BR), m_t, OP)
-    t = _s4d_chunk_sum(b_q, kt, R, pw_h, sc, BT, BS, BB, BR, BM, TAB, DIAG, ACC, OP, RB, PREC)
-    p = cmul(b_modes(b, i_h, M, BM, ACC), t)  # b t_t, then the state part
     s0 = states + (g * H + i_h).to(tl.int64) * M * C * 2
     s_re, s_im = state_pairs(s0, 0, R, C, M, BR, BM, True)
     y = mm_state(b_q, s_re, OP, RB, PREC), mm_state(b_q, s_im, OP, RB, PREC)
-    p = cadd(p, cmul(pow_at(pw_h, (tok - t0 + 1)[:, None], o_m[None, :], TAB, BM), y))
+    p = cmul(pow_at(pw_h, (tok - t0 + 1)[:, None], o_m[None, :], TAB, BM), y)  # the state part
+    b_c = b_modes(b, i_h, M, BM, ACC)
+    if DIAG == "lag":  # b folded into the table rows, the diagonal sum accumulated onto p: a
+        # 64-row program holds two fewer [BS, BM] tiles (static gate)
+        if BT > BB:  # the earlier diagonal blocks
+            t = s4d_offdiag(b_q, kt, R, pw_h, sc, BT, BS, BB, BR, BM, TAB, ACC, OP, RB, PREC)
+            p = cadd(p, cmul(b_c, t))
+        sk = lag_scores(b_q, kt, R, sc, BS, BB, BR, OP, RB, PREC)
+        w_re, w_im = cmul((b_c[0][None, :], b_c[1][None, :]), lag_table(pw_h, BB, BM, TAB))
+        p = (
+            p[0] + tl.dot(sk, w_re, input_precision=PREC),
+            p[1] + tl.dot(sk, w_im, input_precision=PREC),
+        )
+    else:
+        t = _s4d_chunk_sum(b_q, kt, R, pw_h, sc, BT, BS, BB, BR, BM, TAB, DIAG, ACC, OP, RB, PREC)
+        p = cadd(p, cmul(b_c, t))  # + b t_t
     qe = s4d_mix(p, gmat + i_h * 2 * BM * BM, BM, PREC)  # C folded in
     store_modes(qe_buf, qe[0], qe[1], tok, i_h, H, m_t, BM)
 
