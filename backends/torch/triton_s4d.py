@@ -112,9 +112,9 @@ def cadd(a: tl.tuple, b: tl.tuple) -> tl.tuple:
 @triton.jit
 def opnd(x: tl.tensor, OP: tl.constexpr, ROUND_BF16: tl.constexpr) -> tl.tensor:
     """x as a tl.dot operand of type OP (``triton_chunks.operand_type``): the inputs' 16-bit
-    type for 16-bit
-    inputs (float32 accumulation), else x; under the interpreter a bfloat16 operand is a float32
-    value rounded to bfloat16 (ROUND_BF16), the rounding a GPU's bfloat16 product sees."""
+    type for 16-bit inputs (float32 accumulation), else x; under the interpreter a bfloat16
+    operand is a float32 value rounded to bfloat16 (ROUND_BF16), the rounding a GPU's bfloat16
+    product sees."""
     if ROUND_BF16:
         return _bf16_nearest(x.to(tl.float32))
     return x.to(OP)
