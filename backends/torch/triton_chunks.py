@@ -311,7 +311,7 @@ def store_modes(
 
 
 @triton.jit
-def state_tile(
+def state_pairs(
     s0: tl.tensor,
     c_off: tl.tensor,
     W: tl.tensor,
@@ -320,15 +320,17 @@ def state_tile(
     BD: tl.constexpr,
     BM: tl.constexpr,
     TRANS: tl.constexpr,
-) -> tuple[tl.tensor, tl.tensor]:
+) -> tl.tuple:
     """Channels c_off..c_off+W of a complex state [M, C, 2]: (re, im) [BM, BD], or [BD, BM]
-    if TRANS."""
+    if TRANS, loaded as one tile of (re, im) pairs and split: contiguous pairs, wider loads,
+    fewer addresses."""
     o_d = tl.arange(0, BD)
     o_m = tl.arange(0, BM)
+    o_2 = tl.arange(0, 2)[None, None, :]
     if TRANS:
-        ptr = s0 + (o_m[None, :] * C + c_off + o_d[:, None]) * 2
-        mask = (o_d < W)[:, None] & (o_m < M)[None, :]
+        ptr = s0 + ((o_m[None, :] * C + c_off + o_d[:, None]) * 2)[:, :, None] + o_2
+        mask = ((o_d < W)[:, None] & (o_m < M)[None, :])[:, :, None]
     else:
-        ptr = s0 + (o_m[:, None] * C + c_off + o_d[None, :]) * 2
-        mask = (o_m < M)[:, None] & (o_d < W)[None, :]
-    return tl.load(ptr, mask=mask, other=0.0), tl.load(ptr + 1, mask=mask, other=0.0)
+        ptr = s0 + ((o_m[:, None] * C + c_off + o_d[None, :]) * 2)[:, :, None] + o_2
+        mask = ((o_m < M)[:, None] & (o_d < W)[None, :])[:, :, None]
+    return tl.split(tl.load(ptr, mask=mask, other=0.0))

@@ -32,6 +32,7 @@ from .triton_chunks import (
     operand_type,
     pow2,
     sequences,
+    state_pairs,
     store_modes,
     store_rows,
     sub_chunk,
@@ -182,31 +183,6 @@ def pow_at(
     """The table entry at row k of each mode (k broadcast against o_m)."""
     off = k * BM + o_m
     return tl.load(tab + off), tl.load(tab + TAB + off)
-
-
-@triton.jit
-def state_pairs(
-    s0: tl.tensor,
-    c_off: tl.tensor,
-    W: tl.tensor,
-    C: tl.tensor,
-    M: tl.tensor,
-    BD: tl.constexpr,
-    BM: tl.constexpr,
-    TRANS: tl.constexpr,
-) -> tl.tuple:
-    """``triton_chunks.state_tile`` loaded as one tile of (re, im) pairs, [BM, BD, 2] (or
-    [BD, BM, 2] if TRANS), then split: contiguous pairs, wider loads, fewer addresses."""
-    o_d = tl.arange(0, BD)
-    o_m = tl.arange(0, BM)
-    o_2 = tl.arange(0, 2)[None, None, :]
-    if TRANS:
-        ptr = s0 + ((o_m[None, :] * C + c_off + o_d[:, None]) * 2)[:, :, None] + o_2
-        mask = ((o_d < W)[:, None] & (o_m < M)[None, :])[:, :, None]
-    else:
-        ptr = s0 + ((o_m[:, None] * C + c_off + o_d[None, :]) * 2)[:, :, None] + o_2
-        mask = ((o_m < M)[:, None] & (o_d < W)[None, :])[:, :, None]
-    return tl.split(tl.load(ptr, mask=mask, other=0.0))
 
 
 @triton.jit
