@@ -111,9 +111,9 @@ class Blocks:
     (both powers of two, sub_chunk <= chunk; at least 16 on a GPU, where tl.dot needs it).
 
     ``diagonal`` is the form of the pairs inside a diagonal block (docs/kernels-interdomain.md
-    [S2]): ``"loop"`` walks them token by token with [BS, M] tiles, ``"tile"`` forms one
-    [BS, BS, M] tile, ``"lag"`` turns the [BS, BS] scores into [BS, lag] by a skew (a gather) so
-    that every diagonal product is a matmul against the table rows Lambda^k. S4D splits a
+    [S2]): ``"loop"`` walks them token by token with [BS, M] tiles, ``"lag"`` turns the
+    [BS, BS] scores into [BS, lag] by a skew (a gather) so that every diagonal product is a
+    matmul against the table rows Lambda^k. S4D splits a
     sub-chunk into diagonal blocks of ``diag_block`` tokens (the pairs of different blocks are
     matmuls), so a GPU program can own a whole chunk (64-row products, wgmma); LegS reads
     per-position tables and keeps programs of ``legs_sub_chunk`` tokens. ``channels``: state
@@ -124,13 +124,13 @@ class Blocks:
     chunk: int = 64
     sub_chunk: int = 16
     num_warps: int = 8
-    diagonal: str = "loop"  # the pairs inside a diagonal block: "loop", "tile" or "lag"
+    diagonal: str = "loop"  # the pairs inside a diagonal block: "loop" or "lag"
     channels: int = 32
     diag_block: int | None = None  # S4D: tokens per diagonal block (None: the sub-chunk)
     legs_sub_chunk: int | None = None  # LegS: tokens per output program (None: the sub-chunk)
 
 
-DIAGONALS = ("loop", "tile", "lag")  # the forms of a diagonal block (Blocks.diagonal)
+DIAGONALS = ("loop", "lag")  # the forms of a diagonal block (Blocks.diagonal)
 
 # Per device class; any other GPU takes the default. The interpreter counts operations, not
 # registers: whole chunks per program and wide channel blocks run fastest there.

@@ -297,7 +297,7 @@ def plan_costs(c: Captured) -> tuple[float, float]:
     A model of the kernel's code, each term a tl.dot (2 m n k) or a state tile: loops over the
     earlier (or later) sub-chunks of a chunk run (NS - 1) / 2 times on average (NS sub-chunks
     per chunk), the LegS loops over j <= i_s one more; the diagonal's token loop ("loop") runs
-    on CUDA cores and is not counted, its "tile" and "lag" forms are matmuls. State bytes: the
+    on CUDA cores and is not counted, its "lag" form is matmuls. State bytes: the
     chunk-state tensors a state pass writes (ours ``states``/``dstates``, fla ``h``/``dh``) and
     the tiles of them each chunk program reads. Kernels without tensor-core products or state
     traffic count zero."""
@@ -346,21 +346,16 @@ def _ours_costs(name: str, a: dict[str, Any], grid: tuple[int, ...], n: int) -> 
         return 4 * BS * D * BM
 
     def chunk_sum(D: int, dlam: bool = False) -> float:  # per earlier block: scores, then two
-        # [BS, BB] x [BB, BM] (four with the derivative table). The diagonal: "tile" its [BS, BS]
-        # scores (twice with the derivative table), "lag" the scores once and two [BS, BB] x
-        # [BB, BM] per table
+        # [BS, BB] x [BB, BM] (four with the derivative table). The diagonal ("lag"): the scores
+        # once and two [BS, BB] x [BB, BM] per table
         off = e_off * (2 * BS * D * BB + (8 if dlam else 4) * BS * BB * BM)
-        if form == "tile":
-            return off + (1 + dlam) * 2 * sq * D
         if form == "lag":
             return off + 2 * sq * D + (1 + dlam) * 4 * BS * BB * BM
         return off
 
     def readout(D: int, blocks: float) -> float:  # the state part; per block scores and S z;
-        # the diagonal's S z ("tile"), with its scores by lag ("lag", two [BS, BM] x [BM, BB])
+        # the diagonal's S z with its scores by lag ("lag", two [BS, BM] x [BM, BB])
         base = s4d_state(D) + blocks * (4 * BS * BM * BB + 2 * BS * BB * D)
-        if form == "tile":
-            return base + 2 * sq * D
         if form == "lag":
             return base + 4 * BS * BM * BB + 2 * sq * D
         return base

@@ -120,7 +120,7 @@ def check_s4d(case, do, readout, dtype="float64", blocks=None):
 # S4D against the reference
 
 
-DIAGONALS = chunks.DIAGONALS  # the forms of a diagonal block: "loop", "tile", "lag"
+DIAGONALS = chunks.DIAGONALS  # the forms of a diagonal block: "loop", "lag"
 
 
 def forced(tiles: tuple[int, ...] | None, diagonal: str) -> tuple | None:
@@ -168,7 +168,7 @@ def test_s4d_matches_reference(T, M, mag, R, V, readout, tiles, B, H, diagonal):
 
 @pytest.mark.parametrize(
     "tiles, diagonal",
-    [((32, 16), "loop"), ((32, 16), "tile"), ((32, 16), "lag"), ((64, 64), "lag")],
+    [((32, 16), "loop"), ((32, 16), "lag"), ((64, 64), "lag")],
 )
 def test_s4d_lambda_zero_mode_stays_finite(tiles, diagonal):
     """Lambda = 0 in one mode: 0^0 = 1 and no power with a negative exponent (no NaN)."""
@@ -261,7 +261,7 @@ def test_s4d_initial_and_final_state_against_a_literal_loop(readout):
     feats = [to_torch(case[k]) for k in ("fq", "kt", "vt")]
     params = [pair(case[k]) for k in ("lam", "b", "c")]
     args = (*feats, *params, readout, None, pair(h0))
-    with chunks.block_sizes(16, 16, "tile"):
+    with chunks.block_sizes(16, 16, "loop"):
         o, final = s4d.s4d_fwd(*args)
         g = s4d_grad.s4d_bwd(*args, to_torch(do), pair(dht))
 
@@ -441,11 +441,11 @@ def check_legs(case, do, M, dtype="float64", blocks=None, cu=None):
 LEGS_TABLE = [
     # (T, M, R, V, blocks, B, H)
     (1, 4, 3, 5, None, 2, 1),
-    (17, 16, 5, 3, (16, 16, "tile"), 1, 2),
+    (17, 16, 5, 3, (16, 16, "loop"), 1, 2),
     (65, 64, 3, 4, None, 1, 1),
     (80, 1, 4, 4, None, 1, 1),
     (129, 8, 4, 6, None, 1, 2),
-    (40, 16, 5, 3, (32, 16, "tile"), 1, 1),  # the GPU tiling
+    (40, 16, 5, 3, (32, 16, "loop"), 1, 1),  # the GPU tiling
 ]
 
 
@@ -464,7 +464,7 @@ def test_legs_dtypes(dtype):
 def test_legs_varlen_with_a_length_one_segment():
     cu = torch.tensor([0, 19, 20, 45], device=DEVICE)
     case, do = legs_case(4, T=45, R=3, V=4)
-    check_legs(case, do, 8, "float64", (16, 16, "tile"), cu)
+    check_legs(case, do, 8, "float64", (16, 16, "loop"), cu)
 
 
 def test_legs_chunk_tables_are_the_closed_form_transitions():

@@ -335,9 +335,8 @@ def s4d_diag(
 ) -> tl.tuple:
     """acc + the sum over the pairs u <= t inside each row's diagonal block of (q_t . z_u)
     T[t - u], T the table tab, in the form DIAG: "loop" token by token with [BS, M] tiles (z rows
-    gathered per row), "tile" one [BS, BS, M] tile, "lag" one matmul of the scores by lag [S2]."""
+    gathered per row), "lag" one matmul of the scores by lag [S2]."""
     t0, t1, i_s, i_h, H = sc
-    tok, m_t, _ = rows_of(sc, BS)
     r = i_s * BS + tl.arange(0, BS)
     o_d = tl.arange(0, BD)
     o_m = tl.arange(0, BM)
@@ -356,14 +355,6 @@ def s4d_diag(
             w_re, w_im = pow_at(tab, k, o_m[None, :], TAB, BM)
             t_re += a_u[:, None] * w_re
             t_im += a_u[:, None] * w_im
-    elif DIAG == "tile":
-        z = load_rows(src, tok, i_h, H, W, o_d, m_t, OP)
-        a = mm(b_q, tl.trans(z), OP, RB, PREC)
-        lag = r[:, None] - r[None, :]
-        k_d = tl.where(same_block(sc, BS, BB) & m_t[None, :], lag, BT + 1)[:, :, None]
-        w_re, w_im = pow_at(tab, k_d, o_m[None, None, :], TAB, BM)
-        t_re += tl.sum(a[:, :, None] * w_re, axis=1)
-        t_im += tl.sum(a[:, :, None] * w_im, axis=1)
     else:  # "lag"
         sk = lag_scores(b_q, src, W, sc, BS, BB, BD, OP, RB, PREC)
         t_re, t_im = lag_apply(sk, tab, (t_re, t_im), BB, BM, TAB, PREC)
@@ -429,7 +420,6 @@ def s4d_readout(
     tok, m_t, _ = rows_of(sc, BS)
     r = i_s * BS + tl.arange(0, BS)
     q_re, q_im = q
-    b_re, b_im = b[0][None, :], b[1][None, :]
     o_b = tl.arange(0, BB)
     o_d = tl.arange(0, BD)
     o_m = tl.arange(0, BM)
@@ -459,14 +449,6 @@ def s4d_readout(
             w_re, w_im = cmul(b, pow_at(pw, k, o_m[None, :], TAB, BM))
             s_u = tl.sum(q_re * w_re + q_im * w_im, axis=1)  # S[t, u]
             out += s_u[:, None] * z_u.to(ACC)
-    elif DIAG == "tile":
-        lag = r[:, None] - r[None, :]
-        k_d = tl.where(same_block(sc, BS, BB) & m_t[None, :], lag, BT + 1)[:, :, None]
-        w_re, w_im = pow_at(pw, k_d, o_m[None, None, :], TAB, BM)
-        bd_re = b_re[:, None, :] * w_re - b_im[:, None, :] * w_im
-        bd_im = b_re[:, None, :] * w_im + b_im[:, None, :] * w_re
-        s = tl.sum(q_re[:, None, :] * bd_re + q_im[:, None, :] * bd_im, axis=2)
-        out += mm_scores(s, load_rows(src, tok, i_h, H, W, o_d, m_t, OP), OP, RB, PREC)
     else:  # "lag": scores by lag S'[t, k] = Re(q_t^H b Lambda^k), S[t, u] = S'[t, t - u]
         w_re, w_im = cmul(b, lag_table(pw, BB, BM, TAB))  # [BB, BM]
         s = mm(q_re, tl.trans(w_re), ACC, False, PREC)

@@ -157,7 +157,6 @@ def _s4d_adjoint_inputs(
     t0, t1, i_s, i_h, H = sc
     tok, m_t, _ = rows_of(sc, BS)
     r = i_s * BS + tl.arange(0, BS)
-    b_re, b_im = b[0][None, :], b[1][None, :]
     o_b = tl.arange(0, BB)
     o_d = tl.arange(0, BD)
     o_m = tl.arange(0, BM)
@@ -190,15 +189,6 @@ def _s4d_adjoint_inputs(
             p_z = zsrc + (tok_s.to(tl.int64) * H + i_h)[:, None] * W + o_d[None, :]
             z_s = tl.load(p_z, mask=m_s[:, None] & (o_d < W)[None, :], other=0.0)
             dz += st_s[:, None] * z_s.to(ACC)
-    elif DIAG == "tile":
-        lag = r[None, :] - r[:, None]  # s - t
-        k_u = tl.where(tl.trans(same_block(sc, BS, BB)) & m_t[None, :], lag, BT + 1)[:, :, None]
-        w_re, w_im = pow_at(pw, k_u, o_m[None, None, :], TAB, BM)
-        bu_re = b_re[:, None, :] * w_re - b_im[:, None, :] * w_im
-        bu_im = b_re[:, None, :] * w_im + b_im[:, None, :] * w_re
-        q_re, q_im = load_modes(q_buf, tok, i_h, H, m_t, BM)
-        st = tl.sum(q_re[None, :, :] * bu_re + q_im[None, :, :] * bu_im, axis=2)
-        dz += mm(st, load_rows(zsrc, tok, i_h, H, W, o_d, m_t, ACC), ACC, False, PREC)
     else:  # "lag": P[s, k] = Re(q_s^H b Lambda^k), st[t, s] = P[s, s - t]
         wk_re, wk_im = cmul(b, lag_table(pw, BB, BM, TAB))  # [BB, BM]
         q_re, q_im = load_modes(q_buf, tok, i_h, H, m_t, BM)
