@@ -50,7 +50,7 @@ verify: $(STAMP)
 
 test: lint typecheck
 	$(PY) -m mkdocs build --strict --quiet
-	$(PY) -m pytest -n auto --dist worksteal
+	$(PY) -m pytest -n auto --dist load --maxschedchunk 1
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

@@ -273,6 +273,36 @@ def test_interpreter_rounds_bf16_operands_like_a_gpu():
     assert torch.equal(y, x.bfloat16().float())
 
 
+@triton.jit
+def _rounded_sum(x, y, N: tl.constexpr, STEPS: tl.constexpr):
+    r = tl.arange(0, N)
+    acc = tl.zeros([N], tl.float32)
+    for _ in tl.static_range(STEPS):
+        acc += tf._bf16_nearest(tl.load(x + r))  # a helper call per step
+    tl.store(y + r, acc)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the interpreter's patch")
+def test_the_interpreter_patches_the_language_once_per_launch(monkeypatch):
+    """tests/conftest.py makes the interpreter swap in its language once per launch, not on every
+    helper call (the cost of a third of an interpreted S4D case): 8 helper calls, at most two
+    swaps (``triton.language`` for the kernel, ``triton.language.core`` for the library's own
+    helpers), and the result of each step's helper call is still there."""
+    from triton.runtime import interpreter
+
+    swaps = []
+    patch_builtin = interpreter._patch_builtin
+    monkeypatch.setattr(
+        interpreter, "_patch_builtin", lambda *a: swaps.append(a[0]) or patch_builtin(*a)
+    )
+    x = torch.randn(16)
+    y = torch.empty_like(x)
+    _rounded_sum[(1,)](x, y, N=16, STEPS=8)
+    assert torch.equal(y, x.bfloat16().float() * 8)
+    launches = sum(1 for pkg in swaps if pkg is tl)  # each swap patches triton.language once
+    assert launches == 1, f"triton.language patched {launches} times in one launch"
+
+
 # ------------------------------------------------------------------------------ FoX
 
 
