@@ -110,21 +110,17 @@ ASSERTED: set[tuple[str, str]] = (
     | {("no_spill", f"{CHUNK_WIDE}: {k}") for k in (*_STATE_PASSES[:3], "_s4d_query")}
     | {("flops", f"{CHUNK_WIDE} fwd")}
     | {("state_bytes", f"{CHUNK_WIDE} {p}") for p in ("fwd", "fwd+bwd")}
-    # the chunk-wide lag form: wgmma throughout, state bytes; the 16-row lag form: no spill in
-    # its query and input-gradient programs, forward FLOPs
+    # the chunk-wide lag form: wgmma throughout, no spill, state bytes; the 16-row lag form: no
+    # spill but in its readout of g(p), forward FLOPs
     | {("no_mma_sync", f"{CHUNK_WIDE_LAG}: {k}") for k in (*_STATE_PASSES[:3], *_S4D_CHUNK)}
-    | {("no_spill", f"{CHUNK_WIDE_LAG}: {k}") for k in _STATE_PASSES[:3]}
-    | {("no_spill", f"{CHUNK_WIDE_LAG}: {k}") for k in ("_s4d_query", "_s4d_output")}
-    | {("no_spill", f"{CHUNK_WIDE_LAG}: _s4d_bwd_readout")}
-    | {
-        ("no_spill", f"{CHUNK_WIDE_LAG}: _s4d_bwd_inputs"),
-        ("no_spill", f"{CHUNK_WIDE}: _s4d_output"),
-    }
+    | {("no_spill", f"{CHUNK_WIDE_LAG}: {k}") for k in (*_STATE_PASSES[:3], *_S4D_CHUNK)}
+    | {("no_spill", f"{CHUNK_WIDE}: _s4d_output")}
     | {("state_bytes", f"{CHUNK_WIDE_LAG} {p}") for p in ("fwd", "fwd+bwd")}
     | {
         ("no_spill", f"{ROWS16_LAG}: {k}")
-        for k in (*_STATE_PASSES[:3], "_s4d_query", "_s4d_output")
+        for k in (*_STATE_PASSES[:3], "_s4d_query", "_s4d_output", "_s4d_bwd_query")
     }
+    | {("no_spill", f"{ROWS16_LAG}: _s4d_bwd_values")}
     | {("no_spill", f"{ROWS16_LAG}: _s4d_bwd_inputs"), ("flops", f"{ROWS16_LAG} fwd")}
 )
 

@@ -311,6 +311,25 @@ def store_modes(
 
 
 @triton.jit
+def store_reload(
+    buf: tl.tensor,
+    x: tl.tuple,
+    tok: tl.tensor,
+    i_h: tl.tensor,
+    H: tl.tensor,
+    m_t: tl.tensor,
+    BM: tl.constexpr,
+) -> tl.tuple:
+    """x = (re, im) [BS, BM] stored (:func:`store_modes`) and read back after a block barrier:
+    the same values, but the products that computed x no longer feed a later tl.dot, so Triton
+    lays their accumulators out over both warpgroups of a 64-row program (a chained wgmma gets
+    every warp along its rows: twice the registers at 8 warps; docs/kernels-interdomain.md)."""
+    store_modes(buf, x[0], x[1], tok, i_h, H, m_t, BM)
+    tl.debug_barrier()  # every thread's stores visible to the whole block
+    return load_modes(buf, tok, i_h, H, m_t, BM)
+
+
+@triton.jit
 def state_pairs(
     s0: tl.tensor,
     c_off: tl.tensor,

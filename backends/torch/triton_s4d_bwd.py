@@ -23,6 +23,7 @@ from .triton_chunks import (
     load_modes,
     load_rows,
     store_modes,
+    store_reload,
     store_rows,
     sub_chunk,
 )
@@ -258,7 +259,7 @@ def _s4d_bwd_query(
     pd = cadd(cmul(pow_at(dpw_h, k_i, o_m[None, :], TAB, BM), y), cmul(b_c, pd))
     store_modes(pd_buf, pd[0], pd[1], tok, i_h, H, m_t, BM)
     p = cadd(cmul(pow_at(pw_h, k_i, o_m[None, :], TAB, BM), y), cmul(b_c, pt))
-    store_modes(p_buf, p[0], p[1], tok, i_h, H, m_t, BM)
+    p = store_reload(p_buf, p, tok, i_h, H, m_t, BM)  # the sums above: off the chain to G p
     qe = s4d_mix(p, gmat + i_h * 2 * BM * BM, BM, PREC)
     store_modes(qe_buf, qe[0], qe[1], tok, i_h, H, m_t, BM)
 
@@ -391,7 +392,7 @@ def _s4d_bwd_values(
     qe = load_modes(qe_buf, tok, i_h, H, m_t, BM)
     gl_re, gl_im = _row_sum_conj(qe, gqd)
     gb_re, gb_im = _row_sum_conj(qe, gqt)
-    store_modes(gq_buf, gq[0], gq[1], tok, i_h, H, m_t, BM)
+    gq = store_reload(gq_buf, gq, tok, i_h, H, m_t, BM)  # off the chain to G g(qe)
     gp = s4d_mix(gq, gmat + i_h * 2 * BM * BM, BM, PREC)  # G^H = G
     store_modes(gp_buf, gp[0], gp[1], tok, i_h, H, m_t, BM)
     p_part = (i_p * H + i_h).to(tl.int64) * 2 * BM + o_m
