@@ -34,6 +34,7 @@ __all__ = [
     "EAGER_CHUNK",
     "EAGER_KEY_BLOCK",
     "EAGER_QUERY_BLOCK",
+    "HOPPER_BLOCKS",
     "HOPPER_WIDE",
     "INTERPRETER_BLOCKS",
     "JAX_BLOCK",
@@ -132,10 +133,14 @@ class Blocks:
 
 DIAGONALS = ("loop", "lag")  # the forms of a diagonal block (Blocks.diagonal)
 
-# Per device class; any other GPU takes the default. The interpreter counts operations, not
-# registers: whole chunks per program and wide channel blocks run fastest there.
+# Per device class; any other GPU takes the default. Hopper: one S4D program per 64-token chunk,
+# the chunk one diagonal block in the lag form (every product 64 rows, wgmma; no spill; a
+# quarter of the 16-row programs' state reads; docs/decisions.md), LegS programs of 16 tokens.
+# The interpreter counts operations, not registers: whole chunks per program and wide channel
+# blocks run fastest there.
+HOPPER_BLOCKS = Blocks(64, 64, 8, diagonal="lag", channels=32, diag_block=64, legs_sub_chunk=16)
 INTERPRETER_BLOCKS = Blocks(64, 64, 4, diagonal="lag", channels=64)
-DEVICE_BLOCKS = {"hopper": Blocks(), "ampere": Blocks(), "interpreter": INTERPRETER_BLOCKS}
+DEVICE_BLOCKS = {"hopper": HOPPER_BLOCKS, "ampere": Blocks(), "interpreter": INTERPRETER_BLOCKS}
 
 
 # ------------------------------------------------------------------- torch eager

@@ -3,11 +3,13 @@
 Every Triton kernel of backends/torch/triton_s4d.py, triton_s4d_bwd.py and triton_legs.py (the
 passes of the forward and the backward, and the decode steps) is compiled for sm_90 without a
 GPU (bench/sm90.py) exactly as a launch on an H100/H200 compiles it: the launchers themselves
-run on CPU tensors at the Hopper blocks (``triton_chunks.DEVICE_BLOCKS["hopper"]``: chunk 64,
-sub-chunk 16, 8 warps) with every kernel launch captured instead of run, so the arguments,
+run on CPU tensors at the Hopper blocks (``triton_chunks.DEVICE_BLOCKS["hopper"]``: S4D one
+program per 64-token chunk, the chunk one diagonal block in the lag form; LegS programs of 16
+tokens; 8 warps) with every kernel launch captured instead of run, so the arguments,
 constexprs, grids and alignment are the launcher's. The shapes: B = 1, T = 512, H = 16,
 M = R = 64, dv = 128, bf16 features, the denominator-free readout; beside the default, the S4D
-tilings of :func:`VARIANTS` (chunk-wide loop and lag forms, the 16-row lag form). The peer is
+tilings of :func:`VARIANTS` (chunk-wide loop form, the 16-row programs in the loop form, the
+Hopper default before the chunk-wide lag tiling, and in the lag form). The peer is
 fla's chunk_gla forward (chunk_gla_fwd) and backward (chunk_gla_bwd, recomputing the states as
 its autograd Function does) at the same real state size: GLA key dim K = 2M = 128, V = dv, chunk
 64, its launches captured the same way. fla autotunes on the GPU; here each of its autotuned
@@ -47,30 +49,32 @@ B, T, H = 1, 512, 16  # per-token costs are per chunk: T = 512 (8 chunks) gives 
 M, R, DV = 64, 64, 128
 FLA_CONFIG = {"BK": 64, "BV": 64, "num_warps": 4, "num_stages": 2}
 BUDGET_RATIO = 2.0
-CHUNK_WIDE = "S4D chunk-wide"  # the S4D option of one program per 64-token chunk
-CHUNK_WIDE_LAG = "S4D chunk-wide lag"  # ... with the whole chunk one diagonal block, lag form
-ROWS16_LAG = "S4D 16-row lag"  # the 16-row default tiling with the lag form
+CHUNK_WIDE = "S4D chunk-wide"  # one program per 64-token chunk, diagonal blocks of 16, loop form
+ROWS16 = "S4D 16-row"  # programs of 16 tokens, loop form (the Hopper default before)
+ROWS16_LAG = "S4D 16-row lag"  # ... in the lag form
 
 
 def CHUNK_WIDE_BLOCKS() -> Any:
-    """The S4D tiling with one output program per 64-token chunk (64-row products, wgmma) and
-    diagonal blocks of 16 tokens walked token by token; reported beside the default."""
-    from attnspec.backends.torch.triton_chunks import Blocks
+    """The S4D tiling with one program per 64-token chunk and diagonal blocks of 16 tokens
+    walked token by token (the loop form); reported beside the default, timed by gpu_s4d."""
+    import dataclasses
 
-    return Blocks(64, 64, 8, diagonal="loop", channels=32, diag_block=16, legs_sub_chunk=16)
+    return dataclasses.replace(_hopper(), diagonal="loop", diag_block=16)
 
 
 def VARIANTS() -> dict[str, Any]:
     """The S4D tilings reported beside the Hopper default (each compiled and modelled): the
-    chunk-wide loop form, the chunk-wide lag form (the chunk one diagonal block: no earlier-
-    block loop, no token loop) and the 16-row default tiling with the lag form."""
+    chunk-wide program with diagonal blocks of 16 walked token by token (the loop form), and
+    programs of 16 tokens (16-row products, mma.sync) in the loop and lag forms."""
     import dataclasses
 
-    wide = CHUNK_WIDE_BLOCKS()
+    from attnspec.backends.torch.triton_chunks import Blocks
+
+    rows16 = Blocks(64, 16, 8, diagonal="loop", channels=32)
     return {
-        CHUNK_WIDE: wide,
-        CHUNK_WIDE_LAG: dataclasses.replace(wide, diagonal="lag", diag_block=64),
-        ROWS16_LAG: dataclasses.replace(_hopper(), diagonal="lag"),
+        CHUNK_WIDE: CHUNK_WIDE_BLOCKS(),
+        ROWS16: rows16,
+        ROWS16_LAG: dataclasses.replace(rows16, diagonal="lag"),
     }
 
 
@@ -98,30 +102,28 @@ _S4D_CHUNK = (
     "_s4d_bwd_inputs",
 )
 ASSERTED: set[tuple[str, str]] = (
-    {("no_mma_sync", k) for k in (*_STATE_PASSES, "_s4d_step", "_legs_step")}
-    | {("no_spill", k) for k in _STATE_PASSES}
-    | {("no_spill", k) for k in (*_S4D_CHUNK, "_s4d_step", "_legs_step")}
+    # the Hopper default: S4D wgmma throughout, no spill, state bytes; LegS no spill
+    {("no_mma_sync", k) for k in (*_STATE_PASSES, *_S4D_CHUNK, "_s4d_step", "_legs_step")}
+    | {("no_spill", k) for k in (*_STATE_PASSES, *_S4D_CHUNK, "_s4d_step", "_legs_step")}
     | {("no_spill", k) for k in ("_legs_output", "_legs_bwd_readout", "_legs_bwd_modes")}
     | {("no_spill", "_legs_bwd_inputs")}
-    | {("flops", "S4D fwd"), ("flops", "S4D fwd+bwd")}
-    # the chunk-wide option (compiled unless --no-variant): wgmma throughout, its query program
-    # without spill, forward FLOPs and state bytes
+    | {("state_bytes", f"S4D {p}") for p in ("fwd", "fwd+bwd")}
+    # the chunk-wide loop form: wgmma throughout, its forward without spill, forward FLOPs and
+    # state bytes
     | {("no_mma_sync", f"{CHUNK_WIDE}: {k}") for k in (*_STATE_PASSES[:3], *_S4D_CHUNK)}
     | {("no_spill", f"{CHUNK_WIDE}: {k}") for k in (*_STATE_PASSES[:3], "_s4d_query")}
-    | {("flops", f"{CHUNK_WIDE} fwd")}
+    | {("no_spill", f"{CHUNK_WIDE}: _s4d_output"), ("flops", f"{CHUNK_WIDE} fwd")}
     | {("state_bytes", f"{CHUNK_WIDE} {p}") for p in ("fwd", "fwd+bwd")}
-    # the chunk-wide lag form: wgmma throughout, no spill, state bytes; the 16-row lag form: no
-    # spill but in its readout of g(p), forward FLOPs
-    | {("no_mma_sync", f"{CHUNK_WIDE_LAG}: {k}") for k in (*_STATE_PASSES[:3], *_S4D_CHUNK)}
-    | {("no_spill", f"{CHUNK_WIDE_LAG}: {k}") for k in (*_STATE_PASSES[:3], *_S4D_CHUNK)}
-    | {("no_spill", f"{CHUNK_WIDE}: _s4d_output")}
-    | {("state_bytes", f"{CHUNK_WIDE_LAG} {p}") for p in ("fwd", "fwd+bwd")}
+    # the 16-row loop form: no spill, FLOPs; the lag form: no spill but in its readout of g(p),
+    # forward FLOPs
+    | {("no_spill", f"{ROWS16}: {k}") for k in (*_STATE_PASSES[:3], *_S4D_CHUNK)}
+    | {("flops", f"{ROWS16} {p}") for p in ("fwd", "fwd+bwd")}
     | {
         ("no_spill", f"{ROWS16_LAG}: {k}")
-        for k in (*_STATE_PASSES[:3], "_s4d_query", "_s4d_output", "_s4d_bwd_query")
+        for k in (*_STATE_PASSES[:3], *_S4D_CHUNK)
+        if k != "_s4d_bwd_readout"
     }
-    | {("no_spill", f"{ROWS16_LAG}: _s4d_bwd_values")}
-    | {("no_spill", f"{ROWS16_LAG}: _s4d_bwd_inputs"), ("flops", f"{ROWS16_LAG} fwd")}
+    | {("flops", f"{ROWS16_LAG} fwd")}
 )
 
 
