@@ -363,10 +363,10 @@ def _ours_costs(name: str, a: dict[str, Any], grid: tuple[int, ...], n: int) -> 
 
     mix = 8 * BS * BM * BM  # qe = G p: four [BS, BM] x [BM, BM]
 
-    if name == "_s4d_query":  # p (keys), qe
-        per, tile = s4d_state(BR) + chunk_sum(BR) + mix, key
-    elif name == "_s4d_output":  # o (values), den (ones)
-        per, tile = readout(BV, e_off), value + ratio * ones
+    if name == "_s4d_query":  # p (keys), qe, den (ones)
+        per, tile = s4d_state(BR) + chunk_sum(BR) + mix, key + ratio * ones
+    elif name == "_s4d_output":  # o (values)
+        per, tile = readout(BV, e_off), value
     elif name == "_s4d_bwd_query":  # p, its chunk sum and derivative, qe
         per, tile = s4d_state(BR) + chunk_sum(BR, True) + mix, key
     elif name == "_s4d_bwd_ratio":  # num, den (the ratio readout)

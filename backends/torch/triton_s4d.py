@@ -582,12 +582,15 @@ def _s4d_query(
     kt: tl.tensor,
     states: tl.tensor,
     pw: tl.tensor,
+    gs: tl.tensor,
     b: tl.tensor,
     gmat: tl.tensor,
     sub_info: tl.tensor,
     qe_buf: tl.tensor,
+    den_buf: tl.tensor,
     H: tl.tensor,
     R: tl.tensor,
+    V: tl.tensor,
     M: tl.tensor,
     C: tl.tensor,
     BT: tl.constexpr,
@@ -596,6 +599,7 @@ def _s4d_query(
     BR: tl.constexpr,
     BM: tl.constexpr,
     TAB: tl.constexpr,
+    RATIO: tl.constexpr,
     DIAG: tl.constexpr,
     ACC: tl.constexpr,
     OP: tl.constexpr,
@@ -604,7 +608,9 @@ def _s4d_query(
 ) -> None:
     """(I12) for the rows of one sub-chunk: p_t = x^K_t fq_t, qe_t = G p_t [S1], kept in
     qe_buf [T, H, 2, BM] for :func:`_s4d_output` (a program of its own: with the readout's a
-    64-row program would not fit the registers). Grid (sub-chunks, H)."""
+    64-row program would not fit the registers), and for the ratio readout its denominator
+    Re(qe_t^H x^1_t) [S3] in den_buf [T, H] (the output's 64-row program spilled with it).
+    Grid (sub-chunks, H)."""
     i_p, i_h = tl.program_id(0), tl.program_id(1)
     t0, t1, g, i_s, _ = sub_chunk(sub_info, i_p)
     sc = (t0, t1, i_s, i_h, H)
@@ -633,6 +639,10 @@ def _s4d_query(
         p = cadd(p, cmul(b_c, t))  # + b t_t
     qe = s4d_mix(p, gmat + i_h * 2 * BM * BM, BM, PREC)  # C folded in
     store_modes(qe_buf, qe[0], qe[1], tok, i_h, H, m_t, BM)
+    if RATIO:  # (I13) the ratio readout's denominator
+        x1, _ = ones_readout(s0, R + V, (pw_h, gs + i_h * 2 * TAB), b_c, sc, C, M, BS, BM, TAB)
+        den = tl.sum(qe[0] * x1[0] + qe[1] * x1[1], axis=1)
+        tl.store(den_buf + tok.to(tl.int64) * H + i_h, den, mask=m_t)
 
 
 @triton.jit
@@ -641,10 +651,10 @@ def _s4d_output(
     o: tl.tensor,
     states: tl.tensor,
     pw: tl.tensor,
-    gs: tl.tensor,
     b: tl.tensor,
     sub_info: tl.tensor,
     qe_buf: tl.tensor,
+    den_buf: tl.tensor,
     H: tl.tensor,
     R: tl.tensor,
     V: tl.tensor,
@@ -677,10 +687,8 @@ def _s4d_output(
     out = s4d_readout(
         qe, vt, V, s0, R, pw_h, b_c, sc, C, M, BT, BS, BB, BV, BM, TAB, DIAG, ACC, OP, RB, PREC
     )
-    if RATIO:  # (I13) ratio readout
-        x1, _ = ones_readout(s0, R + V, (pw_h, gs + i_h * 2 * TAB), b_c, sc, C, M, BS, BM, TAB)
-        den = tl.sum(qe[0] * x1[0] + qe[1] * x1[1], axis=1)
-        out = out / tl.where(m_t, den, 1.0)[:, None]
+    if RATIO:  # (I13) ratio readout, the denominator from _s4d_query
+        out = out / tl.load(den_buf + tok.to(tl.int64) * H + i_h, mask=m_t, other=1.0)[:, None]
     store_rows(o, out, tok, i_h, H, V, tl.arange(0, BV), m_t)
 
 
@@ -837,20 +845,13 @@ def s4d_fwd(
     common["sub_info"] = lay.sub_info
     common |= dict(num_stages=OUTPUT_STAGES, H=sizes["H"], R=sizes["R"], M=sizes["M"], C=sizes["C"])
     tiles = {k: x for k, x in tiles.items() if k not in ("BR", "BV")}
+    common |= dict(den_buf=qe.new_empty(qe.shape[:2]) if plan.ratio else None, RATIO=plan.ratio)
+    common |= dict(V=sizes["V"])
     _s4d_query[plan.grid_sub](
-        fq=fq_, kt=kt_, gmat=plan.gmat, BR=plan.tiles["BR"], **common, **tiles
+        fq=fq_, kt=kt_, gmat=plan.gmat, gs=plan.tables.gs, BR=plan.tiles["BR"], **common, **tiles
     )
     o = torch.empty_like(vt_)
-    _s4d_output[plan.grid_sub](
-        vt=vt_,
-        o=o,
-        gs=plan.tables.gs,
-        RATIO=plan.ratio,
-        V=sizes["V"],
-        BV=plan.tiles["BV"],
-        **common,
-        **tiles,
-    )
+    _s4d_output[plan.grid_sub](vt=vt_, o=o, BV=plan.tiles["BV"], **common, **tiles)
     return o.reshape(vt.shape), final
 
 
