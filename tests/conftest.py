@@ -121,15 +121,9 @@ def patch_the_language_once_per_launch() -> bool:
     launch: dict[tuple[int, ...], bool] = {}  # language modules patched in the current launch
     active = [0]  # launches in progress
 
-    keys: dict[int, tuple[int, ...]] = {}  # by module: the language modules it holds
-
-    def key(fn: Any) -> tuple[int, ...]:
-        found = keys.get(id(fn.__globals__))
-        if found is None:
-            scope = fn.__globals__.values()
-            found = tuple(sorted(id(v) for v in scope if inspect.ismodule(v) and v in langs))
-            keys[id(fn.__globals__)] = found
-        return found
+    def key(fn: Any) -> tuple[int, ...]:  # not cached: rewriting a helper adds to its globals
+        modules = (v for v in fn.__globals__.values() if inspect.ismodule(v) and v in langs)
+        return tuple(sorted(id(v) for v in modules))
 
     def patch_lang(fn: Any) -> Any:
         if not active[0]:

@@ -285,9 +285,10 @@ def _rounded_sum(x, y, N: tl.constexpr, STEPS: tl.constexpr):
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the interpreter's patch")
 def test_the_interpreter_patches_the_language_once_per_launch(monkeypatch):
     """tests/conftest.py makes the interpreter swap in its language once per launch, not on every
-    helper call (the cost of a third of an interpreted S4D case): 8 helper calls, at most two
-    swaps (``triton.language`` for the kernel, ``triton.language.core`` for the library's own
-    helpers), and the result of each step's helper call is still there."""
+    helper call (the cost of a third of an interpreted S4D case): 8 helper calls, and
+    ``triton.language`` is swapped in for the kernel and at most once more (for the library's
+    own helpers, here ``tl.zeros``, once their globals hold it), not 9 times; the result of each
+    step's helper call is still there."""
     from triton.runtime import interpreter
 
     swaps = []
@@ -297,10 +298,12 @@ def test_the_interpreter_patches_the_language_once_per_launch(monkeypatch):
     )
     x = torch.randn(16)
     y = torch.empty_like(x)
-    _rounded_sum[(1,)](x, y, N=16, STEPS=8)
-    assert torch.equal(y, x.bfloat16().float() * 8)
-    launches = sum(1 for pkg in swaps if pkg is tl)  # each swap patches triton.language once
-    assert launches == 1, f"triton.language patched {launches} times in one launch"
+    for _ in range(2):  # the second launch runs the rewritten helpers
+        swaps.clear()
+        _rounded_sum[(1,)](x, y, N=16, STEPS=8)
+        assert torch.equal(y, x.bfloat16().float() * 8)
+        patched = sum(1 for pkg in swaps if pkg is tl)  # each swap patches triton.language once
+        assert patched <= 2, f"triton.language patched {patched} times in one launch"
 
 
 # ------------------------------------------------------------------------------ FoX
