@@ -367,14 +367,14 @@ def _ours_costs(name: str, a: dict[str, Any], grid: tuple[int, ...], n: int) -> 
         per, tile = s4d_state(BR) + chunk_sum(BR) + mix, key + ratio * ones
     elif name == "_s4d_output":  # o (values)
         per, tile = readout(BV, e_off), value
-    elif name == "_s4d_bwd_query":  # p, its chunk sum and derivative, qe
-        per, tile = s4d_state(BR) + chunk_sum(BR, True) + mix, key
-    elif name == "_s4d_bwd_ratio":  # num, den (the ratio readout)
-        per, tile = readout(BV, e_off), value + ones
-    elif name == "_s4d_bwd_values":  # g(qe), its chunk sum and derivative, g(p) (+ x^1 twice)
-        per, tile = s4d_state(BV) + chunk_sum(BV, True) + mix, value + ratio * 2 * ones
-    elif name == "_s4d_bwd_readout":  # dfq, the readout of g(p)
-        per, tile = readout(BR, e_off), key
+    elif name == "_s4d_bwd_query":  # p, its chunk sum and derivative, qe (, den)
+        per, tile = s4d_state(BR) + chunk_sum(BR, True) + mix, key + ratio * ones
+    elif name == "_s4d_bwd_ratio":  # num
+        per, tile = readout(BV, e_off), value
+    elif name == "_s4d_bwd_values":  # g(qe), its chunk sum and derivative, g(p) (+ x^1)
+        per, tile = s4d_state(BV) + chunk_sum(BV, True) + mix, value + ratio * ones
+    elif name == "_s4d_bwd_readout":  # dfq, the readout of g(p) (+ x^1 twice)
+        per, tile = readout(BR, e_off), key + ratio * 2 * ones
     elif name == "_s4d_bwd_inputs":  # the transposed gated attention over the later blocks;
         n //= 2  # grid (sub-chunks, H, 2): a key-side and a value-side program per sub-chunk
         per, tile = readout(BR, e_adj) + readout(BV, e_adj), key + value

@@ -213,6 +213,7 @@ def _s4d_bwd_query(
     states: tl.tensor,
     pw: tl.tensor,
     dpw: tl.tensor,
+    gs: tl.tensor,
     b: tl.tensor,
     gmat: tl.tensor,
     sub_info: tl.tensor,
@@ -220,8 +221,10 @@ def _s4d_bwd_query(
     qe_buf: tl.tensor,
     pt_buf: tl.tensor,
     pd_buf: tl.tensor,
+    den_buf: tl.tensor,
     H: tl.tensor,
     R: tl.tensor,
+    V: tl.tensor,
     M: tl.tensor,
     C: tl.tensor,
     BT: tl.constexpr,
@@ -230,6 +233,7 @@ def _s4d_bwd_query(
     BR: tl.constexpr,
     BM: tl.constexpr,
     TAB: tl.constexpr,
+    RATIO: tl.constexpr,
     DIAG: tl.constexpr,
     ACC: tl.constexpr,
     OP: tl.constexpr,
@@ -238,7 +242,8 @@ def _s4d_bwd_query(
 ) -> None:
     """The key side of the backward through the readout for the rows of one sub-chunk [S4]:
     p, qe = G p, the chunk sum without b (pt) and dp/dLambda (pd), each kept in a per-token
-    buffer [T, H, 2, BM]. Grid (sub-chunks, H)."""
+    buffer [T, H, 2, BM], and for the ratio readout den = Re(qe^H x^1) in den_buf [T, H].
+    Grid (sub-chunks, H)."""
     i_p, i_h = tl.program_id(0), tl.program_id(1)
     t0, t1, g, i_s, _ = sub_chunk(sub_info, i_p)
     sc = (t0, t1, i_s, i_h, H)
@@ -262,6 +267,10 @@ def _s4d_bwd_query(
     p = store_reload(p_buf, p, tok, i_h, H, m_t, BM)  # the sums above: off the chain to G p
     qe = s4d_mix(p, gmat + i_h * 2 * BM * BM, BM, PREC)
     store_modes(qe_buf, qe[0], qe[1], tok, i_h, H, m_t, BM)
+    if RATIO:  # (I13) the ratio readout's denominator, as _s4d_query
+        x1, _ = ones_readout(s0, R + V, (pw_h, gs + i_h * 2 * TAB), b_c, sc, C, M, BS, BM, TAB)
+        den = tl.sum(qe[0] * x1[0] + qe[1] * x1[1], axis=1)
+        tl.store(den_buf + tok.to(tl.int64) * H + i_h, den, mask=m_t)
 
 
 @triton.jit
@@ -270,10 +279,10 @@ def _s4d_bwd_ratio(
     do: tl.tensor,
     states: tl.tensor,
     pw: tl.tensor,
-    gs: tl.tensor,
     b: tl.tensor,
     sub_info: tl.tensor,
     qe_buf: tl.tensor,
+    den_buf: tl.tensor,
     dnum_buf: tl.tensor,
     dden_buf: tl.tensor,
     H: tl.tensor,
@@ -293,9 +302,9 @@ def _s4d_bwd_ratio(
     RB: tl.constexpr,
     PREC: tl.constexpr,
 ) -> None:
-    """The ratio readout's cotangents for the rows of one sub-chunk [S4]: num and den again
-    (the forward's readout), dnum = do / den and dden = -<do, o> / den into dnum_buf and
-    dden_buf. Grid (sub-chunks, H)."""
+    """The ratio readout's cotangents for the rows of one sub-chunk [S4]: num again (the
+    forward's readout), den from :func:`_s4d_bwd_query`, dnum = do / den and
+    dden = -<do, o> / den into dnum_buf and dden_buf. Grid (sub-chunks, H)."""
     i_p, i_h = tl.program_id(0), tl.program_id(1)
     t0, t1, g, i_s, _ = sub_chunk(sub_info, i_p)
     sc = (t0, t1, i_s, i_h, H)
@@ -308,8 +317,7 @@ def _s4d_bwd_ratio(
     num = s4d_readout(
         qe, vt, V, s0, R, pw_h, b_c, sc, C, M, BT, BS, BB, BV, BM, TAB, DIAG, ACC, ACC, False, PREC
     )
-    x1, _ = ones_readout(s0, R + V, (pw_h, gs + i_h * 2 * TAB), b_c, sc, C, M, BS, BM, TAB)
-    den = tl.where(m_t, tl.sum(qe[0] * x1[0] + qe[1] * x1[1], axis=1), 1.0)
+    den = tl.load(den_buf + tok.to(tl.int64) * H + i_h, mask=m_t, other=1.0)
     dnum = load_rows(do, tok, i_h, H, V, o_v, m_t, ACC) / den[:, None]
     dden = -tl.sum(dnum * num, axis=1) / den  # -<do, o> / den
     store_rows(dnum_buf, dnum, tok, i_h, H, V, o_v, m_t)
@@ -325,7 +333,6 @@ def _s4d_bwd_values(
     pw: tl.tensor,
     dpw: tl.tensor,
     gs: tl.tensor,
-    dgs: tl.tensor,
     b: tl.tensor,
     gmat: tl.tensor,
     sub_info: tl.tensor,
@@ -381,13 +388,10 @@ def _s4d_bwd_values(
         )
     gqd = cadd(cmul(pow_at(dpw_h, k_i, o_m[None, :], TAB, BM), y), cmul(b_c, gqd))
     gq = cadd(cmul(pow_at(pw_h, k_i, o_m[None, :], TAB, BM), y), cmul(b_c, gqt))
-    if RATIO:  # + x^1_t dden_t
+    if RATIO:  # + x^1_t dden_t (its parts of g(Lambda) and g(b): _s4d_bwd_ratio)
         dd = tl.load(dden + tok.to(tl.int64) * H + i_h, mask=m_t, other=0.0)[:, None]
-        x1, g1 = ones_readout(s0, R + V, (pw_h, gs + i_h * 2 * TAB), b_c, sc, C, M, BS, BM, TAB)
-        dx1, _ = ones_readout(s0, R + V, (dpw_h, dgs + i_h * 2 * TAB), b_c, sc, C, M, BS, BM, TAB)
+        x1, _ = ones_readout(s0, R + V, (pw_h, gs + i_h * 2 * TAB), b_c, sc, C, M, BS, BM, TAB)
         gq = gq[0] + dd * x1[0], gq[1] + dd * x1[1]
-        gqt = gqt[0] + dd * g1[0], gqt[1] + dd * g1[1]
-        gqd = gqd[0] + dd * dx1[0], gqd[1] + dd * dx1[1]
     # g(Lambda) and g(b): qe conj(d g(qe)/dLambda), qe conj(the chunk sum without b) [S4]
     qe = load_modes(qe_buf, tok, i_h, H, m_t, BM)
     gl_re, gl_im = _row_sum_conj(qe, gqd)
@@ -407,16 +411,22 @@ def _s4d_bwd_readout(
     kt: tl.tensor,
     states: tl.tensor,
     pw: tl.tensor,
+    dpw: tl.tensor,
+    gs: tl.tensor,
+    dgs: tl.tensor,
     b: tl.tensor,
     sub_info: tl.tensor,
     gp_buf: tl.tensor,
     pt_buf: tl.tensor,
     pd_buf: tl.tensor,
+    qe_buf: tl.tensor,
+    dden: tl.tensor,
     dfq: tl.tensor,
     glam_part: tl.tensor,
     gb_part: tl.tensor,
     H: tl.tensor,
     R: tl.tensor,
+    V: tl.tensor,
     M: tl.tensor,
     C: tl.tensor,
     BT: tl.constexpr,
@@ -425,6 +435,7 @@ def _s4d_bwd_readout(
     BR: tl.constexpr,
     BM: tl.constexpr,
     TAB: tl.constexpr,
+    RATIO: tl.constexpr,
     DIAG: tl.constexpr,
     ACC: tl.constexpr,
     OP: tl.constexpr,
@@ -433,7 +444,10 @@ def _s4d_bwd_readout(
 ) -> None:
     """dfq_t = Re(x^K_t^H g(p_t)) for the rows of one sub-chunk (the readout of g(p) over the
     key channels) and the key side's parts of g(Lambda) and g(b), g(p) conj(pd) and
-    g(p) conj(pt) (part 1 of the partial sums) [S4]. Grid (sub-chunks, H)."""
+    g(p) conj(pt) (part 1 of the partial sums), with the ratio readout's ones channel's,
+    qe conj(dden d x^1/dLambda) and qe conj(dden sum_{j<k} Lambda^j) (g(qe) has + x^1 dden;
+    here, not in :func:`_s4d_bwd_values`, whose 64-row program spilled with them) [S4].
+    Grid (sub-chunks, H)."""
     i_p, i_h = tl.program_id(0), tl.program_id(1)
     t0, t1, g, i_s, _ = sub_chunk(sub_info, i_p)
     sc = (t0, t1, i_s, i_h, H)
@@ -442,13 +456,24 @@ def _s4d_bwd_readout(
     gp = load_modes(gp_buf, tok, i_h, H, m_t, BM)
     gl_re, gl_im = _row_sum_conj(gp, load_modes(pd_buf, tok, i_h, H, m_t, BM))
     gb_re, gb_im = _row_sum_conj(gp, load_modes(pt_buf, tok, i_h, H, m_t, BM))
+    s0 = states + (g * H + i_h).to(tl.int64) * M * C * 2
+    pw_h, b_c = pw + i_h * 2 * TAB, b_modes(b, i_h, M, BM, ACC)
+    if RATIO:
+        qe = load_modes(qe_buf, tok, i_h, H, m_t, BM)
+        dd = tl.load(dden + tok.to(tl.int64) * H + i_h, mask=m_t, other=0.0)[:, None]
+        tabs = (pw_h, gs + i_h * 2 * TAB)
+        _, g1 = ones_readout(s0, R + V, tabs, b_c, sc, C, M, BS, BM, TAB)
+        x = _row_sum_conj(qe, (dd * g1[0], dd * g1[1]))
+        gb_re, gb_im = gb_re + x[0], gb_im + x[1]
+        tabs = (dpw + i_h * 2 * TAB, dgs + i_h * 2 * TAB)
+        dx1, _ = ones_readout(s0, R + V, tabs, b_c, sc, C, M, BS, BM, TAB)
+        x = _row_sum_conj(qe, (dd * dx1[0], dd * dx1[1]))
+        gl_re, gl_im = gl_re + x[0], gl_im + x[1]
     p_part = ((tl.num_programs(0) + i_p) * H + i_h).to(tl.int64) * 2 * BM + o_m
     tl.store(glam_part + p_part, gl_re)
     tl.store(glam_part + p_part + BM, gl_im)
     tl.store(gb_part + p_part, gb_re)
     tl.store(gb_part + p_part + BM, gb_im)
-    s0 = states + (g * H + i_h).to(tl.int64) * M * C * 2
-    pw_h, b_c = pw + i_h * 2 * TAB, b_modes(b, i_h, M, BM, ACC)
     dq = s4d_readout(  # TF32: bf16 here costs the kit's bf16 gradients
         gp, kt, R, s0, 0, pw_h, b_c, sc, C, M, BT, BS, BB, BR, BM, TAB, DIAG, ACC, ACC, False, PREC
     )
@@ -719,6 +744,7 @@ def s4d_bwd(
     # With the ratio readout dnum = do / den and dden are written by _s4d_bwd_ratio.
     dnum = torch.empty(do_.shape, dtype=acc, device=dev) if plan.ratio else do_
     dden = torch.empty(do_.shape[:2], dtype=acc, device=dev) if plan.ratio else None
+    den = torch.empty(do_.shape[:2], dtype=acc, device=dev) if plan.ratio else None
     dfq = torch.empty_like(fq_)
     glam1 = torch.empty(2, lay.n_sub, H, 2, BM, dtype=acc, device=dev)  # value, key side
     gb1 = torch.empty_like(glam1)
@@ -735,6 +761,9 @@ def s4d_bwd(
         qe_buf=qe_buf,
         pt_buf=pt_buf,
         pd_buf=pd_buf,
+        gs=tab.gs,
+        den_buf=den,
+        RATIO=plan.ratio,
         **_args(_s4d_bwd_query, launch),
     )
     if plan.ratio:
@@ -742,8 +771,8 @@ def s4d_bwd(
             vt=vt_,
             do=do_,
             pw=tab.pw,
-            gs=tab.gs,
             qe_buf=qe_buf,
+            den_buf=den,
             dnum_buf=dnum,
             dden_buf=dden,
             **_args(_s4d_bwd_ratio, launch),
@@ -752,7 +781,9 @@ def s4d_bwd(
         vt=vt_,
         dnum=dnum,
         dden=dden,
-        **tab._asdict(),
+        pw=tab.pw,
+        dpw=tab.dpw,
+        gs=tab.gs,
         gmat=plan.gmat,
         qe_buf=qe_buf,
         gq_buf=gq_buf,
@@ -764,11 +795,14 @@ def s4d_bwd(
     )
     _s4d_bwd_readout[grid](
         kt=kt_,
-        pw=tab.pw,
+        **tab._asdict(),
         gp_buf=gp_buf,
         pt_buf=pt_buf,
         pd_buf=pd_buf,
+        qe_buf=qe_buf,
+        dden=dden,
         dfq=dfq,
+        RATIO=plan.ratio,
         glam_part=glam1,
         gb_part=gb1,
         **_args(_s4d_bwd_readout, launch),
