@@ -56,7 +56,7 @@ ROWS16_LAG = "S4D 16-row lag"  # ... in the lag form
 
 def CHUNK_WIDE_BLOCKS() -> Any:
     """The S4D tiling with one program per 64-token chunk and diagonal blocks of 16 tokens
-    walked token by token (the loop form); reported beside the default, timed by gpu_s4d."""
+    walked token by token (the loop form); reported beside the default."""
     import dataclasses
 
     return dataclasses.replace(_hopper(), diagonal="loop", diag_block=16)
