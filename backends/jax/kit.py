@@ -12,6 +12,14 @@ exact: the ops are causal (real rows never see padded tokens, padded cotangents 
 head dims leave every dot product unchanged, and padded value channels come out zero. Packed
 sequences and decoding keep their T (static offsets; kept fractions count real tokens only).
 
+Host-side layout [decision]: the folding, padding and unfolding around a call, and the zero
+cotangents, are NumPy work on the host, each array then put on the device once: done with
+``jax.numpy`` on device arrays, every reshape, swap, pad, slice and conversion compiled a program
+of its own for each new shape: 354 programs for the first 40 smoke cases, 21 of them the op's
+(now 21 in all; the smoke run in float64 and bfloat16 went from 72 to 65 s on a CPU, where the
+op's own tracing, lowering and compilation take the rest). The values are the same: these
+steps only move data.
+
 Compilation budget [decision]: every compiled program keeps its machine code mapped (about 70
 memory maps each on XLA:CPU), and a process may hold 65,530 maps, so the full kit on four dtypes
 (about 1,000 programs) ended in "LLVM compilation error: Cannot allocate memory". The adapters
@@ -77,23 +85,26 @@ class _Fold:
         self.rows = rows_bucket(self.Z, T) if pad else self.Z
         self.time = time_bucket(T) if pad and pad_time else T
 
-    def fold(self, x: jax.Array, width: int | None = None, fill: float = 0.0) -> jax.Array:
-        """(B, heads, T, ...) -> [Z', T', heads / (H / group), ...]; width pads the last axis
-        (with zeros), ``fill`` the padded rows and tokens."""
-        x = x.reshape(self.Z, -1, self.T, *x.shape[3:]).swapaxes(1, 2)
+    def fold(self, x: jax.Array, width: int | None = None, fill: float = 0.0) -> np.ndarray:
+        """(B, heads, T, ...) -> [Z', T', heads / (H / group), ...] on the host; width pads the
+        last axis (with zeros), ``fill`` the padded rows and tokens."""
+        y = np.asarray(x).reshape(self.Z, -1, self.T, *x.shape[3:]).swapaxes(1, 2)
         rows_and_time = [(0, self.rows - self.Z), (0, self.time - self.T)]
-        x = jnp.pad(x, rows_and_time + [(0, 0)] * (x.ndim - 2), constant_values=fill)
-        if x.ndim == 4:
-            x = jnp.pad(x, [(0, 0)] * 3 + [(0, (width or x.shape[-1]) - x.shape[-1])])
-        return x
+        y = np.pad(y, rows_and_time + [(0, 0)] * (y.ndim - 2), constant_values=fill)
+        if y.ndim == 4:
+            y = np.pad(y, [(0, 0)] * 3 + [(0, (width or y.shape[-1]) - y.shape[-1])])
+        return y
 
-    def unfold(self, x: jax.Array, width: int | None = None, heads: int | None = None) -> jax.Array:
-        """The inverse of :meth:`fold` for an array of ``heads`` heads and last axis ``width``."""
-        x = x[: self.Z, : self.T]
-        if x.ndim == 4:
-            x = x[..., :width]
-        x = x.swapaxes(1, 2)
-        return x.reshape(self.B, heads or self.H, self.T, *x.shape[3:])
+    def unfold(
+        self, x: jax.Array, device: jax.Device, width: int | None = None, heads: int | None = None
+    ) -> jax.Array:
+        """The inverse of :meth:`fold` for an array of ``heads`` heads and last axis ``width``,
+        put on ``device``."""
+        y = np.asarray(x)[: self.Z, : self.T]
+        if y.ndim == 4:
+            y = y[..., :width]
+        y = y.swapaxes(1, 2)
+        return jax.device_put(y.reshape(self.B, heads or self.H, self.T, *y.shape[3:]), device)
 
 
 def _fold_for(op: str, inputs: dict[str, jax.Array], params: dict[str, Any]) -> _Fold:
@@ -132,10 +143,14 @@ def _widths(inputs: dict[str, jax.Array]) -> dict[str, int]:
     return {n: width_bucket(x.shape[-1], x.shape[2]) for n, x in inputs.items() if x.ndim == 4}
 
 
-def _fold_inputs(fold: _Fold, inputs: dict[str, jax.Array]) -> dict[str, jax.Array]:
+def _fold_inputs(
+    fold: _Fold, inputs: dict[str, jax.Array], device: jax.Device
+) -> dict[str, jax.Array]:
     widths = _widths(inputs)
     return {
-        n: x if n in S4D_PARAMS else fold.fold(x, widths.get(n), 1.0 if n in FILL_ONE else 0.0)
+        n: x
+        if n in S4D_PARAMS
+        else jax.device_put(fold.fold(x, widths.get(n), 1.0 if n in FILL_ONE else 0.0), device)
         for n, x in inputs.items()
     }
 
@@ -199,9 +214,9 @@ def _zero_cotangents(
     (committed to the device: committed and uncommitted arrays compile separately)."""
     first = folded["q" if "q" in folded else "fq"]
     width = folded["v" if "v" in folded else "vt"].shape[-1]
-    zeros = {"o": jnp.zeros((*first.shape[:-1], width), first.dtype)}
+    zeros = {"o": np.zeros((*first.shape[:-1], width), first.dtype)}
     if op == "fpa_attention":
-        zeros["lse"] = jnp.zeros(first.shape[:-1], first.dtype)
+        zeros["lse"] = np.zeros(first.shape[:-1], first.dtype)
     return jax.device_put(zeros, device)
 
 
@@ -244,7 +259,7 @@ class JaxBackend:
 
     def asarray(self, x: np.ndarray, dtype: str) -> jax.Array:
         with jax.enable_x64(True):
-            return jax.device_put(jnp.asarray(np.asarray(x), dtype=jnp.dtype(dtype)), self._device)
+            return jax.device_put(np.asarray(x).astype(jnp.dtype(dtype)), self._device)
 
     def asarray_strided(self, x: np.ndarray, dtype: str, layout: str) -> jax.Array:
         """Declined: a JAX array has no strides (a slice or transpose is a new array, and XLA
@@ -276,7 +291,7 @@ class JaxBackend:
     ) -> dict[str, jax.Array]:
         with jax.enable_x64(True):
             fold = _fold_for(op, inputs, params)
-            folded = _fold_inputs(fold, inputs)
+            folded = _fold_inputs(fold, inputs, self._device)
             static = _static(op, inputs, params)
             _count_program(op, self.implementation, static, folded)
             if OP_TABLE[op].differentiable:
@@ -290,7 +305,7 @@ class JaxBackend:
             else:
                 outputs = _call(op, self.implementation, static, folded)
             width = inputs["v" if "v" in inputs else "vt"].shape[-1]
-            return {n: fold.unfold(y, width) for n, y in outputs.items()}
+            return {n: fold.unfold(y, self._device, width) for n, y in outputs.items()}
 
     def fpa_attention(
         self,
@@ -335,14 +350,14 @@ class JaxBackend:
         with jax.enable_x64(True):
             inputs = {"q": q, "k": k, "v": v, "field": field, "level": level}
             fold = _fold_for("fpa_decode", inputs, {})
-            x = _fold_inputs(fold, inputs)
+            x = _fold_inputs(fold, inputs, self._device)
             scale = 1.0 / float(np.sqrt(q.shape[-1])) if scale is None else scale
             _count_program("fpa_decode", self.implementation, theta, x)
             o, cache = decode.fpa_decode(
                 x["q"], x["k"], x["v"], x["field"], x["level"], theta=theta, scale=scale
             )
-            peaks = np.asarray(cache.peak[: fold.Z], dtype=np.float64).reshape(-1)  # (b, h)
-            o = fold.unfold(o, v.shape[-1])
+            peaks = np.asarray(cache.peak, dtype=np.float64)[: fold.Z].reshape(-1)  # (b, h)
+            o = fold.unfold(o, self._device, v.shape[-1])
         # the reference's mean over (b, h) of peak / T, in the same order and precision
         return o, float(np.mean(peaks / q.shape[2]))
 
@@ -419,13 +434,15 @@ class JaxBackend:
             fold = _fold_for(op, inputs, params)
             widths = _widths(inputs)
             width = widths["v" if "v" in inputs else "vt"]
-            cts = {n: fold.fold(c, width) for n, c in cotangents.items()}
+            cts = {
+                n: jax.device_put(fold.fold(c, width), self._device) for n, c in cotangents.items()
+            }
             static = _static(op, inputs, params)
-            folded = _fold_inputs(fold, inputs)
+            folded = _fold_inputs(fold, inputs, self._device)
             _count_program(op, self.implementation, static, folded)
             _, grads = _joint(op, self.implementation, static, folded, cts)
             return {
-                n: fold.unfold(g, inputs[n].shape[-1], inputs[n].shape[1])
+                n: fold.unfold(g, self._device, inputs[n].shape[-1], inputs[n].shape[1])
                 if n not in S4D_PARAMS
                 else g
                 for n, g in grads.items()
