@@ -48,8 +48,8 @@ verify: export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS ?= 0
 verify: $(STAMP)
 	$(VENV)/bin/attnspec verify --backend $(BACKENDS) $(if $(FULL),--full)
 
+# The strict docs build is one of the tests (tests/test_docs_site.py builds the site and reads it).
 test: lint typecheck
-	$(PY) -m mkdocs build --strict --quiet
 	$(PY) -m pytest -n auto --dist load --maxschedchunk 1
 
 lint: $(STAMP)
