@@ -494,6 +494,29 @@ def ones_readout(
     return x1, g
 
 
+@triton.jit
+def store_ratio_den(
+    den_buf: tl.tensor,
+    qe: tl.tuple,
+    s0: tl.tensor,
+    c_one: tl.tensor,
+    tabs: tl.tuple,
+    b: tl.tuple,
+    sc: tl.tuple,
+    C: tl.tensor,
+    M: tl.tensor,
+    BS: tl.constexpr,
+    BM: tl.constexpr,
+    TAB: tl.constexpr,
+) -> None:
+    """The ratio readout's denominator Re(qe_t^H x^1_t) (I13) for the rows of sub-chunk sc into
+    den_buf [T, H] (x^1 the ones channel, :func:`ones_readout`)."""
+    x1, _ = ones_readout(s0, c_one, tabs, b, sc, C, M, BS, BM, TAB)
+    tok, m_t, _ = rows_of(sc, BS)
+    den = tl.sum(qe[0] * x1[0] + qe[1] * x1[1], axis=1)
+    tl.store(den_buf + tok.to(tl.int64) * sc[4] + sc[3], den, mask=m_t)
+
+
 # --------------------------------------------------------------------------------------------
 # Kernels
 
@@ -640,9 +663,8 @@ def _s4d_query(
     qe = s4d_mix(p, gmat + i_h * 2 * BM * BM, BM, PREC)  # C folded in
     store_modes(qe_buf, qe[0], qe[1], tok, i_h, H, m_t, BM)
     if RATIO:  # (I13) the ratio readout's denominator
-        x1, _ = ones_readout(s0, R + V, (pw_h, gs + i_h * 2 * TAB), b_c, sc, C, M, BS, BM, TAB)
-        den = tl.sum(qe[0] * x1[0] + qe[1] * x1[1], axis=1)
-        tl.store(den_buf + tok.to(tl.int64) * H + i_h, den, mask=m_t)
+        tabs = (pw_h, gs + i_h * 2 * TAB)
+        store_ratio_den(den_buf, qe, s0, R + V, tabs, b_c, sc, C, M, BS, BM, TAB)
 
 
 @triton.jit

@@ -48,6 +48,7 @@ from .triton_s4d import (
     s4d_state_pass_launch,
     same_block,
     state_pairs,
+    store_ratio_den,
 )
 
 __all__ = ["s4d_bwd"]
@@ -268,9 +269,8 @@ def _s4d_bwd_query(
     qe = s4d_mix(p, gmat + i_h * 2 * BM * BM, BM, PREC)
     store_modes(qe_buf, qe[0], qe[1], tok, i_h, H, m_t, BM)
     if RATIO:  # (I13) the ratio readout's denominator, as _s4d_query
-        x1, _ = ones_readout(s0, R + V, (pw_h, gs + i_h * 2 * TAB), b_c, sc, C, M, BS, BM, TAB)
-        den = tl.sum(qe[0] * x1[0] + qe[1] * x1[1], axis=1)
-        tl.store(den_buf + tok.to(tl.int64) * H + i_h, den, mask=m_t)
+        tabs = (pw_h, gs + i_h * 2 * TAB)
+        store_ratio_den(den_buf, qe, s0, R + V, tabs, b_c, sc, C, M, BS, BM, TAB)
 
 
 @triton.jit
@@ -388,7 +388,7 @@ def _s4d_bwd_values(
         )
     gqd = cadd(cmul(pow_at(dpw_h, k_i, o_m[None, :], TAB, BM), y), cmul(b_c, gqd))
     gq = cadd(cmul(pow_at(pw_h, k_i, o_m[None, :], TAB, BM), y), cmul(b_c, gqt))
-    if RATIO:  # + x^1_t dden_t (its parts of g(Lambda) and g(b): _s4d_bwd_ratio)
+    if RATIO:  # + x^1_t dden_t (its parts of g(Lambda) and g(b): _s4d_bwd_readout)
         dd = tl.load(dden + tok.to(tl.int64) * H + i_h, mask=m_t, other=0.0)[:, None]
         x1, _ = ones_readout(s0, R + V, (pw_h, gs + i_h * 2 * TAB), b_c, sc, C, M, BS, BM, TAB)
         gq = gq[0] + dd * x1[0], gq[1] + dd * x1[1]
