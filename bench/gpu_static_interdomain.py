@@ -9,7 +9,8 @@ tokens; 8 warps) with every kernel launch captured instead of run, so the argume
 constexprs, grids and alignment are the launcher's. The shapes: B = 1, T = 512, H = 16,
 M = R = 64, dv = 128, bf16 features, the denominator-free readout; beside the default, the S4D
 tilings of :func:`VARIANTS` (chunk-wide loop form, the 16-row programs in the loop form, the
-Hopper default before the chunk-wide lag tiling, and in the lag form). The peer is
+Hopper default before the chunk-wide lag tiling, and in the lag form) and the default with the
+ratio readout (:data:`RATIO`; reported, none of its budgets asserted). The peer is
 fla's chunk_gla forward (chunk_gla_fwd) and backward (chunk_gla_bwd, recomputing the states as
 its autograd Function does) at the same real state size: GLA key dim K = 2M = 128, V = dv, chunk
 64, its launches captured the same way. fla autotunes on the GPU; here each of its autotuned
@@ -52,6 +53,7 @@ BUDGET_RATIO = 2.0
 CHUNK_WIDE = "S4D chunk-wide"  # one program per 64-token chunk, diagonal blocks of 16, loop form
 ROWS16 = "S4D 16-row"  # programs of 16 tokens, loop form (the Hopper default before)
 ROWS16_LAG = "S4D 16-row lag"  # ... in the lag form
+RATIO = "S4D ratio"  # the Hopper default with the ratio readout (a ones channel, den)
 
 
 def CHUNK_WIDE_BLOCKS() -> Any:
@@ -115,7 +117,7 @@ ASSERTED: set[tuple[str, str]] = (
     | {("no_spill", f"{CHUNK_WIDE}: _s4d_output"), ("flops", f"{CHUNK_WIDE} fwd")}
     | {("state_bytes", f"{CHUNK_WIDE} {p}") for p in ("fwd", "fwd+bwd")}
     # the 16-row loop form: no spill, FLOPs; the lag form: no spill but in its readout of g(p),
-    # forward FLOPs
+    # FLOPs
     | {("no_spill", f"{ROWS16}: {k}") for k in (*_STATE_PASSES[:3], *_S4D_CHUNK)}
     | {("flops", f"{ROWS16} {p}") for p in ("fwd", "fwd+bwd")}
     | {
@@ -123,7 +125,7 @@ ASSERTED: set[tuple[str, str]] = (
         for k in (*_STATE_PASSES[:3], *_S4D_CHUNK)
         if k != "_s4d_bwd_readout"
     }
-    | {("flops", f"{ROWS16_LAG} fwd")}
+    | {("flops", f"{ROWS16_LAG} {p}") for p in ("fwd", "fwd+bwd")}
 )
 
 
@@ -197,9 +199,9 @@ def _inputs(dtype: Any, widths: tuple[int, ...], seed: int = 0) -> list[Any]:
     return [torch.randn(B, T, H, w, generator=g).to(dtype) for w in widths]
 
 
-def ours(blocks: Any = None, variant: str = "") -> list[Captured]:
+def ours(blocks: Any = None, variant: str = "", readout: str = "linear") -> list[Captured]:
     """The launches of the Interdomain launchers at the Hopper blocks (role: fwd, bwd, step),
-    or, for a ``variant``, the S4D forward and backward at ``blocks``."""
+    or, for a ``variant``, the S4D forward and backward at ``blocks`` with ``readout``."""
     import dataclasses
 
     import numpy as np
@@ -214,7 +216,7 @@ def ours(blocks: Any = None, variant: str = "") -> list[Captured]:
     lam = 0.9 * np.exp(1j * rng.uniform(0, np.pi, (H, M)))
     pair = lambda z: torch.view_as_real(torch.tensor(z, dtype=torch.complex64))  # noqa: E731
     params = [pair(lam), pair(np.ones((H, M))), pair(np.eye(M)[None].repeat(H, 0))]
-    s4d = (fq, kt, vt, *params, "linear", None, None)
+    s4d = (fq, kt, vt, *params, readout, None, None)
     legs = (fq, kt, vt, M, None)
     out = []
     calls: list[tuple[str, Callable[[], Any]]] = [
@@ -318,8 +320,8 @@ def _ours_costs(name: str, a: dict[str, Any], grid: tuple[int, ...], n: int) -> 
             return blocks * step, _size(a["states"])
         if name == "_s4d_reverse_state_pass":
             return blocks * step, _size(a["dstates"])
-        if name == "_s4d_chunk_grads":  # four products; reads S0 and D
-            return blocks * 2 * step, _size(a["states"]) + _size(a["dstates"])
+        if name == "_s4d_chunk_grads":  # D z^T (re, im); reads S0 and D
+            return blocks * step, _size(a["states"]) + _size(a["dstates"])
         legs_step = 2 * BM * BM * BC + 2 * BM * BT * BC  # Phi_e S + K(e, .) z
         if name == "_legs_state_pass":
             return blocks * legs_step, _size(a["states"])
@@ -361,7 +363,7 @@ def _ours_costs(name: str, a: dict[str, Any], grid: tuple[int, ...], n: int) -> 
     def legs_modes(D: int) -> float:  # blocks of S0 q_t, then q . z per sub-chunk j <= i_s
         return 2 * BS * D * BM + ((NS - 1) / 2 + 1) * 2 * sq * D
 
-    mix = 8 * BS * BM * BM  # qe = G p: four [BS, BM] x [BM, BM]
+    mix = 6 * BS * BM * BM  # qe = G p: three [BS, BM] x [BM, BM] (the 3M method)
 
     if name == "_s4d_query":  # p (keys), qe, den (ones)
         per, tile = s4d_state(BR) + chunk_sum(BR) + mix, key + ratio * ones
@@ -677,8 +679,9 @@ def main(argv: list[str] | None = None) -> int:
         return check_plan()
     os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU, before triton is imported
     t0 = time.perf_counter()
-    variants = {k: b for k, b in VARIANTS().items() if b != _hopper()}  # beside the default
-    mine = ours() + [c for name, b in variants.items() for c in ours(b, name)]
+    variants = {k: (b, "linear") for k, b in VARIANTS().items() if b != _hopper()}
+    variants[RATIO] = (_hopper(), "ratio")  # beside the default
+    mine = ours() + [c for name, (b, ro) in variants.items() for c in ours(b, name, ro)]
     peer = fla_chunk_gla()
     tokens = B * T * H
     costs = {

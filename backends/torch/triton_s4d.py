@@ -84,13 +84,14 @@ def power_tables(lam: torch.Tensor, chunk: int, BM: int, acc: torch.dtype) -> Ta
 
 
 def gram(c: torch.Tensor, BM: int, acc: torch.dtype) -> torch.Tensor:
-    """G = C^H C per head as [H, 2, BM, BM] (re, im planes, zero-padded)."""
+    """G = C^H C per head as [H, 4, BM, BM] (zero-padded): its re and im planes, then the two
+    sums the 3M product takes (:func:`s4d_mix`), Im G - Re G and Re G + Im G, in float64."""
     c_c = torch.view_as_complex(c.to(torch.float64).contiguous())
     G = c_c.conj().transpose(-1, -2) @ c_c
     H, M = G.shape[:2]
-    out = torch.zeros(H, 2, BM, BM, dtype=acc, device=c.device)
-    out[:, 0, :M, :M] = G.real.to(acc)
-    out[:, 1, :M, :M] = G.imag.to(acc)
+    out = torch.zeros(H, 4, BM, BM, dtype=acc, device=c.device)
+    for i, plane in enumerate((G.real, G.imag, G.imag - G.real, G.real + G.imag)):
+        out[:, i, :M, :M] = plane.to(acc)
     return out
 
 
@@ -151,16 +152,6 @@ def mm_scores(
     if RB or OP == tl.bfloat16:
         return mm(a, b, OP, RB, PREC)
     return tl.dot(a, b.to(a.dtype), input_precision=PREC)
-
-
-@triton.jit
-def cdot(
-    a: tl.tuple, b: tl.tuple, OP: tl.constexpr, RB: tl.constexpr, PREC: tl.constexpr
-) -> tl.tuple:
-    """The complex matmul a b from four real ones (operands of type OP, see :func:`mm`)."""
-    re = mm(a[0], b[0], OP, RB, PREC) - mm(a[1], b[1], OP, RB, PREC)
-    im = mm(a[0], b[1], OP, RB, PREC) + mm(a[1], b[0], OP, RB, PREC)
-    return re, im
 
 
 @triton.jit
@@ -261,14 +252,22 @@ def lag_scores(
 @triton.jit
 def s4d_mix(
     p: tl.tuple,
-    g_h: tl.tensor,
+    gmat: tl.tensor,
+    i_h: tl.tensor,
     BM: tl.constexpr,
     PREC: tl.constexpr,
 ) -> tl.tuple:
-    """qe_t = G p_t for every row t, i.e. P G^T, G = C^H C of this head (I12) [S1]."""
+    """qe_t = G p_t for every row t, i.e. P G^T, G = C^H C of head i_h (I12) [S1], in three
+    real products, not four (the 3M method [S1]): with P = a + i b and G^T = c + i d,
+    re = (a + b) c - b (c + d), im = (a + b) c + a (d - c), c, d - c and c + d read from
+    :func:`gram`'s planes. TF32 (3xTF32 for float32)."""
     o_m = tl.arange(0, BM)
-    ptr = g_h + o_m[None, :] * BM + o_m[:, None]  # [n, m] holds G[m, n]
-    return cdot(p, (tl.load(ptr), tl.load(ptr + BM * BM)), p[0].dtype, False, PREC)  # TF32
+    ptr = gmat + i_h * 4 * BM * BM + o_m[None, :] * BM + o_m[:, None]  # [n, m] holds G[m, n]
+    a, b = p
+    k1 = tl.dot(a + b, tl.load(ptr), input_precision=PREC)
+    k2 = tl.dot(a, tl.load(ptr + 2 * BM * BM), input_precision=PREC)
+    re = k1 - tl.dot(b, tl.load(ptr + 3 * BM * BM), input_precision=PREC)
+    return re, k1 + k2
 
 
 @triton.jit
@@ -660,7 +659,7 @@ def _s4d_query(
     else:
         t = _s4d_chunk_sum(b_q, kt, R, pw_h, sc, BT, BS, BB, BR, BM, TAB, DIAG, ACC, OP, RB, PREC)
         p = cadd(p, cmul(b_c, t))  # + b t_t
-    qe = s4d_mix(p, gmat + i_h * 2 * BM * BM, BM, PREC)  # C folded in
+    qe = s4d_mix(p, gmat, i_h, BM, PREC)  # C folded in
     store_modes(qe_buf, qe[0], qe[1], tok, i_h, H, m_t, BM)
     if RATIO:  # (I13) the ratio readout's denominator
         tabs = (pw_h, gs + i_h * 2 * TAB)
@@ -931,7 +930,7 @@ def _s4d_step(
     p_re = tl.sum(x_re * q[None, :], axis=1)
     p_im = tl.sum(x_im * q[None, :], axis=1)
     # (I12) qe = G p, G = C^H C
-    g_h = gmat + i_h * 2 * BM * BM + o_m[:, None] * BM + o_m[None, :]
+    g_h = gmat + i_h * 4 * BM * BM + o_m[:, None] * BM + o_m[None, :]  # planes: gram()
     qe_re, qe_im = cmul((tl.load(g_h), tl.load(g_h + BM * BM)), (p_re[None, :], p_im[None, :]))
     qe_re, qe_im = tl.sum(qe_re, axis=1), tl.sum(qe_im, axis=1)
     # value channels (+ the ones channel): update, then (I13) o = Re(qe^H x^V)

@@ -266,7 +266,7 @@ def _s4d_bwd_query(
     store_modes(pd_buf, pd[0], pd[1], tok, i_h, H, m_t, BM)
     p = cadd(cmul(pow_at(pw_h, k_i, o_m[None, :], TAB, BM), y), cmul(b_c, pt))
     p = store_reload(p_buf, p, tok, i_h, H, m_t, BM)  # the sums above: off the chain to G p
-    qe = s4d_mix(p, gmat + i_h * 2 * BM * BM, BM, PREC)
+    qe = s4d_mix(p, gmat, i_h, BM, PREC)
     store_modes(qe_buf, qe[0], qe[1], tok, i_h, H, m_t, BM)
     if RATIO:  # (I13) the ratio readout's denominator, as _s4d_query
         tabs = (pw_h, gs + i_h * 2 * TAB)
@@ -397,7 +397,7 @@ def _s4d_bwd_values(
     gl_re, gl_im = _row_sum_conj(qe, gqd)
     gb_re, gb_im = _row_sum_conj(qe, gqt)
     gq = store_reload(gq_buf, gq, tok, i_h, H, m_t, BM)  # off the chain to G g(qe)
-    gp = s4d_mix(gq, gmat + i_h * 2 * BM * BM, BM, PREC)  # G^H = G
+    gp = s4d_mix(gq, gmat, i_h, BM, PREC)  # G^H = G
     store_modes(gp_buf, gp[0], gp[1], tok, i_h, H, m_t, BM)
     p_part = (i_p * H + i_h).to(tl.int64) * 2 * BM + o_m
     tl.store(glam_part + p_part, gl_re)
@@ -588,6 +588,8 @@ def _s4d_chunk_grads(
     TAB: tl.constexpr,
     RATIO: tl.constexpr,
     ACC: tl.constexpr,
+    OP: tl.constexpr,
+    RB: tl.constexpr,
     PREC: tl.constexpr,
 ) -> None:
     """The parts of g(b) and g(Lambda) that pair a chunk with its start state S0 or with D (the
@@ -603,8 +605,9 @@ def _s4d_chunk_grads(
     m_hm = (o_m < M)[:, None] & m_c[None, :]
     s_re = tl.load(states + off, mask=m_hm, other=0.0).to(ACC)
     s_im = tl.load(states + off + 1, mask=m_hm, other=0.0).to(ACC)
-    d_re = tl.load(dstates + off, mask=m_hm, other=0.0).to(ACC)
-    d_im = tl.load(dstates + off + 1, mask=m_hm, other=0.0).to(ACC)
+    ds_re = tl.load(dstates + off, mask=m_hm, other=0.0)  # the stored type, for mm_state
+    ds_im = tl.load(dstates + off + 1, mask=m_hm, other=0.0)
+    d_re, d_im = ds_re.to(ACC), ds_im.to(ACC)
     b_re, b_im = b_modes(b, i_h, M, BM, ACC)
     pw_h = pw + i_h * 2 * TAB
     dpw_h = dpw + i_h * 2 * TAB
@@ -620,17 +623,21 @@ def _s4d_chunk_grads(
         z = load_rows(vt, tok, i_h, H, V, c_loc, m_t, ACC)
         if RATIO:
             z = tl.where(m_t[:, None] & (c_loc == V)[None, :], 1.0, z)
-    k_u = tl.maximum(L - 1 - o_t, 0)[None, :]
-    w_re, w_im = pow_at(pw_h, k_u, o_m[:, None], TAB, BM)
-    x_re = tl.dot(w_re, z, input_precision=PREC)  # sum_u Lambda^(e-u) z_u [BM, BC]
-    x_im = tl.dot(w_im, z, input_precision=PREC)
-    gb_re = tl.sum(d_re * x_re + d_im * x_im, axis=1)
-    gb_im = tl.sum(d_im * x_re - d_re * x_im, axis=1)
-    w_re, w_im = pow_at(dpw_h, k_u, o_m[:, None], TAB, BM)
-    x = tl.dot(w_re, z, input_precision=PREC), tl.dot(w_im, z, input_precision=PREC)
-    x_re, x_im = cmul((b_re[:, None], b_im[:, None]), x)  # b sum_u (e-u) Lambda^(e-u-1) z_u
-    gl_re += tl.sum(d_re * x_re + d_im * x_im, axis=1)
-    gl_im += tl.sum(d_im * x_re - d_re * x_im, axis=1)
+    # The channel sums first: y[u, m] = sum_c D[m, c] z_u[c], one [BT, BC] x [BC, BM] product
+    # per plane, shared by both parts; then per mode the sums over u with the tables,
+    # g(b) = sum_u conj(Lambda^(e-u)) y[u] and g(Lambda) += conj(b) sum_u conj((e-u)
+    # Lambda^(e-u-1)) y[u] (on CUDA cores: [BT, BM] elementwise)
+    y_re = mm_state(z, tl.trans(ds_re), OP, RB, PREC)
+    y_im = mm_state(z, tl.trans(ds_im), OP, RB, PREC)
+    k_u = tl.maximum(L - 1 - o_t, 0)[:, None]
+    w_re, w_im = pow_at(pw_h, k_u, o_m[None, :], TAB, BM)  # Lambda^(e-u) [BT, BM]
+    gb_re = tl.sum(w_re * y_re + w_im * y_im, axis=0)
+    gb_im = tl.sum(w_re * y_im - w_im * y_re, axis=0)
+    w_re, w_im = pow_at(dpw_h, k_u, o_m[None, :], TAB, BM)  # (e-u) Lambda^(e-u-1)
+    x_re = tl.sum(w_re * y_re + w_im * y_im, axis=0)
+    x_im = tl.sum(w_re * y_im - w_im * y_re, axis=0)
+    gl_re += b_re * x_re + b_im * x_im
+    gl_im += b_re * x_im - b_im * x_re
     p_part = ((i_g * tl.num_programs(1) + i_c) * H + i_h).to(tl.int64) * 2 * BM + o_m
     tl.store(glam_part + p_part, gl_re)
     tl.store(glam_part + p_part + BM, gl_im)
@@ -847,6 +854,8 @@ def s4d_bwd(
         gb_part=gb2,
         CV=plan.CV,
         NKB=plan.NKB,
+        OP=plan.operands[0],
+        RB=plan.operands[1],
         **sizes,
         **plan.state_tiles,
     )
