@@ -104,12 +104,14 @@ _S4D_CHUNK = (
     "_s4d_bwd_inputs",
 )
 ASSERTED: set[tuple[str, str]] = (
-    # the Hopper default: S4D wgmma throughout, no spill, state bytes; LegS no spill
+    # the Hopper default: S4D wgmma throughout, no spill, state bytes; LegS no spill, FLOPs,
+    # state bytes (bf16 chunk states)
     {("no_mma_sync", k) for k in (*_STATE_PASSES, *_S4D_CHUNK, "_s4d_step", "_legs_step")}
     | {("no_spill", k) for k in (*_STATE_PASSES, *_S4D_CHUNK, "_s4d_step", "_legs_step")}
     | {("no_spill", k) for k in ("_legs_output", "_legs_bwd_readout", "_legs_bwd_modes")}
     | {("no_spill", "_legs_bwd_inputs")}
     | {("state_bytes", f"S4D {p}") for p in ("fwd", "fwd+bwd")}
+    | {(k, f"LegS {p}") for k in ("flops", "state_bytes") for p in ("fwd", "fwd+bwd")}
     # the chunk-wide loop form: wgmma throughout, its forward without spill, forward FLOPs and
     # state bytes
     | {("no_mma_sync", f"{CHUNK_WIDE}: {k}") for k in (*_STATE_PASSES[:3], *_S4D_CHUNK)}
@@ -554,7 +556,7 @@ def budgets(
         out[("no_mma_sync", what)] = (r.hmma == 0, f"HMMA {r.hmma}")
         out[("no_spill", what)] = (r.spills == 0 and r.stack == 0,
                                    f"STL+LDL {r.spills}, stack {r.stack} B")  # fmt: skip
-    for impl in (i for i in costs if i.startswith("S4D")):
+    for impl in (i for i in costs if i != "chunk_gla"):
         for p in ("fwd", "fwd+bwd"):
             peer = costs["chunk_gla"][p]
             for key in ("flops", "state_bytes"):

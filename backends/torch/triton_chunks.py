@@ -108,6 +108,14 @@ def operand_type(dtype: torch.dtype) -> tuple[tl.dtype, bool]:
     return acc_types(dtype)[1], False
 
 
+def stored_type(dtype: torch.dtype, acc: torch.dtype) -> torch.dtype:
+    """dtype of the chunk states (and adjoint states) the state passes store and the chunk
+    programs read: bfloat16 for bfloat16 inputs (chunk_gla stores its states in the inputs'
+    dtype; bfloat16 has float32's range), else the accumulation dtype. The passes carry the
+    states in float32 from chunk to chunk; only the stored copies are rounded."""
+    return torch.bfloat16 if dtype == torch.bfloat16 else acc
+
+
 def flat(x: torch.Tensor) -> torch.Tensor:
     """[B, T, H, D] -> [B * T, H, D] on the flat token axis, contiguous."""
     return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]).contiguous()

@@ -34,6 +34,7 @@ from .triton_chunks import (
     pow2,
     sequences,
     store_rows,
+    stored_type,
     sub_chunk,
 )
 
@@ -295,7 +296,8 @@ def _legs_state_pass(
     for k in range(0, tl.cdiv(eos - bos, BT)):
         t0 = bos + k * BT
         L = tl.minimum(BT, eos - t0)
-        tl.store(states + ((g0 + k) * H + i_h).to(tl.int64) * M * C + p_hm, s, mask=m_hm)
+        p_s = states + ((g0 + k) * H + i_h).to(tl.int64) * M * C + p_hm
+        tl.store(p_s, s.to(states.dtype.element_ty), mask=m_hm)
         tok = t0 + o_t
         if i_c < NKB:
             z = load_rows(fk, tok, i_h, H, R, c_loc, o_t < L, ACC)
@@ -503,7 +505,8 @@ def _legs_reverse_state_pass(
         k = NT - 1 - kk
         t0 = bos + k * BT
         L = tl.minimum(BT, eos - t0)
-        tl.store(dstates + ((g0 + k) * H + i_h).to(tl.int64) * M * C + p_hm, d, mask=m_hm)
+        p_d = dstates + ((g0 + k) * H + i_h).to(tl.int64) * M * C + p_hm
+        tl.store(p_d, d.to(dstates.dtype.element_ty), mask=m_hm)
         tok = t0 + o_t
         m_t = o_t < L
         if i_c < NKB:
@@ -658,7 +661,7 @@ def _legs_plan(
 def _legs_state_pass_launch(plan: _LegsPlan, fk: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     lay, sizes = plan.layout, plan.sizes
     shape = (lay.n_chunks, sizes["H"], sizes["M"], sizes["C"])
-    states = torch.empty(shape, dtype=plan.acc, device=fk.device)
+    states = torch.empty(shape, dtype=stored_type(fk.dtype, plan.acc), device=fk.device)
     _legs_state_pass[plan.grid_states](
         fk=fk,
         v=v,

@@ -35,6 +35,7 @@ from .triton_chunks import (
     state_pairs,
     store_modes,
     store_rows,
+    stored_type,
     sub_chunk,
 )
 from .triton_fpa import _bf16_nearest
@@ -735,14 +736,6 @@ class S4DPlan(NamedTuple):
     state_tiles: dict[str, Any]  # ... and of the state-pass kernels
     operands: tuple[Any, bool]  # the forward state pass's product type, bf16 rounding emulated
     stored: torch.dtype  # dtype of the chunk states between the passes (see :func:`stored_type`)
-
-
-def stored_type(dtype: torch.dtype, acc: torch.dtype) -> torch.dtype:
-    """dtype of the chunk states (and adjoint states) the state passes store and the chunk
-    programs read: bfloat16 for bfloat16 inputs (chunk_gla stores its states in the inputs'
-    dtype; bfloat16 has float32's range), else the accumulation dtype. The passes carry the
-    states in float32 from chunk to chunk; only the stored copies are rounded."""
-    return torch.bfloat16 if dtype == torch.bfloat16 else acc
 
 
 def s4d_plan(
