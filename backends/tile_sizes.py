@@ -116,10 +116,10 @@ class Blocks:
     [BS, BS] scores into [BS, lag] by a skew (a gather) so that every diagonal product is a
     matmul against the table rows Lambda^k. S4D splits a
     sub-chunk into diagonal blocks of ``diag_block`` tokens (the pairs of different blocks are
-    matmuls), so a GPU program can own a whole chunk (64-row products, wgmma); LegS reads
-    per-position tables and keeps programs of ``legs_sub_chunk`` tokens. ``channels``: state
-    channels per state-pass program (at most; a power of two >= 16). Static resource use on
-    sm_90: ``python -m bench.gpu_static_interdomain``.
+    matmuls), so a GPU program can own a whole chunk (64-row products, wgmma); LegS runs one
+    program per chunk (its per-position tables: docs/kernels-interdomain.md [L2]).
+    ``channels``: state channels per state-pass program (at most; a power of two >= 16).
+    Static resource use on sm_90: ``python -m bench.gpu_static_interdomain``.
     """
 
     chunk: int = 64
@@ -128,17 +128,16 @@ class Blocks:
     diagonal: str = "loop"  # the pairs inside a diagonal block: "loop" or "lag"
     channels: int = 32
     diag_block: int | None = None  # S4D: tokens per diagonal block (None: the sub-chunk)
-    legs_sub_chunk: int | None = None  # LegS: tokens per output program (None: the sub-chunk)
 
 
 DIAGONALS = ("loop", "lag")  # the forms of a diagonal block (Blocks.diagonal)
 
 # Per device class; any other GPU takes the default. Hopper: one S4D program per 64-token chunk,
 # the chunk one diagonal block in the lag form (every product 64 rows, wgmma; no spill; a
-# quarter of the 16-row programs' state reads; docs/decisions.md), LegS programs of 16 tokens.
+# quarter of the 16-row programs' state reads; docs/decisions.md).
 # The interpreter counts operations, not registers: whole chunks per program and wide channel
 # blocks run fastest there.
-HOPPER_BLOCKS = Blocks(64, 64, 8, diagonal="lag", channels=32, diag_block=64, legs_sub_chunk=16)
+HOPPER_BLOCKS = Blocks(64, 64, 8, diagonal="lag", channels=32, diag_block=64)
 INTERPRETER_BLOCKS = Blocks(64, 64, 4, diagonal="lag", channels=64)
 DEVICE_BLOCKS = {"hopper": HOPPER_BLOCKS, "ampere": Blocks(), "interpreter": INTERPRETER_BLOCKS}
 

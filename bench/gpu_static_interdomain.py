@@ -103,13 +103,24 @@ _S4D_CHUNK = (
     "_s4d_bwd_readout",
     "_s4d_bwd_inputs",
 )
+# LegS's chunk programs, one row per binary (the constexprs that differ between launches)
+_LEGS_CHUNK = (
+    "_legs_front[BD=64]",
+    "_legs_front[BD=128]",
+    "_legs_positions[ADD0=False]",
+    "_legs_positions[ADD0=True]",
+    "_legs_back[BD=128, MODE=0]",
+    "_legs_back[BD=128, MODE=1]",
+    "_legs_back[BD=64, MODE=2]",
+    "_legs_bwd_inputs",
+)
 ASSERTED: set[tuple[str, str]] = (
-    # the Hopper default: S4D wgmma throughout, no spill, state bytes; LegS no spill, FLOPs,
-    # state bytes (bf16 chunk states)
-    {("no_mma_sync", k) for k in (*_STATE_PASSES, *_S4D_CHUNK, "_s4d_step", "_legs_step")}
-    | {("no_spill", k) for k in (*_STATE_PASSES, *_S4D_CHUNK, "_s4d_step", "_legs_step")}
-    | {("no_spill", k) for k in ("_legs_output", "_legs_bwd_readout", "_legs_bwd_modes")}
-    | {("no_spill", "_legs_bwd_inputs")}
+    # the Hopper default: S4D and LegS wgmma throughout, no spill, state bytes; LegS FLOPs
+    # (bf16 chunk states)
+    {("no_mma_sync", k) for k in (*_STATE_PASSES, *_S4D_CHUNK, *_LEGS_CHUNK, "_s4d_step")}
+    | {("no_mma_sync", "_legs_step")}
+    | {("no_spill", k) for k in (*_STATE_PASSES, *_S4D_CHUNK, *_LEGS_CHUNK, "_s4d_step")}
+    | {("no_spill", "_legs_step")}
     | {("state_bytes", f"S4D {p}") for p in ("fwd", "fwd+bwd")}
     | {(k, f"LegS {p}") for k in ("flops", "state_bytes") for p in ("fwd", "fwd+bwd")}
     # the chunk-wide loop form: wgmma throughout, its forward without spill, forward FLOPs and
@@ -312,6 +323,8 @@ def plan_costs(c: Captured) -> tuple[float, float]:
 def _ours_costs(name: str, a: dict[str, Any], grid: tuple[int, ...], n: int) -> tuple[float, float]:
     if name.endswith("_step"):
         return 0.0, 0.0
+    if name in ("_legs_front", "_legs_positions", "_legs_back", "_legs_bwd_inputs"):
+        return _legs_costs(name, a, n)
     BT, BM = a["BT"], a["BM"]
     if "BS" not in a:  # state passes: grid (channel blocks, N * H), or (chunks, blocks, H)
         BC = a["BC"]
@@ -362,9 +375,6 @@ def _ours_costs(name: str, a: dict[str, Any], grid: tuple[int, ...], n: int) -> 
             return base + 4 * BS * BM * BB + 2 * sq * D
         return base
 
-    def legs_modes(D: int) -> float:  # blocks of S0 q_t, then q . z per sub-chunk j <= i_s
-        return 2 * BS * D * BM + ((NS - 1) / 2 + 1) * 2 * sq * D
-
     mix = 6 * BS * BM * BM  # qe = G p: three [BS, BM] x [BM, BM] (the 3M method)
 
     if name == "_s4d_query":  # p (keys), qe, den (ones)
@@ -382,15 +392,29 @@ def _ours_costs(name: str, a: dict[str, Any], grid: tuple[int, ...], n: int) -> 
     elif name == "_s4d_bwd_inputs":  # the transposed gated attention over the later blocks;
         n //= 2  # grid (sub-chunks, H, 2): a key-side and a value-side program per sub-chunk
         per, tile = readout(BR, e_adj) + readout(BV, e_adj), key + value
-    elif name == "_legs_output":  # the readout has the products of the modes
-        per, tile = legs_modes(BR) + legs_modes(BV), key + value
-    elif name in ("_legs_bwd_readout", "_legs_bwd_modes"):  # modes and readout, as the output
-        per, tile = legs_modes(BR) + legs_modes(BV), key + value
-    elif name == "_legs_bwd_inputs":
-        per, tile = legs_modes(BR) + legs_modes(BV), key + value
     else:
         raise NotImplementedError(name)
     return n * per, n * tile
+
+
+def _legs_costs(name: str, a: dict[str, Any], n: int) -> tuple[float, float]:
+    """LegS's chunk programs: per (chunk, head) program with the chunk's BT tokens as rows, or
+    per position with the BH heads as columns (_legs_positions)."""
+    BT, BM = a["BT"], a["BM"]
+    st = a["dstates"] if name == "_legs_bwd_inputs" else a.get("states")
+    tile = lambda width: a["M"] * width * st.element_size() if st is not None else 0  # noqa: E731
+    if name == "_legs_front":  # y = x S0^T, a = x z^T
+        BD = a["BD"]
+        return n * (2 * BT * BD * BM + 2 * BT * BT * BD), n * tile(a["W"])
+    if name == "_legs_positions":  # Phi y + K a, then Phi^T p and K^T p
+        return n * 2 * a["BH"] * (2 * BM * BM + 2 * BM * BT), 0.0
+    if name == "_legs_back":  # hat S0 + c z
+        BD = a["BD"]
+        return n * (2 * BT * BM * BD + 2 * BT * BT * BD), n * tile(a["W"])
+    if name == "_legs_bwd_inputs":  # K(e, .) D + c^T zq, keys and values
+        width = a["BR"] + a["BV"]
+        return n * (2 * BT * BM * width + 2 * BT * BT * width), n * tile(a["R"] + a["V"])
+    raise NotImplementedError(name)
 
 
 def _fla_costs(name: str, a: dict[str, Any], grid: tuple[int, ...], n: int) -> tuple[float, float]:
@@ -464,19 +488,40 @@ def _impl(name: str) -> str:
     return "S4D" if name.startswith("_s4d") else "LegS" if name.startswith("_legs") else "chunk_gla"
 
 
+def _constexprs(c: Captured) -> dict[str, Any]:
+    return {p.name: c.args.get(p.name) for p in c.fn.params if p.is_constexpr}
+
+
+def binary_names(launches: list[Captured]) -> list[str]:
+    """The row name of each launch: the kernel's name, followed by the constexprs that differ
+    between its launches when it is launched with more than one set (one binary each):
+    ``_legs_back[BD=128, MODE=0]``."""
+    sets: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for c in launches:
+        sets.setdefault((c.impl, c.name), []).append(_constexprs(c))
+    out = []
+    for c in launches:
+        seen = sets[c.impl, c.name]
+        differ = sorted(k for k in seen[0] if len({repr(x[k]) for x in seen}) > 1)
+        tag = ", ".join(f"{k}={_constexprs(c)[k]}" for k in differ)
+        out.append(f"{c.name}[{tag}]" if tag else c.name)
+    return out
+
+
 def compile_rows(launches: list[Captured]) -> list[Row]:
-    """One row per distinct kernel (the first launch of each; the state passes run in the
-    forward and again in the backward with the same constexprs)."""
+    """One row per binary: the first launch of each kernel and set of constexprs (the state
+    passes run in the forward and again in the backward with the same constexprs)."""
     from bench import sm90
 
     rows: dict[tuple[str, str], Row] = {}
-    for c in launches:
-        if (c.impl, c.name) in rows:
-            if c.role not in rows[c.impl, c.name].roles:
-                rows[c.impl, c.name].roles.append(c.role)
+    names = binary_names(launches)
+    for c, name in zip(launches, names, strict=True):
+        if (c.impl, name) in rows:
+            if c.role not in rows[c.impl, name].roles:
+                rows[c.impl, name].roles.append(c.role)
             continue
-        row = Row(c.impl, c.name, [c.role], c.num_warps, c.num_stages)
-        rows[c.impl, c.name] = row
+        row = Row(c.impl, name, [c.role], c.num_warps, c.num_stages)
+        rows[c.impl, name] = row
         if "cumsum" in c.name:
             row.error = "skipped (no products)"
             continue

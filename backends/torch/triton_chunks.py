@@ -53,24 +53,19 @@ def block_sizes(
     num_warps: int = 4,
     channels: int = 64,
     diag_block: int | None = None,
-    legs_sub_chunk: int | None = None,
 ) -> Iterator[None]:
     """Force the tile sizes inside the block (tests use small chunks in the interpreter)."""
     if diagonal not in DIAGONALS:
         raise ValueError(f"diagonal: expected one of {DIAGONALS}, got {diagonal!r}")
     sizes = {"chunk": chunk, "sub_chunk": sub_chunk, "diag_block": diag_block or sub_chunk}
-    sizes["legs_sub_chunk"] = legs_sub_chunk or sub_chunk
     for name, value in sizes.items():
         if value < 1 or value & (value - 1):
             raise ValueError(f"{name}: expected a power of two, got {value}")
-    for name in ("sub_chunk", "legs_sub_chunk"):
-        if sizes[name] > chunk:
-            raise ValueError(f"{name}: expected at most chunk = {chunk}, got {sizes[name]}")
+    if sub_chunk > chunk:
+        raise ValueError(f"sub_chunk: expected at most chunk = {chunk}, got {sub_chunk}")
     if sizes["diag_block"] > sub_chunk:
         raise ValueError(f"diag_block: expected at most sub_chunk = {sub_chunk}, got {diag_block}")
-    _override.append(
-        Blocks(chunk, sub_chunk, num_warps, diagonal, channels, diag_block, legs_sub_chunk)
-    )
+    _override.append(Blocks(chunk, sub_chunk, num_warps, diagonal, channels, diag_block))
     try:
         yield
     finally:

@@ -81,183 +81,215 @@ def _legs_tables(
 # Kernels
 
 
+# Chunk programs [L2], [L3]: the products of one head run with the chunk's tokens as rows
+# (_legs_front, _legs_back, _legs_bwd_inputs); the per-position tables Phi_t and K(t, .) are
+# shared by every head, so the products with them run in _legs_positions with the heads as
+# columns, one program per position. Every product has a full tile of rows (wgmma on Hopper).
+
+
 @triton.jit
-def _legs_modes(
-    b_q: tl.tensor,
-    src: tl.tensor,
-    W: tl.tensor,
-    s0: tl.tensor,
-    c_off: tl.tensor,
-    phi: tl.tensor,
-    ktab: tl.tensor,
-    t0: tl.tensor,
-    t1: tl.tensor,
-    i_s: tl.tensor,
-    pos: tl.tensor,
-    i_h: tl.tensor,
+def _legs_front(
+    x: tl.tensor,
+    z: tl.tensor,
+    states: tl.tensor,
+    sub_info: tl.tensor,
+    y_buf: tl.tensor,
+    a_buf: tl.tensor,
     H: tl.tensor,
-    C: tl.tensor,
+    W: tl.tensor,
     M: tl.tensor,
+    C: tl.tensor,
+    c_off: tl.tensor,
     BT: tl.constexpr,
-    BS: tl.constexpr,
     BD: tl.constexpr,
     BM: tl.constexpr,
-    BMB: tl.constexpr,
     ACC: tl.constexpr,
     PREC: tl.constexpr,
-) -> tl.tensor:
-    """p_t = c_t q_t over the channels [c_off, c_off + W) of the state, for the rows of one
-    sub-chunk: p_t = Phi_t (S0 q_t) + sum_{t0<=u<=t} K(t, u) (q_t . z_u).
-
-    b_q: [BS, BD] rows q_t; src: [T, H, W] inputs z_u; s0: the state [M, C] before the chunk;
-    pos: [BS] table positions of the rows. Returns p [BS, BM].
-    """
-    o_s = tl.arange(0, BS)
-    o_d = tl.arange(0, BD)
-    o_m = tl.arange(0, BM)
-    o_b = tl.arange(0, BMB)
-    p = tl.zeros([BS, BM], dtype=ACC)
-    for mb in range(0, BM, BMB):  # Phi_t y_t, contracted in blocks of BMB modes
-        m_b = mb + o_b
-        p_s = s0 + m_b[None, :] * C + c_off + o_d[:, None]
-        s_blk = tl.load(p_s, mask=(o_d < W)[:, None] & (m_b < M)[None, :], other=0.0)
-        y = tl.dot(b_q, s_blk.to(ACC), input_precision=PREC)  # (S0 q_t)[m_b] [BS, BMB]
-        ph = tl.load(phi + (pos[:, None, None] * BM + o_m[None, :, None]) * BM + m_b[None, None, :])
-        p += tl.sum(ph * y[:, None, :], axis=2)
-    for j in range(0, i_s + 1):
-        tok_u = t0 + j * BS + o_s
-        b_k = load_rows(src, tok_u, i_h, H, W, o_d, tok_u < t1, ACC)
-        a = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)  # q_t . z_u [BS, BS]
-        kg = tl.load(
-            ktab + (pos[:, None, None] * BT + j * BS + o_s[None, :, None]) * BM + o_m[None, None, :]
-        )
-        p += tl.sum(a[:, :, None] * kg, axis=1)
-    return p
-
-
-@triton.jit
-def _legs_readout(
-    p: tl.tensor,
-    src: tl.tensor,
-    W: tl.tensor,
-    s0: tl.tensor,
-    c_off: tl.tensor,
-    phi: tl.tensor,
-    ktab: tl.tensor,
-    t0: tl.tensor,
-    t1: tl.tensor,
-    i_s: tl.tensor,
-    pos: tl.tensor,
-    i_h: tl.tensor,
-    H: tl.tensor,
-    C: tl.tensor,
-    M: tl.tensor,
-    BT: tl.constexpr,
-    BS: tl.constexpr,
-    BD: tl.constexpr,
-    BM: tl.constexpr,
-    BMB: tl.constexpr,
-    ACC: tl.constexpr,
-    PREC: tl.constexpr,
-) -> tl.tensor:
-    """out_t = c_t[:, channels]^T p_t = (Phi_t^T p_t)^T S0 + sum_{t0<=u<=t} (K(t, u) . p_t) z_u
-    for the rows of one sub-chunk [L2]. Returns out [BS, BD]."""
-    o_s = tl.arange(0, BS)
-    o_d = tl.arange(0, BD)
-    o_m = tl.arange(0, BM)
-    o_b = tl.arange(0, BMB)
-    out = tl.zeros([BS, BD], dtype=ACC)
-    for mb in range(0, BM, BMB):
-        m_b = mb + o_b
-        ph = tl.load(phi + (pos[:, None, None] * BM + o_m[None, :, None]) * BM + m_b[None, None, :])
-        hat = tl.sum(ph * p[:, :, None], axis=1)  # (Phi_t^T p_t)[m_b] [BS, BMB]
-        p_s = s0 + m_b[:, None] * C + c_off + o_d[None, :]
-        s_blk = tl.load(p_s, mask=(m_b < M)[:, None] & (o_d < W)[None, :], other=0.0)
-        out += tl.dot(hat, s_blk.to(ACC), input_precision=PREC)
-    for j in range(0, i_s + 1):
-        tok_u = t0 + j * BS + o_s
-        kg = tl.load(
-            ktab + (pos[:, None, None] * BT + j * BS + o_s[None, :, None]) * BM + o_m[None, None, :]
-        )
-        s = tl.sum(kg * p[:, None, :], axis=2)  # K(t, u) . p_t [BS, BS]
-        out += tl.dot(
-            s, load_rows(src, tok_u, i_h, H, W, o_d, tok_u < t1, ACC), input_precision=PREC
-        )
-    return out
-
-
-@triton.jit
-def _legs_store_hat(
-    p: tl.tensor,
-    phi: tl.tensor,
-    pos: tl.tensor,
-    hat_buf: tl.tensor,
-    tok: tl.tensor,
-    m_t: tl.tensor,
-    i_h: tl.tensor,
-    H: tl.tensor,
-    BS: tl.constexpr,
-    BM: tl.constexpr,
-    BMB: tl.constexpr,
 ) -> None:
-    """Keep Phi_t^T p_t in hat_buf [T, H, BM] for the reverse state pass [L3]."""
+    """The head's side of p_t = Phi_t (S0 x_t) + sum_u K(t, u) (x_t . z_u) [L2]: y_t = S0 x_t
+    over the state channels [c_off, c_off + W) into y_buf [T, H, BM], and a[t, u] = x_t . z_u
+    (u <= t in the chunk) into a_buf [T, H, BT]. Grid (chunks, H)."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    t0, t1, g, _, _ = sub_chunk(sub_info, i_c)
+    o_t = tl.arange(0, BT)
+    o_d = tl.arange(0, BD)
     o_m = tl.arange(0, BM)
-    for mb in range(0, BM, BMB):
-        m_b = mb + tl.arange(0, BMB)
-        ph = tl.load(phi + (pos[:, None, None] * BM + o_m[None, :, None]) * BM + m_b[None, None, :])
-        hat = tl.sum(ph * p[:, :, None], axis=1)  # (Phi_t^T p_t)[m_b] [BS, BMB]
-        p_h = hat_buf + (tok.to(tl.int64)[:, None] * H + i_h) * BM + m_b[None, :]
-        tl.store(p_h, hat, mask=m_t[:, None])
+    tok = t0 + o_t
+    m_t = tok < t1
+    b_x = load_rows(x, tok, i_h, H, W, o_d, m_t, ACC)
+    s0 = states + (g * H + i_h).to(tl.int64) * M * C
+    p_s = s0 + o_m[None, :] * C + c_off + o_d[:, None]  # S0^T [BD, BM]
+    s_t = tl.load(p_s, mask=(o_d < W)[:, None] & (o_m < M)[None, :], other=0.0).to(ACC)
+    row = tok.to(tl.int64)[:, None] * H + i_h
+    tl.store(
+        y_buf + row * BM + o_m[None, :], tl.dot(b_x, s_t, input_precision=PREC), mask=m_t[:, None]
+    )
+    b_z = load_rows(z, tok, i_h, H, W, o_d, m_t, ACC)
+    a = tl.dot(b_x, tl.trans(b_z), input_precision=PREC)
+    a = tl.where(o_t[None, :] <= o_t[:, None], a, 0.0)
+    tl.store(a_buf + row * BT + o_t[None, :], a, mask=m_t[:, None])
 
 
 @triton.jit
-def _legs_adjoint_inputs(
-    q_buf: tl.tensor,
-    zsrc: tl.tensor,
-    W: tl.tensor,
-    d_st: tl.tensor,
-    c_off: tl.tensor,
+def _legs_positions(
+    y_buf: tl.tensor,
+    a_buf: tl.tensor,
+    add0: tl.tensor,
+    p_buf: tl.tensor,
+    hat_buf: tl.tensor,
+    c_buf: tl.tensor,
+    phi: tl.tensor,
     ktab: tl.tensor,
-    t0: tl.tensor,
-    t1: tl.tensor,
-    j_s: tl.tensor,
-    tok: tl.tensor,
-    pos0: tl.tensor,
-    m_t: tl.tensor,
-    i_h: tl.tensor,
+    sub_info: tl.tensor,
     H: tl.tensor,
-    C: tl.tensor,
-    M: tl.tensor,
     BT: tl.constexpr,
-    BS: tl.constexpr,
+    BM: tl.constexpr,
+    BH: tl.constexpr,
+    ADD0: tl.constexpr,
+    ACC: tl.constexpr,
+    PREC: tl.constexpr,
+) -> None:
+    """The tables' side [L2], for token t0 + i of a chunk and every head (the columns):
+    p_t = Phi_t y_t + sum_u K(t, u) a[t, u] (+ e_0 add0_t if ADD0), then hat_t = Phi_t^T p_t
+    and c[t, u] = K(t, u) . p_t, stored per token like y_buf and a_buf. Grid (chunks, BT)."""
+    i_c, i = tl.program_id(0), tl.program_id(1)
+    t0, t1, _, _, pos0 = sub_chunk(sub_info, i_c)
+    tok = t0 + i
+    pos = pos0 + i
+    o_h = tl.arange(0, BH)
+    o_m = tl.arange(0, BM)
+    o_u = tl.arange(0, BT)
+    m_h = (o_h < H) & (tok + 0 * o_h < t1)  # [BH] (the interpreter rejects a scalar term)
+    m_hm = m_h[None, :] & (o_m < BM)[:, None]  # [BM, BH]
+    m_hu = m_h[None, :] & (o_u < BT)[:, None]  # [BT, BH]
+    row = tok.to(tl.int64) * H + o_h  # [BH]
+    y = tl.load(y_buf + row[None, :] * BM + o_m[:, None], mask=m_hm, other=0.0)
+    a = tl.load(a_buf + row[None, :] * BT + o_u[:, None], mask=m_hu, other=0.0)
+    ph = tl.load(phi + (pos * BM + o_m[:, None]) * BM + o_m[None, :])  # Phi_t [BM, BM]
+    kt = tl.load(ktab + (pos * BT + o_u[None, :]) * BM + o_m[:, None])  # K(t, u) [BM, BT]
+    p = tl.dot(ph, y, input_precision=PREC) + tl.dot(kt, a, input_precision=PREC)
+    if ADD0:
+        e0 = tl.load(add0 + row, mask=m_h, other=0.0)
+        p += tl.where(o_m[:, None] == 0, e0[None, :], 0.0)
+    tl.store(p_buf + row[None, :] * BM + o_m[:, None], p, mask=m_hm)
+    hat = tl.dot(tl.trans(ph), p, input_precision=PREC)
+    tl.store(hat_buf + row[None, :] * BM + o_m[:, None], hat, mask=m_hm)
+    c = tl.dot(tl.trans(kt), p, input_precision=PREC)
+    tl.store(c_buf + row[None, :] * BT + o_u[:, None], c, mask=m_hu)
+
+
+@triton.jit
+def _legs_back(
+    hat_buf: tl.tensor,
+    c_buf: tl.tensor,
+    z: tl.tensor,
+    states: tl.tensor,
+    sub_info: tl.tensor,
+    out: tl.tensor,
+    p_buf: tl.tensor,
+    do: tl.tensor,
+    dden_buf: tl.tensor,
+    H: tl.tensor,
+    W: tl.tensor,
+    M: tl.tensor,
+    C: tl.tensor,
+    c_off: tl.tensor,
+    BT: tl.constexpr,
     BD: tl.constexpr,
+    BM: tl.constexpr,
+    MODE: tl.constexpr,
+    ACC: tl.constexpr,
+    PREC: tl.constexpr,
+) -> None:
+    """The readout through the state [L2]: r_t = hat_t^T S0[:, c_off + d] + sum_u c[t, u] z_u
+    over W channels. MODE 0: out = r / p[0], the output (I3) (eta = e_0, (I6)); MODE 1: the
+    backward through the ratio [L3], out = dnum = do / p[0] and dden = -<dnum, r> / p[0] into
+    dden_buf [T, H]; MODE 2: out = r. Grid (chunks, H)."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    t0, t1, g, _, _ = sub_chunk(sub_info, i_c)
+    o_t = tl.arange(0, BT)
+    o_d = tl.arange(0, BD)
+    o_m = tl.arange(0, BM)
+    tok = t0 + o_t
+    m_t = tok < t1
+    row = tok.to(tl.int64)[:, None] * H + i_h
+    hat = tl.load(hat_buf + row * BM + o_m[None, :], mask=m_t[:, None], other=0.0)
+    s0 = states + (g * H + i_h).to(tl.int64) * M * C
+    p_s = s0 + o_m[:, None] * C + c_off + o_d[None, :]
+    s_blk = tl.load(p_s, mask=(o_m < M)[:, None] & (o_d < W)[None, :], other=0.0).to(ACC)
+    r = tl.dot(hat, s_blk, input_precision=PREC)
+    c = tl.load(c_buf + row * BT + o_t[None, :], mask=m_t[:, None], other=0.0)
+    r += tl.dot(c, load_rows(z, tok, i_h, H, W, o_d, m_t, ACC), input_precision=PREC)
+    if MODE == 2:
+        store_rows(out, r, tok, i_h, H, W, o_d, m_t)
+    else:
+        den = tl.load(p_buf + (tok.to(tl.int64) * H + i_h) * BM, mask=m_t, other=1.0)
+        if MODE == 0:
+            store_rows(out, r / den[:, None], tok, i_h, H, W, o_d, m_t)  # (I3)
+        else:
+            dnum = load_rows(do, tok, i_h, H, W, o_d, m_t, ACC) / den[:, None]
+            store_rows(out, dnum, tok, i_h, H, W, o_d, m_t)
+            dden = -tl.sum(dnum * r, axis=1) / den  # -<do, o> / den
+            tl.store(dden_buf + tok.to(tl.int64) * H + i_h, dden, mask=m_t)
+
+
+@triton.jit
+def _legs_bwd_inputs(
+    fq: tl.tensor,
+    dnum: tl.tensor,
+    cp_buf: tl.tensor,
+    cg_buf: tl.tensor,
+    dstates: tl.tensor,
+    ktab: tl.tensor,
+    sub_info: tl.tensor,
+    dfk: tl.tensor,
+    dv: tl.tensor,
+    H: tl.tensor,
+    R: tl.tensor,
+    V: tl.tensor,
+    M: tl.tensor,
+    C: tl.tensor,
+    BT: tl.constexpr,
+    BR: tl.constexpr,
+    BV: tl.constexpr,
     BM: tl.constexpr,
     ACC: tl.constexpr,
     PREC: tl.constexpr,
-) -> tl.tensor:
-    """dz_t = F_t^T gc_t = K(e, t)^T D + sum_{t<=s<=e} (K(s, t) . q_s) zq_s for the rows of one
-    sub-chunk; D is the adjoint entering c_e (e = t1 - 1) from later tokens, q_buf [T, H, BM].
-    Returns dz [BS, BD]."""
-    o_s = tl.arange(0, BS)
-    o_d = tl.arange(0, BD)
+) -> None:
+    """dz_t = F_t^T gc_t = K(e, t)^T D + sum_{t<=s<=e} (K(s, t) . q_s) zq_s [L3], with
+    c[s, t] = K(s, t) . q_s from :func:`_legs_positions`: dfk from (g(p), fq, D^K), dv from
+    (p, dnum, D^V); D the adjoint entering c_e (e = t1 - 1) from later tokens.
+    Grid (chunks, H)."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    t0, t1, g, _, pos0 = sub_chunk(sub_info, i_c)
+    o_t = tl.arange(0, BT)
     o_m = tl.arange(0, BM)
+    tok = t0 + o_t
+    m_t = tok < t1
+    row = tok.to(tl.int64)[:, None] * H + i_h
     p_e = pos0 + t1 - 1 - t0
-    k_e = tl.load(ktab + (p_e * BT + (tok - t0)[:, None]) * BM + o_m[None, :])  # K(e, t)
-    p_d = d_st + o_m[:, None] * C + c_off + o_d[None, :]
-    d_blk = tl.load(p_d, mask=(o_m < M)[:, None] & (o_d < W)[None, :], other=0.0)
-    dz = tl.dot(k_e, d_blk.to(ACC), input_precision=PREC)
-    for i in range(j_s, tl.cdiv(t1 - t0, BS)):
-        tok_s = t0 + i * BS + o_s
-        m_s = tok_s < t1
-        p_q = q_buf + (tok_s.to(tl.int64)[:, None] * H + i_h) * BM + o_m[None, :]
-        q = tl.load(p_q, mask=m_s[:, None], other=0.0)
-        pos_s = pos0 + i * BS + o_s
-        kg = tl.load(
-            ktab + (pos_s[None, :, None] * BT + (tok - t0)[:, None, None]) * BM + o_m[None, None, :]
-        )
-        st = tl.sum(kg * q[None, :, :], axis=2)  # K(s, t) . q_s [BS (t), BS (s)]
-        dz += tl.dot(st, load_rows(zsrc, tok_s, i_h, H, W, o_d, m_s, ACC), input_precision=PREC)
-    return dz
+    k_e = tl.load(ktab + (p_e * BT + o_t[:, None]) * BM + o_m[None, :])  # K(e, t) [BT, BM]
+    d_st = dstates + (g * H + i_h).to(tl.int64) * M * C
+    o_r = tl.arange(0, BR)
+    d_k = tl.load(
+        d_st + o_m[:, None] * C + o_r[None, :],
+        mask=(o_m < M)[:, None] & (o_r < R)[None, :],
+        other=0.0,
+    )
+    cg = tl.load(cg_buf + row * BT + o_t[None, :], mask=m_t[:, None], other=0.0)  # [BT (s), BT (t)]
+    dk = tl.dot(k_e, d_k.to(ACC), input_precision=PREC)
+    dk += tl.dot(tl.trans(cg), load_rows(fq, tok, i_h, H, R, o_r, m_t, ACC), input_precision=PREC)
+    store_rows(dfk, dk, tok, i_h, H, R, o_r, m_t)
+    o_v = tl.arange(0, BV)
+    d_v = tl.load(
+        d_st + o_m[:, None] * C + R + o_v[None, :],
+        mask=(o_m < M)[:, None] & (o_v < V)[None, :],
+        other=0.0,
+    )
+    cp = tl.load(cp_buf + row * BT + o_t[None, :], mask=m_t[:, None], other=0.0)
+    dz = tl.dot(k_e, d_v.to(ACC), input_precision=PREC)
+    dz += tl.dot(tl.trans(cp), load_rows(dnum, tok, i_h, H, V, o_v, m_t, ACC), input_precision=PREC)
+    store_rows(dv, dz, tok, i_h, H, V, o_v, m_t)
 
 
 @triton.jit
@@ -307,162 +339,6 @@ def _legs_state_pass(
         ph = tl.load(phi + (p_e * BM + o_m[:, None]) * BM + o_m[None, :])  # [BM, BM]
         kw = tl.load(ktab + (p_e * BT + o_t[None, :]) * BM + o_m[:, None])  # K(e, u) [BM, BT]
         s = tl.dot(ph, s, input_precision=PREC) + tl.dot(kw, z, input_precision=PREC)
-
-
-@triton.jit
-def _legs_output(
-    fq: tl.tensor,
-    fk: tl.tensor,
-    v: tl.tensor,
-    o: tl.tensor,
-    states: tl.tensor,
-    phi: tl.tensor,
-    ktab: tl.tensor,
-    sub_info: tl.tensor,
-    H: tl.tensor,
-    R: tl.tensor,
-    V: tl.tensor,
-    M: tl.tensor,
-    C: tl.tensor,
-    BT: tl.constexpr,
-    BS: tl.constexpr,
-    BR: tl.constexpr,
-    BV: tl.constexpr,
-    BM: tl.constexpr,
-    BMB: tl.constexpr,
-    ACC: tl.constexpr,
-    PREC: tl.constexpr,
-) -> None:
-    """(I3) for the rows of one sub-chunk: p_t = U_t fq_t, o_t = Gamma_t^T p_t / p_t[0]
-    (eta = e_0 exactly, (I6)). Grid (sub-chunks, H)."""
-    i_p, i_h = tl.program_id(0), tl.program_id(1)
-    t0, t1, g, i_s, pos0 = sub_chunk(sub_info, i_p)
-    o_s = tl.arange(0, BS)
-    tok = t0 + i_s * BS + o_s
-    m_t = tok < t1
-    pos = pos0 + i_s * BS + o_s
-    s0 = states + (g * H + i_h).to(tl.int64) * M * C
-    b_q = load_rows(fq, tok, i_h, H, R, tl.arange(0, BR), m_t, ACC)
-    p = _legs_modes(
-        b_q, fk, R, s0, 0, phi, ktab, t0, t1, i_s, pos, i_h, H, C, M, BT, BS, BR, BM, BMB, ACC, PREC
-    )
-    den = tl.sum(tl.where(tl.arange(0, BM)[None, :] == 0, p, 0.0), axis=1)  # (I6) eta = e_0
-    num = _legs_readout(
-        p, v, V, s0, R, phi, ktab, t0, t1, i_s, pos, i_h, H, C, M, BT, BS, BV, BM, BMB, ACC, PREC
-    )
-    out = num / tl.where(m_t, den, 1.0)[:, None]  # (I3)
-    store_rows(o, out, tok, i_h, H, V, tl.arange(0, BV), m_t)
-
-
-@triton.jit
-def _legs_bwd_readout(
-    fq: tl.tensor,
-    fk: tl.tensor,
-    v: tl.tensor,
-    do: tl.tensor,
-    states: tl.tensor,
-    phi: tl.tensor,
-    ktab: tl.tensor,
-    sub_info: tl.tensor,
-    p_buf: tl.tensor,
-    phat_buf: tl.tensor,
-    dnum_buf: tl.tensor,
-    dden_buf: tl.tensor,
-    H: tl.tensor,
-    R: tl.tensor,
-    V: tl.tensor,
-    M: tl.tensor,
-    C: tl.tensor,
-    BT: tl.constexpr,
-    BS: tl.constexpr,
-    BR: tl.constexpr,
-    BV: tl.constexpr,
-    BM: tl.constexpr,
-    BMB: tl.constexpr,
-    ACC: tl.constexpr,
-    PREC: tl.constexpr,
-) -> None:
-    """Backward through the ratio (I3) for the rows of one sub-chunk: recompute p, den, num;
-    keep p, Phi^T p, dnum = do / den and dden = -<do, o> / den for :func:`_legs_bwd_modes`
-    and the adjoint pass [L3]. Grid (sub-chunks, H)."""
-    i_p, i_h = tl.program_id(0), tl.program_id(1)
-    t0, t1, g, i_s, pos0 = sub_chunk(sub_info, i_p)
-    o_s = tl.arange(0, BS)
-    o_m = tl.arange(0, BM)
-    tok = t0 + i_s * BS + o_s
-    m_t = tok < t1
-    pos = pos0 + i_s * BS + o_s
-    s0 = states + (g * H + i_h).to(tl.int64) * M * C
-    b_q = load_rows(fq, tok, i_h, H, R, tl.arange(0, BR), m_t, ACC)
-    p = _legs_modes(
-        b_q, fk, R, s0, 0, phi, ktab, t0, t1, i_s, pos, i_h, H, C, M, BT, BS, BR, BM, BMB, ACC, PREC
-    )
-    p_m = (tok.to(tl.int64)[:, None] * H + i_h) * BM + o_m[None, :]
-    tl.store(p_buf + p_m, p, mask=m_t[:, None])
-    _legs_store_hat(p, phi, pos, phat_buf, tok, m_t, i_h, H, BS, BM, BMB)
-    den = tl.where(m_t, tl.sum(tl.where(o_m[None, :] == 0, p, 0.0), axis=1), 1.0)
-    num = _legs_readout(
-        p, v, V, s0, R, phi, ktab, t0, t1, i_s, pos, i_h, H, C, M, BT, BS, BV, BM, BMB, ACC, PREC
-    )
-    o_v = tl.arange(0, BV)
-    dnum = load_rows(do, tok, i_h, H, V, o_v, m_t, ACC) / den[:, None]
-    store_rows(dnum_buf, dnum, tok, i_h, H, V, o_v, m_t)
-    dden = -tl.sum(dnum * num, axis=1) / den  # -<do, o> / den
-    tl.store(dden_buf + tok.to(tl.int64) * H + i_h, dden, mask=m_t)
-
-
-@triton.jit
-def _legs_bwd_modes(
-    fk: tl.tensor,
-    v: tl.tensor,
-    states: tl.tensor,
-    phi: tl.tensor,
-    ktab: tl.tensor,
-    sub_info: tl.tensor,
-    dnum_buf: tl.tensor,
-    dden_buf: tl.tensor,
-    gp_buf: tl.tensor,
-    ghat_buf: tl.tensor,
-    dfq: tl.tensor,
-    H: tl.tensor,
-    R: tl.tensor,
-    V: tl.tensor,
-    M: tl.tensor,
-    C: tl.tensor,
-    BT: tl.constexpr,
-    BS: tl.constexpr,
-    BR: tl.constexpr,
-    BV: tl.constexpr,
-    BM: tl.constexpr,
-    BMB: tl.constexpr,
-    ACC: tl.constexpr,
-    PREC: tl.constexpr,
-) -> None:
-    """g(p_t) = Gamma_t dnum_t + e_0 dden_t and dfq_t = U_t^T g(p_t) for the rows of one
-    sub-chunk, from what :func:`_legs_bwd_readout` kept; keeps g(p) and Phi^T g(p) for the
-    adjoint pass [L3]. A program of its own: with the readout's it would not fit the registers.
-    Grid (sub-chunks, H)."""
-    i_p, i_h = tl.program_id(0), tl.program_id(1)
-    t0, t1, g, i_s, pos0 = sub_chunk(sub_info, i_p)
-    o_s = tl.arange(0, BS)
-    o_m = tl.arange(0, BM)
-    tok = t0 + i_s * BS + o_s
-    m_t = tok < t1
-    pos = pos0 + i_s * BS + o_s
-    s0 = states + (g * H + i_h).to(tl.int64) * M * C
-    dnum = load_rows(dnum_buf, tok, i_h, H, V, tl.arange(0, BV), m_t, ACC)
-    gp = _legs_modes(
-        dnum, v, V, s0, R, phi, ktab, t0, t1, i_s, pos, i_h, H, C, M, BT, BS, BV, BM, BMB, ACC, PREC
-    )
-    dden = tl.load(dden_buf + tok.to(tl.int64) * H + i_h, mask=m_t, other=0.0)
-    gp += tl.where(o_m[None, :] == 0, dden[:, None], 0.0)  # + e_0 dden
-    p_m = (tok.to(tl.int64)[:, None] * H + i_h) * BM + o_m[None, :]
-    tl.store(gp_buf + p_m, gp, mask=m_t[:, None])
-    _legs_store_hat(gp, phi, pos, ghat_buf, tok, m_t, i_h, H, BS, BM, BMB)
-    dq = _legs_readout(
-        gp, fk, R, s0, 0, phi, ktab, t0, t1, i_s, pos, i_h, H, C, M, BT, BS, BR, BM, BMB, ACC, PREC
-    )
-    store_rows(dfq, dq, tok, i_h, H, R, tl.arange(0, BR), m_t)
 
 
 @triton.jit
@@ -521,89 +397,6 @@ def _legs_reverse_state_pass(
         d = tl.dot(ph_t, d, input_precision=PREC) + tl.dot(q_hat, zq, input_precision=PREC)
 
 
-@triton.jit
-def _legs_bwd_inputs(
-    fq: tl.tensor,
-    dnum: tl.tensor,
-    p_buf: tl.tensor,
-    gp_buf: tl.tensor,
-    dstates: tl.tensor,
-    ktab: tl.tensor,
-    sub_info: tl.tensor,
-    dfk: tl.tensor,
-    dv: tl.tensor,
-    H: tl.tensor,
-    R: tl.tensor,
-    V: tl.tensor,
-    M: tl.tensor,
-    C: tl.tensor,
-    BT: tl.constexpr,
-    BS: tl.constexpr,
-    BR: tl.constexpr,
-    BV: tl.constexpr,
-    BM: tl.constexpr,
-    ACC: tl.constexpr,
-    PREC: tl.constexpr,
-) -> None:
-    """dz_t = F_t^T gc_t for the rows of one sub-chunk: dfk from (g(p), fq, D^K) and dv from
-    (p, dnum, D^V). Grid (sub-chunks, H)."""
-    i_p, i_h = tl.program_id(0), tl.program_id(1)
-    t0, t1, g, j_s, pos0 = sub_chunk(sub_info, i_p)
-    tok = t0 + j_s * BS + tl.arange(0, BS)
-    m_t = tok < t1
-    d_st = dstates + (g * H + i_h).to(tl.int64) * M * C
-    dk = _legs_adjoint_inputs(
-        gp_buf,
-        fq,
-        R,
-        d_st,
-        0,
-        ktab,
-        t0,
-        t1,
-        j_s,
-        tok,
-        pos0,
-        m_t,
-        i_h,
-        H,
-        C,
-        M,
-        BT,
-        BS,
-        BR,
-        BM,
-        ACC,
-        PREC,
-    )
-    store_rows(dfk, dk, tok, i_h, H, R, tl.arange(0, BR), m_t)
-    dz = _legs_adjoint_inputs(
-        p_buf,
-        dnum,
-        V,
-        d_st,
-        R,
-        ktab,
-        t0,
-        t1,
-        j_s,
-        tok,
-        pos0,
-        m_t,
-        i_h,
-        H,
-        C,
-        M,
-        BT,
-        BS,
-        BV,
-        BM,
-        ACC,
-        PREC,
-    )
-    store_rows(dv, dz, tok, i_h, H, V, tl.arange(0, BV), m_t)
-
-
 # --------------------------------------------------------------------------------------------
 # Launchers
 
@@ -612,15 +405,19 @@ class _LegsPlan(NamedTuple):
     """Everything a LegS launch needs besides the data: sizes, tiles, layout, tables."""
 
     acc: torch.dtype
-    layout: Layout
-    sizes: dict[str, int]  # H, R, V, M, C: the integer arguments of every kernel
+    layout: Layout  # one chunk program per chunk (sub-chunk = chunk)
+    sizes: dict[str, int]  # H, M, C: the integer arguments of every chunk program
+    R: int
+    V: int
     NKB: int  # channel blocks of the key channels in a state pass
     grid_states: tuple[int, int]
-    grid_sub: tuple[int, int]
+    grid_chunks: tuple[int, int]  # (chunks, H)
+    grid_positions: tuple[int, int]  # (chunks, chunk)
     phi: torch.Tensor
     ktab: torch.Tensor
-    tiles: dict[str, Any]  # constexpr tile sizes of the output-pass kernels
-    state_tiles: dict[str, Any]  # ... and of the state-pass kernels
+    BH: int  # heads as the columns of _legs_positions
+    common: dict[str, Any]  # BT, BM, ACC, PREC, num_warps
+    state_tiles: dict[str, Any]  # ... and BC, of the state passes
 
 
 def _legs_plan(
@@ -637,8 +434,7 @@ def _legs_plan(
     cu = sequences("fq", fq, cu_seqlens)
     acc, ACC, PREC = acc_types(fq.dtype)
     blocks = blocks_for(fq.device)
-    sub = blocks.legs_sub_chunk or blocks.sub_chunk
-    lay = layout(cu, blocks.chunk, sub, fq.device)
+    lay = layout(cu, blocks.chunk, blocks.chunk, fq.device)
     BM = pow2(M)
     BC = pow2(min(max(R, V), blocks.channels))
     NKB = triton.cdiv(R, BC)
@@ -647,13 +443,17 @@ def _legs_plan(
     return _LegsPlan(
         acc=acc,
         layout=lay,
-        sizes=dict(H=H, R=R, V=V, M=M, C=R + V),
+        sizes=dict(H=H, M=M, C=R + V),
+        R=R,
+        V=V,
         NKB=NKB,
         grid_states=(NKB + triton.cdiv(V, BC), lay.N * H),
-        grid_sub=(lay.n_sub, H),
+        grid_chunks=(lay.n_chunks, H),
+        grid_positions=(lay.n_chunks, blocks.chunk),
         phi=phi,
         ktab=ktab,
-        tiles=dict(BS=sub, BR=pow2(R), BV=pow2(V), **common),
+        BH=pow2(H),
+        common=common,
         state_tiles=dict(BC=BC, **common),
     )
 
@@ -670,11 +470,101 @@ def _legs_state_pass_launch(plan: _LegsPlan, fk: torch.Tensor, v: torch.Tensor) 
         states=states,
         cu=lay.cu,
         chunk_offsets=lay.chunk_offsets,
+        R=plan.R,
+        V=plan.V,
         NKB=plan.NKB,
         **sizes,
         **plan.state_tiles,
     )
     return states
+
+
+class _Modes(NamedTuple):
+    """Per-token buffers of one pass through the tables [L2]: p [T, H, BM], hat = Phi^T p
+    [T, H, BM] and c[t, u] = K(t, u) . p [T, H, chunk]."""
+
+    p: torch.Tensor
+    hat: torch.Tensor
+    c: torch.Tensor
+
+
+def _legs_modes(
+    plan: _LegsPlan,
+    x: torch.Tensor,
+    z: torch.Tensor,
+    states: torch.Tensor,
+    c_off: int,
+    add0: torch.Tensor | None = None,
+) -> _Modes:
+    """p_t = Phi_t (S0 x_t) + sum_u K(t, u) (x_t . z_u) (+ e_0 add0_t) over the state channels
+    [c_off, c_off + width of x), with Phi^T p and K . p: :func:`_legs_front`, then
+    :func:`_legs_positions`."""
+    T, H, W = x.shape
+    BT, BM = plan.common["BT"], plan.common["BM"]
+    new = lambda n: torch.empty(T, H, n, dtype=plan.acc, device=x.device)  # noqa: E731
+    y, a = new(BM), new(BT)
+    lay = plan.layout
+    _legs_front[plan.grid_chunks](
+        x=x,
+        z=z,
+        states=states,
+        sub_info=lay.sub_info,
+        y_buf=y,
+        a_buf=a,
+        W=W,
+        c_off=c_off,
+        BD=pow2(W),
+        **plan.sizes,
+        **plan.common,
+    )
+    out = _Modes(new(BM), new(BM), new(BT))
+    _legs_positions[plan.grid_positions](
+        y_buf=y,
+        a_buf=a,
+        add0=add0,
+        p_buf=out.p,
+        hat_buf=out.hat,
+        c_buf=out.c,
+        phi=plan.phi,
+        ktab=plan.ktab,
+        sub_info=lay.sub_info,
+        H=H,
+        BH=plan.BH,
+        ADD0=add0 is not None,
+        **(plan.common | dict(num_warps=4)),  # [BM, BH] products: one warpgroup
+    )
+    return out
+
+
+def _legs_back_launch(
+    plan: _LegsPlan,
+    modes: _Modes,
+    z: torch.Tensor,
+    states: torch.Tensor,
+    c_off: int,
+    out: torch.Tensor,
+    mode: int,
+    do: torch.Tensor | None = None,
+    dden: torch.Tensor | None = None,
+) -> None:
+    W = z.shape[-1]
+    _legs_back[plan.grid_chunks](
+        hat_buf=modes.hat,
+        c_buf=modes.c,
+        z=z,
+        states=states,
+        sub_info=plan.layout.sub_info,
+        out=out,
+        p_buf=modes.p,
+        do=do,
+        dden_buf=dden,
+        W=W,
+        c_off=c_off,
+        BD=pow2(W),
+        MODE=mode,
+        **plan.sizes,
+        **plan.common,
+    )
 
 
 @dispatch.register("legs_fwd", "triton")
@@ -695,25 +585,15 @@ def legs_fwd(
     Returns:
         o [B, T, H, V] in the dtype of fq (ratio readout (I3), eta = e_0 (I6)). Time
         O(T (M^2 + chunk M + M (R + V))) per head; memory O(T / chunk M (R + V)) for the chunk
-        states plus the position tables O(T M (M + chunk)), shared by all heads and calls.
+        states, O(T (M + chunk)) per head for the per-token buffers, plus the position tables
+        O(T M (M + chunk)), shared by all heads and calls.
     """
     plan = _legs_plan(fq, fk, v, M, cu_seqlens)
     fq_, fk_, v_ = flat(fq), flat(fk), flat(v)
     states = _legs_state_pass_launch(plan, fk_, v_)
+    modes = _legs_modes(plan, fq_, fk_, states, 0)
     o = torch.empty_like(v_)
-    _legs_output[plan.grid_sub](
-        fq=fq_,
-        fk=fk_,
-        v=v_,
-        o=o,
-        states=states,
-        phi=plan.phi,
-        ktab=plan.ktab,
-        sub_info=plan.layout.sub_info,
-        BMB=16,
-        **plan.sizes,
-        **plan.tiles,
-    )
+    _legs_back_launch(plan, modes, v_, states, plan.R, o, mode=0)
     return o.reshape(v.shape)
 
 
@@ -730,74 +610,55 @@ def legs_bwd(
     run backwards, as ``attnspec.reference.interdomain.interdomain_legs_vjp``).
 
     Returns:
-        (dfq, dfk, dv) in the dtype of their inputs. Time about 3x the forward; memory O(T M)
-        for four per-token mode buffers and dnum, dden plus two sets of chunk states.
+        (dfq, dfk, dv) in the dtype of their inputs. Time about 3x the forward; memory
+        O(T (M + chunk)) per head for the per-token buffers of p and g(p), dnum and dden, plus
+        two sets of chunk states.
     """
     plan = _legs_plan(fq, fk, v, M, cu_seqlens)
     check_cotangent("do", do, v)
-    lay, sizes = plan.layout, plan.sizes
     fq_, fk_, v_, do_ = flat(fq), flat(fk), flat(v), flat(do)
-    dev, acc, BM = fq.device, plan.acc, plan.tiles["BM"]
     states = _legs_state_pass_launch(plan, fk_, v_)
-    p_buf, phat, gp_buf, ghat = (
-        torch.empty(fq_.shape[0], sizes["H"], BM, dtype=acc, device=dev) for _ in range(4)
-    )
-    dnum = torch.empty(do_.shape, dtype=acc, device=dev)
-    dden = torch.empty(do_.shape[:2], dtype=acc, device=dev)
-    tables = dict(states=states, phi=plan.phi, ktab=plan.ktab, sub_info=lay.sub_info, BMB=16)
-    _legs_bwd_readout[plan.grid_sub](
-        fq=fq_,
-        fk=fk_,
-        v=v_,
-        do=do_,
-        p_buf=p_buf,
-        phat_buf=phat,
-        dnum_buf=dnum,
-        dden_buf=dden,
-        **tables,
-        **sizes,
-        **plan.tiles,
-    )
+    modes = _legs_modes(plan, fq_, fk_, states, 0)  # p
+    dnum = torch.empty(do_.shape, dtype=plan.acc, device=fq.device)
+    dden = torch.empty(do_.shape[:2], dtype=plan.acc, device=fq.device)
+    _legs_back_launch(plan, modes, v_, states, plan.R, dnum, mode=1, do=do_, dden=dden)
+    grads = _legs_modes(plan, dnum, v_, states, plan.R, add0=dden)  # g(p) = Gamma dnum + e_0 dden
     dfq = torch.empty_like(fq_)
-    _legs_bwd_modes[plan.grid_sub](
-        fk=fk_,
-        v=v_,
-        dnum_buf=dnum,
-        dden_buf=dden,
-        gp_buf=gp_buf,
-        ghat_buf=ghat,
-        dfq=dfq,
-        **tables,
-        **sizes,
-        **plan.tiles,
-    )
+    _legs_back_launch(plan, grads, fk_, states, 0, dfq, mode=2)  # dfq = U^T g(p)
+    lay = plan.layout
     dstates = torch.empty_like(states)
     _legs_reverse_state_pass[plan.grid_states](
         fq=fq_,
         dnum=dnum,
-        phat_buf=phat,
-        ghat_buf=ghat,
+        phat_buf=modes.hat,
+        ghat_buf=grads.hat,
         phi=plan.phi,
         dstates=dstates,
         cu=lay.cu,
         chunk_offsets=lay.chunk_offsets,
+        R=plan.R,
+        V=plan.V,
         NKB=plan.NKB,
-        **sizes,
+        **plan.sizes,
         **plan.state_tiles,
     )
     dfk, dv = torch.empty_like(fk_), torch.empty_like(v_)
-    _legs_bwd_inputs[plan.grid_sub](
+    _legs_bwd_inputs[plan.grid_chunks](
         fq=fq_,
         dnum=dnum,
-        p_buf=p_buf,
-        gp_buf=gp_buf,
+        cp_buf=modes.c,
+        cg_buf=grads.c,
         dstates=dstates,
         ktab=plan.ktab,
         sub_info=lay.sub_info,
         dfk=dfk,
         dv=dv,
-        **sizes,
-        **plan.tiles,
+        R=plan.R,
+        V=plan.V,
+        BR=pow2(plan.R),
+        BV=pow2(plan.V),
+        **plan.sizes,
+        **plan.common,
     )
     return dfq.reshape(fq.shape), dfk.reshape(fk.shape), dv.reshape(v.shape)
 
