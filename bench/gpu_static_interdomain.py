@@ -383,8 +383,6 @@ def _ours_costs(name: str, a: dict[str, Any], grid: tuple[int, ...], n: int) -> 
         per, tile = readout(BV, e_off), value
     elif name == "_s4d_bwd_query":  # p, its chunk sum and derivative, qe (, den)
         per, tile = s4d_state(BR) + chunk_sum(BR, True) + mix, key + ratio * ones
-    elif name == "_s4d_bwd_ratio":  # num
-        per, tile = readout(BV, e_off), value
     elif name == "_s4d_bwd_values":  # g(qe), its chunk sum and derivative, g(p) (+ x^1)
         per, tile = s4d_state(BV) + chunk_sum(BV, True) + mix, value + ratio * ones
     elif name == "_s4d_bwd_readout":  # dfq, the readout of g(p) (+ x^1 twice)

@@ -274,63 +274,12 @@ def _s4d_bwd_query(
 
 
 @triton.jit
-def _s4d_bwd_ratio(
+def _s4d_bwd_values(
     vt: tl.tensor,
     do: tl.tensor,
-    states: tl.tensor,
-    pw: tl.tensor,
-    b: tl.tensor,
-    sub_info: tl.tensor,
-    qe_buf: tl.tensor,
     den_buf: tl.tensor,
     dnum_buf: tl.tensor,
     dden_buf: tl.tensor,
-    H: tl.tensor,
-    R: tl.tensor,
-    V: tl.tensor,
-    M: tl.tensor,
-    C: tl.tensor,
-    BT: tl.constexpr,
-    BS: tl.constexpr,
-    BB: tl.constexpr,
-    BV: tl.constexpr,
-    BM: tl.constexpr,
-    TAB: tl.constexpr,
-    DIAG: tl.constexpr,
-    ACC: tl.constexpr,
-    OP: tl.constexpr,
-    RB: tl.constexpr,
-    PREC: tl.constexpr,
-) -> None:
-    """The ratio readout's cotangents for the rows of one sub-chunk [S4]: num again (the
-    forward's readout), den from :func:`_s4d_bwd_query`, dnum = do / den and
-    dden = -<do, o> / den into dnum_buf and dden_buf. Grid (sub-chunks, H)."""
-    i_p, i_h = tl.program_id(0), tl.program_id(1)
-    t0, t1, g, i_s, _ = sub_chunk(sub_info, i_p)
-    sc = (t0, t1, i_s, i_h, H)
-    tok, m_t, _ = rows_of(sc, BS)
-    o_v = tl.arange(0, BV)
-    b_c = b_modes(b, i_h, M, BM, ACC)
-    pw_h = pw + i_h * 2 * TAB
-    s0 = states + (g * H + i_h).to(tl.int64) * M * C * 2
-    qe = load_modes(qe_buf, tok, i_h, H, m_t, BM)
-    # num in TF32, not the forward's bf16 operands: g(qe) = x^V dnum + x^1 dden cancels, and a
-    # bf16 num costs it (bench/gpu_s4d's bf16 ratio check: dfq 7.2e-2, tolerance 2e-2)
-    num = s4d_readout(
-        qe, vt, V, s0, R, pw_h, b_c, sc, C, M, BT, BS, BB, BV, BM, TAB, DIAG, ACC, ACC, False, PREC
-    )
-    den = tl.load(den_buf + tok.to(tl.int64) * H + i_h, mask=m_t, other=1.0)
-    dnum = load_rows(do, tok, i_h, H, V, o_v, m_t, ACC) / den[:, None]
-    dden = -tl.sum(dnum * num, axis=1) / den  # -<do, o> / den
-    store_rows(dnum_buf, dnum, tok, i_h, H, V, o_v, m_t)
-    tl.store(dden_buf + tok.to(tl.int64) * H + i_h, dden, mask=m_t)
-
-
-@triton.jit
-def _s4d_bwd_values(
-    vt: tl.tensor,
-    dnum: tl.tensor,
-    dden: tl.tensor,
     states: tl.tensor,
     pw: tl.tensor,
     dpw: tl.tensor,
@@ -364,7 +313,9 @@ def _s4d_bwd_values(
     """The value side for the rows of one sub-chunk [S4]: g(qe_t) = x^V_t dnum_t (+ x^1_t dden_t
     for the ratio readout; dnum is do for the linear one) and its chunk sum without b and
     derivative by Lambda, their parts of g(Lambda) and g(b) against qe (part 0 of the
-    partial sums), g(p) = G g(qe) into gp_buf, g(qe) into gq_buf. Grid (sub-chunks, H)."""
+    partial sums), g(p) = G g(qe) into gp_buf, g(qe) into gq_buf. The ratio readout's
+    dnum = do / den and dden = -<do, o> / den = -Re(qe^H x^V dnum) / den (no second readout,
+    [S4]) go to dnum_buf and dden_buf. Grid (sub-chunks, H)."""
     i_p, i_h = tl.program_id(0), tl.program_id(1)
     t0, t1, g, i_s, _ = sub_chunk(sub_info, i_p)
     sc = (t0, t1, i_s, i_h, H)
@@ -376,28 +327,30 @@ def _s4d_bwd_values(
     s0 = states + (g * H + i_h).to(tl.int64) * M * C * 2
     k_i = (tok - t0 + 1)[:, None]
     s_re, s_im = state_pairs(s0, R, V, C, M, BV, BM, True)
-    if RATIO:  # dnum = do / den, not an input: float32 operands
-        dn = load_rows(dnum, tok, i_h, H, V, tl.arange(0, BV), m_t, ACC)
-        y = mm(dn, s_re, ACC, False, PREC), mm(dn, s_im, ACC, False, PREC)
-        gqt, gqd = _s4d_chunk_sum_dlam(
-            dn, vt, V, pw_h, dpw_h, sc, BT, BS, BB, BV, BM, TAB, DIAG, ACC, ACC, False, PREC
-        )
-    else:  # dnum = do
-        dn = load_rows(dnum, tok, i_h, H, V, tl.arange(0, BV), m_t, OP)
-        y = mm_state(dn, s_re, OP, RB, PREC), mm_state(dn, s_im, OP, RB, PREC)
-        gqt, gqd = _s4d_chunk_sum_dlam(
-            dn, vt, V, pw_h, dpw_h, sc, BT, BS, BB, BV, BM, TAB, DIAG, ACC, OP, RB, PREC
-        )
+    dn = load_rows(do, tok, i_h, H, V, tl.arange(0, BV), m_t, OP)
+    y = mm_state(dn, s_re, OP, RB, PREC), mm_state(dn, s_im, OP, RB, PREC)
+    gqt, gqd = _s4d_chunk_sum_dlam(
+        dn, vt, V, pw_h, dpw_h, sc, BT, BS, BB, BV, BM, TAB, DIAG, ACC, OP, RB, PREC
+    )
     gqd = cadd(cmul(pow_at(dpw_h, k_i, o_m[None, :], TAB, BM), y), cmul(b_c, gqd))
     gq = cadd(cmul(pow_at(pw_h, k_i, o_m[None, :], TAB, BM), y), cmul(b_c, gqt))
-    if RATIO:  # + x^1_t dden_t (its parts of g(Lambda) and g(b): _s4d_bwd_readout)
-        dd = tl.load(dden + tok.to(tl.int64) * H + i_h, mask=m_t, other=0.0)[:, None]
-        x1, _ = ones_readout(s0, R + V, (pw_h, gs + i_h * 2 * TAB), b_c, sc, C, M, BS, BM, TAB)
-        gq = gq[0] + dd * x1[0], gq[1] + dd * x1[1]
     # g(Lambda) and g(b): qe conj(d g(qe)/dLambda), qe conj(the chunk sum without b) [S4]
     qe = load_modes(qe_buf, tok, i_h, H, m_t, BM)
-    gl_re, gl_im = _row_sum_conj(qe, gqd)
-    gb_re, gb_im = _row_sum_conj(qe, gqt)
+    if RATIO:  # dnum = do / den: the products took the input rows do; each row / den now
+        den = tl.load(den_buf + tok.to(tl.int64) * H + i_h, mask=m_t, other=1.0)
+        inv = (1.0 / den)[:, None]
+        qs = qe[0] * inv, qe[1] * inv
+        gq = gq[0] * inv, gq[1] * inv
+    else:
+        qs = qe
+    gl_re, gl_im = _row_sum_conj(qs, gqd)
+    gb_re, gb_im = _row_sum_conj(qs, gqt)
+    if RATIO:  # + x^1_t dden_t (its parts of g(Lambda) and g(b): _s4d_bwd_readout)
+        # <do, o> = Re(qe^H x^V do) / den: dden from the value part of g(qe) itself
+        dd = -tl.sum(qs[0] * gq[0] + qs[1] * gq[1], axis=1)
+        tl.store(dden_buf + tok.to(tl.int64) * H + i_h, dd, mask=m_t)
+        x1, _ = ones_readout(s0, R + V, (pw_h, gs + i_h * 2 * TAB), b_c, sc, C, M, BS, BM, TAB)
+        gq = gq[0] + dd[:, None] * x1[0], gq[1] + dd[:, None] * x1[1]
     gq = store_reload(gq_buf, gq, tok, i_h, H, m_t, BM)  # off the chain to G g(qe)
     gp = s4d_mix(gq, gmat, i_h, BM, PREC)  # G^H = G
     store_modes(gp_buf, gp[0], gp[1], tok, i_h, H, m_t, BM)
@@ -406,6 +359,10 @@ def _s4d_bwd_values(
     tl.store(glam_part + p_part + BM, gl_im)
     tl.store(gb_part + p_part, gb_re)
     tl.store(gb_part + p_part + BM, gb_im)
+    if RATIO:  # dnum for the later programs
+        o_v = tl.arange(0, BV)
+        dnum = load_rows(do, tok, i_h, H, V, o_v, m_t, ACC) / den[:, None]
+        store_rows(dnum_buf, dnum, tok, i_h, H, V, o_v, m_t)
 
 
 @triton.jit
@@ -750,7 +707,7 @@ def s4d_bwd(
     p_buf, qe_buf, gq_buf, gp_buf, pt_buf, pd_buf = (
         torch.empty(fq_.shape[0], H, 2, BM, dtype=acc, device=dev) for _ in range(6)
     )
-    # With the ratio readout dnum = do / den and dden are written by _s4d_bwd_ratio.
+    # With the ratio readout dnum = do / den and dden are written by _s4d_bwd_values.
     dnum = torch.empty(do_.shape, dtype=acc, device=dev) if plan.ratio else do_
     dden = torch.empty(do_.shape[:2], dtype=acc, device=dev) if plan.ratio else None
     den = torch.empty(do_.shape[:2], dtype=acc, device=dev) if plan.ratio else None
@@ -775,21 +732,12 @@ def s4d_bwd(
         RATIO=plan.ratio,
         **_args(_s4d_bwd_query, launch),
     )
-    if plan.ratio:
-        _s4d_bwd_ratio[grid](
-            vt=vt_,
-            do=do_,
-            pw=tab.pw,
-            qe_buf=qe_buf,
-            den_buf=den,
-            dnum_buf=dnum,
-            dden_buf=dden,
-            **_args(_s4d_bwd_ratio, launch),
-        )
     _s4d_bwd_values[grid](
         vt=vt_,
-        dnum=dnum,
-        dden=dden,
+        do=do_,
+        den_buf=den,
+        dnum_buf=dnum if plan.ratio else None,
+        dden_buf=dden,
         pw=tab.pw,
         dpw=tab.dpw,
         gs=tab.gs,
