@@ -140,6 +140,9 @@ DIAGONALS = ("loop", "lag")  # the forms of a diagonal block (Blocks.diagonal)
 HOPPER_BLOCKS = Blocks(64, 64, 8, diagonal="lag", channels=32, diag_block=64)
 INTERPRETER_BLOCKS = Blocks(64, 64, 4, diagonal="lag", channels=64)
 DEVICE_BLOCKS = {"hopper": HOPPER_BLOCKS, "ampere": Blocks(), "interpreter": INTERPRETER_BLOCKS}
+# LegS's position programs take every (sequence, head) as a column of the products with the
+# per-position tables, at most this many per program (docs/kernels-interdomain.md [L2])
+LEGS_POSITION_COLUMNS = 64
 
 
 # ------------------------------------------------------------------- torch eager

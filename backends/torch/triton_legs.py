@@ -20,6 +20,7 @@ import triton.language as tl
 
 from attnspec.reference import hippo
 
+from ..tile_sizes import LEGS_POSITION_COLUMNS
 from . import dispatch
 from .triton_chunks import (
     Layout,
@@ -140,8 +141,9 @@ def _legs_positions(
     c_buf: tl.tensor,
     phi: tl.tensor,
     ktab: tl.tensor,
-    sub_info: tl.tensor,
+    cu: tl.tensor,
     H: tl.tensor,
+    NH: tl.tensor,
     BT: tl.constexpr,
     BM: tl.constexpr,
     BH: tl.constexpr,
@@ -149,20 +151,22 @@ def _legs_positions(
     ACC: tl.constexpr,
     PREC: tl.constexpr,
 ) -> None:
-    """The tables' side [L2], for token t0 + i of a chunk and every head (the columns):
-    p_t = Phi_t y_t + sum_u K(t, u) a[t, u] (+ e_0 add0_t if ADD0), then hat_t = Phi_t^T p_t
-    and c[t, u] = K(t, u) . p_t, stored per token like y_buf and a_buf. Grid (chunks, BT)."""
-    i_c, i = tl.program_id(0), tl.program_id(1)
-    t0, t1, _, _, pos0 = sub_chunk(sub_info, i_c)
-    tok = t0 + i
-    pos = pos0 + i
-    o_h = tl.arange(0, BH)
+    """The tables' side [L2], for position k * BT + i of every sequence and head (the columns,
+    NH = sequences x heads, BH of them per program): p_t = Phi_t y_t + sum_u K(t, u) a[t, u]
+    (+ e_0 add0_t if ADD0), then hat_t = Phi_t^T p_t and c[t, u] = K(t, u) . p_t, stored per
+    token like y_buf and a_buf. Grid (chunks of the longest sequence, BT, column blocks)."""
+    k, i, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    pos = k * BT + i  # the same position in every sequence: one Phi_t, K(t, .) for all columns
+    col = i_b * BH + tl.arange(0, BH)
+    n = col // H
+    bos = tl.load(cu + n, mask=col < NH, other=0)
+    eos = tl.load(cu + n + 1, mask=col < NH, other=0)
+    m_h = (col < NH) & (bos + pos < eos)
+    row = (bos + pos).to(tl.int64) * H + col % H  # [BH] rows of the [T, H] buffers
     o_m = tl.arange(0, BM)
     o_u = tl.arange(0, BT)
-    m_h = (o_h < H) & (tok + 0 * o_h < t1)  # [BH] (the interpreter rejects a scalar term)
     m_hm = m_h[None, :] & (o_m < BM)[:, None]  # [BM, BH]
     m_hu = m_h[None, :] & (o_u < BT)[:, None]  # [BT, BH]
-    row = tok.to(tl.int64) * H + o_h  # [BH]
     y = tl.load(y_buf + row[None, :] * BM + o_m[:, None], mask=m_hm, other=0.0)
     a = tl.load(a_buf + row[None, :] * BT + o_u[:, None], mask=m_hu, other=0.0)
     ph = tl.load(phi + (pos * BM + o_m[:, None]) * BM + o_m[None, :])  # Phi_t [BM, BM]
@@ -412,10 +416,10 @@ class _LegsPlan(NamedTuple):
     NKB: int  # channel blocks of the key channels in a state pass
     grid_states: tuple[int, int]
     grid_chunks: tuple[int, int]  # (chunks, H)
-    grid_positions: tuple[int, int]  # (chunks, chunk)
+    grid_positions: tuple[int, int, int]  # (chunks of the longest sequence, chunk, columns)
     phi: torch.Tensor
     ktab: torch.Tensor
-    BH: int  # heads as the columns of _legs_positions
+    BH: int  # (sequence, head) columns per _legs_positions program
     common: dict[str, Any]  # BT, BM, ACC, PREC, num_warps
     state_tiles: dict[str, Any]  # ... and BC, of the state passes
 
@@ -439,6 +443,8 @@ def _legs_plan(
     BC = pow2(min(max(R, V), blocks.channels))
     NKB = triton.cdiv(R, BC)
     phi, ktab = _legs_tables(M, blocks.chunk, lay.max_len, BM, acc, fq.device)
+    NH = lay.N * H  # the columns of _legs_positions: every (sequence, head)
+    BH = min(pow2(NH), LEGS_POSITION_COLUMNS)
     common = dict(BT=blocks.chunk, BM=BM, ACC=ACC, PREC=PREC, num_warps=blocks.num_warps)
     return _LegsPlan(
         acc=acc,
@@ -449,10 +455,10 @@ def _legs_plan(
         NKB=NKB,
         grid_states=(NKB + triton.cdiv(V, BC), lay.N * H),
         grid_chunks=(lay.n_chunks, H),
-        grid_positions=(lay.n_chunks, blocks.chunk),
+        grid_positions=(triton.cdiv(lay.max_len, blocks.chunk), blocks.chunk, triton.cdiv(NH, BH)),
         phi=phi,
         ktab=ktab,
-        BH=pow2(H),
+        BH=BH,
         common=common,
         state_tiles=dict(BC=BC, **common),
     )
@@ -527,8 +533,9 @@ def _legs_modes(
         c_buf=out.c,
         phi=plan.phi,
         ktab=plan.ktab,
-        sub_info=lay.sub_info,
+        cu=lay.cu,
         H=H,
+        NH=lay.N * H,
         BH=plan.BH,
         ADD0=add0 is not None,
         **(plan.common | dict(num_warps=4)),  # [BM, BH] products: one warpgroup
