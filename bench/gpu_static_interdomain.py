@@ -104,7 +104,7 @@ _S4D_CHUNK = (
     "_s4d_bwd_inputs",
 )
 # LegS's chunk programs, one row per binary (the constexprs that differ between launches)
-_LEGS_CHUNK = (
+LEGS_CHUNK = (
     "_legs_front[BD=64]",
     "_legs_front[BD=128]",
     "_legs_positions[ADD0=False]",
@@ -117,9 +117,9 @@ _LEGS_CHUNK = (
 ASSERTED: set[tuple[str, str]] = (
     # the Hopper default: S4D and LegS wgmma throughout, no spill, state bytes; LegS FLOPs
     # (bf16 chunk states)
-    {("no_mma_sync", k) for k in (*_STATE_PASSES, *_S4D_CHUNK, *_LEGS_CHUNK, "_s4d_step")}
+    {("no_mma_sync", k) for k in (*_STATE_PASSES, *_S4D_CHUNK, *LEGS_CHUNK, "_s4d_step")}
     | {("no_mma_sync", "_legs_step")}
-    | {("no_spill", k) for k in (*_STATE_PASSES, *_S4D_CHUNK, *_LEGS_CHUNK, "_s4d_step")}
+    | {("no_spill", k) for k in (*_STATE_PASSES, *_S4D_CHUNK, *LEGS_CHUNK, "_s4d_step")}
     | {("no_spill", "_legs_step")}
     | {("state_bytes", f"S4D {p}") for p in ("fwd", "fwd+bwd")}
     | {(k, f"LegS {p}") for k in ("flops", "state_bytes") for p in ("fwd", "fwd+bwd")}

@@ -14,6 +14,10 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench import gpu_static_interdomain  # noqa: E402
+
 KERNELS = {
     "_s4d_state_pass",
     "_s4d_query",
@@ -26,15 +30,8 @@ KERNELS = {
     "_s4d_bwd_inputs",
     "_s4d_step",
     "_legs_state_pass",
-    "_legs_front[BD=64]",
-    "_legs_front[BD=128]",
-    "_legs_positions[ADD0=False]",
-    "_legs_positions[ADD0=True]",
-    "_legs_back[BD=128, MODE=0]",
-    "_legs_back[BD=128, MODE=1]",
-    "_legs_back[BD=64, MODE=2]",
+    *gpu_static_interdomain.LEGS_CHUNK,  # one name per binary
     "_legs_reverse_state_pass",
-    "_legs_bwd_inputs",
     "_legs_step",
 }
 
@@ -62,9 +59,6 @@ def test_plan_model_equals_the_interpreter_counts(tmp_path, capsys):
     this process when it interprets (tests/conftest.py's quicker interpreter), else in one."""
     pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET") == "1":
-        sys.path.insert(0, str(ROOT))
-        from bench import gpu_static_interdomain
-
         status, out = gpu_static_interdomain.check_plan(), capsys.readouterr().out
     else:
         run = gate("--check-plan", interpret=True, tmp_path=tmp_path)

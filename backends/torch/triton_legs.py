@@ -485,6 +485,19 @@ def _legs_state_pass_launch(plan: _LegsPlan, fk: torch.Tensor, v: torch.Tensor) 
     return states
 
 
+def _chunk_args(plan: _LegsPlan, states: torch.Tensor, W: int, c_off: int) -> dict[str, Any]:
+    """The arguments of a per-(chunk, head) program over the W state channels from c_off."""
+    return dict(
+        states=states,
+        sub_info=plan.layout.sub_info,
+        W=W,
+        c_off=c_off,
+        BD=pow2(W),
+        **plan.sizes,
+        **plan.common,
+    )
+
+
 class _Modes(NamedTuple):
     """Per-token buffers of one pass through the tables [L2]: p [T, H, BM], hat = Phi^T p
     [T, H, BM] and c[t, u] = K(t, u) . p [T, H, chunk]."""
@@ -510,19 +523,7 @@ def _legs_modes(
     new = lambda n: torch.empty(T, H, n, dtype=plan.acc, device=x.device)  # noqa: E731
     y, a = new(BM), new(BT)
     lay = plan.layout
-    _legs_front[plan.grid_chunks](
-        x=x,
-        z=z,
-        states=states,
-        sub_info=lay.sub_info,
-        y_buf=y,
-        a_buf=a,
-        W=W,
-        c_off=c_off,
-        BD=pow2(W),
-        **plan.sizes,
-        **plan.common,
-    )
+    _legs_front[plan.grid_chunks](x=x, z=z, y_buf=y, a_buf=a, **_chunk_args(plan, states, W, c_off))
     out = _Modes(new(BM), new(BM), new(BT))
     _legs_positions[plan.grid_positions](
         y_buf=y,
@@ -554,23 +555,16 @@ def _legs_back_launch(
     do: torch.Tensor | None = None,
     dden: torch.Tensor | None = None,
 ) -> None:
-    W = z.shape[-1]
     _legs_back[plan.grid_chunks](
         hat_buf=modes.hat,
         c_buf=modes.c,
         z=z,
-        states=states,
-        sub_info=plan.layout.sub_info,
         out=out,
         p_buf=modes.p,
         do=do,
         dden_buf=dden,
-        W=W,
-        c_off=c_off,
-        BD=pow2(W),
         MODE=mode,
-        **plan.sizes,
-        **plan.common,
+        **_chunk_args(plan, states, z.shape[-1], c_off),
     )
 
 
