@@ -12,6 +12,7 @@ The griffe extension :class:`SourcePaths` then names each file by its real path
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import tomllib
@@ -34,6 +35,15 @@ def link_packages(root: str) -> str:
     """Lay out ``build/api/attnspec/`` as the installed package: real folders, one symbolic link
     per source file (griffe does not walk into linked folders); return ``build/api``."""
     namespace = os.path.join(root, "build", "api", "attnspec")
+    os.makedirs(os.path.dirname(namespace), exist_ok=True)
+    # one build at a time: the test suite's workers may build the site at once
+    with open(os.path.join(os.path.dirname(namespace), ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        _link_files(root, namespace)
+    return os.path.dirname(namespace)
+
+
+def _link_files(root: str, namespace: str) -> None:
     links = {}
     for name, folder in package_dirs(root).items():
         top = os.path.join(root, folder)
@@ -62,7 +72,6 @@ def link_packages(root: str) -> str:
         if os.path.lexists(link):
             os.remove(link)
         os.symlink(target, link)
-    return os.path.dirname(namespace)
 
 
 # At import, while MkDocs loads its hooks: before the handler's search paths are checked.
