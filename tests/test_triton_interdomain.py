@@ -445,7 +445,7 @@ LEGS_TABLE = [
     (65, 64, 3, 4, None, 1, 1),
     (80, 1, 4, 4, None, 1, 1),
     (129, 8, 4, 6, None, 1, 2),
-    (40, 16, 5, 3, (32, 16, "loop"), 1, 1),  # the GPU tiling
+    (40, 16, 5, 3, (32, 16, "loop"), 1, 1),  # chunks of 32 (LegS takes no sub-chunk)
     (70, 8, 3, 4, (32, 16, "loop"), 2, 3),  # three heads as the tables' columns, two sequences
     (20, 4, 3, 2, (16, 16, "loop"), 4, 17),  # 68 (sequence, head) columns: two programs of 64
 ]
