@@ -119,6 +119,11 @@ class Blocks:
     matmuls), so a GPU program can own a whole chunk (64-row products, wgmma); LegS runs one
     program per chunk (its per-position tables: docs/kernels-interdomain.md [L2]).
     ``channels``: state channels per state-pass program (at most; a power of two >= 16).
+    ``columns``: S4D's forward chunk programs, when one program owns a chunk that is one diagonal
+    block in the lag form, take the tokens as the columns of their products, in slices of this
+    many (chunk or chunk / 2: a slice's reach must be a power of two), each slice summing
+    only the lags its tokens reach (docs/kernels-interdomain.md [S2]); 0 keeps the tokens as
+    rows.
     Static resource use on sm_90: ``python -m bench.gpu_static_interdomain``.
     """
 
@@ -128,6 +133,7 @@ class Blocks:
     diagonal: str = "loop"  # the pairs inside a diagonal block: "loop" or "lag"
     channels: int = 32
     diag_block: int | None = None  # S4D: tokens per diagonal block (None: the sub-chunk)
+    columns: int = 0  # S4D forward, chunk-wide lag: tokens as product columns, slices of this many
 
 
 DIAGONALS = ("loop", "lag")  # the forms of a diagonal block (Blocks.diagonal)
@@ -137,8 +143,8 @@ DIAGONALS = ("loop", "lag")  # the forms of a diagonal block (Blocks.diagonal)
 # quarter of the 16-row programs' state reads; docs/decisions.md).
 # The interpreter counts operations, not registers: whole chunks per program and wide channel
 # blocks run fastest there.
-HOPPER_BLOCKS = Blocks(64, 64, 8, diagonal="lag", channels=32, diag_block=64)
-INTERPRETER_BLOCKS = Blocks(64, 64, 4, diagonal="lag", channels=64)
+HOPPER_BLOCKS = Blocks(64, 64, 8, diagonal="lag", channels=32, diag_block=64, columns=32)
+INTERPRETER_BLOCKS = Blocks(64, 64, 4, diagonal="lag", channels=64, columns=32)
 DEVICE_BLOCKS = {"hopper": HOPPER_BLOCKS, "ampere": Blocks(), "interpreter": INTERPRETER_BLOCKS}
 # LegS's position programs take every (sequence, head) as a column of the products with the
 # per-position tables, at most this many per program (docs/kernels-interdomain.md [L2])

@@ -10,7 +10,7 @@ constexprs, grids and alignment are the launcher's. The shapes: B = 1, T = 512, 
 M = R = 64, dv = 128, bf16 features, the denominator-free readout; beside the default, the S4D
 tilings of :func:`VARIANTS` (chunk-wide loop form, the 16-row programs in the loop form, the
 Hopper default before the chunk-wide lag tiling, and in the lag form) and the default with the
-ratio readout (:data:`RATIO`; reported, none of its budgets asserted). The peer is
+ratio readout (:data:`RATIO`; its budgets met are asserted too). The peer is
 fla's chunk_gla forward (chunk_gla_fwd) and backward (chunk_gla_bwd, recomputing the states as
 its autograd Function does) at the same real state size: GLA key dim K = 2M = 128, V = dv, chunk
 64, its launches captured the same way. fla autotunes on the GPU; here each of its autotuned
@@ -115,14 +115,24 @@ LEGS_CHUNK = (
     "_legs_bwd_inputs",
 )
 ASSERTED: set[tuple[str, str]] = (
-    # the Hopper default: S4D and LegS wgmma throughout, no spill, state bytes; LegS FLOPs
-    # (bf16 chunk states)
+    # the Hopper default: S4D and LegS wgmma throughout, no spill, state bytes; the S4D
+    # forward's FLOPs (tokens as columns), LegS's (bf16 chunk states)
     {("no_mma_sync", k) for k in (*_STATE_PASSES, *_S4D_CHUNK, *LEGS_CHUNK, "_s4d_step")}
     | {("no_mma_sync", "_legs_step")}
     | {("no_spill", k) for k in (*_STATE_PASSES, *_S4D_CHUNK, *LEGS_CHUNK, "_s4d_step")}
     | {("no_spill", "_legs_step")}
     | {("state_bytes", f"S4D {p}") for p in ("fwd", "fwd+bwd")}
+    | {("flops", "S4D fwd")}
     | {(k, f"LegS {p}") for k in ("flops", "state_bytes") for p in ("fwd", "fwd+bwd")}
+    # the ratio readout: wgmma throughout, no spill but in the backward through the readout,
+    # state bytes
+    | {("no_mma_sync", f"{RATIO}: {k}") for k in (*_STATE_PASSES[:3], *_S4D_CHUNK)}
+    | {
+        ("no_spill", f"{RATIO}: {k}")
+        for k in (*_STATE_PASSES[:3], *_S4D_CHUNK)
+        if k not in ("_s4d_bwd_values", "_s4d_bwd_readout")
+    }
+    | {("state_bytes", f"{RATIO} {p}") for p in ("fwd", "fwd+bwd")}
     # the chunk-wide loop form: wgmma throughout, its forward without spill, forward FLOPs and
     # state bytes
     | {("no_mma_sync", f"{CHUNK_WIDE}: {k}") for k in (*_STATE_PASSES[:3], *_S4D_CHUNK)}
@@ -381,9 +391,16 @@ def _ours_costs(name: str, a: dict[str, Any], grid: tuple[int, ...], n: int) -> 
         return base
 
     mix = 6 * BS * BM * BM  # qe = G p: three [BS, BM] x [BM, BM] (the 3M method)
+    cols = a.get("COLS", 0)  # tokens as columns, in slices of cols: slice i reaches the
+    reach = cols * cols * (BS // cols) * (BS // cols + 1) // 2 if cols else 0  # (i + 1) cols lags
 
-    if name == "_s4d_query":  # p (keys), qe, den (ones)
+    if name == "_s4d_query" and cols:  # the scores, then [BM, lags] x [lags, cols] per plane
+        per, tile = s4d_state(BR) + 2 * sq * BR + 4 * BM * reach + mix, key
+    elif name == "_s4d_query":  # p (keys), qe, den (ones)
         per, tile = s4d_state(BR) + chunk_sum(BR) + mix, key + ratio * ones
+    elif name == "_s4d_output" and cols:  # scores by lag, then [BV, keys] x [keys, cols]
+        per = s4d_state(BV) + 4 * BS * BM * BS + 2 * BV * reach  # (+ den, no product)
+        tile = value + ratio * ones
     elif name == "_s4d_output":  # o (values)
         per, tile = readout(BV, e_off), value
     elif name == "_s4d_bwd_query":  # p, its chunk sum and derivative, qe (, den)

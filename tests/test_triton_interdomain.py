@@ -124,12 +124,13 @@ DIAGONALS = chunks.DIAGONALS  # the forms of a diagonal block: "loop", "lag"
 
 
 def forced(tiles: tuple[int, ...] | None, diagonal: str) -> tuple | None:
-    """block_sizes arguments: tiles (chunk, sub_chunk[, diag_block]) with the given diagonal
-    form, 4 warps and 64 channels; None keeps the device's blocks."""
+    """block_sizes arguments: tiles (chunk, sub_chunk[, diag_block[, columns]]) with the given
+    diagonal form, 4 warps and 64 channels; None keeps the device's blocks."""
     if tiles is None:
         return None
-    chunk, sub, *block = tiles
-    return (chunk, sub, diagonal, 4, 64, block[0] if block else None)
+    chunk, sub, *rest = tiles
+    block, columns = (*rest, None, None)[:2]
+    return (chunk, sub, diagonal, 4, 64, block, columns or 0)
 
 
 S4D_TABLE = [
@@ -151,6 +152,11 @@ S4D_TABLE = [
     (70, 8, 0.05, 4, 6, "linear", (64, 32, 8), 1, 2),
     (70, 8, 0.9995, 4, 6, "ratio", (64, 64, 16), 1, 1),
     (70, 8, 0.9, 4, 6, "linear", (64, 64, 64), 1, 2),
+    # The forward's tokens as columns (the chunk-wide lag tiling): two slices (the devices')
+    # and a whole chunk as one; the backward keeps its rows.
+    (70, 8, 0.9, 4, 6, "ratio", (64, 64, 64, 32), 1, 2),
+    (100, 16, 0.99, 5, 3, "linear", (64, 64, 64, 64), 1, 1),
+    (40, 4, 0.5, 3, 5, "ratio", (32, 32, 32, 32), 2, 1),
 ]
 
 
@@ -184,6 +190,14 @@ def test_s4d_dtypes(dtype, readout, diagonal):
         pytest.skip("the token loop: bfloat16, the GPU's dtype (slow in the interpreter)")
     case, do = s4d_case(7, T=40, M=8, R=4, V=5, mag=0.9, readout=readout)
     check_s4d(case, do, readout, dtype, forced((32, 16), diagonal))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("readout", ["linear", "ratio"])
+def test_s4d_columns_dtypes(dtype, readout):
+    """The forward with the tokens as columns (Hopper's tiling) in each input dtype."""
+    case, do = s4d_case(7, T=80, M=8, R=4, V=5, mag=0.9, readout=readout)
+    check_s4d(case, do, readout, dtype, forced((64, 64, 64, 32), "lag"))
 
 
 def test_s4d_long_memory_does_not_drift():

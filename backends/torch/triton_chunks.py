@@ -53,6 +53,7 @@ def block_sizes(
     num_warps: int = 4,
     channels: int = 64,
     diag_block: int | None = None,
+    columns: int = 0,
 ) -> Iterator[None]:
     """Force the tile sizes inside the block (tests use small chunks in the interpreter)."""
     if diagonal not in DIAGONALS:
@@ -65,7 +66,9 @@ def block_sizes(
         raise ValueError(f"sub_chunk: expected at most chunk = {chunk}, got {sub_chunk}")
     if sizes["diag_block"] > sub_chunk:
         raise ValueError(f"diag_block: expected at most sub_chunk = {sub_chunk}, got {diag_block}")
-    _override.append(Blocks(chunk, sub_chunk, num_warps, diagonal, channels, diag_block))
+    if columns not in (0, chunk // 2, chunk):  # slices of a power-of-two reach (tl.arange)
+        raise ValueError(f"columns: expected 0, chunk / 2 or chunk = {chunk}, got {columns}")
+    _override.append(Blocks(chunk, sub_chunk, num_warps, diagonal, channels, diag_block, columns))
     try:
         yield
     finally:

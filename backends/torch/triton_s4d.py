@@ -133,26 +133,51 @@ def mm(
 
 @triton.jit
 def mm_state(
-    x: tl.tensor, s: tl.tensor, OP: tl.constexpr, RB: tl.constexpr, PREC: tl.constexpr
+    x: tl.tensor,
+    s: tl.tensor,
+    OP: tl.constexpr,
+    RB: tl.constexpr,
+    PREC: tl.constexpr,
+    LEFT: tl.constexpr = False,
 ) -> tl.tensor:
-    """x s for a tile s of a stored chunk state (:func:`stored_type`): operands of type OP when
-    the states are bf16 (bf16 inputs: the states are exact bf16 operands), else of the states'
-    type (float32 states for fp16 inputs, whose range a state may exceed)."""
+    """x s (s x if LEFT) for a tile s of a stored chunk state (:func:`stored_type`): operands of
+    type OP when the states are bf16 (bf16 inputs: the states are exact bf16 operands), else of
+    the states' type (float32 states for fp16 inputs, whose range a state may exceed)."""
     if s.dtype == tl.bfloat16:
-        return mm(x, s, OP, RB, PREC)
-    return tl.dot(x.to(s.dtype), s, input_precision=PREC)
+        a, b = x, s
+    else:
+        a, b = x.to(s.dtype), s
+    if LEFT:
+        a, b = b, a
+    if s.dtype == tl.bfloat16:
+        out = mm(a, b, OP, RB, PREC)
+    else:
+        out = tl.dot(a, b, input_precision=PREC)
+    return out
 
 
 @triton.jit
 def mm_scores(
-    a: tl.tensor, b: tl.tensor, OP: tl.constexpr, RB: tl.constexpr, PREC: tl.constexpr
+    a: tl.tensor,
+    b: tl.tensor,
+    OP: tl.constexpr,
+    RB: tl.constexpr,
+    PREC: tl.constexpr,
+    LEFT: tl.constexpr = False,
 ) -> tl.tensor:
-    """a b for computed scores a (float32) and input rows b: bf16 operands for bf16 inputs (a
-    rounded, as chunk_gla rounds its attention matrix for A v), else a's type (fp16's range is
-    too narrow for a computed value)."""
+    """a b (b a if LEFT) for computed scores a (float32) and input rows b: bf16 operands for
+    bf16 inputs (a rounded, as chunk_gla rounds its attention matrix for A v), else a's type
+    (fp16's range is too narrow for a computed value)."""
+    x, y = a, b
+    if not (RB or OP == tl.bfloat16):
+        y = b.to(a.dtype)
+    if LEFT:
+        x, y = y, x
     if RB or OP == tl.bfloat16:
-        return mm(a, b, OP, RB, PREC)
-    return tl.dot(a, b.to(a.dtype), input_precision=PREC)
+        out = mm(x, y, OP, RB, PREC)
+    else:
+        out = tl.dot(x, y, input_precision=PREC)
+    return out
 
 
 @triton.jit
@@ -196,6 +221,18 @@ def lag_skew(
     t = tl.arange(0, BS)[:, None]
     j = tl.arange(0, BK)[None, :]
     return tl.where(valid, tl.gather(x, (t - j) & (W - 1), axis=1), 0.0)
+
+
+@triton.jit
+def lag_skew_cols(
+    x: tl.tensor, FIRST: tl.constexpr, BK: tl.constexpr, W: tl.constexpr
+) -> tl.tensor:
+    """:func:`lag_skew` with the tokens as columns: y[i, j] = x[(t - i) mod W, j] for i <= t,
+    else 0, t = FIRST + j the chunk position of column j: [BK, n] from x [W, n]. Scores by
+    token pair to scores by lag (i = k, x[u, t]) and back (i = u, x[k, t])."""
+    i = tl.arange(0, BK)[:, None]
+    t = FIRST + tl.arange(0, x.shape[1])[None, :]
+    return tl.where(i <= t, tl.gather(x, (t - i) & (W - 1), axis=0), 0.0)
 
 
 @triton.jit
@@ -257,17 +294,25 @@ def s4d_mix(
     i_h: tl.tensor,
     BM: tl.constexpr,
     PREC: tl.constexpr,
+    COLS: tl.constexpr = False,
 ) -> tl.tuple:
     """qe_t = G p_t for every row t, i.e. P G^T, G = C^H C of head i_h (I12) [S1], in three
     real products, not four (the 3M method [S1]): with P = a + i b and G^T = c + i d,
     re = (a + b) c - b (c + d), im = (a + b) c + a (d - c), c, d - c and c + d read from
-    :func:`gram`'s planes. TF32 (3xTF32 for float32)."""
+    :func:`gram`'s planes. With COLS the tokens are columns, p = P^T [BM, n]: G P^T, the same
+    three products from the left on the planes untransposed. TF32 (3xTF32 for float32)."""
     o_m = tl.arange(0, BM)
-    ptr = gmat + i_h * 4 * BM * BM + o_m[None, :] * BM + o_m[:, None]  # [n, m] holds G[m, n]
     a, b = p  # the shared product last: the order the compiler keeps fewest tiles live in
-    im = tl.dot(a, tl.load(ptr + 2 * BM * BM), input_precision=PREC)
-    re = -tl.dot(b, tl.load(ptr + 3 * BM * BM), input_precision=PREC)
-    k1 = tl.dot(a + b, tl.load(ptr), input_precision=PREC)
+    if COLS:
+        ptr = gmat + i_h * 4 * BM * BM + o_m[:, None] * BM + o_m[None, :]  # [m, n]: G[m, n]
+        im = tl.dot(tl.load(ptr + 2 * BM * BM), a, input_precision=PREC)
+        re = -tl.dot(tl.load(ptr + 3 * BM * BM), b, input_precision=PREC)
+        k1 = tl.dot(tl.load(ptr), a + b, input_precision=PREC)
+    else:
+        ptr = gmat + i_h * 4 * BM * BM + o_m[None, :] * BM + o_m[:, None]  # [n, m]: G[m, n]
+        im = tl.dot(a, tl.load(ptr + 2 * BM * BM), input_precision=PREC)
+        re = -tl.dot(b, tl.load(ptr + 3 * BM * BM), input_precision=PREC)
+        k1 = tl.dot(a + b, tl.load(ptr), input_precision=PREC)
     return re + k1, im + k1
 
 
@@ -480,15 +525,34 @@ def ones_readout(
     x^1_t = Lambda^k x^1_{t0-1} + b sum_{j<k} Lambda^j, k = t - t0 + 1, from the tables
     tabs = (Lambda^k, sum_{j<k} Lambda^j). Returns (x^1_t, sum_{j<k} Lambda^j), [BS, BM]."""
     tok, _, _ = rows_of(sc, BS)
+    s1 = ones_column(s0, c_one, C, M, BM, tabs[0].dtype.element_ty)
+    return ones_channel(s1, tabs, b, tok - sc[0] + 1, BM, TAB)
+
+
+@triton.jit
+def ones_column(
+    s0: tl.tensor, c_one: tl.tensor, C: tl.tensor, M: tl.tensor, BM: tl.constexpr, ACC: tl.constexpr
+) -> tl.tuple:
+    """The ones channel x^1_{t0-1} of a chunk state, (re, im) [BM], in ACC (the states may be
+    stored in bf16, :func:`stored_type`)."""
     o_m = tl.arange(0, BM)
-    k_i = (tok - sc[0] + 1)[:, None]
     ptr = s0 + (o_m * C + c_one) * 2
-    s1 = tl.load(ptr, mask=o_m < M, other=0.0), tl.load(ptr + 1, mask=o_m < M, other=0.0)
-    # the states may be stored in bf16 (stored_type): widened to the tables' dtype
-    s1 = s1[0].to(tabs[0].dtype.element_ty), s1[1].to(tabs[0].dtype.element_ty)
-    g = pow_at(tabs[1], k_i, o_m[None, :], TAB, BM)
+    return (
+        tl.load(ptr, mask=o_m < M, other=0.0).to(ACC),
+        tl.load(ptr + 1, mask=o_m < M, other=0.0).to(ACC),
+    )
+
+
+@triton.jit
+def ones_channel(
+    s1: tl.tuple, tabs: tl.tuple, b: tl.tuple, k: tl.tensor, BM: tl.constexpr, TAB: tl.constexpr
+) -> tl.tuple:
+    """:func:`ones_readout` at the chunk positions k = t - t0 + 1 of any tokens, as rows, from
+    the ones column s1 of the chunk state (:func:`ones_column`)."""
+    o_m = tl.arange(0, BM)[None, :]
+    g = pow_at(tabs[1], k[:, None], o_m, TAB, BM)
     x1 = cadd(
-        cmul(pow_at(tabs[0], k_i, o_m[None, :], TAB, BM), (s1[0][None, :], s1[1][None, :])),
+        cmul(pow_at(tabs[0], k[:, None], o_m, TAB, BM), (s1[0][None, :], s1[1][None, :])),
         cmul(b, g),
     )
     return x1, g
@@ -624,6 +688,7 @@ def _s4d_query(
     TAB: tl.constexpr,
     RATIO: tl.constexpr,
     DIAG: tl.constexpr,
+    COLS: tl.constexpr,
     ACC: tl.constexpr,
     OP: tl.constexpr,
     RB: tl.constexpr,
@@ -633,38 +698,154 @@ def _s4d_query(
     qe_buf [T, H, 2, BM] for :func:`_s4d_output` (a program of its own: with the readout's a
     64-row program would not fit the registers), and for the ratio readout its denominator
     Re(qe_t^H x^1_t) [S3] in den_buf [T, H] (the output's 64-row program spilled with it).
-    Grid (sub-chunks, H)."""
+    With COLS (a chunk-wide program, the chunk one diagonal block in the lag form) the tokens
+    are the products' columns, COLS per slice [S2]. Grid (sub-chunks, H)."""
     i_p, i_h = tl.program_id(0), tl.program_id(1)
     t0, t1, g, i_s, _ = sub_chunk(sub_info, i_p)
     sc = (t0, t1, i_s, i_h, H)
     tok, m_t, _ = rows_of(sc, BS)
     o_m = tl.arange(0, BM)
     pw_h = pw + i_h * 2 * TAB
-    b_q = load_rows(fq, tok, i_h, H, R, tl.arange(0, BR), m_t, OP)
     s0 = states + (g * H + i_h).to(tl.int64) * M * C * 2
-    s_re, s_im = state_pairs(s0, 0, R, C, M, BR, BM, True)
-    y = mm_state(b_q, s_re, OP, RB, PREC), mm_state(b_q, s_im, OP, RB, PREC)
-    p = cmul(pow_at(pw_h, (tok - t0 + 1)[:, None], o_m[None, :], TAB, BM), y)  # the state part
-    b_c = b_modes(b, i_h, M, BM, ACC)
-    if DIAG == "lag":  # b folded into the table rows, the diagonal sum accumulated onto p: a
-        # 64-row program holds two fewer [BS, BM] tiles (static gate)
-        if BT > BB:  # the earlier diagonal blocks
-            t = s4d_offdiag(b_q, kt, R, pw_h, sc, BT, BS, BB, BR, BM, TAB, ACC, OP, RB, PREC)
-            p = cadd(p, cmul(b_c, t))
-        sk = lag_scores(b_q, kt, R, sc, BS, BB, BR, OP, RB, PREC)
-        w_re, w_im = cmul((b_c[0][None, :], b_c[1][None, :]), lag_table(pw_h, BB, BM, TAB))
-        p = (
-            p[0] + tl.dot(sk, w_re, input_precision=PREC),
-            p[1] + tl.dot(sk, w_im, input_precision=PREC),
+    if COLS:
+        _query_cols(
+            fq, kt, s0, pw_h, b, gmat, qe_buf, sc, R, C, M, BS, BR, BM, TAB, COLS, ACC, OP, RB, PREC
         )
     else:
-        t = _s4d_chunk_sum(b_q, kt, R, pw_h, sc, BT, BS, BB, BR, BM, TAB, DIAG, ACC, OP, RB, PREC)
-        p = cadd(p, cmul(b_c, t))  # + b t_t
-    qe = s4d_mix(p, gmat, i_h, BM, PREC)  # C folded in
-    store_modes(qe_buf, qe[0], qe[1], tok, i_h, H, m_t, BM)
-    if RATIO:  # (I13) the ratio readout's denominator
-        tabs = (pw_h, gs + i_h * 2 * TAB)
-        store_ratio_den(den_buf, qe, s0, R + V, tabs, b_c, sc, C, M, BS, BM, TAB)
+        b_q = load_rows(fq, tok, i_h, H, R, tl.arange(0, BR), m_t, OP)
+        s_re, s_im = state_pairs(s0, 0, R, C, M, BR, BM, True)
+        y = mm_state(b_q, s_re, OP, RB, PREC), mm_state(b_q, s_im, OP, RB, PREC)
+        p = cmul(pow_at(pw_h, (tok - t0 + 1)[:, None], o_m[None, :], TAB, BM), y)  # the state part
+        b_c = b_modes(b, i_h, M, BM, ACC)
+        if DIAG == "lag":  # b folded into the table rows, the diagonal sum accumulated onto p: a
+            # 64-row program holds two fewer [BS, BM] tiles (static gate)
+            if BT > BB:  # the earlier diagonal blocks
+                t = s4d_offdiag(b_q, kt, R, pw_h, sc, BT, BS, BB, BR, BM, TAB, ACC, OP, RB, PREC)
+                p = cadd(p, cmul(b_c, t))
+            sk = lag_scores(b_q, kt, R, sc, BS, BB, BR, OP, RB, PREC)
+            w_re, w_im = cmul((b_c[0][None, :], b_c[1][None, :]), lag_table(pw_h, BB, BM, TAB))
+            p = (
+                p[0] + tl.dot(sk, w_re, input_precision=PREC),
+                p[1] + tl.dot(sk, w_im, input_precision=PREC),
+            )
+        else:
+            t = _s4d_chunk_sum(
+                b_q, kt, R, pw_h, sc, BT, BS, BB, BR, BM, TAB, DIAG, ACC, OP, RB, PREC
+            )
+            p = cadd(p, cmul(b_c, t))  # + b t_t
+        qe = s4d_mix(p, gmat, i_h, BM, PREC)  # C folded in
+        store_modes(qe_buf, qe[0], qe[1], tok, i_h, H, m_t, BM)
+        if RATIO:  # (I13) the ratio readout's denominator
+            tabs = (pw_h, gs + i_h * 2 * TAB)
+            store_ratio_den(den_buf, qe, s0, R + V, tabs, b_c, sc, C, M, BS, BM, TAB)
+
+
+@triton.jit
+def _query_cols(
+    fq: tl.tensor,
+    kt: tl.tensor,
+    s0: tl.tensor,
+    pw_h: tl.tensor,
+    b: tl.tensor,
+    gmat: tl.tensor,
+    qe_buf: tl.tensor,
+    sc: tl.tuple,
+    R: tl.tensor,
+    C: tl.tensor,
+    M: tl.tensor,
+    BS: tl.constexpr,
+    BR: tl.constexpr,
+    BM: tl.constexpr,
+    TAB: tl.constexpr,
+    COLS: tl.constexpr,
+    ACC: tl.constexpr,
+    OP: tl.constexpr,
+    RB: tl.constexpr,
+    PREC: tl.constexpr,
+) -> None:
+    """:func:`_s4d_query` for a chunk-wide program with the tokens as columns: per slice of
+    COLS tokens p^T = Lambda^k (S0^T fq^T) + (b Lambda^k)^T A'^T [BM, COLS], with A' the
+    scores by lag of the slice's tokens, over the lags k < (slice + 1) COLS they reach (the
+    causal triangle's zero lags are not multiplied), then qe^T = G p^T [S2]."""
+    t0, t1, _, i_h, H = sc
+    o_m = tl.arange(0, BM)
+    o_r = tl.arange(0, BR)
+    tok, m_t, _ = rows_of(sc, BS)
+    s_re, s_im = state_pairs(s0, 0, R, C, M, BR, BM, False)  # [BM, BR]
+    z = load_rows(kt, tok, i_h, H, R, o_r, m_t, OP)  # [BS (u), BR]
+    b_re, b_im = b_modes(b, i_h, M, BM, ACC)
+    for i_c in tl.static_range(BS // COLS):
+        tok_c = t0 + i_c * COLS + tl.arange(0, COLS)
+        m_c = tok_c < t1
+        q = tl.trans(load_rows(fq, tok_c, i_h, H, R, o_r, m_c, OP))  # [BR, COLS]
+        y = mm_state(q, s_re, OP, RB, PREC, True), mm_state(q, s_im, OP, RB, PREC, True)
+        p = cmul(pow_at(pw_h, (tok_c - t0 + 1)[None, :], o_m[:, None], TAB, BM), y)
+        sk = lag_skew_cols(mm(z, q, OP, RB, PREC), i_c * COLS, (i_c + 1) * COLS, BS)
+        lags = tl.arange(0, (i_c + 1) * COLS)[None, :]
+        w_re, w_im = cmul((b_re[:, None], b_im[:, None]), pow_at(pw_h, lags, o_m[:, None], TAB, BM))
+        p = (
+            p[0] + tl.dot(w_re, sk, input_precision=PREC),
+            p[1] + tl.dot(w_im, sk, input_precision=PREC),
+        )
+        qe = s4d_mix(p, gmat, i_h, BM, PREC, True)  # C folded in
+        store_modes(qe_buf, tl.trans(qe[0]), tl.trans(qe[1]), tok_c, i_h, H, m_c, BM)
+
+
+@triton.jit
+def _output_cols(
+    vt: tl.tensor,
+    o: tl.tensor,
+    s0: tl.tensor,
+    tabs: tl.tuple,
+    b_c: tl.tuple,
+    qe_buf: tl.tensor,
+    sc: tl.tuple,
+    R: tl.tensor,
+    V: tl.tensor,
+    C: tl.tensor,
+    M: tl.tensor,
+    BS: tl.constexpr,
+    BV: tl.constexpr,
+    BM: tl.constexpr,
+    TAB: tl.constexpr,
+    COLS: tl.constexpr,
+    RATIO: tl.constexpr,
+    ACC: tl.constexpr,
+    OP: tl.constexpr,
+    RB: tl.constexpr,
+    PREC: tl.constexpr,
+) -> None:
+    """:func:`_s4d_output` for a chunk-wide program with the tokens as columns: per slice of
+    COLS tokens o^T = Re(S0^H (qe conj(Lambda^k))^T) + z^T S^T [BV, COLS], S^T the readout's
+    scores of the slice's tokens skewed back from the scores by lag, over the keys u <
+    (slice + 1) COLS they reach [S2], [S3]."""
+    t0, t1, _, i_h, H = sc
+    pw_h = tabs[0]
+    o_m = tl.arange(0, BM)
+    o_v = tl.arange(0, BV)
+    s_re, s_im = state_pairs(s0, R, V, C, M, BV, BM, True)  # [BV, BM]
+    w_re, w_im = cmul((b_c[0][None, :], b_c[1][None, :]), lag_table(pw_h, BS, BM, TAB))
+    if RATIO:
+        s1 = ones_column(s0, R + V, C, M, BM, ACC)
+    for i_c in tl.static_range(BS // COLS):
+        tok_c = t0 + i_c * COLS + tl.arange(0, COLS)
+        m_c = tok_c < t1
+        q_re, q_im = load_modes(qe_buf, tok_c, i_h, H, m_c, BM)
+        q_re, q_im = tl.trans(q_re), tl.trans(q_im)  # [BM, COLS]
+        f_re, f_im = pow_at(pw_h, (tok_c - t0 + 1)[None, :], o_m[:, None], TAB, BM)
+        out = mm_state(q_re * f_re + q_im * f_im, s_re, OP, RB, PREC, True)  # [BV, COLS]
+        out += mm_state(q_im * f_re - q_re * f_im, s_im, OP, RB, PREC, True)
+        s = mm(w_re, q_re, ACC, False, PREC) + mm(w_im, q_im, ACC, False, PREC)  # [lag, COLS]
+        s = lag_skew_cols(s, i_c * COLS, (i_c + 1) * COLS, BS)  # [u, COLS]
+        tok_u = t0 + tl.arange(0, (i_c + 1) * COLS)
+        z = tl.trans(load_rows(vt, tok_u, i_h, H, V, o_v, tok_u < t1, OP))  # [BV, u]
+        out += mm_scores(s, z, OP, RB, PREC, True)
+        if RATIO:  # (I13) the ratio readout's denominator Re(qe_t^H x^1_t)
+            x1, _ = ones_channel(s1, tabs, b_c, tok_c - t0 + 1, BM, TAB)
+            q_re, q_im = load_modes(qe_buf, tok_c, i_h, H, m_c, BM)  # read again, as rows
+            den = tl.sum(q_re * x1[0] + q_im * x1[1], axis=1)
+            out = out / tl.where(m_c, den, 1.0)[None, :]
+        store_rows(o, tl.trans(out), tok_c, i_h, H, V, o_v, m_c)
 
 
 @triton.jit
@@ -673,6 +854,7 @@ def _s4d_output(
     o: tl.tensor,
     states: tl.tensor,
     pw: tl.tensor,
+    gs: tl.tensor,
     b: tl.tensor,
     sub_info: tl.tensor,
     qe_buf: tl.tensor,
@@ -690,14 +872,15 @@ def _s4d_output(
     TAB: tl.constexpr,
     RATIO: tl.constexpr,
     DIAG: tl.constexpr,
+    COLS: tl.constexpr,
     ACC: tl.constexpr,
     OP: tl.constexpr,
     RB: tl.constexpr,
     PREC: tl.constexpr,
 ) -> None:
     """(I13) for the rows of one sub-chunk: o_t = Re(qe_t^H x^V_t), divided by
-    Re(qe_t^H x^1_t) for the ratio readout [S3], qe from :func:`_s4d_query`.
-    Grid (sub-chunks, H)."""
+    Re(qe_t^H x^1_t) for the ratio readout [S3], qe from :func:`_s4d_query`; tokens as
+    columns with COLS (as there). Grid (sub-chunks, H)."""
     i_p, i_h = tl.program_id(0), tl.program_id(1)
     t0, t1, g, i_s, _ = sub_chunk(sub_info, i_p)
     sc = (t0, t1, i_s, i_h, H)
@@ -705,13 +888,19 @@ def _s4d_output(
     b_c = b_modes(b, i_h, M, BM, ACC)
     pw_h = pw + i_h * 2 * TAB
     s0 = states + (g * H + i_h).to(tl.int64) * M * C * 2
-    qe = load_modes(qe_buf, tok, i_h, H, m_t, BM)
-    out = s4d_readout(
-        qe, vt, V, s0, R, pw_h, b_c, sc, C, M, BT, BS, BB, BV, BM, TAB, DIAG, ACC, OP, RB, PREC
-    )
-    if RATIO:  # (I13) ratio readout, the denominator from _s4d_query
-        out = out / tl.load(den_buf + tok.to(tl.int64) * H + i_h, mask=m_t, other=1.0)[:, None]
-    store_rows(o, out, tok, i_h, H, V, tl.arange(0, BV), m_t)
+    if COLS:
+        _output_cols(
+            vt, o, s0, (pw_h, gs + i_h * 2 * TAB), b_c, qe_buf, sc, R, V, C, M,
+            BS, BV, BM, TAB, COLS, RATIO, ACC, OP, RB, PREC,
+        )  # fmt: skip
+    else:
+        qe = load_modes(qe_buf, tok, i_h, H, m_t, BM)
+        out = s4d_readout(
+            qe, vt, V, s0, R, pw_h, b_c, sc, C, M, BT, BS, BB, BV, BM, TAB, DIAG, ACC, OP, RB, PREC
+        )
+        if RATIO:  # (I13) ratio readout, the denominator from _s4d_query
+            out = out / tl.load(den_buf + tok.to(tl.int64) * H + i_h, mask=m_t, other=1.0)[:, None]
+        store_rows(o, out, tok, i_h, H, V, tl.arange(0, BV), m_t)
 
 
 # --------------------------------------------------------------------------------------------
@@ -736,6 +925,7 @@ class S4DPlan(NamedTuple):
     state_tiles: dict[str, Any]  # ... and of the state-pass kernels
     operands: tuple[Any, bool]  # the forward state pass's product type, bf16 rounding emulated
     stored: torch.dtype  # dtype of the chunk states between the passes (see :func:`stored_type`)
+    cols: int  # the forward chunk programs' tokens per column slice (0: tokens as rows)
 
 
 def s4d_plan(
@@ -776,6 +966,8 @@ def s4d_plan(
     sub = dict(BS=blocks.sub_chunk, BB=BB, BR=pow2(R), BV=pow2(V), DIAG=blocks.diagonal)
     sub |= dict(OP=OP, RB=ROUND_BF16)  # the chunk programs' product operands (see mm_state)
     stored = stored_type(fq.dtype, acc)
+    chunk_wide = blocks.diagonal == "lag" and BB == blocks.sub_chunk == blocks.chunk
+    assert blocks.columns in (0, blocks.chunk // 2, blocks.chunk), blocks  # (see Blocks)
     return S4DPlan(
         ratio=ratio,
         acc=acc,
@@ -792,6 +984,7 @@ def s4d_plan(
         state_tiles=dict(BC=BC, RATIO=ratio, **common),
         operands=(OP, ROUND_BF16),
         stored=stored,
+        cols=blocks.columns if chunk_wide else 0,
     )
 
 
@@ -855,14 +1048,17 @@ def s4d_fwd(
     states, final = s4d_state_pass_launch(plan, kt_, vt_, initial_state)
     lay, sizes, tiles = plan.layout, plan.sizes, plan.tiles
     qe = torch.empty(fq_.shape[0], sizes["H"], 2, tiles["BM"], dtype=plan.acc, device=fq.device)
-    common: dict[str, Any] = dict(states=states, pw=plan.tables.pw, b=plan.b, qe_buf=qe)
+    common: dict[str, Any] = dict(states=states, pw=plan.tables.pw, gs=plan.tables.gs, b=plan.b)
+    common["qe_buf"] = qe
     common["sub_info"] = lay.sub_info
     common |= dict(num_stages=OUTPUT_STAGES, H=sizes["H"], R=sizes["R"], M=sizes["M"], C=sizes["C"])
     tiles = {k: x for k, x in tiles.items() if k not in ("BR", "BV")}
-    common |= dict(den_buf=qe.new_empty(qe.shape[:2]) if plan.ratio else None, RATIO=plan.ratio)
-    common |= dict(V=sizes["V"])
+    # the ratio readout's denominator: formed by _s4d_query for tokens as rows, else by _s4d_output
+    den = qe.new_empty(qe.shape[:2]) if plan.ratio and not plan.cols else None
+    common |= dict(den_buf=den, RATIO=plan.ratio)
+    common |= dict(V=sizes["V"], COLS=plan.cols)
     _s4d_query[plan.grid_sub](
-        fq=fq_, kt=kt_, gmat=plan.gmat, gs=plan.tables.gs, BR=plan.tiles["BR"], **common, **tiles
+        fq=fq_, kt=kt_, gmat=plan.gmat, BR=plan.tiles["BR"], **common, **tiles
     )
     o = torch.empty_like(vt_)
     _s4d_output[plan.grid_sub](vt=vt_, o=o, BV=plan.tiles["BV"], **common, **tiles)
