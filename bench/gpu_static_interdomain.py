@@ -125,7 +125,8 @@ ASSERTED: set[tuple[str, str]] = (
     | {("flops", "S4D fwd")}
     | {(k, f"LegS {p}") for k in ("flops", "state_bytes") for p in ("fwd", "fwd+bwd")}
     # the ratio readout: wgmma throughout, no spill but in the backward through the readout,
-    # state bytes
+    # state bytes, forward FLOPs (its ones channel takes no product in the forward state pass)
+    | {("flops", f"{RATIO} fwd")}
     | {("no_mma_sync", f"{RATIO}: {k}") for k in (*_STATE_PASSES[:3], *_S4D_CHUNK)}
     | {
         ("no_spill", f"{RATIO}: {k}")

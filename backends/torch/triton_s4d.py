@@ -591,6 +591,7 @@ def _s4d_state_pass(
     vt: tl.tensor,
     b: tl.tensor,
     pw: tl.tensor,
+    gs: tl.tensor,
     h0: tl.tensor,
     states: tl.tensor,
     ht: tl.tensor,
@@ -599,7 +600,6 @@ def _s4d_state_pass(
     H: tl.tensor,
     R: tl.tensor,
     V: tl.tensor,
-    CV: tl.tensor,
     M: tl.tensor,
     C: tl.tensor,
     NKB: tl.tensor,
@@ -616,39 +616,52 @@ def _s4d_state_pass(
 ) -> None:
     """(I11) chunk by chunk: store the state before each chunk, then
     x_e = Lambda^L x_{t0-1} + sum_u b Lambda^(e-u) z_u [S1]. Grid (channel blocks, N * H);
-    blocks < NKB hold key channels, the rest value channels (and the ones channel of the ratio
-    readout)."""
+    blocks < NKB hold key channels, the rest value channels. The ratio readout's ones channel
+    takes no product: x^1_e = Lambda^L x^1_{t0-1} + b sum_{j<L} Lambda^j from the table gs,
+    carried by the first value block [S3]."""
     i_c, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos = tl.load(cu + i_n), tl.load(cu + i_n + 1)
     g0 = tl.load(chunk_offsets + i_n)
     o_m = tl.arange(0, BM)
     o_t = tl.arange(0, BT)
-    c_loc, c_st, m_c = channel_block(i_c, NKB, R, CV, BC)
+    c_loc, c_st, m_c = channel_block(i_c, NKB, R, V, BC)
     p_hm = (o_m[:, None] * C + c_st[None, :]) * 2
     m_hm = (o_m < M)[:, None] & m_c[None, :]
     b_re, b_im = b_modes(b, i_h, M, BM, ACC)
     pw_h = pw + i_h * 2 * TAB
     s_re = tl.zeros([BM, BC], dtype=ACC)
     s_im = tl.zeros([BM, BC], dtype=ACC)
+    p_one = (o_m * C + R + V) * 2  # the ones channel (ratio readout), if any
+    m_one = (o_m < M) & (o_m * 0 + i_c == NKB)
+    s1_re = tl.zeros([BM], dtype=ACC)
+    s1_im = tl.zeros([BM], dtype=ACC)
     if USE_H0:
-        p_h0 = h0 + i_nh.to(tl.int64) * M * C * 2 + p_hm
-        s_re = tl.load(p_h0, mask=m_hm, other=0.0).to(ACC)
-        s_im = tl.load(p_h0 + 1, mask=m_hm, other=0.0).to(ACC)
+        p_h0 = h0 + i_nh.to(tl.int64) * M * C * 2
+        s_re = tl.load(p_h0 + p_hm, mask=m_hm, other=0.0).to(ACC)
+        s_im = tl.load(p_h0 + p_hm + 1, mask=m_hm, other=0.0).to(ACC)
+        if RATIO:
+            s1_re = tl.load(p_h0 + p_one, mask=m_one, other=0.0).to(ACC)
+            s1_im = tl.load(p_h0 + p_one + 1, mask=m_one, other=0.0).to(ACC)
     for k in range(0, tl.cdiv(eos - bos, BT)):
         t0 = bos + k * BT
         L = tl.minimum(BT, eos - t0)
-        p_st = states + ((g0 + k) * H + i_h).to(tl.int64) * M * C * 2 + p_hm
-        tl.store(p_st, s_re.to(states.dtype.element_ty), mask=m_hm)  # 16-bit for bf16 inputs
-        tl.store(p_st + 1, s_im.to(states.dtype.element_ty), mask=m_hm)
+        p_st = states + ((g0 + k) * H + i_h).to(tl.int64) * M * C * 2
+        tl.store(p_st + p_hm, s_re.to(states.dtype.element_ty), mask=m_hm)  # bf16 for bf16
+        tl.store(p_st + p_hm + 1, s_im.to(states.dtype.element_ty), mask=m_hm)
+        if RATIO:
+            tl.store(p_st + p_one, s1_re.to(states.dtype.element_ty), mask=m_one)
+            tl.store(p_st + p_one + 1, s1_im.to(states.dtype.element_ty), mask=m_one)
+            g = pow_at(gs + i_h * 2 * TAB, L, o_m, TAB, BM)  # sum_{j<L} Lambda^j
+            s1_re, s1_im = cadd(
+                cmul(pow_at(pw_h, L, o_m, TAB, BM), (s1_re, s1_im)), cmul((b_re, b_im), g)
+            )
         tok = t0 + o_t
         m_t = o_t < L
         if i_c < NKB:
             z = load_rows(kt, tok, i_h, H, R, c_loc, m_t, ACC)
         else:
             z = load_rows(vt, tok, i_h, H, V, c_loc, m_t, ACC)
-            if RATIO:
-                z = tl.where(m_t[:, None] & (c_loc == V)[None, :], 1.0, z)
         w = pow_at(pw_h, tl.maximum(L - 1 - o_t, 0)[None, :], o_m[:, None], TAB, BM)
         wb_re, wb_im = cmul((b_re[:, None], b_im[:, None]), w)  # b Lambda^(e-u)
         d_re, d_im = pow_at(pw_h, L, o_m, TAB, BM)  # Lambda^L
@@ -658,9 +671,12 @@ def _s4d_state_pass(
         z = z.to(OP)  # exact: 16-bit inputs give 16-bit products, float32 accumulation
         s_re += tl.dot(wb_re.to(OP), z, input_precision=PREC)
         s_im += tl.dot(wb_im.to(OP), z, input_precision=PREC)
-    p_ht = ht + i_nh.to(tl.int64) * M * C * 2 + p_hm
-    tl.store(p_ht, s_re, mask=m_hm)
-    tl.store(p_ht + 1, s_im, mask=m_hm)
+    p_ht = ht + i_nh.to(tl.int64) * M * C * 2
+    tl.store(p_ht + p_hm, s_re, mask=m_hm)
+    tl.store(p_ht + p_hm + 1, s_im, mask=m_hm)
+    if RATIO:
+        tl.store(p_ht + p_one, s1_re, mask=m_one)
+        tl.store(p_ht + p_one + 1, s1_im, mask=m_one)
 
 
 @triton.jit
@@ -916,7 +932,8 @@ class S4DPlan(NamedTuple):
     sizes: dict[str, int]  # H, R, V, M, C: the integer arguments of every kernel
     CV: int  # value channels of the state (V, + 1 for the ratio readout)
     NKB: int  # channel blocks of the key channels in a state pass
-    grid_states: tuple[int, int]
+    grid_states: tuple[int, int]  # the backward's state programs: key and value blocks
+    grid_forward_states: tuple[int, int]  # ... the forward's: no block for the ones channel
     grid_sub: tuple[int, int]
     tables: Tables
     b: torch.Tensor
@@ -976,6 +993,7 @@ def s4d_plan(
         CV=CV,
         NKB=NKB,
         grid_states=(NKB + triton.cdiv(CV, BC), lay.N * H),
+        grid_forward_states=(NKB + triton.cdiv(V, BC), lay.N * H),
         grid_sub=(lay.n_sub, H),
         tables=power_tables(lam, blocks.chunk, BM, acc),
         b=b.to(acc).contiguous(),
@@ -995,17 +1013,17 @@ def s4d_state_pass_launch(
     shape = (sizes["H"], sizes["M"], sizes["C"], 2)
     states = torch.empty(lay.n_chunks, *shape, dtype=plan.stored, device=kt.device)
     final = torch.empty(lay.N, *shape, dtype=plan.acc, device=kt.device)
-    _s4d_state_pass[plan.grid_states](
+    _s4d_state_pass[plan.grid_forward_states](
         kt=kt,
         vt=vt,
         b=plan.b,
         pw=plan.tables.pw,
+        gs=plan.tables.gs,
         h0=initial_state.to(plan.acc).contiguous() if initial_state is not None else None,
         states=states,
         ht=final,
         cu=lay.cu,
         chunk_offsets=lay.chunk_offsets,
-        CV=plan.CV,
         NKB=plan.NKB,
         USE_H0=initial_state is not None,
         OP=plan.operands[0],
