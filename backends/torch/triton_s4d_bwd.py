@@ -22,13 +22,14 @@ from .triton_chunks import (
     flat,
     load_modes,
     load_rows,
+    state_pairs,
     store_modes,
     store_reload,
     store_rows,
     sub_chunk,
 )
-from .triton_s4d import (
-    OUTPUT_STAGES,
+from .triton_s4d import OUTPUT_STAGES, s4d_plan, s4d_state_pass_launch
+from .triton_s4d_tiles import (
     b_modes,
     cadd,
     cmul,
@@ -43,11 +44,8 @@ from .triton_s4d import (
     rows_of,
     s4d_diag,
     s4d_mix,
-    s4d_plan,
     s4d_readout,
-    s4d_state_pass_launch,
     same_block,
-    state_pairs,
     store_ratio_den,
 )
 
@@ -85,7 +83,7 @@ def _s4d_chunk_sum_dlam(
     RB: tl.constexpr,
     PREC: tl.constexpr,
 ) -> tl.tuple:
-    """:func:`.triton_s4d._s4d_chunk_sum` and its derivative by Lambda (dpw: the table of
+    """:func:`.triton_s4d_tiles._s4d_chunk_sum` and its derivative by Lambda (dpw: the table of
     k Lambda^(k-1)); for the split products d(Lambda^(t-n) Lambda^(n-u)) = dLambda^(t-n)
     Lambda^(n-u) + Lambda^(t-n) dLambda^(n-u) [S4]. Returns (sum, derivative), [BS, BM] each."""
     t0, t1, i_s, i_h, H = sc
