@@ -51,12 +51,10 @@ from .triton_s4d_tiles import (
     lag_skew_cols,
     lag_table,
     mm,
-    mm_scores,
     mm_state,
-    ones_channel,
-    ones_column,
     pow_at,
     power_tables,
+    readout_cols,
     rows_of,
     s4d_mix,
     s4d_offdiag,
@@ -298,63 +296,6 @@ def _query_cols(
 
 
 @triton.jit
-def _output_cols(
-    vt: tl.tensor,
-    o: tl.tensor,
-    s0: tl.tensor,
-    tabs: tl.tuple,
-    b_c: tl.tuple,
-    qe_buf: tl.tensor,
-    sc: tl.tuple,
-    R: tl.tensor,
-    V: tl.tensor,
-    C: tl.tensor,
-    M: tl.tensor,
-    BS: tl.constexpr,
-    BV: tl.constexpr,
-    BM: tl.constexpr,
-    TAB: tl.constexpr,
-    COLS: tl.constexpr,
-    RATIO: tl.constexpr,
-    ACC: tl.constexpr,
-    OP: tl.constexpr,
-    RB: tl.constexpr,
-    PREC: tl.constexpr,
-) -> None:
-    """:func:`_s4d_output` for a chunk-wide program with the tokens as columns: per slice of
-    COLS tokens o^T = Re(S0^H (qe conj(Lambda^k))^T) + z^T S^T [BV, COLS], S^T the readout's
-    scores of the slice's tokens skewed back from the scores by lag, over the keys u <
-    (slice + 1) COLS they reach [S2], [S3]."""
-    t0, t1, _, i_h, H = sc
-    pw_h = tabs[0]
-    o_m = tl.arange(0, BM)
-    o_v = tl.arange(0, BV)
-    s_re, s_im = state_pairs(s0, R, V, C, M, BV, BM, True)  # [BV, BM]
-    w_re, w_im = cmul((b_c[0][None, :], b_c[1][None, :]), lag_table(pw_h, BS, BM, TAB))
-    if RATIO:
-        s1 = ones_column(s0, R + V, C, M, BM, ACC)
-    for i_c in tl.static_range(BS // COLS):
-        tok_c = t0 + i_c * COLS + tl.arange(0, COLS)
-        m_c = tok_c < t1
-        q_re, q_im = load_modes(qe_buf, tok_c, i_h, H, m_c, BM)
-        q_re, q_im = tl.trans(q_re), tl.trans(q_im)  # [BM, COLS]
-        f_re, f_im = pow_at(pw_h, (tok_c - t0 + 1)[None, :], o_m[:, None], TAB, BM)
-        out = mm_state(q_re * f_re + q_im * f_im, s_re, OP, RB, PREC, True)  # [BV, COLS]
-        out += mm_state(q_im * f_re - q_re * f_im, s_im, OP, RB, PREC, True)
-        s = mm(w_re, q_re, ACC, False, PREC) + mm(w_im, q_im, ACC, False, PREC)  # [lag, COLS]
-        s = lag_skew_cols(s, i_c * COLS, (i_c + 1) * COLS, BS)  # [u, COLS]
-        tok_u = t0 + tl.arange(0, (i_c + 1) * COLS)
-        z = tl.trans(load_rows(vt, tok_u, i_h, H, V, o_v, tok_u < t1, OP))  # [BV, u]
-        out += mm_scores(s, z, OP, RB, PREC, True)
-        if RATIO:  # (I13) the ratio readout's denominator Re(qe_t^H x^1_t)
-            x1, _ = ones_channel(s1, tabs, b_c, tok_c - t0 + 1, BM, TAB)
-            q_re, q_im = load_modes(qe_buf, tok_c, i_h, H, m_c, BM)  # read again, as rows
-            den = tl.sum(q_re * x1[0] + q_im * x1[1], axis=1)
-            out = out / tl.where(m_c, den, 1.0)[None, :]
-        store_rows(o, tl.trans(out), tok_c, i_h, H, V, o_v, m_c)
-
-
-@triton.jit
 def _s4d_output(
     vt: tl.tensor,
     o: tl.tensor,
@@ -395,8 +336,8 @@ def _s4d_output(
     pw_h = pw + i_h * 2 * TAB
     s0 = states + (g * H + i_h).to(tl.int64) * M * C * 2
     if COLS:
-        _output_cols(
-            vt, o, s0, (pw_h, gs + i_h * 2 * TAB), b_c, qe_buf, sc, R, V, C, M,
+        readout_cols(
+            qe_buf, vt, V, R, o, s0, (pw_h, gs + i_h * 2 * TAB), b_c, sc, C, M,
             BS, BV, BM, TAB, COLS, RATIO, ACC, OP, RB, PREC,
         )  # fmt: skip
     else:

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_chunks import load_rows, state_pairs
+from .triton_chunks import load_modes, load_rows, state_pairs, store_rows
 from .triton_fpa import _bf16_nearest
 
 # --------------------------------------------------------------------------------------------
@@ -548,3 +548,62 @@ def store_ratio_den(
     tok, m_t, _ = rows_of(sc, BS)
     den = tl.sum(qe[0] * x1[0] + qe[1] * x1[1], axis=1)
     tl.store(den_buf + tok.to(tl.int64) * sc[4] + sc[3], den, mask=m_t)
+
+
+@triton.jit
+def readout_cols(
+    q_buf: tl.tensor,
+    src: tl.tensor,
+    W: tl.tensor,
+    c_off: tl.tensor,
+    dst: tl.tensor,
+    s0: tl.tensor,
+    tabs: tl.tuple,
+    b_c: tl.tuple,
+    sc: tl.tuple,
+    C: tl.tensor,
+    M: tl.tensor,
+    BS: tl.constexpr,
+    BD: tl.constexpr,
+    BM: tl.constexpr,
+    TAB: tl.constexpr,
+    COLS: tl.constexpr,
+    RATIO: tl.constexpr,
+    ACC: tl.constexpr,
+    OP: tl.constexpr,
+    RB: tl.constexpr,
+    PREC: tl.constexpr,
+) -> None:
+    """:func:`s4d_readout` of a chunk-wide program with the tokens as columns, stored into the
+    rows of dst [T, H, W]: q from the mode buffer q_buf; per slice of COLS tokens
+    out^T = Re(S0^H (q conj(Lambda^k))^T) + z^T S^T [BD, COLS], S^T the scores of the slice's
+    tokens skewed back from the scores by lag, over the keys u < (slice + 1) COLS they reach
+    [S2], [S3]; divided by Re(q_t^H x^1_t) for the ratio readout (RATIO; the ones channel
+    after the W channels from c_off). tabs = (Lambda^k, sum_{j<k} Lambda^j) of the head."""
+    t0, t1, _, i_h, H = sc
+    pw_h = tabs[0]
+    o_m = tl.arange(0, BM)
+    o_d = tl.arange(0, BD)
+    s_re, s_im = state_pairs(s0, c_off, W, C, M, BD, BM, True)  # [BD, BM]
+    w_re, w_im = cmul((b_c[0][None, :], b_c[1][None, :]), lag_table(pw_h, BS, BM, TAB))
+    if RATIO:
+        s1 = ones_column(s0, c_off + W, C, M, BM, ACC)
+    for i_c in tl.static_range(BS // COLS):
+        tok_c = t0 + i_c * COLS + tl.arange(0, COLS)
+        m_c = tok_c < t1
+        q_re, q_im = load_modes(q_buf, tok_c, i_h, H, m_c, BM)
+        q_re, q_im = tl.trans(q_re), tl.trans(q_im)  # [BM, COLS]
+        f_re, f_im = pow_at(pw_h, (tok_c - t0 + 1)[None, :], o_m[:, None], TAB, BM)
+        out = mm_state(q_re * f_re + q_im * f_im, s_re, OP, RB, PREC, True)  # [BD, COLS]
+        out += mm_state(q_im * f_re - q_re * f_im, s_im, OP, RB, PREC, True)
+        s = mm(w_re, q_re, ACC, False, PREC) + mm(w_im, q_im, ACC, False, PREC)  # [lag, COLS]
+        s = lag_skew_cols(s, i_c * COLS, (i_c + 1) * COLS, BS)  # [u, COLS]
+        tok_u = t0 + tl.arange(0, (i_c + 1) * COLS)
+        z = tl.trans(load_rows(src, tok_u, i_h, H, W, o_d, tok_u < t1, OP))  # [BD, u]
+        out += mm_scores(s, z, OP, RB, PREC, True)
+        if RATIO:  # (I13) the ratio readout's denominator Re(q_t^H x^1_t)
+            x1, _ = ones_channel(s1, tabs, b_c, tok_c - t0 + 1, BM, TAB)
+            q_re, q_im = load_modes(q_buf, tok_c, i_h, H, m_c, BM)  # read again, as rows
+            den = tl.sum(q_re * x1[0] + q_im * x1[1], axis=1)
+            out = out / tl.where(m_c, den, 1.0)[None, :]
+        store_rows(dst, tl.trans(out), tok_c, i_h, H, W, o_d, m_c)
