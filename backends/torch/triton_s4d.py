@@ -275,7 +275,9 @@ def _query_cols(
     o_m = tl.arange(0, BM)
     o_r = tl.arange(0, BR)
     tok, m_t, _ = rows_of(sc, BS)
-    s_re, s_im = state_pairs(s0, 0, R, C, M, BR, BM, False)  # [BM, BR]
+    sp = s0 + (o_m[:, None] * C + o_r[None, :]) * 2  # [BM, BR] planes: the products' first
+    sm = (o_m < M)[:, None] & (o_r < R)[None, :]  # operand, read from shared memory
+    s_re, s_im = tl.load(sp, mask=sm, other=0.0), tl.load(sp + 1, mask=sm, other=0.0)
     z = load_rows(kt, tok, i_h, H, R, o_r, m_t, OP)  # [BS (u), BR]
     b_re, b_im = b_modes(b, i_h, M, BM, ACC)
     for i_c in tl.static_range(BS // COLS):
