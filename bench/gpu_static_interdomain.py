@@ -124,14 +124,14 @@ ASSERTED: set[tuple[str, str]] = (
     | {("state_bytes", f"S4D {p}") for p in ("fwd", "fwd+bwd")}
     | {("flops", "S4D fwd")}
     | {(k, f"LegS {p}") for k in ("flops", "state_bytes") for p in ("fwd", "fwd+bwd")}
-    # the ratio readout: wgmma throughout, no spill but in the backward through the readout,
+    # the ratio readout: wgmma throughout, no spill but in the backward's value side,
     # state bytes, forward FLOPs (its ones channel takes no product in the forward state pass)
     | {("flops", f"{RATIO} fwd")}
     | {("no_mma_sync", f"{RATIO}: {k}") for k in (*_STATE_PASSES[:3], *_S4D_CHUNK)}
     | {
         ("no_spill", f"{RATIO}: {k}")
         for k in (*_STATE_PASSES[:3], *_S4D_CHUNK)
-        if k not in ("_s4d_bwd_values", "_s4d_bwd_readout")
+        if k != "_s4d_bwd_values"
     }
     | {("state_bytes", f"{RATIO} {p}") for p in ("fwd", "fwd+bwd")}
     # the chunk-wide loop form: wgmma throughout, its forward without spill, forward FLOPs and

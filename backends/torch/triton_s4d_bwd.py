@@ -401,8 +401,8 @@ def _s4d_bwd_readout(
 ) -> None:
     """dfq_t = Re(x^K_t^H g(p_t)) for the rows of one sub-chunk (the readout of g(p) over the
     key channels) and the key side's parts of g(Lambda) and g(b), g(p) conj(pd) and
-    g(p) conj(pt) (part 1 of the partial sums), with the ratio readout's ones channel's,
-    qe conj(dden d x^1/dLambda) and qe conj(dden sum_{j<k} Lambda^j) (g(qe) has + x^1 dden;
+    g(p) conj(pt) (part 1 of the partial sums), and the ratio readout's ones channel's,
+    qe conj(dden d x^1/dLambda) and qe conj(dden sum_{j<k} Lambda^j) (part 2) (g(qe) has + x^1 dden;
     here, not in :func:`_s4d_bwd_values`, whose 64-row program spilled with them) [S4].
     Grid (sub-chunks, H)."""
     i_p, i_h = tl.program_id(0), tl.program_id(1)
@@ -415,17 +415,6 @@ def _s4d_bwd_readout(
     gb_re, gb_im = _row_sum_conj(gp, load_modes(pt_buf, tok, i_h, H, m_t, BM))
     s0 = states + (g * H + i_h).to(tl.int64) * M * C * 2
     pw_h, b_c = pw + i_h * 2 * TAB, b_modes(b, i_h, M, BM, ACC)
-    if RATIO:
-        qe = load_modes(qe_buf, tok, i_h, H, m_t, BM)
-        dd = tl.load(dden + tok.to(tl.int64) * H + i_h, mask=m_t, other=0.0)[:, None]
-        tabs = (pw_h, gs + i_h * 2 * TAB)
-        _, g1 = ones_readout(s0, R + V, tabs, b_c, sc, C, M, BS, BM, TAB)
-        x = _row_sum_conj(qe, (dd * g1[0], dd * g1[1]))
-        gb_re, gb_im = gb_re + x[0], gb_im + x[1]
-        tabs = (dpw + i_h * 2 * TAB, dgs + i_h * 2 * TAB)
-        dx1, _ = ones_readout(s0, R + V, tabs, b_c, sc, C, M, BS, BM, TAB)
-        x = _row_sum_conj(qe, (dd * dx1[0], dd * dx1[1]))
-        gl_re, gl_im = gl_re + x[0], gl_im + x[1]
     p_part = ((tl.num_programs(0) + i_p) * H + i_h).to(tl.int64) * 2 * BM + o_m
     tl.store(glam_part + p_part, gl_re)
     tl.store(glam_part + p_part + BM, gl_im)
@@ -435,6 +424,20 @@ def _s4d_bwd_readout(
         gp, kt, R, s0, 0, pw_h, b_c, sc, C, M, BT, BS, BB, BR, BM, TAB, DIAG, ACC, ACC, False, PREC
     )
     store_rows(dfq, dq, tok, i_h, H, R, tl.arange(0, BR), m_t)
+    if RATIO:  # the ones channel's parts, after the readout (before it, 8 B spilled): part 2
+        qe = load_modes(qe_buf, tok, i_h, H, m_t, BM)
+        dd = tl.load(dden + tok.to(tl.int64) * H + i_h, mask=m_t, other=0.0)[:, None]
+        tabs = (pw_h, gs + i_h * 2 * TAB)
+        _, g1 = ones_readout(s0, R + V, tabs, b_c, sc, C, M, BS, BM, TAB)
+        gb_re, gb_im = _row_sum_conj(qe, (dd * g1[0], dd * g1[1]))
+        tabs = (dpw + i_h * 2 * TAB, dgs + i_h * 2 * TAB)
+        dx1, _ = ones_readout(s0, R + V, tabs, b_c, sc, C, M, BS, BM, TAB)
+        gl_re, gl_im = _row_sum_conj(qe, (dd * dx1[0], dd * dx1[1]))
+        p_part = ((2 * tl.num_programs(0) + i_p) * H + i_h).to(tl.int64) * 2 * BM + o_m
+        tl.store(glam_part + p_part, gl_re)
+        tl.store(glam_part + p_part + BM, gl_im)
+        tl.store(gb_part + p_part, gb_re)
+        tl.store(gb_part + p_part + BM, gb_im)
 
 
 @triton.jit
@@ -710,7 +713,8 @@ def s4d_bwd(
     dden = torch.empty(do_.shape[:2], dtype=acc, device=dev) if plan.ratio else None
     den = torch.empty(do_.shape[:2], dtype=acc, device=dev) if plan.ratio else None
     dfq = torch.empty_like(fq_)
-    glam1 = torch.empty(2, lay.n_sub, H, 2, BM, dtype=acc, device=dev)  # value, key side
+    # parts: the value side, the key side (and the ratio readout's ones channel)
+    glam1 = torch.empty(2 + plan.ratio, lay.n_sub, H, 2, BM, dtype=acc, device=dev)
     gb1 = torch.empty_like(glam1)
     launch = dict(states=states, b=plan.b, sub_info=lay.sub_info, **sizes)
     launch |= dict(num_stages=OUTPUT_STAGES, **plan.tiles)
