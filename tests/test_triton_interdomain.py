@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import re
 
 import numpy as np
 import pytest
@@ -198,6 +199,22 @@ def test_s4d_columns_dtypes(dtype, readout):
     """The forward with the tokens as columns (Hopper's tiling) in each input dtype."""
     case, do = s4d_case(7, T=80, M=8, R=4, V=5, mag=0.9, readout=readout)
     check_s4d(case, do, readout, dtype, forced((64, 64, 64, 32), "lag"))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"columns": 16}, "columns: expected 0, chunk / 2 or chunk = 64, got 16"),
+        ({"columns": 128}, "columns: expected 0, chunk / 2 or chunk = 64, got 128"),
+        ({"diagonal": "tile"}, "diagonal: expected one of"),
+        ({"diag_block": 128}, "diag_block: expected at most sub_chunk = 64"),
+    ],
+)
+def test_block_sizes_rejects_tiles_a_launch_cannot_take(kwargs, match):
+    """Column slices of chunk / 4 would reach 48 lags (tl.arange takes powers of two)."""
+    with pytest.raises(ValueError, match=re.escape(match)):
+        with chunks.block_sizes(**{"chunk": 64, "sub_chunk": 64, **kwargs}):
+            pass
 
 
 def test_s4d_long_memory_does_not_drift():
