@@ -5,8 +5,9 @@ passes of the forward and the backward, and the decode steps) is compiled for sm
 GPU (bench/sm90.py) exactly as a launch on an H100/H200 compiles it: the launchers themselves
 run on CPU tensors at the Hopper blocks (``triton_chunks.DEVICE_BLOCKS["hopper"]``: S4D one
 program per 64-token chunk, the chunk one diagonal block in the lag form, the forward's tokens
-as columns in slices of 32; LegS programs per 64-token chunk and per position; 8 warps) with every kernel launch captured instead of run, so the arguments,
-constexprs, grids and alignment are the launcher's. The shapes: B = 1, T = 512, H = 16,
+as columns in slices of 32; LegS programs per 64-token chunk and per position; 8 warps) with
+every kernel launch captured instead of run, so the arguments, constexprs, grids and alignment
+are the launcher's. The shapes: B = 1, T = 512, H = 16,
 M = R = 64, dv = 128, bf16 features, the denominator-free readout; beside the default, the S4D
 tilings of :func:`VARIANTS` (chunk-wide loop form, the 16-row programs in the loop form, the
 Hopper default before the chunk-wide lag tiling, and in the lag form) and the default with the
