@@ -112,16 +112,13 @@ def mm_state(
     """x s (s x if LEFT) for a tile s of a stored chunk state (:func:`stored_type`): operands of
     type OP when the states are bf16 (bf16 inputs: the states are exact bf16 operands), else of
     the states' type (float32 states for fp16 inputs, whose range a state may exceed)."""
-    if s.dtype == tl.bfloat16:
-        a, b = x, s
-    else:
-        a, b = x.to(s.dtype), s
+    a, b = x, s
     if LEFT:
-        a, b = b, a
+        a, b = s, x
     if s.dtype == tl.bfloat16:
         out = mm(a, b, OP, RB, PREC)
     else:
-        out = tl.dot(a, b, input_precision=PREC)
+        out = tl.dot(a.to(s.dtype), b.to(s.dtype), input_precision=PREC)
     return out
 
 
@@ -138,14 +135,12 @@ def mm_scores(
     bf16 inputs (a rounded, as chunk_gla rounds its attention matrix for A v), else a's type
     (fp16's range is too narrow for a computed value)."""
     x, y = a, b
-    if not (RB or OP == tl.bfloat16):
-        y = b.to(a.dtype)
     if LEFT:
-        x, y = y, x
+        x, y = b, a
     if RB or OP == tl.bfloat16:
         out = mm(x, y, OP, RB, PREC)
     else:
-        out = tl.dot(x, y, input_precision=PREC)
+        out = tl.dot(x.to(a.dtype), y.to(a.dtype), input_precision=PREC)
     return out
 
 
