@@ -116,18 +116,18 @@ LEGS_CHUNK = (
     "_legs_bwd_inputs",
 )
 ASSERTED: set[tuple[str, str]] = (
-    # the Hopper default: S4D and LegS wgmma throughout, no spill, state bytes; the S4D
-    # forward's FLOPs (tokens as columns), LegS's (bf16 chunk states)
+    # the Hopper default: S4D and LegS wgmma throughout, no spill, state bytes, FLOPs (the S4D
+    # forward's tokens as columns; its backward with the forward's saved chunk states and qe)
     {("no_mma_sync", k) for k in (*_STATE_PASSES, *_S4D_CHUNK, *LEGS_CHUNK, "_s4d_step")}
     | {("no_mma_sync", "_legs_step")}
     | {("no_spill", k) for k in (*_STATE_PASSES, *_S4D_CHUNK, *LEGS_CHUNK, "_s4d_step")}
     | {("no_spill", "_legs_step")}
     | {("state_bytes", f"S4D {p}") for p in ("fwd", "fwd+bwd")}
-    | {("flops", "S4D fwd")}
+    | {("flops", f"S4D {p}") for p in ("fwd", "fwd+bwd")}
     | {(k, f"LegS {p}") for k in ("flops", "state_bytes") for p in ("fwd", "fwd+bwd")}
     # the ratio readout: wgmma throughout, no spill but in the backward's value side,
-    # state bytes, forward FLOPs (its ones channel takes no product in the forward state pass)
-    | {("flops", f"{RATIO} fwd")}
+    # state bytes, FLOPs (its ones channel takes no product in the state passes)
+    | {("flops", f"{RATIO} {p}") for p in ("fwd", "fwd+bwd")}
     | {("no_mma_sync", f"{RATIO}: {k}") for k in (*_STATE_PASSES[:3], *_S4D_CHUNK)}
     | {
         ("no_spill", f"{RATIO}: {k}")
@@ -249,9 +249,10 @@ def ours(
     s4d = (fq, kt, vt, *params, readout, None, None)
     legs = (fq, kt, vt, M, None)
     out = []
+    kept: list[Any] = []  # the backward takes the forward's saved tensors, as the op runs it
     calls: list[tuple[str, Callable[[], Any]]] = [
-        ("fwd", lambda: triton_s4d.s4d_fwd(*s4d)),
-        ("bwd", lambda: triton_s4d_bwd.s4d_bwd(*s4d, do, None)),
+        ("fwd", lambda: kept.extend(triton_s4d.s4d_fwd(*s4d, return_saved=True)[2])),
+        ("bwd", lambda: triton_s4d_bwd.s4d_bwd(*s4d, do, None, kept)),
         ("fwd", lambda: triton_legs.legs_fwd(*legs)),
         ("bwd", lambda: triton_legs.legs_bwd(*legs, do)),
     ]
@@ -293,6 +294,41 @@ def fla_chunk_gla() -> list[Captured]:
         n = len(launches)
         chunk_gla_bwd(q, k, v, g, None, scale, None, None, A, do, None, chunk_size=64)
         out += [_with_role(c, "bwd") for c in launches[n:]]
+    return out
+
+
+def kept_per_token() -> dict[str, float]:
+    """Bytes per token and head that the backward takes from the forward besides the inputs
+    (what the autograd op keeps alive between them), at the Hopper blocks, bf16: S4D's saved
+    (chunk states, qe), LegS nothing, chunk_gla its attention matrix A (its autograd Function
+    saves A and recomputes the states)."""
+    import dataclasses
+
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    from attnspec.backends.torch import triton_chunks, triton_s4d
+
+    if not any(m.startswith("fla.ops") for m in sys.modules):
+        _as_on_hopper()
+    from fla.ops.gla.chunk import chunk_gla_fwd
+
+    fq, kt, vt = _inputs(torch.bfloat16, (R, R, DV))
+    lam = np.exp(1j * np.random.default_rng(0).uniform(0, np.pi, (H, M))) * 0.9
+    pair = lambda z: torch.view_as_real(torch.tensor(z, dtype=torch.complex64))  # noqa: E731
+    params = [pair(lam), pair(np.ones((H, M))), pair(np.eye(M)[None].repeat(H, 0))]
+    q, k, v = _inputs(torch.bfloat16, (2 * M, 2 * M, DV))
+    g = F.logsigmoid(_inputs(torch.float32, (2 * M,), seed=1)[0]) / 16
+    out = {}
+    hopper = triton_chunks.DEVICE_BLOCKS["hopper"]
+    with triton_chunks.block_sizes(**dataclasses.asdict(hopper)), capture():
+        for name, readout in (("S4D", "linear"), (RATIO, "ratio")):
+            saved = triton_s4d.s4d_fwd(fq, kt, vt, *params, readout, None, None, True)[2]
+            out[name] = sum(_size(x) for x in saved) / (B * T * H)
+        out["LegS"] = 0.0
+        _, A, _, _, _ = chunk_gla_fwd(q, k, v, g, None, (2 * M) ** -0.5, None, False, chunk_size=64)
+        out["chunk_gla"] = _size(A) / (B * T * H)
     return out
 
 
@@ -405,8 +441,8 @@ def _ours_costs(name: str, a: dict[str, Any], grid: tuple[int, ...], n: int) -> 
         tile = value + ratio * ones
     elif name == "_s4d_output":  # o (values)
         per, tile = readout(BV, e_off), value
-    elif name == "_s4d_bwd_query":  # p, its chunk sum and derivative, qe (, den)
-        per, tile = s4d_state(BR) + chunk_sum(BR, True) + mix, key + ratio * ones
+    elif name == "_s4d_bwd_query":  # p, its chunk sum and derivative (, qe: MIX) (, den)
+        per, tile = s4d_state(BR) + chunk_sum(BR, True) + a["MIX"] * mix, key + ratio * ones
     elif name == "_s4d_bwd_values":  # g(qe), its chunk sum and derivative, g(p) (+ x^1)
         per, tile = s4d_state(BV) + chunk_sum(BV, True) + mix, value + ratio * ones
     elif name == "_s4d_bwd_readout":  # dfq, the readout of g(p) (+ x^1 twice)
@@ -707,8 +743,9 @@ def interpreter_counts() -> list[tuple[Captured, float, float]]:
             with triton_chunks.block_sizes(**dataclasses.asdict(blocks)):
                 for readout in ("linear", "ratio"):
                     args = (fq.abs(), kt.abs(), vt, lam, b, c, readout, None, None)
-                    triton_s4d.s4d_fwd(*args)
-                    triton_s4d_bwd.s4d_bwd(*args, do, None)
+                    kept = triton_s4d.s4d_fwd(*args, return_saved=True)[2]
+                    triton_s4d_bwd.s4d_bwd(*args, do, None, kept)
+                    triton_s4d_bwd.s4d_bwd(*args, do, None)  # recomputing what saved holds
                 if blocks is hopper:
                     triton_legs.legs_fwd(fq.abs(), kt.abs(), vt, M, None)
                     triton_legs.legs_bwd(fq.abs(), kt.abs(), vt, M, None, do)
@@ -781,10 +818,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"== Interdomain static Hopper gate (sm_90, {args.dtype}; launches captured in "
           f"{time.perf_counter() - t0:.0f} s)")  # fmt: skip
     failed = report(rows, costs, ASSERTED if args.dtype == "bf16" else set())
+    kept = kept_per_token()
+    print("\nkept from the forward for the backward besides the inputs, B per token and head: "
+          + ", ".join(f"{k} {v:,.0f}" for k, v in kept.items()))  # fmt: skip
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump({"rows": [r.__dict__ for r in rows], "per_token": costs,
+            json.dump({"rows": [r.__dict__ for r in rows], "per_token": costs, "kept": kept,
                        "budgets": {f"{k[0]} {k[1]}": v for k, v in budgets(rows, costs).items()}},
                       f, indent=1)  # fmt: skip
     if failed:

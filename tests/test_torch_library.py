@@ -62,7 +62,7 @@ def backward_ops():
     ops = torch.ops.attnspec
     fpa = (q, k, v, field, level, o, lse, do, lse, 0.5, OFFSETS, "eager")
     fox = (q, k, v, -field.abs(), o, lse, do, None, 0.5, None, "eager")
-    s4d = (fq, kt, vt, *params, "linear", None, None, vt, None, "eager")
+    s4d = (fq, kt, vt, *params, "linear", None, None, vt, None, [], "eager")
     legs = (fq.abs(), kt.abs(), vt, 4, OFFSETS, vt, "eager")
     return [
         pytest.param(ops.fpa_bwd.default, fpa, id="fpa"),

@@ -95,8 +95,8 @@ def run_s4d(case, do, readout, dtype="float64", blocks=None, backward=True):
         None,
     )
     with chunks.block_sizes(*blocks) if blocks else contextlib.nullcontext():
-        o, final = s4d.s4d_fwd(*args)
-        grads = s4d_grad.s4d_bwd(*args, to_torch(do, dtype), None) if backward else None
+        o, final, saved = s4d.s4d_fwd(*args, return_saved=True)  # as the autograd op runs
+        grads = s4d_grad.s4d_bwd(*args, to_torch(do, dtype), None, saved) if backward else None
     return o, final, grads
 
 
@@ -243,8 +243,8 @@ def test_s4d_varlen_with_a_length_one_segment(diagonal):
         None,
     )
     with chunks.block_sizes(*forced((16, 16), diagonal)):
-        o, final = s4d.s4d_fwd(*args)
-        g = s4d_grad.s4d_bwd(*args, to_torch(do), None)
+        o, final, saved = s4d.s4d_fwd(*args, return_saved=True)
+        g = s4d_grad.s4d_bwd(*args, to_torch(do), None, saved)
     want = {k: [] for k in ("o", "final", "dfq", "dkt", "dvt", "dlam", "db", "dc")}
     for a, e in itertools.pairwise(cu):
         seg = {k: (v[:, :, a:e] if v.ndim == 4 else v) for k, v in case.items()}
@@ -293,8 +293,8 @@ def test_s4d_initial_and_final_state_against_a_literal_loop(readout):
     params = [pair(case[k]) for k in ("lam", "b", "c")]
     args = (*feats, *params, readout, None, pair(h0))
     with chunks.block_sizes(16, 16, "loop"):
-        o, final = s4d.s4d_fwd(*args)
-        g = s4d_grad.s4d_bwd(*args, to_torch(do), pair(dht))
+        o, final, saved = s4d.s4d_fwd(*args, return_saved=True)
+        g = s4d_grad.s4d_bwd(*args, to_torch(do), pair(dht), saved)
 
     leaves = [x.clone().requires_grad_() for x in feats]
     cplx = [
@@ -423,6 +423,30 @@ def test_s4d_bad_input_names_the_argument(change, match):
     change(args)
     with pytest.raises(ValueError, match=match):
         s4d_op(args)
+
+
+def test_s4d_bwd_rejects_saved_of_other_inputs():
+    """saved must be what the forward returned for the same inputs: a forward over other
+    lengths, or no list at all, is a ValueError naming saved, not a wrong gradient."""
+    fq, kt, vt, lam, b, c = s4d_args()
+    args = (fq, kt, vt, lam, b, c, "ratio", None, None)
+    do = torch.zeros_like(vt)
+    _, _, saved = s4d.s4d_fwd(*args, return_saved=True)
+    shorter = (fq[:, :3], kt[:, :3], vt[:, :3], lam, b, c, "ratio", None, None)
+    _, _, other = s4d.s4d_fwd(*shorter, return_saved=True)
+    for bad in (other, saved[:1], [saved[0], saved[1].float()]):
+        with pytest.raises(ValueError, match="saved: expected what s4d_fwd"):
+            s4d_grad.s4d_bwd(*args, do, None, bad)
+
+
+@pytest.mark.parametrize("cu_seqlens", [None, [0, 2, 5]], ids=["batch", "varlen"])
+def test_s4d_op_fake_shapes_its_saved_tensors(cu_seqlens):
+    """The op's fake returns saved shaped as the Triton forward does (the chunk count of
+    packed sequences as a dynamic size): opcheck runs both and compares."""
+    fq, kt, vt, lam, b, c = s4d_args()
+    cu = None if cu_seqlens is None else torch.tensor(cu_seqlens, device=DEVICE)
+    op = torch.ops.attnspec.s4d_fwd.default
+    torch.library.opcheck(op, (fq, kt, vt, lam, b, c, "ratio", cu, None, "triton"))
 
 
 def test_s4d_varlen_needs_batch_one():
@@ -601,12 +625,15 @@ def test_s4d_matches_the_eager_twin(readout, diagonal):
     )
     twin_fwd, twin_bwd = dispatch.lookup("s4d_fwd", "eager"), dispatch.lookup("s4d_bwd", "eager")
     with chunks.block_sizes(*forced((32, 16, 8), diagonal)):
-        fwd = s4d.s4d_fwd(*args)
-        got = s4d_grad.s4d_bwd(*args, to_torch(do), dht)
+        *fwd, saved = s4d.s4d_fwd(*args, return_saved=True)
+        # the backward with the forward's chunk states and qe, and recomputing them
+        got = [s4d_grad.s4d_bwd(*args, to_torch(do), dht, kept) for kept in (saved, None)]
     for x, want in zip(fwd, twin_fwd(*args), strict=True):
         assert rel_err(x.cpu(), want.cpu()) < 1e-12
-    for x, y in zip(got, twin_bwd(*args, to_torch(do), dht), strict=True):
-        assert rel_err(x.cpu(), y.cpu()) < 1e-12
+    want = twin_bwd(*args, to_torch(do), dht)
+    for grads in got:
+        for x, y in zip(grads, want, strict=True):
+            assert rel_err(x.cpu(), y.cpu()) < 1e-12
 
 
 def test_legs_matches_the_eager_twin():

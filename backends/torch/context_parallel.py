@@ -845,18 +845,19 @@ class _S4DLocal(torch.autograd.Function):
         init: Tensor | None,
     ) -> tuple[Tensor, Tensor]:
         readout, cu, impl = cfg
-        o, final = dispatch.lookup("s4d_fwd", impl)(fq, kt, vt, lam, b, c, readout, cu, init)
+        kernel = dispatch.lookup("s4d_fwd", impl)
+        o, final, saved = kernel(fq, kt, vt, lam, b, c, readout, cu, init, True)
         ctx.cfg = cfg
-        ctx.save_for_backward(fq, kt, vt, lam, b, c, init)
+        ctx.save_for_backward(fq, kt, vt, lam, b, c, init, *saved)
         return o, final
 
     @staticmethod
     def backward(ctx: Any, do: Tensor, dfinal: Tensor) -> tuple[Tensor | None, ...]:
         readout, cu, impl = ctx.cfg
-        fq, kt, vt, lam, b, c, init = ctx.saved_tensors
+        fq, kt, vt, lam, b, c, init, *saved = ctx.saved_tensors
         kernel = dispatch.lookup("s4d_bwd", ops._backward_impl("s4d_bwd", impl))
         *grads, d_init = kernel(
-            fq, kt, vt, lam, b, c, readout, cu, init, do.contiguous(), dfinal.contiguous()
+            fq, kt, vt, lam, b, c, readout, cu, init, do.contiguous(), dfinal.contiguous(), saved
         )
         return (None, *grads, None if init is None else d_init)
 

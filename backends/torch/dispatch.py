@@ -16,13 +16,17 @@ scalars have HQ heads; varlen: B = 1 and ``cu_seqlens`` an int64 tensor of offse
   query heads of each group); ``dlse`` may be None. Conventions of spec/fpa.md section 6.
 - ``fox_fwd(q, k, v, log_f, scale, cu_seqlens) -> (o, lse)`` and
   ``fox_bwd(q, k, v, log_f, o, lse, do, dlse, scale, cu_seqlens) -> (dq, dk, dv, dlog_f)``.
-- ``s4d_fwd(fq, kt, vt, lam, b, c, readout, cu_seqlens, initial_state) -> (o, final_state)``:
+- ``s4d_fwd(fq, kt, vt, lam, b, c, readout, cu_seqlens, initial_state, return_saved=False)
+  -> (o, final_state)``, with return_saved ``(o, final_state, saved)``:
   fq, kt ``[B, T, H, R]``, vt ``[B, T, H, V]``; lam, b ``[H, M, 2]`` and c ``[H, M, M, 2]``
   real (re, im in the last axis) in float32 or wider; readout "linear" or "ratio"; states
   ``[N, H, M, C, 2]`` in float32 or wider (N sequences, C = R + V, + 1 for "ratio"),
-  initial_state may be None.
-- ``s4d_bwd(fq, kt, vt, lam, b, c, readout, cu_seqlens, initial_state, do, dfinal_state)
-  -> (dfq, dkt, dvt, dlam, db, dc, dinitial_state)``.
+  initial_state may be None; saved: a list of tensors the implementation keeps from its forward
+  for its backward (empty for one that recomputes everything).
+- ``s4d_bwd(fq, kt, vt, lam, b, c, readout, cu_seqlens, initial_state, do, dfinal_state,
+  saved=None) -> (dfq, dkt, dvt, dlam, db, dc, dinitial_state)``: saved from the forward of the
+  same implementation on the same inputs, or None / [] (recompute); an implementation ignores
+  what it does not use.
 - ``legs_fwd(fq, fk, v, M, cu_seqlens) -> o`` and
   ``legs_bwd(fq, fk, v, M, cu_seqlens, do) -> (dfq, dfk, dv)``.
 """

@@ -33,7 +33,7 @@ memory O(L^2 + L M (R + V)) for S4D and O(L^2 M + L M (R + V)) for LegS, one chu
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -343,11 +343,13 @@ def s4d_fwd(
     readout: str,
     cu_seqlens: Tensor | None,
     initial_state: Tensor | None,
+    return_saved: bool = False,
     *,
     chunk: int | None = None,
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Any, ...]:
     """(I11)-(I13) in chunks: o [B, T, H, V] in fq's dtype and the final state [N, H, M, C, 2]
-    (C = R + V, + 1 for "ratio") in the parameters' dtype."""
+    (C = R + V, + 1 for "ratio") in the parameters' dtype; with return_saved also ``saved``,
+    empty: the eager backward keeps nothing from the forward."""
     B, T, H, R = fq.shape
     V = vt.shape[3]
     dtype, _, model, xs = _s4d_setup(fq, kt, vt, lam, b, c, readout, chunk)
@@ -361,7 +363,8 @@ def s4d_fwd(
         carry = _states(state, n, cu_seqlens, shape, R, model.lam)
         o[rows, :, bos:eos], carry = scan(model, part, carry)
         finals.append(torch.cat(carry, dim=3))
-    return _time_second(o, fq.dtype), _as_real(torch.cat(finals), lam.dtype)
+    out = _time_second(o, fq.dtype), _as_real(torch.cat(finals), lam.dtype)
+    return (*out, []) if return_saved else out
 
 
 @dispatch.register("s4d_bwd", "eager")
@@ -377,12 +380,14 @@ def s4d_bwd(
     initial_state: Tensor | None,
     do: Tensor,
     dfinal_state: Tensor | None,
+    saved: list[Tensor] | None = None,
     *,
     chunk: int | None = None,
 ) -> tuple[Tensor | None, ...]:
     """Cotangents of :func:`s4d_fwd`: dfq, dkt, dvt, dlam, db, dc, dinitial_state (None without
     an initial state), shaped and typed like the inputs; complex ones as (re, im) pairs of
-    (dL/dRe, dL/dIm)."""
+    (dL/dRe, dL/dIm). ``saved`` is ignored (recomputed from the inputs; a backward that falls
+    back to this one may get another implementation's)."""
     T, H, R = fq.shape[1:]
     V = vt.shape[3]
     dtype, c_c, model, xs = _s4d_setup(fq, kt, vt, lam, b, c, readout, chunk)

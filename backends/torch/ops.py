@@ -483,7 +483,7 @@ def _s4d_state_channels(R: int, V: int, readout: str) -> int:
     "attnspec::s4d_fwd",
     mutates_args=(),
     schema="(Tensor fq, Tensor kt, Tensor vt, Tensor lam, Tensor b, Tensor c, str readout, "
-    "Tensor? cu_seqlens, Tensor? initial_state, str impl) -> (Tensor, Tensor)",
+    "Tensor? cu_seqlens, Tensor? initial_state, str impl) -> (Tensor, Tensor, Tensor[])",
 )
 def _s4d_fwd(
     fq: Tensor,
@@ -496,7 +496,8 @@ def _s4d_fwd(
     cu_seqlens: Tensor | None,
     initial_state: Tensor | None,
     impl: str,
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, list[Tensor]]:
+    """o, the final state, and what the implementation keeps for its backward (``saved``)."""
     for name, x in (("lam", lam), ("b", b), ("c", c), ("initial_state", initial_state)):
         if x is not None:
             checks.finite(name, x)
@@ -505,14 +506,14 @@ def _s4d_fwd(
     kept_initial = initial_state if keep is None or initial_state is None else initial_state[keep]
     with _no_autocast(fq):
         kernel = dispatch.lookup("s4d_fwd", impl)
-        o, final = kernel(fq, kt, vt, lam, b, c, readout, offsets, kept_initial)
+        o, final, saved = kernel(fq, kt, vt, lam, b, c, readout, offsets, kept_initial, True)
     if keep is None or cu_seqlens is None:
-        return o, final
+        return o, final, saved
     # a zero-length sequence ends in the state it started from
     N = len(cu_seqlens) - 1
     full = final.new_zeros(N, *final.shape[1:]) if initial_state is None else initial_state.clone()
     full[keep] = final
-    return o, full
+    return o, full, saved
 
 
 @_s4d_fwd.register_fake
@@ -527,19 +528,26 @@ def _(
     cu_seqlens: Tensor | None,
     initial_state: Tensor | None,
     impl: str,
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, list[Tensor]]:
     B, T, H, R = fq.shape
     V, M = vt.shape[3], lam.shape[1]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     C = _s4d_state_channels(R, V, readout)
-    return fq.new_empty(B, T, H, V), lam.new_empty(N, H, M, C, 2)
+    saved = []
+    if impl == "triton":  # the chunk count of packed sequences depends on their offsets
+        from .triton_s4d import saved_fake
+
+        chunks = None if cu_seqlens is None else torch.library.get_ctx().new_dynamic_size()
+        saved = saved_fake(fq, lam, C, chunks)
+    return fq.new_empty(B, T, H, V), lam.new_empty(N, H, M, C, 2), saved
 
 
 @torch.library.custom_op(
     "attnspec::s4d_bwd",
     mutates_args=(),
     schema="(Tensor fq, Tensor kt, Tensor vt, Tensor lam, Tensor b, Tensor c, str readout, "
-    "Tensor? cu_seqlens, Tensor? initial_state, Tensor do, Tensor? dfinal_state, str impl) "
+    "Tensor? cu_seqlens, Tensor? initial_state, Tensor do, Tensor? dfinal_state, "
+    "Tensor[] saved, str impl) "
     "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
 )
 def _s4d_bwd(
@@ -554,6 +562,7 @@ def _s4d_bwd(
     initial_state: Tensor | None,
     do: Tensor,
     dfinal_state: Tensor | None,
+    saved: list[Tensor],
     impl: str,
 ) -> tuple[Tensor, ...]:
     offsets, keep = _drop_empty_sequences(cu_seqlens, fq.shape[1])
@@ -564,7 +573,7 @@ def _s4d_bwd(
     with _no_autocast(fq):
         kernel = dispatch.lookup("s4d_bwd", impl)
         *grads, d_initial = kernel(
-            fq, kt, vt, lam, b, c, readout, offsets, kept_initial, do, kept_dfinal
+            fq, kt, vt, lam, b, c, readout, offsets, kept_initial, do, kept_dfinal, saved
         )
     if keep is not None and initial_state is not None:  # final = initial where T = 0
         full = torch.zeros_like(initial_state) if dfinal_state is None else dfinal_state.clone()
@@ -587,6 +596,7 @@ def _(
     initial_state: Tensor | None,
     do: Tensor,
     dfinal_state: Tensor | None,
+    saved: list[Tensor],
     impl: str,
 ) -> tuple[Tensor, ...]:
     d_initial = lam.new_empty(0) if initial_state is None else _empty(initial_state)
@@ -595,12 +605,15 @@ def _(
 
 def _s4d_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
     fq, kt, vt, lam, b, c, readout, cu_seqlens, initial_state, impl = inputs
-    ctx.save_for_backward(fq, kt, vt, lam, b, c, cu_seqlens, initial_state)
+    saved = output[2]  # the forward's chunk states and per-token buffers (Triton): kept for
+    # the backward, which then recomputes less (docs/decisions.md)
+    ctx.save_for_backward(fq, kt, vt, lam, b, c, cu_seqlens, initial_state, *saved)
+    ctx.mark_non_differentiable(*saved)
     ctx.readout, ctx.impl = readout, impl
 
 
-def _s4d_backward(ctx: Any, do: Tensor, dfinal_state: Tensor) -> tuple[Tensor | None, ...]:
-    fq, kt, vt, lam, b, c, cu_seqlens, initial_state = ctx.saved_tensors
+def _s4d_backward(ctx: Any, do: Tensor, dfinal_state: Tensor, *_: Any) -> tuple[Tensor | None, ...]:
+    fq, kt, vt, lam, b, c, cu_seqlens, initial_state, *saved = ctx.saved_tensors
     impl = _backward_impl("s4d_bwd", ctx.impl)
     *grads, d_initial = _s4d_bwd(
         fq,
@@ -614,6 +627,7 @@ def _s4d_backward(ctx: Any, do: Tensor, dfinal_state: Tensor) -> tuple[Tensor | 
         initial_state,
         do.contiguous(),
         dfinal_state.contiguous(),
+        saved,
         impl,
     )
     return (*grads, None, None, None if initial_state is None else d_initial, None)
@@ -664,13 +678,14 @@ def s4d_pairs(
         C = _s4d_state_channels(R, V, readout)
         return o, _empty_batch((0, H, M, C, 2), lam.dtype, *params)
     contiguous = (x.contiguous() for x in (fq, kt, vt, lam, b, c))
-    return _s4d_fwd(
+    o, final, _ = _s4d_fwd(
         *contiguous,
         readout,
         cu_seqlens,
         None if initial_state is None else initial_state.contiguous(),
         impl,
     )
+    return o, final
 
 
 @overload
@@ -741,7 +756,11 @@ def interdomain_s4d(
         o [B, T, H, V] in fq's dtype, or (o, final state [N, H, M, C] complex).
 
     Time O(T (L M + M (R + V + M))) with chunks of L tokens; memory O(L^2 M) per batch-head
-    beyond inputs and outputs (eager); the state does not grow with T.
+    beyond inputs and outputs (eager); the state does not grow with T. With autograd the
+    Triton backend keeps its forward's chunk states and qe for the backward: per token and
+    head 2 M (R + V) / L state values (bf16 for bf16 inputs) and 2 M float32 values, 1,280 B at
+    M = R = L = 64, V = 128 (eager keeps nothing); ``torch.utils.checkpoint`` around the layer
+    trades them for a second forward.
     """
     dims = checks.interdomain_features(("fq", "kt", "vt"), fq, kt, vt)
     readout = checks.readout(readout)

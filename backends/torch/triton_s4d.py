@@ -365,8 +365,8 @@ class S4DPlan(NamedTuple):
     sizes: dict[str, int]  # H, R, V, M, C: the integer arguments of every kernel
     CV: int  # value channels of the state (V, + 1 for the ratio readout)
     NKB: int  # channel blocks of the key channels in a state pass
-    grid_states: tuple[int, int]  # the backward's state programs: key and value blocks
-    grid_forward_states: tuple[int, int]  # ... the forward's: no block for the ones channel
+    grid_states: tuple[int, int]  # the state passes' programs: key and value channel blocks
+    # (the ratio readout's ones channel takes none: the first value block carries it)
     grid_sub: tuple[int, int]
     tables: Tables
     b: torch.Tensor
@@ -425,8 +425,7 @@ def s4d_plan(
         sizes=dict(H=H, R=R, V=V, M=M, C=C),
         CV=CV,
         NKB=NKB,
-        grid_states=(NKB + triton.cdiv(CV, BC), lay.N * H),
-        grid_forward_states=(NKB + triton.cdiv(V, BC), lay.N * H),
+        grid_states=(NKB + triton.cdiv(V, BC), lay.N * H),
         grid_sub=(lay.n_sub, H),
         tables=power_tables(lam, blocks.chunk, BM, acc),
         b=b.to(acc).contiguous(),
@@ -446,7 +445,7 @@ def s4d_state_pass_launch(
     shape = (sizes["H"], sizes["M"], sizes["C"], 2)
     states = torch.empty(lay.n_chunks, *shape, dtype=plan.stored, device=kt.device)
     final = torch.empty(lay.N, *shape, dtype=plan.acc, device=kt.device)
-    _s4d_state_pass[plan.grid_forward_states](
+    _s4d_state_pass[plan.grid_states](
         kt=kt,
         vt=vt,
         b=plan.b,
@@ -467,6 +466,47 @@ def s4d_state_pass_launch(
     return states, final
 
 
+def _saved_shapes(
+    chunks: Any, T: Any, H: int, M: int, C: int, dtype: torch.dtype
+) -> list[tuple[tuple[Any, ...], torch.dtype]]:
+    """(shape, dtype) of each tensor :func:`s4d_fwd` returns as saved, for T tokens in all
+    and inputs of ``dtype``: the chunk states [chunks, H, M, C, 2] in the stored type, qe
+    [T, H, 2, BM] in the accumulation type."""
+    acc = acc_types(dtype)[0]
+    return [((chunks, H, M, C, 2), stored_type(dtype, acc)), ((T, H, 2, pow2(M)), acc)]
+
+
+def saved_shapes(plan: S4DPlan, T: int, dtype: torch.dtype) -> list[tuple[Any, torch.dtype]]:
+    """:func:`_saved_shapes` of a launch plan."""
+    sizes = plan.sizes
+    chunks = plan.layout.n_chunks
+    return _saved_shapes(chunks, T, sizes["H"], sizes["M"], sizes["C"], dtype)
+
+
+def saved_fake(fq: torch.Tensor, lam: torch.Tensor, C: int, chunks: Any) -> list[torch.Tensor]:
+    """Empty tensors shaped as :func:`s4d_fwd`'s saved (the op's fake implementation);
+    chunks: the chunk count, None for batches of equal length (B x chunks per sequence)."""
+    B, T, H, _ = fq.shape
+    if chunks is None:
+        chunks = B * -(-T // blocks_for(fq.device).chunk)
+    shapes = _saved_shapes(chunks, B * T, H, lam.shape[1], C, fq.dtype)
+    return [fq.new_empty(shape, dtype=dtype) for shape, dtype in shapes]
+
+
+def check_saved(
+    plan: S4DPlan, saved: list[torch.Tensor], T: int, dtype: torch.dtype, device: torch.device
+) -> list[torch.Tensor]:
+    """``saved`` as :func:`s4d_fwd` returns it for the inputs of ``plan``, or a ValueError."""
+    want = saved_shapes(plan, T, dtype)
+    got = [(tuple(x.shape), x.dtype) for x in saved]
+    if got != want or any(x.device != device or not x.is_contiguous() for x in saved):
+        raise ValueError(
+            f"saved: expected what s4d_fwd(..., return_saved=True) returns for these inputs, "
+            f"contiguous on {device}: (shape, dtype) {want}; got {got}"
+        )
+    return list(saved)
+
+
 @dispatch.register("s4d_fwd", "triton")
 def s4d_fwd(
     fq: torch.Tensor,
@@ -478,7 +518,8 @@ def s4d_fwd(
     readout: str,
     cu_seqlens: torch.Tensor | None,
     initial_state: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    return_saved: bool = False,
+) -> tuple[Any, ...]:
     """The S4D core (I11)-(I13), chunked: o and the state after the last token.
 
     Args:
@@ -487,10 +528,13 @@ def s4d_fwd(
         readout: "linear" (I13) or "ratio" (divided by Re(fq^T conj(U)^T eta)).
         cu_seqlens: None, or (N + 1,) int offsets with B = 1; the state restarts at each.
         initial_state: None or [N, H, M, C, 2], C = R + V (+ 1 for "ratio"): x before token 0.
+        return_saved: also return the tensors :func:`.triton_s4d_bwd.s4d_bwd` takes as
+            ``saved`` (the autograd op keeps them from the forward for the backward).
 
     Returns:
         o [B, T, H, V] in the dtype of fq; the final state [N, H, M, C, 2] in float32
-        (float64 for float64 inputs). Time O(T (M (R + V + M) + chunk (R + V + M))) per head;
+        (float64 for float64 inputs); with return_saved, the list saved = [chunk states, qe]
+        (:func:`saved_shapes`). Time O(T (M (R + V + M) + chunk (R + V + M))) per head;
         memory O(T / chunk * M (R + V)) for the chunk states (bf16 for bf16 inputs), O(T M)
         for qe.
     """
@@ -513,6 +557,8 @@ def s4d_fwd(
     )
     o = torch.empty_like(vt_)
     _s4d_output[plan.grid_sub](vt=vt_, o=o, BV=plan.tiles["BV"], **common, **tiles)
+    if return_saved:
+        return o.reshape(vt.shape), final, [states, qe]
     return o.reshape(vt.shape), final
 
 

@@ -28,7 +28,7 @@ from .triton_chunks import (
     store_rows,
     sub_chunk,
 )
-from .triton_s4d import OUTPUT_STAGES, s4d_plan, s4d_state_pass_launch
+from .triton_s4d import OUTPUT_STAGES, check_saved, s4d_plan, s4d_state_pass_launch
 from .triton_s4d_tiles import (
     b_modes,
     cadd,
@@ -233,6 +233,7 @@ def _s4d_bwd_query(
     BM: tl.constexpr,
     TAB: tl.constexpr,
     RATIO: tl.constexpr,
+    MIX: tl.constexpr,
     DIAG: tl.constexpr,
     ACC: tl.constexpr,
     OP: tl.constexpr,
@@ -240,9 +241,9 @@ def _s4d_bwd_query(
     PREC: tl.constexpr,
 ) -> None:
     """The key side of the backward through the readout for the rows of one sub-chunk [S4]:
-    p, qe = G p, the chunk sum without b (pt) and dp/dLambda (pd), each kept in a per-token
-    buffer [T, H, 2, BM], and for the ratio readout den = Re(qe^H x^1) in den_buf [T, H].
-    Grid (sub-chunks, H)."""
+    p, the chunk sum without b (pt) and dp/dLambda (pd), each kept in a per-token buffer
+    [T, H, 2, BM]; with MIX (qe not kept from the forward) also qe = G p; for the ratio
+    readout den = Re(qe^H x^1) in den_buf [T, H]. Grid (sub-chunks, H)."""
     i_p, i_h = tl.program_id(0), tl.program_id(1)
     t0, t1, g, i_s, _ = sub_chunk(sub_info, i_p)
     sc = (t0, t1, i_s, i_h, H)
@@ -263,9 +264,13 @@ def _s4d_bwd_query(
     pd = cadd(cmul(pow_at(dpw_h, k_i, o_m[None, :], TAB, BM), y), cmul(b_c, pd))
     store_modes(pd_buf, pd[0], pd[1], tok, i_h, H, m_t, BM)
     p = cadd(cmul(pow_at(pw_h, k_i, o_m[None, :], TAB, BM), y), cmul(b_c, pt))
-    p = store_reload(p_buf, p, tok, i_h, H, m_t, BM)  # the sums above: off the chain to G p
-    qe = s4d_mix(p, gmat, i_h, BM, PREC)
-    store_modes(qe_buf, qe[0], qe[1], tok, i_h, H, m_t, BM)
+    if MIX:
+        p = store_reload(p_buf, p, tok, i_h, H, m_t, BM)  # the sums above: off the chain to G p
+        qe = s4d_mix(p, gmat, i_h, BM, PREC)
+        store_modes(qe_buf, qe[0], qe[1], tok, i_h, H, m_t, BM)
+    else:  # qe from the forward
+        store_modes(p_buf, p[0], p[1], tok, i_h, H, m_t, BM)
+        qe = load_modes(qe_buf, tok, i_h, H, m_t, BM) if RATIO else p
     if RATIO:  # (I13) the ratio readout's denominator, as _s4d_query
         tabs = (pw_h, gs + i_h * 2 * TAB)
         store_ratio_den(den_buf, qe, s0, R + V, tabs, b_c, sc, C, M, BS, BM, TAB)
@@ -338,17 +343,16 @@ def _s4d_bwd_values(
         den = tl.load(den_buf + tok.to(tl.int64) * H + i_h, mask=m_t, other=1.0)
         inv = (1.0 / den)[:, None]
         qs = qe[0] * inv, qe[1] * inv
-        gq = gq[0] * inv, gq[1] * inv
     else:
         qs = qe
     gl_re, gl_im = _row_sum_conj(qs, gqd)
     gb_re, gb_im = _row_sum_conj(qs, gqt)
     if RATIO:  # + x^1_t dden_t (its parts of g(Lambda) and g(b): _s4d_bwd_readout)
         # <do, o> = Re(qe^H x^V do) / den: dden from the value part of g(qe) itself
-        dd = -tl.sum(qs[0] * gq[0] + qs[1] * gq[1], axis=1)
+        dd = -tl.sum(qs[0] * gq[0] + qs[1] * gq[1], axis=1) / den  # gq: do's part, not / den
         tl.store(dden_buf + tok.to(tl.int64) * H + i_h, dd, mask=m_t)
         x1, _ = ones_readout(s0, R + V, (pw_h, gs + i_h * 2 * TAB), b_c, sc, C, M, BS, BM, TAB)
-        gq = gq[0] + dd[:, None] * x1[0], gq[1] + dd[:, None] * x1[1]
+        gq = gq[0] * inv + dd[:, None] * x1[0], gq[1] * inv + dd[:, None] * x1[1]
     gq = store_reload(gq_buf, gq, tok, i_h, H, m_t, BM)  # off the chain to G g(qe)
     gp = s4d_mix(gq, gmat, i_h, BM, PREC)  # G^H = G
     store_modes(gp_buf, gp[0], gp[1], tok, i_h, H, m_t, BM)
@@ -456,7 +460,6 @@ def _s4d_reverse_state_pass(
     H: tl.tensor,
     R: tl.tensor,
     V: tl.tensor,
-    CV: tl.tensor,
     M: tl.tensor,
     C: tl.tensor,
     NKB: tl.tensor,
@@ -474,31 +477,42 @@ def _s4d_reverse_state_pass(
     last token of chunk k from later tokens), then D_{k-1} = conj(Lambda)^L D_k +
     sum_s conj(Lambda)^(s-t0+1) q_s zq_s^T, with (q, zq) = (g(p), fq) on key channels and
     (qe, [dnum, dden]) on value channels; D_{-1} is the gradient of the initial state.
-    Grid as the forward state pass."""
+    Grid as the forward state pass; the ratio readout's ones channel (zq = dden) takes no
+    product: its column D^1 is a [BT, BM] weighted sum, carried by the first value block."""
     i_c, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos = tl.load(cu + i_n), tl.load(cu + i_n + 1)
     g0 = tl.load(chunk_offsets + i_n)
     o_m = tl.arange(0, BM)
     o_t = tl.arange(0, BT)
-    c_loc, c_st, m_c = channel_block(i_c, NKB, R, CV, BC)
+    c_loc, c_st, m_c = channel_block(i_c, NKB, R, V, BC)
     p_hm = (o_m[:, None] * C + c_st[None, :]) * 2
     m_hm = (o_m < M)[:, None] & m_c[None, :]
     pw_h = pw + i_h * 2 * TAB
     d_re = tl.zeros([BM, BC], dtype=ACC)
     d_im = tl.zeros([BM, BC], dtype=ACC)
+    p_one = (o_m * C + R + V) * 2  # the ones channel (ratio readout), if any
+    m_one = (o_m < M) & (o_m * 0 + i_c == NKB)
+    d1_re = tl.zeros([BM], dtype=ACC)
+    d1_im = tl.zeros([BM], dtype=ACC)
     if USE_DHT:
-        p_dht = dht + i_nh.to(tl.int64) * M * C * 2 + p_hm
-        d_re = tl.load(p_dht, mask=m_hm, other=0.0).to(ACC)
-        d_im = tl.load(p_dht + 1, mask=m_hm, other=0.0).to(ACC)
+        p_dht = dht + i_nh.to(tl.int64) * M * C * 2
+        d_re = tl.load(p_dht + p_hm, mask=m_hm, other=0.0).to(ACC)
+        d_im = tl.load(p_dht + p_hm + 1, mask=m_hm, other=0.0).to(ACC)
+        if RATIO:
+            d1_re = tl.load(p_dht + p_one, mask=m_one, other=0.0).to(ACC)
+            d1_im = tl.load(p_dht + p_one + 1, mask=m_one, other=0.0).to(ACC)
     NT = tl.cdiv(eos - bos, BT)
     for kk in range(0, NT):
         k = NT - 1 - kk
         t0 = bos + k * BT
         L = tl.minimum(BT, eos - t0)
-        off = ((g0 + k) * H + i_h).to(tl.int64) * M * C * 2 + p_hm
-        tl.store(dstates + off, d_re.to(dstates.dtype.element_ty), mask=m_hm)
-        tl.store(dstates + off + 1, d_im.to(dstates.dtype.element_ty), mask=m_hm)
+        p_ds = dstates + ((g0 + k) * H + i_h).to(tl.int64) * M * C * 2
+        tl.store(p_ds + p_hm, d_re.to(dstates.dtype.element_ty), mask=m_hm)
+        tl.store(p_ds + p_hm + 1, d_im.to(dstates.dtype.element_ty), mask=m_hm)
+        if RATIO:
+            tl.store(p_ds + p_one, d1_re.to(dstates.dtype.element_ty), mask=m_one)
+            tl.store(p_ds + p_one + 1, d1_im.to(dstates.dtype.element_ty), mask=m_one)
         tok = t0 + o_t
         m_t = o_t < L
         if i_c < NKB:
@@ -506,9 +520,6 @@ def _s4d_reverse_state_pass(
             q_re, q_im = load_modes(gp_buf, tok, i_h, H, m_t, BM)
         else:
             zq = load_rows(dnum, tok, i_h, H, V, c_loc, m_t, ACC)
-            if RATIO:
-                zd = tl.load(dden + tok.to(tl.int64) * H + i_h, mask=m_t, other=0.0)
-                zq = tl.where(m_t[:, None] & (c_loc == V)[None, :], zd[:, None], zq)
             q_re, q_im = load_modes(qe_buf, tok, i_h, H, m_t, BM)
         w_re, w_im = pow_at(pw_h, (o_t + 1)[:, None], o_m[None, :], TAB, BM)
         qw_re = q_re * w_re + q_im * w_im  # q_s conj(Lambda^(s-t0+1)) [BT, BM]
@@ -517,10 +528,18 @@ def _s4d_reverse_state_pass(
         d_re, d_im = cmul((e_re[:, None], -e_im[:, None]), (d_re, d_im))  # conj(Lambda)^L D
         d_re += tl.dot(tl.trans(qw_re), zq, input_precision=PREC)
         d_im += tl.dot(tl.trans(qw_im), zq, input_precision=PREC)
+        if RATIO:  # D^1: zq = dden, one value per token
+            zd = tl.load(dden + tok.to(tl.int64) * H + i_h, mask=m_t, other=0.0)[:, None]
+            d1_re, d1_im = cmul((e_re, -e_im), (d1_re, d1_im))
+            d1_re += tl.sum(qw_re * zd, axis=0)
+            d1_im += tl.sum(qw_im * zd, axis=0)
     if STORE_DH0:
-        p_dh0 = dh0 + i_nh.to(tl.int64) * M * C * 2 + p_hm
-        tl.store(p_dh0, d_re, mask=m_hm)
-        tl.store(p_dh0 + 1, d_im, mask=m_hm)
+        p_dh0 = dh0 + i_nh.to(tl.int64) * M * C * 2
+        tl.store(p_dh0 + p_hm, d_re, mask=m_hm)
+        tl.store(p_dh0 + p_hm + 1, d_im, mask=m_hm)
+        if RATIO:
+            tl.store(p_dh0 + p_one, d1_re, mask=m_one)
+            tl.store(p_dh0 + p_one + 1, d1_im, mask=m_one)
 
 
 @triton.jit
@@ -530,6 +549,8 @@ def _s4d_chunk_grads(
     b: tl.tensor,
     pw: tl.tensor,
     dpw: tl.tensor,
+    gs: tl.tensor,
+    dgs: tl.tensor,
     states: tl.tensor,
     dstates: tl.tensor,
     chunk_info: tl.tensor,
@@ -538,7 +559,6 @@ def _s4d_chunk_grads(
     H: tl.tensor,
     R: tl.tensor,
     V: tl.tensor,
-    CV: tl.tensor,
     M: tl.tensor,
     C: tl.tensor,
     NKB: tl.tensor,
@@ -554,13 +574,14 @@ def _s4d_chunk_grads(
 ) -> None:
     """The parts of g(b) and g(Lambda) that pair a chunk with its start state S0 or with D (the
     adjoint entering its last token e) [S6]. Grid (chunks, channel blocks, H), independent
-    programs."""
+    programs; the ratio readout's ones channel (z = 1) in closed form, with the first value
+    block: sum_u conj(Lambda^(e-u)) = conj(sum_{j<L} Lambda^j) and its derivative."""
     i_g, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     t0 = tl.load(chunk_info + i_g * 2)
     L = tl.load(chunk_info + i_g * 2 + 1) - t0
     o_m = tl.arange(0, BM)
     o_t = tl.arange(0, BT)
-    c_loc, c_st, m_c = channel_block(i_c, NKB, R, CV, BC)
+    c_loc, c_st, m_c = channel_block(i_c, NKB, R, V, BC)
     off = (i_g * H + i_h).to(tl.int64) * M * C * 2 + (o_m[:, None] * C + c_st[None, :]) * 2
     m_hm = (o_m < M)[:, None] & m_c[None, :]
     s_re = tl.load(states + off, mask=m_hm, other=0.0).to(ACC)
@@ -581,8 +602,6 @@ def _s4d_chunk_grads(
         z = load_rows(kt, tok, i_h, H, R, c_loc, m_t, ACC)
     else:
         z = load_rows(vt, tok, i_h, H, V, c_loc, m_t, ACC)
-        if RATIO:
-            z = tl.where(m_t[:, None] & (c_loc == V)[None, :], 1.0, z)
     # The channel sums first: y[u, m] = sum_c D[m, c] z_u[c], one [BT, BC] x [BC, BM] product
     # per plane, shared by both parts; then per mode the sums over u with the tables,
     # g(b) = sum_u conj(Lambda^(e-u)) y[u] and g(Lambda) += conj(b) sum_u conj((e-u)
@@ -596,6 +615,23 @@ def _s4d_chunk_grads(
     w_re, w_im = pow_at(dpw_h, k_u, o_m[None, :], TAB, BM)  # (e-u) Lambda^(e-u-1)
     x_re = tl.sum(w_re * y_re + w_im * y_im, axis=0)
     x_im = tl.sum(w_re * y_im - w_im * y_re, axis=0)
+    if RATIO:  # the ones column: <S0^1, D^1> and y[u] = D^1 for every token of the chunk
+        p_one = (i_g * H + i_h).to(tl.int64) * M * C * 2 + (o_m * C + R + V) * 2
+        m_one = (o_m < M) & (o_m * 0 + i_c == NKB)
+        s1_re = tl.load(states + p_one, mask=m_one, other=0.0).to(ACC)
+        s1_im = tl.load(states + p_one + 1, mask=m_one, other=0.0).to(ACC)
+        d1_re = tl.load(dstates + p_one, mask=m_one, other=0.0).to(ACC)
+        d1_im = tl.load(dstates + p_one + 1, mask=m_one, other=0.0).to(ACC)
+        w_re, w_im = pow_at(dpw_h, L, o_m, TAB, BM)
+        gl1 = cmul((w_re, -w_im), (s1_re * d1_re + s1_im * d1_im, s1_re * d1_im - s1_im * d1_re))
+        w_re, w_im = pow_at(gs + i_h * 2 * TAB, L, o_m, TAB, BM)  # sum_{j<L} Lambda^j
+        gb_re += w_re * d1_re + w_im * d1_im
+        gb_im += w_re * d1_im - w_im * d1_re
+        w_re, w_im = pow_at(dgs + i_h * 2 * TAB, L, o_m, TAB, BM)  # its derivative
+        x_re += w_re * d1_re + w_im * d1_im
+        x_im += w_re * d1_im - w_im * d1_re
+        gl_re += gl1[0]
+        gl_im += gl1[1]
     gl_re += b_re * x_re + b_im * x_im
     gl_im += b_re * x_im - b_im * x_re
     p_part = ((i_g * tl.num_programs(1) + i_c) * H + i_h).to(tl.int64) * 2 * BM + o_m
@@ -685,16 +721,22 @@ def s4d_bwd(
     initial_state: torch.Tensor | None,
     do: torch.Tensor,
     dfinal_state: torch.Tensor | None,
+    saved: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor | None, ...]:
     """Gradients of :func:`s4d_fwd` for the cotangents do [B, T, H, V] and dfinal_state.
 
     Complex gradients are (dL/dRe, dL/dIm) pairs, the convention of
     ``attnspec.reference.interdomain.interdomain_s4d_vjp``.
 
+    Args:
+        saved: what ``s4d_fwd(..., return_saved=True)`` returned for the same inputs (the
+            chunk states and qe): the backward then runs no state pass and no G p. None or
+            []: recomputed from the inputs.
+
     Returns:
         (dfq, dkt, dvt, dlam, db, dc, dinitial_state), each in the dtype of its input;
-        dinitial_state is None without initial_state. Time about 3x the forward; memory
-        O(T M) for four per-token mode buffers plus two sets of chunk states.
+        dinitial_state is None without initial_state. Time about 3x the forward (2.4x with
+        saved); memory O(T M) for four per-token mode buffers plus two sets of chunk states.
     """
     plan = s4d_plan(fq, kt, vt, lam, b, c, readout, cu_seqlens, initial_state)
     check_cotangent("do", do, vt)
@@ -704,9 +746,14 @@ def s4d_bwd(
         check_param("dfinal_state", dfinal_state, (lay.N, H, M, sizes["C"], 2), fq.device)
     fq_, kt_, vt_, do_ = flat(fq), flat(kt), flat(vt), flat(do)
     dev, acc, BM = fq.device, plan.acc, plan.tiles["BM"]
-    states, _ = s4d_state_pass_launch(plan, kt_, vt_, initial_state)
-    p_buf, qe_buf, gq_buf, gp_buf, pt_buf, pd_buf = (
-        torch.empty(fq_.shape[0], H, 2, BM, dtype=acc, device=dev) for _ in range(6)
+    mix = not saved  # qe = G p formed again by _s4d_bwd_query
+    if saved:
+        states, qe_buf = check_saved(plan, saved, fq_.shape[0], fq.dtype, dev)
+    else:
+        states, _ = s4d_state_pass_launch(plan, kt_, vt_, initial_state)
+        qe_buf = torch.empty(fq_.shape[0], H, 2, BM, dtype=acc, device=dev)
+    p_buf, gq_buf, gp_buf, pt_buf, pd_buf = (
+        torch.empty(fq_.shape[0], H, 2, BM, dtype=acc, device=dev) for _ in range(5)
     )
     # With the ratio readout dnum = do / den and dden are written by _s4d_bwd_values.
     dnum = torch.empty(do_.shape, dtype=acc, device=dev) if plan.ratio else do_
@@ -732,6 +779,7 @@ def s4d_bwd(
         gs=tab.gs,
         den_buf=den,
         RATIO=plan.ratio,
+        MIX=mix,
         **_args(_s4d_bwd_query, launch),
     )
     _s4d_bwd_values[grid](
@@ -784,27 +832,28 @@ def s4d_bwd(
         dh0=dh0,
         cu=lay.cu,
         chunk_offsets=lay.chunk_offsets,
-        CV=plan.CV,
         NKB=plan.NKB,
         USE_DHT=dfinal_state is not None,
         STORE_DH0=dh0 is not None,
         **sizes,
         **plan.state_tiles,
     )
-    glam2 = torch.empty(lay.n_chunks, plan.grid_states[0], H, 2, BM, dtype=acc, device=dev)
+    blocks = plan.grid_states[0]
+    glam2 = torch.empty(lay.n_chunks, blocks, H, 2, BM, dtype=acc, device=dev)
     gb2 = torch.empty_like(glam2)
-    _s4d_chunk_grads[(lay.n_chunks, plan.grid_states[0], H)](
+    _s4d_chunk_grads[(lay.n_chunks, blocks, H)](
         kt=kt_,
         vt=vt_,
         b=plan.b,
         pw=tab.pw,
         dpw=tab.dpw,
+        gs=tab.gs,
+        dgs=tab.dgs,
         states=states,
         dstates=dstates,
         chunk_info=lay.chunk_info,
         glam_part=glam2,
         gb_part=gb2,
-        CV=plan.CV,
         NKB=plan.NKB,
         OP=plan.operands[0],
         RB=plan.operands[1],
