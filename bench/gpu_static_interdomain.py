@@ -7,7 +7,8 @@ run on CPU tensors at the Hopper blocks (``triton_chunks.DEVICE_BLOCKS["hopper"]
 program per 64-token chunk, the chunk one diagonal block in the lag form, the forward's tokens
 as columns in slices of 32; LegS programs per 64-token chunk and per position; 8 warps) with
 every kernel launch captured instead of run, so the arguments, constexprs, grids and alignment
-are the launcher's. The shapes: B = 1, T = 512, H = 16,
+are the launcher's; the S4D backward takes the forward's saved chunk states and qe, as the
+autograd op runs it. The shapes: B = 1, T = 512, H = 16,
 M = R = 64, dv = 128, bf16 features, the denominator-free readout; beside the default, the S4D
 tilings of :func:`VARIANTS` (chunk-wide loop form, the 16-row programs in the loop form, the
 Hopper default before the chunk-wide lag tiling, and in the lag form) and the default with the
@@ -22,9 +23,10 @@ Printed per kernel: dynamic shared memory, registers, stack bytes per thread, sp
 Per token and head, from the captured launch plan (:func:`plan_costs`): tensor-core FLOPs
 (2 m n k of every tl.dot a launch executes) and bytes of chunk states moved (stored by the state
 passes, read back by the chunk programs), forward and forward + backward, ours against
-chunk_gla's. Budgets (issue's goals): no mma.sync and no spill in any Interdomain kernel,
-FLOPs and state bytes per token <= 2x chunk_gla's; only those in :data:`ASSERTED` fail the gate
-(exit 1), the others are printed with their measured values.
+chunk_gla's; and the bytes per token the backward keeps from the forward besides the inputs
+(:func:`kept_per_token`). Budgets (issue's goals): no mma.sync and no spill in any Interdomain
+kernel, FLOPs and state bytes per token <= 2x chunk_gla's; only those in :data:`ASSERTED` fail
+the gate (exit 1), the others are printed with their measured values.
 
     python -m bench.gpu_static_interdomain                 # the table (CI: tests/test_gpu_static_*)
     python -m bench.gpu_static_interdomain --json build/gpu_static_interdomain.json
