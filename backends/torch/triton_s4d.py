@@ -59,7 +59,9 @@ from .triton_s4d_tiles import (
     s4d_mix,
     s4d_offdiag,
     s4d_readout,
+    start_state,
     store_ratio_den,
+    store_state,
 )
 
 __all__ = ["s4d_fwd", "s4d_step"]
@@ -118,28 +120,18 @@ def _s4d_state_pass(
     m_hm = (o_m < M)[:, None] & m_c[None, :]
     b_re, b_im = b_modes(b, i_h, M, BM, ACC)
     pw_h = pw + i_h * 2 * TAB
-    s_re = tl.zeros([BM, BC], dtype=ACC)
-    s_im = tl.zeros([BM, BC], dtype=ACC)
-    p_one = (o_m * C + R + V) * 2  # the ones channel (ratio readout), if any
-    m_one = (o_m < M) & (o_m * 0 + i_c == NKB)
-    s1_re = tl.zeros([BM], dtype=ACC)
-    s1_im = tl.zeros([BM], dtype=ACC)
+    p_h0 = h0
     if USE_H0:
         p_h0 = h0 + i_nh.to(tl.int64) * M * C * 2
-        s_re = tl.load(p_h0 + p_hm, mask=m_hm, other=0.0).to(ACC)
-        s_im = tl.load(p_h0 + p_hm + 1, mask=m_hm, other=0.0).to(ACC)
-        if RATIO:
-            s1_re = tl.load(p_h0 + p_one, mask=m_one, other=0.0).to(ACC)
-            s1_im = tl.load(p_h0 + p_one + 1, mask=m_one, other=0.0).to(ACC)
+    (s_re, s_im), (s1_re, s1_im), one = start_state(
+        p_h0, p_hm, m_hm, o_m, i_c, NKB, R, V, M, C, USE_H0, RATIO, BM, BC, ACC
+    )
     for k in range(0, tl.cdiv(eos - bos, BT)):
         t0 = bos + k * BT
         L = tl.minimum(BT, eos - t0)
         p_st = states + ((g0 + k) * H + i_h).to(tl.int64) * M * C * 2
-        tl.store(p_st + p_hm, s_re.to(states.dtype.element_ty), mask=m_hm)  # bf16 for bf16
-        tl.store(p_st + p_hm + 1, s_im.to(states.dtype.element_ty), mask=m_hm)
+        store_state(p_st, (s_re, s_im), (s1_re, s1_im), p_hm, m_hm, one, RATIO)
         if RATIO:
-            tl.store(p_st + p_one, s1_re.to(states.dtype.element_ty), mask=m_one)
-            tl.store(p_st + p_one + 1, s1_im.to(states.dtype.element_ty), mask=m_one)
             g = pow_at(gs + i_h * 2 * TAB, L, o_m, TAB, BM)  # sum_{j<L} Lambda^j
             s1_re, s1_im = cadd(
                 cmul(pow_at(pw_h, L, o_m, TAB, BM), (s1_re, s1_im)), cmul((b_re, b_im), g)
@@ -160,11 +152,7 @@ def _s4d_state_pass(
         s_re += tl.dot(wb_re.to(OP), z, input_precision=PREC)
         s_im += tl.dot(wb_im.to(OP), z, input_precision=PREC)
     p_ht = ht + i_nh.to(tl.int64) * M * C * 2
-    tl.store(p_ht + p_hm, s_re, mask=m_hm)
-    tl.store(p_ht + p_hm + 1, s_im, mask=m_hm)
-    if RATIO:
-        tl.store(p_ht + p_one, s1_re, mask=m_one)
-        tl.store(p_ht + p_one + 1, s1_im, mask=m_one)
+    store_state(p_ht, (s_re, s_im), (s1_re, s1_im), p_hm, m_hm, one, RATIO)
 
 
 @triton.jit

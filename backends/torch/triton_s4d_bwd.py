@@ -46,7 +46,9 @@ from .triton_s4d_tiles import (
     s4d_mix,
     s4d_readout,
     same_block,
+    start_state,
     store_ratio_den,
+    store_state,
 )
 
 __all__ = ["s4d_bwd"]
@@ -489,30 +491,19 @@ def _s4d_reverse_state_pass(
     p_hm = (o_m[:, None] * C + c_st[None, :]) * 2
     m_hm = (o_m < M)[:, None] & m_c[None, :]
     pw_h = pw + i_h * 2 * TAB
-    d_re = tl.zeros([BM, BC], dtype=ACC)
-    d_im = tl.zeros([BM, BC], dtype=ACC)
-    p_one = (o_m * C + R + V) * 2  # the ones channel (ratio readout), if any
-    m_one = (o_m < M) & (o_m * 0 + i_c == NKB)
-    d1_re = tl.zeros([BM], dtype=ACC)
-    d1_im = tl.zeros([BM], dtype=ACC)
+    p_dht = dht
     if USE_DHT:
         p_dht = dht + i_nh.to(tl.int64) * M * C * 2
-        d_re = tl.load(p_dht + p_hm, mask=m_hm, other=0.0).to(ACC)
-        d_im = tl.load(p_dht + p_hm + 1, mask=m_hm, other=0.0).to(ACC)
-        if RATIO:
-            d1_re = tl.load(p_dht + p_one, mask=m_one, other=0.0).to(ACC)
-            d1_im = tl.load(p_dht + p_one + 1, mask=m_one, other=0.0).to(ACC)
+    (d_re, d_im), (d1_re, d1_im), one = start_state(
+        p_dht, p_hm, m_hm, o_m, i_c, NKB, R, V, M, C, USE_DHT, RATIO, BM, BC, ACC
+    )
     NT = tl.cdiv(eos - bos, BT)
     for kk in range(0, NT):
         k = NT - 1 - kk
         t0 = bos + k * BT
         L = tl.minimum(BT, eos - t0)
         p_ds = dstates + ((g0 + k) * H + i_h).to(tl.int64) * M * C * 2
-        tl.store(p_ds + p_hm, d_re.to(dstates.dtype.element_ty), mask=m_hm)
-        tl.store(p_ds + p_hm + 1, d_im.to(dstates.dtype.element_ty), mask=m_hm)
-        if RATIO:
-            tl.store(p_ds + p_one, d1_re.to(dstates.dtype.element_ty), mask=m_one)
-            tl.store(p_ds + p_one + 1, d1_im.to(dstates.dtype.element_ty), mask=m_one)
+        store_state(p_ds, (d_re, d_im), (d1_re, d1_im), p_hm, m_hm, one, RATIO)
         tok = t0 + o_t
         m_t = o_t < L
         if i_c < NKB:
@@ -535,11 +526,7 @@ def _s4d_reverse_state_pass(
             d1_im += tl.sum(qw_im * zd, axis=0)
     if STORE_DH0:
         p_dh0 = dh0 + i_nh.to(tl.int64) * M * C * 2
-        tl.store(p_dh0 + p_hm, d_re, mask=m_hm)
-        tl.store(p_dh0 + p_hm + 1, d_im, mask=m_hm)
-        if RATIO:
-            tl.store(p_dh0 + p_one, d1_re, mask=m_one)
-            tl.store(p_dh0 + p_one + 1, d1_im, mask=m_one)
+        store_state(p_dh0, (d_re, d_im), (d1_re, d1_im), p_hm, m_hm, one, RATIO)
 
 
 @triton.jit

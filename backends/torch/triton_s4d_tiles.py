@@ -494,6 +494,63 @@ def ones_readout(
 
 
 @triton.jit
+def start_state(
+    src: tl.tensor,
+    p_hm: tl.tensor,
+    m_hm: tl.tensor,
+    o_m: tl.tensor,
+    i_c: tl.tensor,
+    NKB: tl.tensor,
+    R: tl.tensor,
+    V: tl.tensor,
+    M: tl.tensor,
+    C: tl.tensor,
+    LOAD: tl.constexpr,
+    RATIO: tl.constexpr,
+    BM: tl.constexpr,
+    BC: tl.constexpr,
+    ACC: tl.constexpr,
+) -> tl.tuple:
+    """What a state pass's program (channel block i_c) starts from: its block of the state (or
+    adjoint) src [M, C, 2] at (p_hm, m_hm), [BM, BC], and the ratio readout's ones column [BM],
+    which the first value block (i_c == NKB) carries; zeros without LOAD. Returns (x, x1, (the
+    ones column's offsets, mask)), complex values as (re, im)."""
+    p_one = (o_m * C + R + V) * 2
+    m_one = (o_m < M) & (o_m * 0 + i_c == NKB)
+    x_re = tl.zeros([BM, BC], dtype=ACC)
+    x_im = tl.zeros([BM, BC], dtype=ACC)
+    x1_re = tl.zeros([BM], dtype=ACC)
+    x1_im = tl.zeros([BM], dtype=ACC)
+    if LOAD:
+        x_re = tl.load(src + p_hm, mask=m_hm, other=0.0).to(ACC)
+        x_im = tl.load(src + p_hm + 1, mask=m_hm, other=0.0).to(ACC)
+        if RATIO:
+            x1_re = tl.load(src + p_one, mask=m_one, other=0.0).to(ACC)
+            x1_im = tl.load(src + p_one + 1, mask=m_one, other=0.0).to(ACC)
+    return (x_re, x_im), (x1_re, x1_im), (p_one, m_one)
+
+
+@triton.jit
+def store_state(
+    dst: tl.tensor,
+    x: tl.tuple,
+    x1: tl.tuple,
+    p_hm: tl.tensor,
+    m_hm: tl.tensor,
+    one: tl.tuple,
+    RATIO: tl.constexpr,
+) -> None:
+    """Store what :func:`start_state` loads: the block x of a state pass's program into the
+    state dst [M, C, 2] (in dst's type: bf16 chunk states for bf16 inputs), and its ones
+    column x1 at one = (offsets, mask) for the ratio readout."""
+    tl.store(dst + p_hm, x[0].to(dst.dtype.element_ty), mask=m_hm)
+    tl.store(dst + p_hm + 1, x[1].to(dst.dtype.element_ty), mask=m_hm)
+    if RATIO:
+        tl.store(dst + one[0], x1[0].to(dst.dtype.element_ty), mask=one[1])
+        tl.store(dst + one[0] + 1, x1[1].to(dst.dtype.element_ty), mask=one[1])
+
+
+@triton.jit
 def ones_column(
     s0: tl.tensor, c_one: tl.tensor, C: tl.tensor, M: tl.tensor, BM: tl.constexpr, ACC: tl.constexpr
 ) -> tl.tuple:
