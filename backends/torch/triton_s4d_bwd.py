@@ -365,7 +365,7 @@ def _s4d_bwd_values(
     tl.store(gb_part + p_part + BM, gb_im)
     if RATIO:  # dnum for the later programs
         o_v = tl.arange(0, BV)
-        dnum = load_rows(do, tok, i_h, H, V, o_v, m_t, ACC) / den[:, None]
+        dnum = dn.to(ACC) / den[:, None]
         store_rows(dnum_buf, dnum, tok, i_h, H, V, o_v, m_t)
 
 
