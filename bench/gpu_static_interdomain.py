@@ -229,6 +229,30 @@ def _inputs(dtype: Any, widths: tuple[int, ...], seed: int = 0) -> list[Any]:
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp64": "float64"}
 
 
+def _s4d_inputs(dtype: str = "bf16") -> tuple[Any, ...]:
+    """fq, kt, vt, do [B, T, H, .] in dtype and the S4D parameters [lam, b, c] as (re, im)
+    pairs: |Lambda| = 0.9, b = 1, C = I."""
+    import numpy as np
+    import torch
+
+    fq, kt, vt, do = _inputs(getattr(torch, DTYPES[dtype]), (R, R, DV, DV))
+    complex_type = torch.complex128 if dtype == "fp64" else torch.complex64
+    lam = 0.9 * np.exp(1j * np.random.default_rng(0).uniform(0, np.pi, (H, M)))
+    pair = lambda z: torch.view_as_real(torch.tensor(z, dtype=complex_type))  # noqa: E731
+    params = [pair(lam), pair(np.ones((H, M))), pair(np.eye(M)[None].repeat(H, 0))]
+    return fq, kt, vt, do, params
+
+
+def _gla_inputs() -> tuple[Any, ...]:
+    """chunk_gla's q, k, v, do (bf16, K = 2M, V = dv) and log-gates g (float32)."""
+    import torch
+    import torch.nn.functional as F
+
+    q, k, v, do = _inputs(torch.bfloat16, (2 * M, 2 * M, DV, DV))
+    g = F.logsigmoid(_inputs(torch.float32, (2 * M,), seed=1)[0]) / 16
+    return q, k, v, do, g
+
+
 def ours(
     blocks: Any = None, variant: str = "", readout: str = "linear", dtype: str = "bf16"
 ) -> list[Captured]:
@@ -236,18 +260,10 @@ def ours(
     or, for a ``variant``, the S4D forward and backward at ``blocks`` with ``readout``."""
     import dataclasses
 
-    import numpy as np
-    import torch
-
     from attnspec.backends.torch import triton_chunks, triton_legs, triton_s4d, triton_s4d_bwd
 
     hopper = blocks or triton_chunks.DEVICE_BLOCKS["hopper"]
-    fq, kt, vt, do = _inputs(getattr(torch, DTYPES[dtype]), (R, R, DV, DV))
-    complex_type = torch.complex128 if dtype == "fp64" else torch.complex64
-    rng = np.random.default_rng(0)
-    lam = 0.9 * np.exp(1j * rng.uniform(0, np.pi, (H, M)))
-    pair = lambda z: torch.view_as_real(torch.tensor(z, dtype=complex_type))  # noqa: E731
-    params = [pair(lam), pair(np.ones((H, M))), pair(np.eye(M)[None].repeat(H, 0))]
+    fq, kt, vt, do, params = _s4d_inputs(dtype)
     s4d = (fq, kt, vt, *params, readout, None, None)
     legs = (fq, kt, vt, M, None)
     out = []
@@ -280,14 +296,11 @@ def ours(
 
 def fla_chunk_gla() -> list[Captured]:
     """The launches of fla's chunk_gla forward and backward at K = 2M, V = dv, chunk 64."""
-    import torch
-    import torch.nn.functional as F
 
     _as_on_hopper()
     from fla.ops.gla.chunk import chunk_gla_bwd, chunk_gla_fwd
 
-    q, k, v, do = _inputs(torch.bfloat16, (2 * M, 2 * M, DV, DV))
-    g = F.logsigmoid(_inputs(torch.float32, (2 * M,), seed=1)[0]) / 16
+    q, k, v, do, g = _gla_inputs()
     scale = (2 * M) ** -0.5
     out = []
     with capture() as launches:
@@ -306,22 +319,14 @@ def kept_per_token() -> dict[str, float]:
     saves A and recomputes the states)."""
     import dataclasses
 
-    import numpy as np
-    import torch
-    import torch.nn.functional as F
-
     from attnspec.backends.torch import triton_chunks, triton_s4d
 
     if not any(m.startswith("fla.ops") for m in sys.modules):
         _as_on_hopper()
     from fla.ops.gla.chunk import chunk_gla_fwd
 
-    fq, kt, vt = _inputs(torch.bfloat16, (R, R, DV))
-    lam = np.exp(1j * np.random.default_rng(0).uniform(0, np.pi, (H, M))) * 0.9
-    pair = lambda z: torch.view_as_real(torch.tensor(z, dtype=torch.complex64))  # noqa: E731
-    params = [pair(lam), pair(np.ones((H, M))), pair(np.eye(M)[None].repeat(H, 0))]
-    q, k, v = _inputs(torch.bfloat16, (2 * M, 2 * M, DV))
-    g = F.logsigmoid(_inputs(torch.float32, (2 * M,), seed=1)[0]) / 16
+    fq, kt, vt, _, params = _s4d_inputs()
+    q, k, v, _, g = _gla_inputs()
     out = {}
     hopper = triton_chunks.DEVICE_BLOCKS["hopper"]
     with triton_chunks.block_sizes(**dataclasses.asdict(hopper)), capture():

@@ -54,7 +54,8 @@ def gate(*args: str, interpret: bool, tmp_path: pathlib.Path) -> subprocess.Comp
 def test_plan_model_equals_the_interpreter_counts(tmp_path, capsys):
     """FLOPs (2 m n k per tl.dot) and state bytes (masked loads and stores of the chunk states)
     of every launch (S4D both readouts at the Hopper blocks and the three tilings beside it:
-    chunk-wide loop form, 16-row loop and lag forms; LegS),
+    chunk-wide loop form, 16-row loop and lag forms; each S4D backward with the forward's saved
+    tensors and recomputing them; LegS),
     counted by the interpreter, equal the model the gate's per-token table is built from. In
     this process when it interprets (tests/conftest.py's quicker interpreter), else in one."""
     pytest.importorskip("triton")

@@ -454,7 +454,7 @@ def s4d_state_pass_launch(
     return states, final
 
 
-def _saved_shapes(
+def saved_shapes(
     chunks: Any, T: Any, H: int, M: int, C: int, dtype: torch.dtype
 ) -> list[tuple[tuple[Any, ...], torch.dtype]]:
     """(shape, dtype) of each tensor :func:`s4d_fwd` returns as saved, for T tokens in all
@@ -464,20 +464,13 @@ def _saved_shapes(
     return [((chunks, H, M, C, 2), stored_type(dtype, acc)), ((T, H, 2, pow2(M)), acc)]
 
 
-def saved_shapes(plan: S4DPlan, T: int, dtype: torch.dtype) -> list[tuple[Any, torch.dtype]]:
-    """:func:`_saved_shapes` of a launch plan."""
-    sizes = plan.sizes
-    chunks = plan.layout.n_chunks
-    return _saved_shapes(chunks, T, sizes["H"], sizes["M"], sizes["C"], dtype)
-
-
 def saved_fake(fq: torch.Tensor, lam: torch.Tensor, C: int, chunks: Any) -> list[torch.Tensor]:
     """Empty tensors shaped as :func:`s4d_fwd`'s saved (the op's fake implementation);
     chunks: the chunk count, None for batches of equal length (B x chunks per sequence)."""
     B, T, H, _ = fq.shape
     if chunks is None:
         chunks = B * -(-T // blocks_for(fq.device).chunk)
-    shapes = _saved_shapes(chunks, B * T, H, lam.shape[1], C, fq.dtype)
+    shapes = saved_shapes(chunks, B * T, H, lam.shape[1], C, fq.dtype)
     return [fq.new_empty(shape, dtype=dtype) for shape, dtype in shapes]
 
 
@@ -485,7 +478,8 @@ def check_saved(
     plan: S4DPlan, saved: list[torch.Tensor], T: int, dtype: torch.dtype, device: torch.device
 ) -> list[torch.Tensor]:
     """``saved`` as :func:`s4d_fwd` returns it for the inputs of ``plan``, or a ValueError."""
-    want = saved_shapes(plan, T, dtype)
+    sizes = plan.sizes
+    want = saved_shapes(plan.layout.n_chunks, T, sizes["H"], sizes["M"], sizes["C"], dtype)
     got = [(tuple(x.shape), x.dtype) for x in saved]
     if got != want or any(x.device != device or not x.is_contiguous() for x in saved):
         raise ValueError(

@@ -270,10 +270,11 @@ def _s4d_bwd_query(
         p = store_reload(p_buf, p, tok, i_h, H, m_t, BM)  # the sums above: off the chain to G p
         qe = s4d_mix(p, gmat, i_h, BM, PREC)
         store_modes(qe_buf, qe[0], qe[1], tok, i_h, H, m_t, BM)
-    else:  # qe from the forward
+    else:  # qe kept from the forward
         store_modes(p_buf, p[0], p[1], tok, i_h, H, m_t, BM)
-        qe = load_modes(qe_buf, tok, i_h, H, m_t, BM) if RATIO else p
     if RATIO:  # (I13) the ratio readout's denominator, as _s4d_query
+        if not MIX:
+            qe = load_modes(qe_buf, tok, i_h, H, m_t, BM)
         tabs = (pw_h, gs + i_h * 2 * TAB)
         store_ratio_den(den_buf, qe, s0, R + V, tabs, b_c, sc, C, M, BS, BM, TAB)
 
