@@ -253,7 +253,7 @@ FPA_OPS = ("fpa_decode", "fpa_layer")
 def _prefill(op: str) -> Build:
     def build(rng: np.random.Generator, n: int) -> Program:
         s = script(op, rng, n, 2)
-        s.full(9, "prefill: one chunk")
+        s.full(16, "prefill: one chunk (the only chunk over 8 tokens of the menu)")
         s.steps(6)
         return s.program()
 
@@ -310,7 +310,6 @@ def _select(op: str) -> Build:
         s.steps(2)
         s.select([2, 1, 1, 0], "reorder and repeat")
         s.full(3)
-        s.rollback(1, 2, note="a copied row rolls back alone")
         s.steps(2)
         return s.program()
 
@@ -382,12 +381,12 @@ def _long(op: str) -> Build:
         # one row, over 300 tokens; FPA: keys rise with the field, so over 128 stay live
         extra: dict[str, Any] = {}
         if op == "fpa_decode":
-            extra = {"heads": (2, 1), "drift": 0.3, "offset": -1.0}
+            extra = {"drift": 0.3, "offset": -1.0}
         theta = 3.0 + 1 / 16 if op == "fpa_decode" else 8.0 + 1 / 16
         s = script(op, rng, n, 1, theta=theta, **extra)
-        for size in (200, 1, 63, 40):
-            s.full(size, "long session")
-        s.steps(4)
+        for size in [8] * 38 + [1, 3]:
+            s.full(size, "long session in chunks of 8")
+        s.steps(2)
         return s.program()
 
     return build
@@ -404,9 +403,10 @@ def _gqa(rng: np.random.Generator, n: int) -> Program:
 
 def _theta_exact(rng: np.random.Generator, n: int) -> Program:
     s = script("fpa_decode", rng, n, 2, theta=2.0)
-    s.full(12, "depths reach theta = 2 exactly inside the chunk")
+    s.full(8, "depths reach theta = 2 exactly inside the chunk")
     s.steps(3)
     s.full(6)
+    s.full(7)
     return s.program()
 
 
@@ -436,10 +436,9 @@ def _dense(op: str) -> Build:
 
 def _window(op: str) -> Build:
     def build(rng: np.random.Generator, n: int) -> Program:
-        s = script(op, rng, n, 2, window=4, theta=math.inf, max_rollback=2)
+        s = script(op, rng, n, 2, window=4)
         for size in (3, 6, 1, 5):
             s.full(size, "window W = 4 across chunks")
-        s.rollback(0, 2)
         s.steps(2)
         return s.program()
 
@@ -451,11 +450,11 @@ COMMON = {
     "chunked": (_chunked, "uneven chunked prefill (a chunk of 0 included)"),
     "ragged": (_ragged, "a row of length 0, a row that joins late, a row that finishes early"),
     "padding": (_padding, "left, right and inner padding (absent positions hold garbage)"),
-    "select": (_select, "select with repetitions (beam search), then a rollback of a copy"),
+    "select": (_select, "select with repetitions (beam search); copies then go their own way"),
     "rollback": (_rollback, "rollback within W, into a chunk, of the whole budget, n = 0"),
     "rollback_past": (_rollback_past, "rollback past W and past the budget: ValueError, then on"),
     "bad": (_bad, "bad input (shapes, mask, select, rollback): ValueError, session unchanged"),
-    "long": (_long, "one row over 300 tokens (FPA: over 128 live keys)"),
+    "long": (_long, "one row, 310 tokens in chunks of 8 (FPA: over 128 live keys)"),
 }
 FPA_ONLY = {
     "gqa": (lambda op: _gqa, "GQA (HQ = 4, H = 2): live per query head, stored by the union rule"),
@@ -466,7 +465,7 @@ FPA_ONLY = {
 }
 DENSE = {
     "dense": (_dense, "theta = inf: equals the parallel op"),
-    "window": (_window, "window W = 4 (F3w) across chunk borders, with a rollback"),
+    "window": (_window, "window W = 4 (F3w) across chunk borders, finite theta"),
 }
 
 
