@@ -230,6 +230,25 @@ class _S4DPaddingAdvances(_Loop, ref.S4DSession):
         return decoder
 
 
+class _LayerFieldCountsPadding(_Loop, ref.FPALayerSession):
+    def _absent(self, state: Any, token: Arrays, t: int) -> Any:
+        if state is None:
+            return state
+        delta = token["x"] @ self.P["w_delta"] + self.P["b_delta"]  # the padding's increment
+        if self.increments == "logsigmoid":
+            delta = -np.logaddexp(0.0, -delta)
+        return state._replace(field=state.field + delta)  # phi = cumsum over chunk positions
+
+
+class _LayerTailWithPadding(_Loop, ref.InterdomainLayerSession):
+    def _absent(self, state: Any, token: Arrays, t: int) -> Any:
+        if state is None:
+            return state
+        tail_q = np.concatenate([state.tail_q, (token["x"] @ self.P["wq"])[None]])[-self.TAIL :]
+        tail_k = np.concatenate([state.tail_k, (token["x"] @ self.P["wk"])[None]])[-self.TAIL :]
+        return state._replace(tail_q=tail_q, tail_k=tail_k)  # the conv window over positions
+
+
 # ------------------------------------------------------------------------------ the backends
 
 
@@ -259,6 +278,8 @@ SESSION_MUTANTS: dict[str, type[SessionMutant]] = {
         _mutant("Capacity128", _Capacity128, "fpa_decode", "long"),
         _mutant("LegsChunkCounter", _LegsChunkCounter, "interdomain_legs", "padding"),
         _mutant("S4DPaddingAdvances", _S4DPaddingAdvances, "interdomain_s4d", "padding"),
+        _mutant("LayerFieldCountsPadding", _LayerFieldCountsPadding, "fpa_layer", "padding"),
+        _mutant("LayerTailWithPadding", _LayerTailWithPadding, "interdomain_layer", "padding"),
     ]
 }
 globals().update(SESSION_MUTANTS)  # attnspec.conformance.session_mutants:<Name> loads each

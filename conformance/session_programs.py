@@ -475,10 +475,8 @@ def _families(op: str) -> dict[str, tuple[int, Build, str]]:
         menu.update(FPA_ONLY)
     if op in FPA_OPS:
         menu.update(DENSE)
-    counts = {"interdomain_layer": 2, "fpa_layer": 2}
     return {
-        name: (1 if name == "long" else counts.get(op, 1), make(op), note)
-        for name, (make, note) in menu.items()
+        name: (1 if name == "long" else 2, make(op), note) for name, (make, note) in menu.items()
     }
 
 

@@ -11,7 +11,8 @@ state is unchanged too). The first failing call ends the run; the message lists 
 it, and ``python -m attnspec.conformance.sessions --backend B --case ID --dtype D`` replays it
 call by call.
 
-The present mask reaches the backend as ``backend.asarray(mask, "bool")``.
+The present mask reaches the backend as ``backend.asarray(mask, "bool")`` (the NumPy bool array
+itself when the adapter refuses the dtype name "bool").
 """
 
 from __future__ import annotations
@@ -143,7 +144,12 @@ def native_args(backend: Backend, op: str, call: Call, dtype: str) -> dict[str, 
         for k, v in call.args["inputs"].items()
     }
     mask = np.asarray(call.args["present"])
-    present = backend.asarray(mask.copy(), "bool" if mask.dtype == np.bool_ else dtype)
+    if mask.dtype != np.bool_:  # a bad call: a float mask, in the backend's float type
+        return {"inputs": inputs, "present": backend.asarray(mask.copy(), dtype)}
+    try:
+        present = backend.asarray(mask.copy(), "bool")
+    except Exception:  # an adapter that knows only float dtypes: the NumPy mask itself
+        present = mask.copy()
     return {"inputs": inputs, "present": present}
 
 
