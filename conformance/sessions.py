@@ -31,7 +31,16 @@ from attnspec.reference import sessions as reference_sessions
 from .cases import Case, build_case
 from .metrics import Comparison, compare
 from .protocol import OPS, Backend
-from .runner import _CACHE, CaseResult, _summarise, returned_dtype, storage_dtype
+from .runner import (
+    _CACHE,
+    CaseResult,
+    _mutated,
+    _mutation_comparison,
+    _snapshot,
+    _summarise,
+    returned_dtype,
+    storage_dtype,
+)
 from .session_programs import Call, Program
 from .tolerances import round_to, tolerance, wide_dtype
 
@@ -231,11 +240,15 @@ def run_program(
     for i, (call, step) in enumerate(zip(program.calls, trace, strict=True)):
         label = f"call {i} {call.method}"
         args = native_args(backend, op, call, dtype)
+        before = _snapshot(backend, args["inputs"]) if call.method == "advance" else {}
         try:
             result = getattr(session, call.method)(**args)
             raised = None
         except Exception as exc:  # judged below
             result, raised = None, exc
+        changed = _mutated(backend, args["inputs"], before) if before else []
+        if changed:
+            comparisons[f"{label}: inputs"] = _mutation_comparison("inputs", changed)
         if call.error:
             if raised is None:
                 comparisons[label] = _failure(f"expected a ValueError naming {call.error!r}")

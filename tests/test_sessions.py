@@ -149,11 +149,36 @@ def test_the_kit_judges_errors_and_counts():
             session.counts = lambda: {k: v.astype(float) for k, v in counts().items()}
             return session
 
+    class Overflowed(NumpyBackend):
+        def open_session(self, op, **kw):
+            session = super().open_session(op, **kw)
+            counts = session.counts
+            session.counts = lambda: {**counts(), "overflowed": counts()["tokens"] > 3}
+            return session
+
+    class ScalesItsInputs(NumpyBackend):
+        def open_session(self, op, **kw):
+            session = super().open_session(op, **kw)
+            advance = session.advance
+
+            def scaled(inputs, present):
+                inputs["q"] *= 1.0  # touches nothing...
+                inputs["v"][..., :1] = 0.0  # ...but this is a write into the caller's array
+                return advance(inputs, present)
+
+            session.advance = scaled
+            return session
+
     bad = cases.build_case("decode/session_bad/0")
     result = runner.run_case(NoValueError(), bad, "float64", "output")
     assert "expected a ValueError naming 'rows', got IndexError: empty" in result.message
     result = runner.run_case(FloatCounts(), bad, "float64", "output")
     assert "expected an integer dtype" in result.message
+    result = runner.run_case(Overflowed(), bad, "float64", "output")
+    assert "call 0 advance: counts: overflowed [1, 1]" in result.message
+    result = runner.run_case(ScalesItsInputs(), bad, "float64", "output")
+    assert "modified its inputs v in place" in result.message
+    assert runner.run_case(NumpyBackend(), bad, "float64", "output").verdict == "passed"
 
 
 def test_the_minimal_session_backend_of_the_docs_passes():
