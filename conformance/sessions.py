@@ -146,8 +146,8 @@ def native_config(backend: Backend, program: Program, dtype: str) -> dict[str, A
 
 
 def native_args(backend: Backend, op: str, call: Call, dtype: str) -> dict[str, Any]:
-    if call.method != "advance":
-        return dict(call.args)
+    if call.method != "advance":  # select's list copied: nothing a backend does reaches the case
+        return {k: list(v) if isinstance(v, list) else v for k, v in call.args.items()}
     inputs = {
         k: backend.asarray(v.copy(), _input_dtype(op, k, dtype))
         for k, v in call.args["inputs"].items()

@@ -321,6 +321,6 @@ def interdomain_sessions_equal_whole_streams(
         "reference sessions vs interdomain_s4d, interdomain_legs, fpa_layer, interdomain_layer "
         "on each row's token history; measured = worst relative error",
         worst,
-        1e-10,
+        1e-12,
         table=table,
     )
