@@ -33,18 +33,15 @@ def trained(example):
     return example.train(steps=4)
 
 
-def test_training_lowers_the_loss_with_finite_gradients(example, trained):
-    model, losses = trained
+def test_training_lowers_the_loss_with_finite_gradients(trained):
+    _, losses, norms = trained
     assert all(b < a for a, b in itertools.pairwise(losses)), losses
     assert losses[0] > 5.0 > losses[-1]  # from ~log(256) = 5.5 at initialisation
-    grads = nnx.grad(example.loss_fn)(model, example.batch())
-    leaves = jax.tree.leaves(nnx.state(grads, nnx.Param))
-    assert leaves and all(bool(jnp.all(jnp.isfinite(g))) for g in leaves)
-    assert any(float(jnp.max(jnp.abs(g))) > 0 for g in leaves)
+    assert all(0 < n < float("inf") for n in norms), norms  # finite, nonzero gradients
 
 
 def test_cached_generation_equals_the_parallel_forward(example, trained):
-    model, _ = trained
+    model, _, _ = trained
     prompt = b"first passage"
     cached = example.generate(model, prompt, 6)
     tokens = jnp.asarray(list(prompt + cached), jnp.int32)[None]
@@ -53,7 +50,7 @@ def test_cached_generation_equals_the_parallel_forward(example, trained):
 
 
 def test_split_merge_and_an_ensemble_under_nnx_vmap(example, trained):
-    model, _ = trained
+    model, _, _ = trained
     tokens = example.batch()[:, :16]
     _, state, forward = example.pure_forward(model)
     np.testing.assert_allclose(forward(state, tokens), model(tokens), rtol=1e-5, atol=1e-5)

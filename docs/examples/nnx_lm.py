@@ -48,10 +48,13 @@ def loss_fn(model: TinyLM, tokens: jax.Array) -> jax.Array:
 
 
 @nnx.jit
-def train_step(model: TinyLM, optimizer: nnx.Optimizer, tokens: jax.Array) -> jax.Array:
+def train_step(
+    model: TinyLM, optimizer: nnx.Optimizer, tokens: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """One Adam step; the loss before it and the gradients' global norm."""
     loss, grads = nnx.value_and_grad(loss_fn)(model, tokens)
     optimizer.update(model, grads)
-    return loss
+    return loss, optax.tree.norm(grads)
 
 
 # --8<-- [end:model]
@@ -62,13 +65,17 @@ def batch() -> jax.Array:
     return jnp.asarray(list(TEXT), jnp.int32)[None]
 
 
-def train(steps: int = 8, seed: int = 0) -> tuple[TinyLM, list[float]]:
-    """A model trained for ``steps`` Adam steps; the loss before each step."""
+def train(steps: int = 8, seed: int = 0) -> tuple[TinyLM, list[float], list[float]]:
+    """A model trained for ``steps`` Adam steps; the loss and gradient norm of each step."""
     model = TinyLM(rngs=nnx.Rngs(seed))
     optimizer = nnx.Optimizer(model, optax.adam(3e-2), wrt=nnx.Param)
     tokens = batch()
-    losses = [float(train_step(model, optimizer, tokens)) for _ in range(steps)]
-    return model, losses
+    losses, norms = [], []
+    for _ in range(steps):
+        loss, norm = train_step(model, optimizer, tokens)
+        losses.append(float(loss))
+        norms.append(float(norm))
+    return model, losses, norms
 
 
 # --8<-- [start:generate]
@@ -121,6 +128,6 @@ def ensemble(keys: jax.Array, tokens: jax.Array) -> tuple[TinyLM, jax.Array]:
 
 
 if __name__ == "__main__":
-    model, losses = train(steps=30)
+    model, losses, _ = train(steps=30)
     print("loss per step:", " ".join(f"{loss:.3f}" for loss in losses))
     print("generated:", generate(model, b"first passage", 24))
