@@ -24,9 +24,8 @@ import numpy as np
 from jax import lax
 from jax.typing import ArrayLike, DTypeLike
 
-from attnspec.reference import fpa as reference_fpa
-from attnspec.reference import interdomain as reference_interdomain
 from attnspec.reference.fpa import FPA_PARAMETER_SCHEMA, fpa_parameter_shapes
+from attnspec.reference.hippo import s4d_init
 from attnspec.reference.interdomain import (
     OPTIONAL_PARAMETERS,
     PARAMETER_SCHEMA,
@@ -67,23 +66,70 @@ def _project(x: jax.Array, w: jax.Array, ct: jnp.dtype) -> jax.Array:
     return jnp.matmul(x.astype(ct), w.astype(ct), precision=HIGHEST)
 
 
-def _seed(key: jax.Array | int) -> int:
-    """A NumPy seed from a JAX PRNG key (typed or raw uint32) or an int."""
-    if isinstance(key, int):
-        return key
-    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-        key = jax.random.key_data(key)
-    return int(np.asarray(key, np.uint64).ravel()[-1])
+def _key(key: jax.Array | int) -> jax.Array:
+    """A PRNG key from a JAX key (typed or raw uint32, possibly traced) or an int seed."""
+    if isinstance(key, bool) or not isinstance(key, int | jax.Array | np.ndarray):
+        raise ValueError(f"key: expected a jax.random key or an int seed, got {type(key).__name__}")
+    return jax.random.key(key) if isinstance(key, int) else jnp.asarray(key)
+
+
+def _draw(
+    key: jax.Array, shapes: dict[str, tuple[int, ...]], rules: dict[str, Callable[..., jax.Array]]
+) -> dict[str, jax.Array]:
+    """One array per entry of ``shapes``, drawn by ``rules[name](key, shape)`` with its own key."""
+    keys = jax.random.split(key, len(shapes))
+    return {name: rules[name](keys[i], shape) for i, (name, shape) in enumerate(shapes.items())}
+
+
+def _rules(dtype: DTypeLike, M: int = 1) -> dict[str, Callable[..., jax.Array]]:
+    """The reference's initialisation per parameter, drawn with ``jax.random`` in float32 (or
+    float64) and cast to ``dtype``: matrices normal / sqrt(fan-in) (fan-in = the first axis),
+    biases and norm offsets 0, norm scales 1; the S4D-Inv modes of M (I11); C normal / sqrt(2 M)
+    per part; conv normal / 2; log_dt ~ U[log 1e-3, log 1e-1]."""
+    wide = jnp.result_type(jnp.float32, dtype)
+    a_log, a_im = s4d_init(M, "inv")
+
+    def normal(scale: Callable[[tuple[int, ...]], float]) -> Callable[..., jax.Array]:
+        return lambda key, shape: (jax.random.normal(key, shape, wide) * scale(shape)).astype(dtype)
+
+    def constant(value: ArrayLike) -> Callable[..., jax.Array]:
+        return lambda key, shape: jnp.broadcast_to(jnp.asarray(value, wide), shape).astype(dtype)
+
+    def log_dt(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+        low, high = np.log(1e-3), np.log(1e-1)
+        return jax.random.uniform(key, shape, wide, low, high).astype(dtype)
+
+    fan_in = normal(lambda shape: 1 / np.sqrt(shape[0]))
+    zeros, ones = constant(0.0), constant(1.0)
+    return {
+        **{name: fan_in for name in ("wq", "wk", "wv", "wo", "wg", "w_delta", "w_lam")},
+        **{name: zeros for name in ("b_delta", "b_lam", "norm_k_b", "norm_v_b", "b_im")},
+        **{name: ones for name in ("norm_k_g", "norm_v_g", "norm_o_g", "b_re")},
+        "conv_q": normal(lambda shape: 0.5),
+        "conv_k": normal(lambda shape: 0.5),
+        "log_dt": log_dt,
+        "a_log": constant(a_log),
+        "a_im": constant(a_im),
+        "c_re": normal(lambda shape: 1 / np.sqrt(2 * M)),
+        "c_im": normal(lambda shape: 1 / np.sqrt(2 * M)),
+    }
+
+
+def _sizes(**sizes: object) -> None:
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}: expected a positive int, got {value!r}")
 
 
 def init_fpa_params(
     key: jax.Array | int, d: int, H: int, dk: int, dv: int, *, dtype: DTypeLike = jnp.float32
 ) -> dict[str, jax.Array]:
     """Parameters of :func:`fpa_layer` (``FPA_PARAMETER_SCHEMA``): the reference's
-    initialisation (``attnspec.reference.fpa.init_fpa_params``, normal / sqrt(fan-in)) drawn
-    with a seed taken from ``key`` and cast to ``dtype``. Time and memory O(d H (dk + dv))."""
-    params = reference_fpa.init_fpa_params(d, H, dk, dv, seed=_seed(key))
-    return {name: jnp.asarray(value, dtype) for name, value in params.items()}
+    initialisation (``attnspec.reference.fpa.init_fpa_params``: normal / sqrt(fan-in), biases
+    0) drawn with ``jax.random`` from ``key`` (a key or an int seed), in ``dtype``. Traceable:
+    works under jit (sizes static) and vmap over keys. Time and memory O(d H (dk + dv))."""
+    _sizes(d=d, H=H, dk=dk, dv=dv)
+    return _draw(_key(key), fpa_parameter_shapes(d, H, dk, dv), _rules(dtype))
 
 
 def init_interdomain_params(
@@ -99,13 +145,13 @@ def init_interdomain_params(
     dtype: DTypeLike = jnp.float32,
 ) -> dict[str, jax.Array]:
     """Parameters of :func:`interdomain_layer` (``PARAMETER_SCHEMA``): the reference's S4D-Inv
-    initialisation (``attnspec.reference.interdomain.init_interdomain_params``) drawn with a
-    seed taken from ``key`` and cast to ``dtype``; norm_o_g (I14) with ``output_norm``, wg with
-    ``gate``. Time and memory O(d H (R + dv) + H M^2)."""
-    params = reference_interdomain.init_interdomain_params(
-        d, H, R, dv, M, seed=_seed(key), gate=gate, output_norm=output_norm
-    )
-    return {name: jnp.asarray(value, dtype) for name, value in params.items()}
+    initialisation (``attnspec.reference.interdomain.init_interdomain_params``) drawn with
+    ``jax.random`` from ``key`` (a key or an int seed), in ``dtype``; norm_o_g (I14) with
+    ``output_norm``, wg with ``gate``. Traceable: works under jit (sizes static) and vmap over
+    keys. Time and memory O(d H (R + dv) + H M^2)."""
+    _sizes(d=d, H=H, R=R, dv=dv, M=M)
+    shapes = interdomain_parameter_shapes(d, H, R, dv, M, output_norm=output_norm, gate=gate)
+    return _draw(_key(key), shapes, _rules(dtype, M))
 
 
 def fpa_layer(
