@@ -814,10 +814,10 @@ def _bwd_dkv_kernel(
     pending = tl.full([], float("inf"), scale.dtype)
     gap = tl.zeros([], scale.dtype)
     top = blocks + ((LOG_BT - 1) * HQ + hq) * N_TOK  # Pre at the top level
-    end = T
+    stop = T
     if WINDOW:  # (F3w) the query tiles [s, s + BS) with s - (ks + BT - 1) < WS
-        end = tl.minimum(T, ks + BT - 1 + WS)
-    for s in range(ks + BT, end, BS):  # query tiles after the key tile, nearest first
+        stop = tl.minimum(T, ks + BT - 1 + WS)
+    for s in range(ks + BT, stop, BS):  # query tiles after the key tile, nearest first
         iq = s + tl.arange(0, BS)
         q_ok = iq < T
         if FOX:
