@@ -879,6 +879,102 @@ FOX_FAMILIES.update(
 )
 
 
+# The window of (F3w), W = params["window"]: W = 1 (each query its own key), W inside a tile,
+# W across tile borders (tiles of 16-128), W = T (every causal pair: one key past the last
+# one a window off by one misses), then packed sequences and GQA with a window.
+WINDOWS = [(65, 1), (130, 17), (257, 100), (130, 130), (200, 64), (300, 129)]
+WINDOW = (
+    "the window of (F3w): query i sees keys i-W+1..i (W = 1, inside a tile, across tiles, W = T)"
+)
+
+
+def _fpa_window(rng: np.random.Generator, n: int) -> Built:
+    T, W = WINDOWS[n]
+    return _fpa_inputs(rng, (1 + n % 2, 2, T, 16, 16), margin=1e-4), {"window": W}
+
+
+def _fox_window(rng: np.random.Generator, n: int) -> Built:
+    T, W = FOX_WINDOWS[n]
+    return _fox_inputs(rng, 1 + n % 2, 2, T, decay=0.05), {"window": W}
+
+
+# FoX at W = 1 has o = v and gradients of q, k and log_f exactly zero (FPA's lse cotangent keeps
+# its own nonzero): a relative check of them is ill-posed, so W = 1 is an outputs-only family.
+FOX_WINDOWS = [(65, 2), *WINDOWS[1:]]
+
+
+def _window_varlen(inputs: Builder) -> Builder:
+    def build(rng: np.random.Generator, n: int) -> Built:
+        offsets, W = [(VARLEN_OFFSETS[0], 40), (VARLEN_OFFSETS[1], 70)][n]
+        built, _ = inputs(rng, offsets[-1])
+        return built, {"cu_seqlens": offsets, "window": W}
+
+    return build
+
+
+def _window_gqa(inputs: Callable[[np.random.Generator, int, int, int], Inputs]) -> Builder:
+    def build(rng: np.random.Generator, n: int) -> Built:
+        B, H, H_kv, T = GQA_SHAPES[n]
+        drawn = inputs(rng, B, H, T)
+        drawn["k"], drawn["v"] = drawn["k"][:, :H_kv], drawn["v"][:, :H_kv]
+        return drawn, {"window": 20 + n}
+
+    return build
+
+
+FPA_FAMILIES.update(
+    {
+        "window": Family(
+            len(WINDOWS), _fpa_window, WINDOW + "; " + SMOOTH, True, True, ("fpa_attention.window",)
+        ),
+        "window_varlen": Family(
+            2,
+            _window_varlen(lambda rng, T: (_fpa_inputs(rng, (1, 2, T, 16, 16)), {})),
+            WINDOW + "; " + VARLEN,
+            True,
+            requires=("fpa_attention.window", "fpa_attention.varlen"),
+        ),
+        "window_gqa": Family(
+            2,
+            _window_gqa(lambda rng, B, H, T: _fpa_inputs(rng, (B, H, T, 16, 16), margin=1e-4)),
+            WINDOW + "; " + GQA + "; " + SMOOTH,
+            True,
+            True,
+            ("fpa_attention.window", "fpa_attention.gqa"),
+        ),
+    }
+)
+FOX_FAMILIES.update(
+    {
+        "window": Family(
+            len(FOX_WINDOWS), _fox_window, WINDOW, True, True, ("fox_attention.window",)
+        ),
+        "window_one": Family(
+            1,
+            lambda rng, n: (_fox_inputs(rng, 2, 2, 65), {"window": 1}),
+            "W = 1: each query sees its own key only (o = v); outputs only, the gradients of q, "
+            "k and log_f being exactly zero",
+            requires=("fox_attention.window",),
+        ),
+        "window_varlen": Family(
+            2,
+            _window_varlen(lambda rng, T: (_fox_inputs(rng, 1, 2, T, decay=0.05), {})),
+            WINDOW + "; " + VARLEN,
+            True,
+            requires=("fox_attention.window", "fox_attention.varlen"),
+        ),
+        "window_gqa": Family(
+            2,
+            _window_gqa(lambda rng, B, H, T: _fox_inputs(rng, B, H, T)),
+            WINDOW + "; " + GQA,
+            True,
+            True,
+            ("fox_attention.window", "fox_attention.gqa"),
+        ),
+    }
+)
+
+
 def _decode_theta_near(rng: np.random.Generator, n: int) -> Built:
     """Integer depths (exact in float32) and theta just off an occurring depth d: d + 1e-4,
     d - 1e-4, d + 1/3, none of them exactly representable in binary."""

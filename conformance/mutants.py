@@ -1185,6 +1185,53 @@ class EmptySequenceMerges(Mutant):
         return super().fox_attention(*args, **_merged_around_empty(kwargs))
 
 
+class WindowOffByOne(Mutant):
+    """The window of (F3w) masked at i - j >= W - 1 instead of i - j >= W: each query loses the
+    oldest key of its window (no key at all at W = 1, a NaN row). Right without a window."""
+
+    caught_by: ClassVar[tuple[str, ...]] = ("fpa/window/", "fox/window/", "fox/window_one/")
+
+    FEATURES: ClassVar[tuple[str, ...]] = ("fpa_attention.window", "fox_attention.window")
+    ops: ClassVar[tuple[str, ...]] = ("fpa_attention", "fox_attention")
+
+    def fpa_attention(self, *args: Any, window: int | None = None, **kwargs: Any) -> Any:
+        if window is None:
+            return super().fpa_attention(*args, **kwargs)
+        with np.errstate(invalid="ignore"), _window_short_by_one():
+            return super().fpa_attention(*args, window=window, **kwargs)
+
+    def fox_attention(self, *args: Any, window: int | None = None, **kwargs: Any) -> Any:
+        if window is None:
+            return super().fox_attention(*args, **kwargs)
+        with np.errstate(invalid="ignore"), _window_short_by_one():
+            return super().fox_attention(*args, window=window, **kwargs)
+
+    def vjp(
+        self,
+        op: str,
+        inputs: Mapping[str, FloatArray],
+        params: Mapping[str, Any],
+        cotangents: Mapping[str, FloatArray],
+    ) -> dict[str, FloatArray]:
+        if params.get("window") is None:
+            return super().vjp(op, inputs, params, cotangents)
+        with np.errstate(invalid="ignore"), _window_short_by_one():
+            return super().vjp(op, inputs, params, cotangents)
+
+
+def _window_short_by_one() -> AbstractContextManager[Any]:
+    """The reference's window mask, off by one: pairs with i - j >= W - 1 are masked."""
+    causal = fpa._causal
+
+    def short(T: int, window: int | None = None) -> NDArray[np.bool_]:
+        if window is None:
+            return causal(T)
+        return causal(T) & np.triu(np.ones((T, T), dtype=bool), k=2 - window)
+
+    # the reference returns non-finite results as a ValueError; the kernel's NaN row is kept
+    return mock.patch.multiple(fpa, _causal=short, finite_result=lambda x, cause: x)
+
+
 MUTANTS: dict[str, type[Mutant]] = {
     cls.__name__: cls
     for cls in [
@@ -1229,6 +1276,7 @@ MUTANTS: dict[str, type[Mutant]] = {
         LayerDropsBias,
         IgnoresStrides,
         EmptySequenceMerges,
+        WindowOffByOne,
     ]
 }
 for _name, _cls in MUTANTS.items():

@@ -154,6 +154,7 @@ class NumpyBackend:
         *,
         scale: float | None = None,
         cu_seqlens: ArrayLike | None = None,
+        window: int | None = None,
         return_lse: Literal[False] = False,
     ) -> FloatArray: ...
     @overload
@@ -167,6 +168,7 @@ class NumpyBackend:
         *,
         scale: float | None = None,
         cu_seqlens: ArrayLike | None = None,
+        window: int | None = None,
         return_lse: Literal[True],
     ) -> tuple[FloatArray, NDArray[np.float64]]: ...
     @overload
@@ -180,6 +182,7 @@ class NumpyBackend:
         *,
         scale: float | None = None,
         cu_seqlens: ArrayLike | None = None,
+        window: int | None = None,
         return_lse: bool = False,
     ) -> FloatArray | tuple[FloatArray, NDArray[np.float64]]: ...
     def fpa_attention(
@@ -192,12 +195,13 @@ class NumpyBackend:
         *,
         scale: float | None = None,
         cu_seqlens: ArrayLike | None = None,
+        window: int | None = None,
         return_lse: bool = False,
     ) -> FloatArray | tuple[FloatArray, NDArray[np.float64]]:
         H = q.shape[-3]
         k, v = _heads_for_queries(k, H, "k"), _heads_for_queries(v, H, "v")
         parts = _per_segment(
-            lambda **a: fpa.fpa_attention(**a, scale=scale, return_lse=True),
+            lambda **a: fpa.fpa_attention(**a, scale=scale, window=window, return_lse=True),
             {"q": q, "k": k, "v": v, "field": field, "level": level},
             cu_seqlens,
             ATTENTION_AXES,
@@ -215,11 +219,12 @@ class NumpyBackend:
         *,
         scale: float | None = None,
         cu_seqlens: ArrayLike | None = None,
+        window: int | None = None,
     ) -> FloatArray:
         H = q.shape[-3]
         k, v = _heads_for_queries(k, H, "k"), _heads_for_queries(v, H, "v")
         parts = _per_segment(
-            lambda **a: fpa.fox_attention(**a, scale=scale),
+            lambda **a: fpa.fox_attention(**a, scale=scale, window=window),
             {"q": q, "k": k, "v": v, "log_f": log_f},
             cu_seqlens,
             ATTENTION_AXES,
@@ -335,12 +340,16 @@ class NumpyBackend:
                     arrays["d_lse"] = cotangents["lse"]
 
                 def backward(**a: FloatArray) -> dict[str, NDArray[np.float64]]:
-                    return fpa.fpa_attention_vjp(**a, scale=params.get("scale"))._asdict()
+                    return fpa.fpa_attention_vjp(
+                        **a, scale=params.get("scale"), window=params.get("window")
+                    )._asdict()
 
             else:
 
                 def backward(**a: FloatArray) -> dict[str, NDArray[np.float64]]:
-                    return fpa.fox_attention_vjp(**a, scale=params.get("scale"))._asdict()
+                    return fpa.fox_attention_vjp(
+                        **a, scale=params.get("scale"), window=params.get("window")
+                    )._asdict()
 
             parts = _per_segment(backward, arrays, cu_seqlens, ATTENTION_AXES)
             names = {"dq": "q", "dk": "k", "dv": "v", "dfield": "field", "dlevel": "level"}

@@ -5,8 +5,9 @@ A backend is any object with:
 - ``name: str`` and ``dtypes: tuple[str, ...]`` (the dtypes it accepts: float64, float32,
   float16, bfloat16);
 - ``capabilities() -> set[str]``: the op names it implements, plus ``"<op>.vjp"`` for each op
-  whose gradients it provides, ``"<op>.varlen"`` (packed sequences) and ``"<op>.gqa"`` (fewer
-  key/value heads) for the ops whose ``OpSpec`` in :data:`OPS` defines them. Anything absent
+  whose gradients it provides, ``"<op>.varlen"`` (packed sequences), ``"<op>.gqa"`` (fewer
+  key/value heads) and ``"<op>.window"`` (the window of (F3w)) for the ops whose ``OpSpec`` in
+  :data:`OPS` defines them. Anything absent
   is reported as "not implemented"; :func:`op_claims` derives the set from the table;
 - ``asarray(x: numpy.ndarray, dtype: str)`` and ``to_numpy(x) -> numpy.ndarray``: the adapter,
   the only place where arrays cross between NumPy and the backend;
@@ -35,6 +36,9 @@ Conventions the runner checks:
   optional parameters wg and norm_o_g are in the dict only when their flag is on).
 - Results do not depend on call history: call-order cases interleave the forwards and VJPs of
   two input sets of the same shape.
+- window: ``params["window"]`` is an int W >= 1 (spec/fpa.md (F3w)): query i sees keys
+  i-W+1..i of its own sequence (flash-linear-attention's ``window_size``); the op is called with
+  ``window=W``, and with no ``window`` keyword when the case has none.
 - GQA: k and v have H_kv heads, H_kv dividing the H heads of q; query head h reads key/value
   head h // (H / H_kv); per-token scalars (field, level, log_f) have the H heads of q.
 
@@ -78,8 +82,9 @@ class OpSpec:
     tested dtype is narrower (field, level and gate arithmetic, SSM parameters) [decision].
     outputs: names of the returned values with their tolerance quantity.
     differentiable: inputs whose cotangents ``vjp`` must return (none: the op has no VJP).
-    varlen, gqa: the op defines packed sequences (``cu_seqlens``) and grouped-query attention,
-    the optional capabilities ``<op>.varlen`` and ``<op>.gqa``.
+    varlen, gqa, window: the op defines packed sequences (``cu_seqlens``), grouped-query
+    attention and the window of (F3w), the optional capabilities ``<op>.varlen``, ``<op>.gqa``
+    and ``<op>.window``.
     """
 
     name: str
@@ -90,6 +95,7 @@ class OpSpec:
     layer: bool = False
     varlen: bool = False
     gqa: bool = False
+    window: bool = False
 
 
 S4D_PARAMS = ("lam_re", "lam_im", "b_re", "b_im", "c_re", "c_im")
@@ -105,6 +111,7 @@ OPS: dict[str, OpSpec] = {
             wide=("field", "level"),
             varlen=True,
             gqa=True,
+            window=True,
         ),
         OpSpec(
             "fox_attention",
@@ -114,6 +121,7 @@ OPS: dict[str, OpSpec] = {
             wide=("log_f",),
             varlen=True,
             gqa=True,
+            window=True,
         ),
         OpSpec(
             "fpa_decode",
@@ -137,14 +145,14 @@ OPS: dict[str, OpSpec] = {
 
 
 def op_features(ops: Iterable[str]) -> tuple[str, ...]:
-    """The optional capabilities ``<op>.varlen`` and ``<op>.gqa`` that the op table defines for
-    ``ops``, in table order."""
+    """The optional capabilities ``<op>.varlen``, ``<op>.gqa`` and ``<op>.window`` that the op
+    table defines for ``ops``, in table order."""
     chosen = set(ops)
     return tuple(
         f"{spec.name}.{feature}"
         for spec in OPS.values()
         if spec.name in chosen
-        for feature in ("varlen", "gqa")
+        for feature in ("varlen", "gqa", "window")
         if getattr(spec, feature)
     )
 

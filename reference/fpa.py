@@ -129,9 +129,17 @@ def _check_log_f(log_f: ArrayLike, q: NDArray[np.float64]) -> NDArray[np.float64
 # The operator, vectorised (F1)-(F5)
 
 
-def _causal(T: int) -> NDArray[np.bool_]:
-    """Boolean (T, T), True where j <= i."""
-    return np.tril(np.ones((T, T), dtype=bool))
+def _causal(T: int, window: int | None = None) -> NDArray[np.bool_]:
+    """Boolean (T, T), True where j <= i (and i - j < window when a window is given, (F3w))."""
+    mask = np.tril(np.ones((T, T), dtype=bool))
+    if window is not None:
+        mask &= np.triu(np.ones((T, T), dtype=bool), k=1 - window)  # (F3w) i - j <= W - 1
+    return mask
+
+
+def _check_window(window: object) -> int | None:
+    """(F3w) the window: None (no window) or an integer W >= 1."""
+    return None if window is None else positive_int("window", window)
 
 
 def segment_min(field: ArrayLike) -> NDArray[np.float64]:
@@ -177,12 +185,13 @@ def descent_depth(field: ArrayLike, level: ArrayLike) -> NDArray[np.float64]:
 
 
 def _attend(
-    logits: NDArray[np.float64], v: NDArray[np.float64]
+    logits: NDArray[np.float64], v: NDArray[np.float64], window: int | None = None
 ) -> tuple[NDArray[np.float64], NDArray[np.float64], NDArray[np.float64]]:
-    """(F4)-(F5) causal softmax of ``logits`` (..., T, T) and the weighted sum of v (..., T, dv)."""
+    """(F4)-(F5) causal softmax of ``logits`` (..., T, T) and the weighted sum of v (..., T, dv);
+    with a window W, also a_ij = -inf for i - j >= W (F3w)."""
     T = logits.shape[-1]
     # --8<-- [start:f4]
-    a = np.where(_causal(T), logits, -np.inf)  # (F3) a_ij = -inf for j > i
+    a = np.where(_causal(T, window), logits, -np.inf)  # (F3) a_ij = -inf for j > i; (F3w)
     lse = logsumexp(a, axis=-1)  # (..., T); finite since a_ii is finite
     p = np.exp(a - lse[..., None])  # (F4)
     with np.errstate(over="ignore", invalid="ignore"):
@@ -200,6 +209,7 @@ def fpa_attention(
     level: ArrayLike,
     *,
     scale: float | None = None,
+    window: int | None = None,
     return_lse: Literal[False] = False,
 ) -> NDArray[np.float64]: ...
 @overload
@@ -211,6 +221,7 @@ def fpa_attention(
     level: ArrayLike,
     *,
     scale: float | None = None,
+    window: int | None = None,
     return_lse: Literal[True],
 ) -> tuple[NDArray[np.float64], NDArray[np.float64]]: ...
 @overload
@@ -222,6 +233,7 @@ def fpa_attention(
     level: ArrayLike,
     *,
     scale: float | None = None,
+    window: int | None = None,
     return_lse: bool = False,
 ) -> NDArray[np.float64] | tuple[NDArray[np.float64], NDArray[np.float64]]: ...
 def fpa_attention(
@@ -232,6 +244,7 @@ def fpa_attention(
     level: ArrayLike,
     *,
     scale: float | None = None,
+    window: int | None = None,
     return_lse: bool = False,
 ) -> NDArray[np.float64] | tuple[NDArray[np.float64], NDArray[np.float64]]:
     """First Passage Attention, (F1)-(F5).
@@ -242,6 +255,7 @@ def fpa_attention(
         field: (..., T) the scalar field phi.
         level: (..., T) the key levels l.
         scale: softmax scale s, a real number; default 1/sqrt(dk).
+        window: None, or the window W >= 1 of (F3w): query i sees keys i-W+1..i only.
         return_lse: also return lse (..., T) of (F4).
 
     Returns:
@@ -258,16 +272,18 @@ def fpa_attention(
         dict(q=q, k=k, v=v, field=field, level=level),
         dict(q=2, k=2, v=2, field=1, level=1),
         scale=scale,
+        window=window,
         return_lse=return_lse,
     )
     if empty is not None:  # B = 0
         return empty
     q, k, v, field, level, s = _check_fpa(q, k, v, field, level, scale)
+    window = _check_window(window)
     # --8<-- [start:f3]
     pi = descent_depth(field, level)  # (F2) (..., T, T)
     logits = s * (q @ np.swapaxes(k, -1, -2)) - pi  # (F3)
     # --8<-- [end:f3]
-    _, lse, o = _attend(logits, v)
+    _, lse, o = _attend(logits, v, window)  # (F3w)
     return (o, lse) if return_lse else o
 
 
@@ -280,6 +296,7 @@ def fpa_attention_loops(
     level: ArrayLike,
     *,
     scale: float | None = None,
+    window: int | None = None,
     return_lse: Literal[False] = False,
 ) -> NDArray[np.float64]: ...
 @overload
@@ -291,6 +308,7 @@ def fpa_attention_loops(
     level: ArrayLike,
     *,
     scale: float | None = None,
+    window: int | None = None,
     return_lse: Literal[True],
 ) -> tuple[NDArray[np.float64], NDArray[np.float64]]: ...
 @overload
@@ -302,6 +320,7 @@ def fpa_attention_loops(
     level: ArrayLike,
     *,
     scale: float | None = None,
+    window: int | None = None,
     return_lse: bool = False,
 ) -> NDArray[np.float64] | tuple[NDArray[np.float64], NDArray[np.float64]]: ...
 def fpa_attention_loops(
@@ -312,31 +331,35 @@ def fpa_attention_loops(
     level: ArrayLike,
     *,
     scale: float | None = None,
+    window: int | None = None,
     return_lse: bool = False,
 ) -> NDArray[np.float64] | tuple[NDArray[np.float64], NDArray[np.float64]]:
     """The definition read aloud: (F1)-(F5) as nested loops, one scalar at a time.
 
-    Same contract as :func:`fpa_attention`. Cost: O(n T^3 + n T^2 (dk + dv)) time in Python
-    loops, O(n T (dk + dv)) memory; slow, for checking only.
+    Same contract as :func:`fpa_attention` (a window W restricts j to i-W+1..i, (F3w)). Cost:
+    O(n T^3 + n T^2 (dk + dv)) time in Python loops, O(n T (dk + dv)) memory; slow, for
+    checking only.
     """
     q, k, v, field, level, s = _check_fpa(q, k, v, field, level, scale)
+    window = _check_window(window)
     *lead, T, _ = q.shape
     o = np.zeros((*lead, T, v.shape[-1]))
     lse = np.zeros((*lead, T))
     # --8<-- [start:loops]
     for b in np.ndindex(*lead):
         for i in range(T):
-            logits = np.empty(i + 1)
-            for j in range(i + 1):
+            first = 0 if window is None else max(0, i - window + 1)  # (F3w) keys i-W+1..i
+            logits = np.empty(i + 1 - first)
+            for j in range(first, i + 1):
                 m = np.inf  # (F1) min over the half-open segment (j, i]
                 for t in range(j + 1, i + 1):
                     m = min(m, field[b][t])
                 depth = max(0.0, level[b][j] - m)  # (F2)
-                logits[j] = s * float(np.dot(q[b][i], k[b][j])) - depth  # (F3)
+                logits[j - first] = s * float(np.dot(q[b][i], k[b][j])) - depth  # (F3)
             top = logits.max()
             lse[b][i] = top + np.log(np.sum(np.exp(logits - top)))  # (F4)
             weights = np.exp(logits - lse[b][i])
-            o[b][i] = weights @ v[b][: i + 1]  # (F5)
+            o[b][i] = weights @ v[b][first : i + 1]  # (F5)
     # --8<-- [end:loops]
     return (o, lse) if return_lse else o
 
@@ -353,6 +376,7 @@ def fox_attention(
     log_f: ArrayLike,
     *,
     scale: float | None = None,
+    window: int | None = None,
     return_lse: Literal[False] = False,
 ) -> NDArray[np.float64]: ...
 @overload
@@ -363,6 +387,7 @@ def fox_attention(
     log_f: ArrayLike,
     *,
     scale: float | None = None,
+    window: int | None = None,
     return_lse: Literal[True],
 ) -> tuple[NDArray[np.float64], NDArray[np.float64]]: ...
 @overload
@@ -373,6 +398,7 @@ def fox_attention(
     log_f: ArrayLike,
     *,
     scale: float | None = None,
+    window: int | None = None,
     return_lse: bool = False,
 ) -> NDArray[np.float64] | tuple[NDArray[np.float64], NDArray[np.float64]]: ...
 def fox_attention(
@@ -382,6 +408,7 @@ def fox_attention(
     log_f: ArrayLike,
     *,
     scale: float | None = None,
+    window: int | None = None,
     return_lse: bool = False,
 ) -> NDArray[np.float64] | tuple[NDArray[np.float64], NDArray[np.float64]]:
     """Forgetting Transformer attention through (F6): FPA with field = level = cumsum(log_f).
@@ -389,6 +416,7 @@ def fox_attention(
     Args:
         q, k: (..., T, dk); v: (..., T, dv); log_f: (..., T) log forget gates, all <= 0.
         scale: default 1/sqrt(dk).
+        window: None, or the window W >= 1 of (F3w) (flash-linear-attention's ``window_size``).
 
     Returns:
         o (..., T, dv), or (o, lse) when ``return_lse``.
@@ -401,6 +429,7 @@ def fox_attention(
         dict(q=2, k=2, v=2, log_f=1),
         fill={"log_f": 0.0},
         scale=scale,
+        window=window,
         return_lse=return_lse,
     )
     if empty is not None:  # B = 0
@@ -409,7 +438,7 @@ def fox_attention(
     log_f = _check_log_f(log_f, q)
     # --8<-- [start:f6]
     c = np.cumsum(log_f, axis=-1)  # (F6) one walk, non-increasing
-    return fpa_attention(q, k, v, c, c, scale=s, return_lse=return_lse)
+    return fpa_attention(q, k, v, c, c, scale=s, window=window, return_lse=return_lse)
     # --8<-- [end:f6]
 
 
@@ -435,6 +464,7 @@ def fox_attention_direct(
     log_f: ArrayLike,
     *,
     scale: float | None = None,
+    window: int | None = None,
     return_lse: Literal[False] = False,
 ) -> NDArray[np.float64]: ...
 @overload
@@ -445,6 +475,7 @@ def fox_attention_direct(
     log_f: ArrayLike,
     *,
     scale: float | None = None,
+    window: int | None = None,
     return_lse: Literal[True],
 ) -> tuple[NDArray[np.float64], NDArray[np.float64]]: ...
 @overload
@@ -455,6 +486,7 @@ def fox_attention_direct(
     log_f: ArrayLike,
     *,
     scale: float | None = None,
+    window: int | None = None,
     return_lse: bool = False,
 ) -> NDArray[np.float64] | tuple[NDArray[np.float64], NDArray[np.float64]]: ...
 def fox_attention_direct(
@@ -464,6 +496,7 @@ def fox_attention_direct(
     log_f: ArrayLike,
     *,
     scale: float | None = None,
+    window: int | None = None,
     return_lse: bool = False,
 ) -> NDArray[np.float64] | tuple[NDArray[np.float64], NDArray[np.float64]]:
     """FoX written from its own formula: a_ij = s <q_i, k_j> + sum_{l=j+1..i} log f_l.
@@ -475,7 +508,7 @@ def fox_attention_direct(
     q, k, v, s = _check_qkv(q, k, v, scale=scale)
     log_f = _check_log_f(log_f, q)
     logits = s * (q @ np.swapaxes(k, -1, -2)) + _fox_decay(log_f)
-    _, lse, o = _attend(logits, v)
+    _, lse, o = _attend(logits, v, _check_window(window))  # (F3w)
     return (o, lse) if return_lse else o
 
 
@@ -570,12 +603,14 @@ def fpa_attention_vjp(
     d_out: ArrayLike,
     *,
     scale: float | None = None,
+    window: int | None = None,
     d_lse: ArrayLike | None = None,
 ) -> FPAGrads:
     """Hand-written backward of :func:`fpa_attention`, (G1)-(G4).
 
     Args:
-        q, k, v, field, level, scale: as for :func:`fpa_attention`.
+        q, k, v, field, level, scale, window: as for :func:`fpa_attention`; with a window
+            the sums of (G1)-(G4) run over the pairs inside it (F3w).
         d_out: (..., T, dv) cotangent of o.
         d_lse: optional (..., T) cotangent of lse.
 
@@ -590,14 +625,15 @@ def fpa_attention_vjp(
     axes = dict(q=2, k=2, v=2, field=1, level=1, d_out=2)
     if d_lse is not None:
         arrays["d_lse"], axes["d_lse"] = d_lse, 1
-    empty = empty_batch_call(fpa_attention_vjp, arrays, axes, scale=scale)
+    empty = empty_batch_call(fpa_attention_vjp, arrays, axes, scale=scale, window=window)
     if empty is not None:  # B = 0
         return empty
     q, k, v, field, level, s = _check_fpa(q, k, v, field, level, scale)
+    window = _check_window(window)
     T = q.shape[-2]
     m = segment_min(field)  # (F1) (..., T, T)
     pi = np.maximum(0.0, level[..., None, :] - m)  # (F2)
-    p, lse, o = _attend(s * (q @ np.swapaxes(k, -1, -2)) - pi, v)
+    p, lse, o = _attend(s * (q @ np.swapaxes(k, -1, -2)) - pi, v, window)
     d_out, d_lse = _check_cotangents(d_out, d_lse, o.shape, lse.shape)
 
     # --8<-- [start:g1]
@@ -609,7 +645,7 @@ def fpa_attention_vjp(
     # --8<-- [end:g1]
 
     # --8<-- [start:g2]
-    strictly_lower = np.tril(np.ones((T, T), dtype=bool), k=-1)
+    strictly_lower = np.tril(np.ones((T, T), dtype=bool), k=-1) & _causal(T, window)  # (F3w)
     active = (level[..., None, :] >= m) & strictly_lower  # active_ij = [l_j >= m_ij], j < i
     W = G * active  # dL/d(l_j - m_ij) = -G_ij on active pairs
     dlevel = -W.sum(axis=-2)  # (G2)
@@ -634,6 +670,7 @@ def fox_attention_vjp(
     d_out: ArrayLike,
     *,
     scale: float | None = None,
+    window: int | None = None,
 ) -> FoXGrads:
     """Backward of FoX from its own formula: dL/dlog f_l = sum_{(i, j): j < l <= i} G_ij.
 
@@ -641,7 +678,8 @@ def fox_attention_vjp(
     these exactly, also with gates f = 1 (log_f = 0).
 
     Args:
-        q, k, v, log_f, scale: as for :func:`fox_attention`.
+        q, k, v, log_f, scale, window: as for :func:`fox_attention` (F3w: G_ij = 0 outside
+            the window, so its pairs add nothing).
         d_out: (..., T, dv) cotangent of o.
 
     Returns:
@@ -655,13 +693,15 @@ def fox_attention_vjp(
         dict(q=2, k=2, v=2, log_f=1, d_out=2),
         fill={"log_f": 0.0},
         scale=scale,
+        window=window,
     )
     if empty is not None:  # B = 0
         return empty
     q, k, v, s = _check_qkv(q, k, v, scale=scale)
     log_f = _check_log_f(log_f, q)
+    window = _check_window(window)
     T = q.shape[-2]
-    p, lse, o = _attend(s * (q @ np.swapaxes(k, -1, -2)) + _fox_decay(log_f), v)
+    p, lse, o = _attend(s * (q @ np.swapaxes(k, -1, -2)) + _fox_decay(log_f), v, window)
     d_out, _ = _check_cotangents(d_out, None, o.shape, lse.shape)
     G = _logit_cotangent(p, o, v, d_out, None)  # (..., T, T), zero above the diagonal
     # Pairs with j < l <= i: row sums over j < l (an exclusive prefix sum along j), then the

@@ -669,3 +669,78 @@ def test_the_numpy_backend_skips_a_zero_length_packed_sequence():
     np.testing.assert_array_equal(got, np.concatenate(parts, axis=-2))
     with pytest.raises(ValueError, match=re.escape("expected non-decreasing offsets")):
         backend.fpa_attention(**args, cu_seqlens=(0, 3, 2, 4))
+
+
+# ------------------------------------------------------------------------- (F3w) the window
+
+
+@pytest.mark.parametrize("window", [1, 2, 5, 13, 40])
+def test_window_vectorised_equals_literal_loops(window):
+    rng = np.random.default_rng(window)
+    args = random_inputs(rng, (2,), 13, 3, 2)
+    o, lse = fpa.fpa_attention(*args, window=window, return_lse=True)
+    o_loop, lse_loop = fpa.fpa_attention_loops(*args, window=window, return_lse=True)
+    assert rel_err(o, o_loop) < 1e-13
+    assert rel_err(lse, lse_loop) < 1e-13
+    if window >= 13:  # the window covers every causal pair
+        assert rel_err(o, fpa.fpa_attention(*args)) < 1e-15
+
+
+def test_window_one_returns_the_values():
+    rng = np.random.default_rng(3)
+    q, k, v, field, level = random_inputs(rng, (2,), 7, 3, 4)
+    o, lse = fpa.fpa_attention(q, k, v, field, level, window=1, return_lse=True)
+    assert np.array_equal(o, v)  # (F3w) W = 1: each query sees its own key only
+    assert rel_err(lse, np.sum(q * k, axis=-1) / np.sqrt(3)) < 1e-15
+
+
+@pytest.mark.parametrize("window", [1, 3, 9])
+def test_window_fox_forms_agree(window):
+    rng = np.random.default_rng(40 + window)
+    q, k, v, _, _ = random_inputs(rng, (2,), 9, 3, 2)
+    log_f = -rng.exponential(0.5, size=(2, 9))
+    o = fpa.fox_attention(q, k, v, log_f, window=window)
+    assert rel_err(o, fpa.fox_attention_direct(q, k, v, log_f, window=window)) < 1e-12
+    d_out = rng.standard_normal(v.shape)
+    c = np.cumsum(log_f, axis=-1)
+    g = fpa.fpa_attention_vjp(q, k, v, c, c, d_out, window=window)
+    dlog_f_chain = np.cumsum((g.dfield + g.dlevel)[..., ::-1], axis=-1)[..., ::-1]
+    ref = fpa.fox_attention_vjp(q, k, v, log_f, d_out, window=window)
+    for got, want in [(g.dq, ref.dq), (g.dk, ref.dk), (g.dv, ref.dv), (dlog_f_chain, ref.dlog_f)]:
+        assert rel_err(got, want) < 1e-12
+
+
+@pytest.mark.parametrize("window", [1, 2, 4])
+def test_window_vjp_matches_central_differences(window):
+    rng = np.random.default_rng(200 + window)
+    for _ in range(50):
+        q, k, v, field, level = random_inputs(rng, (2,), 9, 3, 2)
+        if fpa_kink_margin(field, level) > 0.05:
+            break
+    else:
+        pytest.fail("no draw 0.05 away from the kinks")
+    inputs = dict(q=q, k=k, v=v, field=field, level=level)
+    d_out, d_lse = rng.standard_normal(v.shape), rng.standard_normal(field.shape)
+    grads = fpa.fpa_attention_vjp(**inputs, d_out=d_out, d_lse=d_lse, window=window)._asdict()
+    grads = {name[1:]: g for name, g in grads.items()}
+    direction = {n: rng.standard_normal(x.shape) for n, x in inputs.items()}
+
+    def outputs(q, k, v, field, level):
+        return fpa.fpa_attention(q, k, v, field, level, window=window, return_lse=True)
+
+    check = directional_check(outputs, inputs, [d_out, d_lse], grads, direction, h=1e-3)
+    assert check.passes(1e-9), check
+    # (F3w) the pairs outside the window add nothing, to (G3) included: with W = 1 only the
+    # diagonal remains, where pi_ii = 0, so the field and the levels get no gradient at all
+    if window == 1:
+        assert not grads["field"].any() and not grads["level"].any()
+
+
+@pytest.mark.parametrize("window", [0, -1, 1.5, True, "2"])
+def test_bad_window_names_the_argument(window):
+    rng = np.random.default_rng(0)
+    args = random_inputs(rng, (), 4, 2, 2)
+    with pytest.raises(ValueError, match="window: expected an integer >= 1"):
+        fpa.fpa_attention(*args, window=window)
+    with pytest.raises(ValueError, match="window: expected an integer >= 1"):
+        fpa.fox_attention(*args[:3], -np.ones(4), window=window)

@@ -63,7 +63,12 @@ def test_triton_adapter_claims_only_registered_kernels(monkeypatch):
     monkeypatch.setattr(dispatch, "_REGISTRY", registry)
     assert backend.capabilities() == set()
     registry["fox_fwd"]["triton"] = registry["fox_fwd"]["eager"]
-    assert backend.capabilities() == {"fox_attention", "fox_attention.varlen", "fox_attention.gqa"}
+    assert backend.capabilities() == {
+        "fox_attention",
+        "fox_attention.varlen",
+        "fox_attention.gqa",
+        "fox_attention.window",
+    }
     registry["fox_bwd"]["triton"] = registry["fox_bwd"]["eager"]
     assert "fox_attention.vjp" in backend.capabilities()
     assert backend._impl("fox_attention") == "triton" and backend._impl("fpa_decode") == "eager"

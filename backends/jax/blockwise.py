@@ -55,6 +55,25 @@ def _segment_mask(seg: jax.Array | None, i: jax.Array, j: jax.Array) -> jax.Arra
     return _at(seg, i, 0)[:, None] == _at(seg, j, 0)[None, :]
 
 
+def _pair_mask(
+    seg: jax.Array | None, window: int | None, bs: int, i: jax.Array, j: jax.Array
+) -> jax.Array | None:
+    """(bs, bs) mask of the pairs of query block i and key block j that may attend: the same
+    packed sequence, and with the window W of (F3w) i - j < W; None when every pair may."""
+    mask = _segment_mask(seg, i, j)
+    if window is None:
+        return mask
+    rows = i * bs + jnp.arange(bs)[:, None]
+    inside = rows - (j * bs + jnp.arange(bs)[None, :]) < window  # (F3w)
+    return inside if mask is None else mask & inside
+
+
+def _reach(window: int | None, bs: int, nb: int) -> int:
+    """How many blocks left of the diagonal (key blocks) or below it (query blocks) meet the
+    window W of (F3w): cdiv(W - 1, bs), the farther ones lying wholly outside; nb without."""
+    return nb if window is None else min(nb, -(-(window - 1) // bs))
+
+
 def _diagonal_tile(kind: str, pen: Penalties, i: jax.Array) -> tuple[jax.Array, jax.Array | None]:
     """(penalty, m) of the diagonal tile of block i; m is the segment minimum (fpa only)."""
     if kind == "fpa":
@@ -104,14 +123,17 @@ def forward(
     pen: Penalties,
     seg: jax.Array | None,
     scale: float,
+    window: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """o (Z, G, nb, bs, dv) and lse (Z, G, nb, bs) by the online softmax of (F4)-(F5)."""
+    """o (Z, G, nb, bs, dv) and lse (Z, G, nb, bs) by the online softmax of (F4)-(F5); with
+    the window of (F3w), key blocks wholly outside it are not visited."""
     nb, bs = q.shape[2], q.shape[3]
+    reach = _reach(window, bs, nb)
 
     def query_block(i: jax.Array) -> tuple[jax.Array, jax.Array]:
         q_i = _at(q, i)  # (Z, G, bs, dk)
         penalty, _ = _diagonal_tile(kind, pen, i)
-        mask = _causal(bs, _segment_mask(seg, i, i))
+        mask = _causal(bs, _pair_mask(seg, window, bs, i, i))
         logits = _logits(q_i, _at(k, i, 1), scale, penalty, mask)
         m = jnp.max(logits, axis=-1)  # finite: the diagonal key is always visible
         p = jnp.exp(logits - m[..., None])
@@ -122,7 +144,7 @@ def forward(
             m, l, acc, gap = carry
             j = i - 1 - t  # from the diagonal outward
             penalty, _ = _offdiagonal_tile(kind, pen, i, j, gap)
-            mask = _segment_mask(seg, i, j)
+            mask = _pair_mask(seg, window, bs, i, j)
             logits = _logits(q_i, _at(k, j, 1), scale, penalty, mask)
             m_new = jnp.maximum(m, jnp.max(logits, axis=-1))
             correction = jnp.exp(m - m_new)
@@ -134,7 +156,7 @@ def forward(
             return m_new, l, acc, tiles.extend_gap(kind, gap, _block_stat(kind, pen, j))
 
         gap = tiles.empty_gap(kind, m[..., 0])
-        m, l, acc, _ = lax.fori_loop(0, i, key_block, (m, l, acc, gap))
+        m, l, acc, _ = lax.fori_loop(0, jnp.minimum(i, reach), key_block, (m, l, acc, gap))
         return acc / l[..., None], m + jnp.log(l)  # (F5), (F4)
 
     o, lse = lax.map(query_block, jnp.arange(nb))
@@ -183,17 +205,19 @@ def backward(
     lse: jax.Array,
     do: jax.Array,
     delta: jax.Array,
+    window: int | None = None,
 ) -> Partials:
     """Two sweeps that recompute p from lse (G1)-(G4), FlashAttention-2 style: one over query
     blocks (dq and the query side of the field cotangent), one over key blocks (dk, dv and the
     key side). Each sweep accumulates into its own block only: no carried (T, d) arrays.
 
     lse, delta (Z, G, nb, bs) with delta_i = <dO_i, o_i> - dLSE_i; do (Z, G, nb, bs, dv).
+    window: the window of (F3w) (G_ij = 0 outside; blocks wholly outside not visited).
     """
     dq, row, gap_sums, gap_args, diag_w = _query_sweep(
-        kind, q, k, v, pen, seg, scale, lse, do, delta
+        kind, q, k, v, pen, seg, scale, lse, do, delta, window
     )
-    dk, dv, col, col_w = _key_sweep(kind, q, k, v, pen, seg, scale, lse, do, delta)
+    dk, dv, col, col_w = _key_sweep(kind, q, k, v, pen, seg, scale, lse, do, delta, window)
     return Partials(dq, dk, dv, row, col, col_w, gap_sums, gap_args, diag_w)
 
 
@@ -238,19 +262,21 @@ def _query_sweep(
     lse: jax.Array,
     do: jax.Array,
     delta: jax.Array,
+    window: int | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None, jax.Array | None]:
     """dq (Z, G, nb, bs, dk); fpa: row sums of W in region B, gap sums and argmins per tile,
     W of the diagonal tiles; fox: row sums of G."""
     Z, G, nb, bs, _ = q.shape
     fpa = kind == "fpa"
     below = jnp.arange(bs)[None, :] < jnp.arange(bs)[:, None]
+    reach = _reach(window, bs, nb)
 
     def query_block(
         i: jax.Array,
     ) -> tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None, jax.Array | None]:
         q_i, do_i, lse_i, delta_i = _at(q, i), _at(do, i), _at(lse, i), _at(delta, i)
         penalty, m = _diagonal_tile(kind, pen, i)
-        mask = _causal(bs, _segment_mask(seg, i, i))
+        mask = _causal(bs, _pair_mask(seg, window, bs, i, i))
         _, g = _tile_cotangent(
             q_i, _at(k, i, 1), _at(v, i, 1), do_i, lse_i, delta_i, scale, penalty, mask
         )
@@ -278,7 +304,7 @@ def _query_sweep(
                 delta_i,
                 scale,
                 penalty,
-                _segment_mask(seg, i, j),
+                _pair_mask(seg, window, bs, i, j),
             )
             dq = dq + jnp.einsum("zgij,zjd->zgid", g, _at(k, j, 1), precision=HIGHEST)
             if not fpa:
@@ -309,7 +335,9 @@ def _query_sweep(
 
         gap = tiles.empty_gap(kind, lse_i[..., 0])
         carry = (dq, row, gap_sums, gap_args, gap, jnp.zeros(gap.shape, jnp.int32))
-        dq, row, gap_sums, gap_args, _, _ = lax.fori_loop(0, i, key_block, carry)
+        dq, row, gap_sums, gap_args, _, _ = lax.fori_loop(
+            0, jnp.minimum(i, reach), key_block, carry
+        )
         return scale * dq, row, gap_sums, gap_args, diag_w
 
     dq, row, gap_sums, gap_args, diag_w = lax.map(query_block, jnp.arange(nb))
@@ -340,12 +368,14 @@ def _key_sweep(
     lse: jax.Array,
     do: jax.Array,
     delta: jax.Array,
+    window: int | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
     """dk, dv (Z, nb, bs, d) summed over each GQA group; fpa: column sums of W in region A
     and of all W (for dlevel); fox: column sums of G."""
     nb, bs = q.shape[2], q.shape[3]
     fpa = kind == "fpa"
     below = jnp.arange(bs)[None, :] < jnp.arange(bs)[:, None]
+    reach = _reach(window, bs, nb)
 
     def key_block(j: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
         k_j, v_j = _at(k, j, 1), _at(v, j, 1)
@@ -362,7 +392,7 @@ def _key_sweep(
             return g, dk, dv
 
         penalty, m = _diagonal_tile(kind, pen, j)
-        g, dk, dv = tile(j, penalty, _causal(bs, _segment_mask(seg, j, j)))
+        g, dk, dv = tile(j, penalty, _causal(bs, _pair_mask(seg, window, bs, j, j)))
         col_w: jax.Array | None
         if fpa:
             assert m is not None  # fpa tiles carry their segment minimum
@@ -375,7 +405,7 @@ def _key_sweep(
         def query_block(i: jax.Array, carry: _KeyCarry) -> _KeyCarry:
             dk, dv, col, col_w, gap = carry
             penalty, m = _offdiagonal_tile(kind, pen, i, j, gap)
-            g, dk_i, dv_i = tile(i, penalty, _segment_mask(seg, i, j))
+            g, dk_i, dv_i = tile(i, penalty, _pair_mask(seg, window, bs, i, j))
             if fpa:
                 level, field = pen.fpa()
                 assert m is not None and col_w is not None  # fpa: the minimum, the W sums
@@ -392,7 +422,8 @@ def _key_sweep(
 
         gap = tiles.empty_gap(kind, col[..., 0])
         carry = (dk, dv, col, col_w, gap)
-        dk, dv, col, col_w, _ = lax.fori_loop(j + 1, nb, query_block, carry)
+        end = jnp.minimum(nb, j + 1 + reach)
+        dk, dv, col, col_w, _ = lax.fori_loop(j + 1, end, query_block, carry)
         return scale * dk, dv, col, col_w
 
     dk, dv, col, col_w = lax.map(key_block, jnp.arange(nb))

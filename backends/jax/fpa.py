@@ -44,7 +44,8 @@ class AttentionConfig:
     kind: "fpa" or "fox". scale: softmax scale s. block: the largest tile size (positions per
     block; short sequences use the next power of two >= 16). cu_seqlens: static packed-sequence
     offsets or None. implementation: "xla", "pallas" or "mosaic". interpret: run Pallas kernels
-    in the Pallas interpreter (the CPU path of the kernels).
+    in the Pallas interpreter (the CPU path of the kernels). window: None, or the window W of
+    (F3w) (the XLA loop only).
     """
 
     kind: str
@@ -53,6 +54,7 @@ class AttentionConfig:
     cu_seqlens: tuple[int, ...] | None = None
     implementation: str = "xla"
     interpret: bool = False
+    window: int | None = None
 
 
 def tile_size(block: int, T: int) -> int:
@@ -143,7 +145,7 @@ def _forward(
 
         o, lse = fpa_pallas.forward(*args, interpret=cfg.interpret)
     else:
-        o, lse = blockwise.forward(*args)
+        o, lse = blockwise.forward(*args, window=cfg.window)
     # lse keeps its padding (Z, G, Tp): the backward recomputes the padded rows from it.
     return x.unblock(o), lse.reshape(*x.shape[:2], x.Tp)
 
@@ -204,7 +206,7 @@ def _backward(
 
         parts = fpa_pallas.backward(*args, interpret=cfg.interpret)
     else:
-        parts = blockwise.backward(*args)
+        parts = blockwise.backward(*args, window=cfg.window)
     dq = x.unblock(parts.dq).astype(q.dtype)
     dk = x.unblock(parts.dk, 1).astype(k.dtype)
     dv = x.unblock(parts.dv, 1).astype(v.dtype)
@@ -385,9 +387,14 @@ def _config(
     implementation: str | None,
     block_size: int | None,
     interpret: bool | None,
+    window: int | None = None,
 ) -> AttentionConfig:
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)):
+        raise ValueError(f"window: expected an integer >= 1 or None, got {window!r}")
+    if window is not None and window < 1:
+        raise ValueError(f"window: expected an integer >= 1 or None, got {window!r}")
     if implementation is None:
-        implementation = _default_implementation(q, v)
+        implementation = "xla" if window is not None else _default_implementation(q, v)
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(
             f"implementation: expected one of {IMPLEMENTATIONS}, got {implementation!r}"
@@ -404,6 +411,11 @@ def _config(
         reason = fpa_mosaic.supports(q.dtype, jnp.float32, block, dk, v.shape[-1], T)
         if reason is not None:
             raise ValueError(f"implementation='mosaic': {reason}")
+    if window is not None and implementation != "xla":
+        raise ValueError(
+            f"window: the window of (F3w) runs on implementation='xla' only, got "
+            f"implementation={implementation!r}"
+        )
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     return AttentionConfig(
@@ -413,6 +425,7 @@ def _config(
         check.offsets(cu_seqlens, q.shape[0], q.shape[1]),
         implementation,
         bool(interpret),
+        window,
     )
 
 
@@ -440,6 +453,7 @@ def fpa_attention(
     *,
     scale: float | None = ...,
     cu_seqlens: Sequence[int] | None = ...,
+    window: int | None = ...,
     return_lse: Literal[False] = ...,
     implementation: str | None = ...,
     block_size: int | None = ...,
@@ -458,6 +472,7 @@ def fpa_attention(
     *,
     scale: float | None = ...,
     cu_seqlens: Sequence[int] | None = ...,
+    window: int | None = ...,
     return_lse: Literal[True],
     implementation: str | None = ...,
     block_size: int | None = ...,
@@ -475,6 +490,7 @@ def fpa_attention(
     *,
     scale: float | None = None,
     cu_seqlens: Sequence[int] | None = None,
+    window: int | None = None,
     return_lse: bool = False,
     implementation: str | None = "xla",
     block_size: int | None = None,
@@ -491,6 +507,8 @@ def fpa_attention(
             they arrive with).
         scale: softmax scale s (static); default 1/sqrt(H).
         cu_seqlens: static offsets (0, ..., T) of packed sequences; needs B = 1.
+        window: None, or the static window W >= 1 of (F3w): query i sees keys i-W+1..i
+            (flash-linear-attention's ``window_size``); the XLA loop only (None picks it).
         return_lse: also return lse [B, T, N] (float32, float64 for float64 inputs).
         implementation: "xla" (the blockwise XLA loop), "pallas" (the Pallas kernels, compiled
             through Triton on JAX < 0.11), "mosaic" (the Mosaic GPU kernels: Hopper, 16-bit
@@ -509,7 +527,7 @@ def fpa_attention(
     q, k, v = _check_qkv(q, k, v)
     field = _check_scalar("field", field, q, validate)
     level = _check_scalar("level", level, q, validate)
-    cfg = _config("fpa", q, v, scale, cu_seqlens, implementation, block_size, interpret)
+    cfg = _config("fpa", q, v, scale, cu_seqlens, implementation, block_size, interpret, window)
     if q.shape[0] == 0:
         o, lse = _empty_batch(q, v, (field, level))
     else:
@@ -526,6 +544,7 @@ def fox_attention(
     *,
     scale: float | None = ...,
     cu_seqlens: Sequence[int] | None = ...,
+    window: int | None = ...,
     return_lse: Literal[False] = ...,
     implementation: str | None = ...,
     block_size: int | None = ...,
@@ -543,6 +562,7 @@ def fox_attention(
     *,
     scale: float | None = ...,
     cu_seqlens: Sequence[int] | None = ...,
+    window: int | None = ...,
     return_lse: Literal[True],
     implementation: str | None = ...,
     block_size: int | None = ...,
@@ -559,6 +579,7 @@ def fox_attention(
     *,
     scale: float | None = None,
     cu_seqlens: Sequence[int] | None = None,
+    window: int | None = None,
     return_lse: bool = False,
     implementation: str | None = "xla",
     block_size: int | None = None,
@@ -567,8 +588,9 @@ def fox_attention(
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Forgetting Transformer attention (F6): a_ij = s <q_i, k_j> + sum_{l in (j, i]} log f_l.
 
-    The call shape of flash-linear-attention's ``parallel_forgetting_attn(q, k, v, g, scale,
-    cu_seqlens)``, in the JAX layout. Decay sums stay local to a tile (offsets carried across
+    The arguments of flash-linear-attention's ``parallel_forgetting_attn(q, k, v, g, scale=None,
+    window_size=None, cu_seqlens=None)`` (``window`` for window_size, keyword only here), in
+    the JAX layout. Decay sums stay local to a tile (offsets carried across
     tiles), so long T costs no precision.
 
     Args:
@@ -576,8 +598,8 @@ def fox_attention(
         log_f: [B, T, N] log forget gates, all <= 0: float32 or float64, or float16 and
             bfloat16 as ``parallel_forgetting_attn`` takes them, widened to float32 (they
             carry no more precision than they arrive with).
-        scale, cu_seqlens, return_lse, implementation, block_size, interpret, validate:
-            as for :func:`fpa_attention` (validate also rejects log gates > 0).
+        scale, cu_seqlens, window, return_lse, implementation, block_size, interpret,
+            validate: as for :func:`fpa_attention` (validate also rejects log gates > 0).
 
     Returns:
         o [B, T, N, Hv] in q's dtype, or (o, lse).
@@ -586,7 +608,7 @@ def fox_attention(
     """
     q, k, v = _check_qkv(q, k, v)
     log_f = _check_scalar("log_f", log_f, q, validate, nonpositive=True)
-    cfg = _config("fox", q, v, scale, cu_seqlens, implementation, block_size, interpret)
+    cfg = _config("fox", q, v, scale, cu_seqlens, implementation, block_size, interpret, window)
     if q.shape[0] == 0:
         o, lse = _empty_batch(q, v, (log_f,))
     else:

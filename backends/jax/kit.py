@@ -171,6 +171,7 @@ def _call(
             *scalars,
             scale=params["scale"],
             cu_seqlens=params.get("cu_seqlens"),
+            window=params.get("window"),
             return_lse=True,
             implementation=impl,
             validate=False,
@@ -227,6 +228,7 @@ def _static(op: str, inputs: dict[str, jax.Array], params: dict[str, Any]) -> St
     if op in ATTENTION:
         scale = params.get("scale")
         static["scale"] = 1.0 / float(np.sqrt(inputs["q"].shape[-1])) if scale is None else scale
+        static["window"] = params.get("window")
     elif op == "interdomain_legs":
         static = {"M": params["M"]}
     else:
@@ -317,10 +319,12 @@ class JaxBackend:
         *,
         scale: float | None = None,
         cu_seqlens: tuple[int, ...] | None = None,
+        window: int | None = None,
         return_lse: bool = False,
     ) -> jax.Array | tuple[jax.Array, jax.Array]:
         inputs = {"q": q, "k": k, "v": v, "field": field, "level": level}
-        out = self._run("fpa_attention", inputs, {"scale": scale, "cu_seqlens": cu_seqlens})
+        params = {"scale": scale, "cu_seqlens": cu_seqlens, "window": window}
+        out = self._run("fpa_attention", inputs, params)
         return (out["o"], out["lse"]) if return_lse else out["o"]
 
     def fox_attention(
@@ -332,9 +336,11 @@ class JaxBackend:
         *,
         scale: float | None = None,
         cu_seqlens: tuple[int, ...] | None = None,
+        window: int | None = None,
     ) -> jax.Array:
         inputs = {"q": q, "k": k, "v": v, "log_f": log_f}
-        return self._run("fox_attention", inputs, {"scale": scale, "cu_seqlens": cu_seqlens})["o"]
+        params = {"scale": scale, "cu_seqlens": cu_seqlens, "window": window}
+        return self._run("fox_attention", inputs, params)["o"]
 
     def fpa_decode(
         self,
@@ -455,3 +461,5 @@ class PallasBackend(JaxBackend):
     name = "pallas"
     implementation = "pallas"
     OPS = ATTENTION
+    # the window of (F3w) runs on the XLA loop only (docs/decisions.md)
+    NOT_IMPLEMENTED = ("fpa_attention.window", "fox_attention.window")

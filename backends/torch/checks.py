@@ -85,6 +85,25 @@ def scale(value: float | None, head_dim: int) -> float:
     return float(value)
 
 
+def window(value: int | None, window_size: int | None = None) -> int | None:
+    """The window W of (F3w), given as ``window`` (the project's name) or ``window_size``
+    (flash-linear-attention's): None (no window) or an integer >= 1; both given is an error."""
+    if window_size is not None:
+        if value is not None:
+            raise ValueError(
+                f"window, window_size: give one of them (window_size is flash-linear-attention's "
+                f"name for window), got window={value!r} and window_size={window_size!r}"
+            )
+        value, name = window_size, "window_size"
+    else:
+        name = "window"
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}: expected an integer >= 1 or None, got {value!r}")
+    return int(value)
+
+
 class AttentionDims(NamedTuple):
     B: int
     T: int

@@ -280,6 +280,23 @@ class FoXBias:
 # Attention over the tiles of one sequence batch: (F3)-(F5) forward, (G1) and (G4) backward
 
 
+def within_window(tiles: Iterator[Tile], i0: int, i1: int, window: int | None) -> Iterator[Tile]:
+    """(F3w) the tiles of query block [i0, i1) that meet the window W, their penalty +inf on
+    the pairs with i - j >= W. The tiles come nearest first, so the first tile wholly outside
+    (i0 - (j1 - 1) >= W) ends the walk: every later one is farther still."""
+    for tile in tiles:
+        if window is None:
+            yield tile
+            continue
+        if i0 - (tile.j1 - 1) >= window:
+            return
+        if i1 - 1 - tile.j0 >= window:  # partly outside: mask the pairs out of the window
+            i = torch.arange(i0, i1, device=tile.penalty.device)[:, None]
+            j = torch.arange(tile.j0, tile.j1, device=tile.penalty.device)[None, :]
+            tile.penalty = tile.penalty.masked_fill(i - j >= window, _INF)
+        yield tile
+
+
 class Penalty(Protocol):
     """What :func:`attend` needs of a penalty: its tiles for a query block, the diagonal
     tile first, then the key blocks to its left."""
@@ -288,7 +305,13 @@ class Penalty(Protocol):
 
 
 def attend(
-    q: Tensor, k: Tensor, v: Tensor, scale: float, bias: Penalty, block: int
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    bias: Penalty,
+    block: int,
+    window: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Causal softmax attention with a tiled additive penalty, online over the key tiles.
 
@@ -296,6 +319,7 @@ def attend(
         q, k: [N, T, K]; v: [N, T, V]; one compute dtype.
         bias: :class:`FPAPenalty` or :class:`FoXBias` over the same T.
         block: query rows per block.
+        window: None, or the window W of (F3w) (tiles wholly outside it are skipped).
 
     Returns:
         o [N, T, V], lse [N, T] (natural log), in the compute dtype. Time O(T^2 (K + V)),
@@ -307,7 +331,7 @@ def attend(
     for i0 in range(0, T, block):
         i1 = min(T, i0 + block)
         qi = q[:, i0:i1]
-        tiles = bias.tiles(i0, i1)
+        tiles = within_window(bias.tiles(i0, i1), i0, i1, window)
         diagonal = next(tiles)  # every row has a finite logit there: the running max is finite
         keys = slice(diagonal.j0, diagonal.j1)
         s = torch.baddbmm(diagonal.penalty, qi, k[:, keys].transpose(1, 2), beta=-1, alpha=scale)
@@ -339,6 +363,7 @@ def attend_backward(
     scale: float,
     bias: Penalty,
     block: int,
+    window: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(G1) with (G4): dq, dk, dv of :func:`attend`; the tiles' ``backward`` receive
     G = dL/d(logits) and accumulate the penalty's own gradients.
@@ -355,7 +380,7 @@ def attend_backward(
         i1 = min(T, i0 + block)
         qi, doi = q[:, i0:i1], do[:, i0:i1]
         lse_i, delta_i = lse[:, i0:i1, None], delta[:, i0:i1, None]
-        for tile in bias.tiles(i0, i1):
+        for tile in within_window(bias.tiles(i0, i1), i0, i1, window):
             keys = slice(tile.j0, tile.j1)
             kj, vj = k[:, keys], v[:, keys]
             s = torch.baddbmm(tile.penalty, qi, kj.transpose(1, 2), beta=-1, alpha=scale)
@@ -384,8 +409,10 @@ def fpa_fwd(
     *,
     block: int | None = None,
     key_block: int | None = None,
+    window: int | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """(F1)-(F5) tiled: o [B, T, HQ, V] in q's dtype, lse [B, T, HQ] in field's dtype.
+    """(F1)-(F5) tiled: o [B, T, HQ, V] in q's dtype, lse [B, T, HQ] in field's dtype; with
+    ``window``, the window of (F3w).
 
     Time O(T^2 (K + V)) per sequence, memory O(T * block).
     """
@@ -399,7 +426,9 @@ def fpa_fwd(
     for bos, eos in segments(cu_seqlens, T):
         seq = slice(bos, eos)
         bias = FPAPenalty(fs[:, seq], ls[:, seq], key_block)
-        o[:, seq], lse[:, seq] = attend(qs[:, seq], ks[:, seq], vs[:, seq], scale, bias, block)
+        o[:, seq], lse[:, seq] = attend(
+            qs[:, seq], ks[:, seq], vs[:, seq], scale, bias, block, window
+        )
     return from_rows(o, B, q.dtype), from_rows(lse, B, field.dtype)
 
 
@@ -419,6 +448,7 @@ def fpa_bwd(
     *,
     block: int | None = None,
     key_block: int | None = None,
+    window: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(G1)-(G4) tiled: dq, dk, dv, dfield, dlevel shaped and typed like their inputs.
 
@@ -448,6 +478,7 @@ def fpa_bwd(
             scale,
             bias,
             block,
+            window,
         )
         dfield[:, seq], dlevel[:, seq] = bias.dfield, bias.dlevel
     return (
@@ -470,9 +501,11 @@ def fox_fwd(
     *,
     block: int | None = None,
     key_block: int | None = None,
+    window: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(F6) FoX tiled, the decay from segment-local cumulative sums: o [B, T, HQ, V] in q's
-    dtype, lse [B, T, HQ] in log_f's dtype. Time O(T^2 (K + V)), memory O(T * block)."""
+    dtype, lse [B, T, HQ] in log_f's dtype; with ``window``, the window of (F3w). Time
+    O(T^2 (K + V)), memory O(T * block)."""
     block, key_block = tile_sizes(block, key_block)
     B, T, HQ, _ = q.shape
     groups = HQ // k.shape[2]
@@ -483,7 +516,9 @@ def fox_fwd(
     for bos, eos in segments(cu_seqlens, T):
         seq = slice(bos, eos)  # the cumulative sum restarts with each sequence
         bias = FoXBias(gs[:, seq], dtype, key_block)
-        o[:, seq], lse[:, seq] = attend(qs[:, seq], ks[:, seq], vs[:, seq], scale, bias, block)
+        o[:, seq], lse[:, seq] = attend(
+            qs[:, seq], ks[:, seq], vs[:, seq], scale, bias, block, window
+        )
     return from_rows(o, B, q.dtype), from_rows(lse, B, log_f.dtype)
 
 
@@ -502,6 +537,7 @@ def fox_bwd(
     *,
     block: int | None = None,
     key_block: int | None = None,
+    window: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """FoX backward: dq, dk, dv by (G1), dlog_f as the reverse cumulative sum of
     dL/dc (row sums minus column sums of G). Time O(T^2 (K + V)), memory O(T * block)."""
@@ -529,6 +565,7 @@ def fox_bwd(
             scale,
             bias,
             block,
+            window,
         )
         dlog_f[:, seq] = bias.dlog_f()
     return (

@@ -115,6 +115,7 @@ class TorchBackend:
         *,
         scale: float | None = None,
         cu_seqlens: tuple[int, ...] | None = None,
+        window: int | None = None,
         return_lse: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
         o, lse = ops.fpa_attention(
@@ -124,6 +125,7 @@ class TorchBackend:
             _time_second(field),
             _time_second(level),
             scale=scale,
+            window=window,
             cu_seqlens=self._offsets(cu_seqlens),
             return_lse=True,
             impl=self._impl("fpa_attention"),
@@ -139,6 +141,7 @@ class TorchBackend:
         *,
         scale: float | None = None,
         cu_seqlens: tuple[int, ...] | None = None,
+        window: int | None = None,
     ) -> Tensor:
         o = ops.fox_attention(
             _time_second(q),
@@ -146,6 +149,7 @@ class TorchBackend:
             _time_second(v),
             _time_second(log_f),
             scale=scale,
+            window=window,
             cu_seqlens=self._offsets(cu_seqlens),
             impl=self._impl("fox_attention"),
         )

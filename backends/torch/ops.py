@@ -126,6 +126,12 @@ def _drop_empty_sequences(cu_seqlens: Tensor | None, T: int) -> tuple[Tensor | N
     return torch.tensor(plan.nonempty_offsets, dtype=cu_seqlens.dtype, device=device), kept
 
 
+def _window_kwarg(window: int | None) -> dict[str, int]:
+    """The kernels take the window of (F3w) as the keyword ``window``, passed only when there
+    is one: a kernel registered without it still serves every call without a window."""
+    return {} if window is None else {"window": window}
+
+
 # --------------------------------------------------------------------------------------------
 # FPA
 
@@ -134,7 +140,7 @@ def _drop_empty_sequences(cu_seqlens: Tensor | None, T: int) -> tuple[Tensor | N
     "attnspec::fpa_fwd",
     mutates_args=(),
     schema="(Tensor q, Tensor k, Tensor v, Tensor field, Tensor level, float scale, "
-    "Tensor? cu_seqlens, str impl) -> (Tensor, Tensor)",
+    "Tensor? cu_seqlens, str impl, int? window=None) -> (Tensor, Tensor)",
 )
 def _fpa_fwd(
     q: Tensor,
@@ -145,12 +151,14 @@ def _fpa_fwd(
     scale: float,
     cu_seqlens: Tensor | None,
     impl: str,
+    window: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     checks.finite("field", field)
     checks.finite("level", level)
     cu_seqlens, _ = _drop_empty_sequences(cu_seqlens, q.shape[1])
     with _no_autocast(q):
-        return dispatch.lookup("fpa_fwd", impl)(q, k, v, field, level, scale, cu_seqlens)
+        kernel = dispatch.lookup("fpa_fwd", impl)
+        return kernel(q, k, v, field, level, scale, cu_seqlens, **_window_kwarg(window))
 
 
 @_fpa_fwd.register_fake
@@ -163,6 +171,7 @@ def _(
     scale: float,
     cu_seqlens: Tensor | None,
     impl: str,
+    window: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     B, T, HQ, _ = q.shape
     return q.new_empty(B, T, HQ, v.shape[3]), field.new_empty(B, T, HQ)
@@ -172,7 +181,7 @@ def _(
     "attnspec::fpa_bwd",
     mutates_args=(),
     schema="(Tensor q, Tensor k, Tensor v, Tensor field, Tensor level, Tensor o, Tensor lse, "
-    "Tensor do, Tensor? dlse, float scale, Tensor? cu_seqlens, str impl) "
+    "Tensor do, Tensor? dlse, float scale, Tensor? cu_seqlens, str impl, int? window=None) "
     "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
 )
 def _fpa_bwd(
@@ -188,11 +197,13 @@ def _fpa_bwd(
     scale: float,
     cu_seqlens: Tensor | None,
     impl: str,
+    window: int | None = None,
 ) -> tuple[Tensor, ...]:
     cu_seqlens, _ = _drop_empty_sequences(cu_seqlens, q.shape[1])
     with _no_autocast(q):
         kernel = dispatch.lookup("fpa_bwd", impl)
-        return tuple(kernel(q, k, v, field, level, o, lse, do, dlse, scale, cu_seqlens))
+        args = (q, k, v, field, level, o, lse, do, dlse, scale, cu_seqlens)
+        return tuple(kernel(*args, **_window_kwarg(window)))
 
 
 @_fpa_bwd.register_fake
@@ -209,14 +220,15 @@ def _(
     scale: float,
     cu_seqlens: Tensor | None,
     impl: str,
+    window: int | None = None,
 ) -> tuple[Tensor, ...]:
     return _empty(q), _empty(k), _empty(v), _empty(field), _empty(level)
 
 
 def _fpa_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    q, k, v, field, level, scale, cu_seqlens, impl = inputs
+    q, k, v, field, level, scale, cu_seqlens, impl, window = inputs
     ctx.save_for_backward(q, k, v, field, level, *output, cu_seqlens)
-    ctx.scale, ctx.impl = scale, impl
+    ctx.scale, ctx.impl, ctx.window = scale, impl, window
 
 
 def _fpa_backward(ctx: Any, do: Tensor, dlse: Tensor) -> tuple[Tensor | None, ...]:
@@ -235,8 +247,9 @@ def _fpa_backward(ctx: Any, do: Tensor, dlse: Tensor) -> tuple[Tensor | None, ..
         ctx.scale,
         cu_seqlens,
         impl,
+        ctx.window,
     )
-    return (*grads, None, None, None)
+    return (*grads, None, None, None, None)
 
 
 _fpa_fwd.register_autograd(_fpa_backward, setup_context=_fpa_setup)
@@ -249,9 +262,11 @@ def fpa_attention(
     v: Tensor,
     field: Tensor,
     level: Tensor,
-    *,
     scale: float | None = ...,
+    window: int | None = ...,
     cu_seqlens: Tensor | None = ...,
+    *,
+    window_size: int | None = ...,
     return_lse: Literal[False] = ...,
     impl: str | None = ...,
 ) -> Tensor: ...
@@ -264,9 +279,11 @@ def fpa_attention(
     v: Tensor,
     field: Tensor,
     level: Tensor,
-    *,
     scale: float | None = ...,
+    window: int | None = ...,
     cu_seqlens: Tensor | None = ...,
+    *,
+    window_size: int | None = ...,
     return_lse: Literal[True],
     impl: str | None = ...,
 ) -> tuple[Tensor, Tensor]: ...
@@ -278,13 +295,18 @@ def fpa_attention(
     v: Tensor,
     field: Tensor,
     level: Tensor,
-    *,
     scale: float | None = None,
+    window: int | None = None,
     cu_seqlens: Tensor | None = None,
+    *,
+    window_size: int | None = None,
     return_lse: bool = False,
     impl: str | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """First Passage Attention, (F1)-(F5) of spec/fpa.md, with gradients (G1)-(G4).
+
+    The positional order after the inputs is flash-linear-attention's (scale, window_size,
+    cu_seqlens), as in :func:`fox_attention`.
 
     Args:
         q: [B, T, HQ, K]; k: [B, T, H, K]; v: [B, T, H, V]; HQ a multiple of H (GQA: query head
@@ -294,6 +316,9 @@ def fpa_attention(
             float16 and bfloat16 are widened to float32 (they carry no more precision than
             they arrive with).
         scale: softmax scale; default 1/sqrt(K).
+        window: None, or the window W >= 1 of (F3w): query i sees keys i-W+1..i of its own
+            sequence. ``window_size`` is the same argument under flash-linear-attention's
+            name (keyword only; give one of the two).
         cu_seqlens: int32/int64 offsets [N + 1] of N packed sequences (B must be 1).
         return_lse: also return lse [B, T, HQ] (natural log, field's dtype).
         impl: "eager", "triton", or None (Triton on CUDA when registered, else eager).
@@ -309,6 +334,7 @@ def fpa_attention(
     level = checks.per_token("level", level, q)
     checks.same_dtype(("field", "level"), (field, level))
     s = checks.scale(scale, dims.K)
+    window = checks.window(window, window_size)
     cu_seqlens = checks.cu_seqlens(cu_seqlens, dims.B, q)
     impl = resolve_impl("fpa_fwd", impl, q.device)
     q, k, v = _autocast(q, k, v)
@@ -327,6 +353,7 @@ def fpa_attention(
         s,
         cu_seqlens,
         impl,
+        window,
     )
     return (o, lse) if return_lse else o
 
@@ -339,7 +366,7 @@ def fpa_attention(
     "attnspec::fox_fwd",
     mutates_args=(),
     schema="(Tensor q, Tensor k, Tensor v, Tensor log_f, float scale, Tensor? cu_seqlens, "
-    "str impl) -> (Tensor, Tensor)",
+    "str impl, int? window=None) -> (Tensor, Tensor)",
 )
 def _fox_fwd(
     q: Tensor,
@@ -349,11 +376,13 @@ def _fox_fwd(
     scale: float,
     cu_seqlens: Tensor | None,
     impl: str,
+    window: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     checks.log_gates(log_f)
     cu_seqlens, _ = _drop_empty_sequences(cu_seqlens, q.shape[1])
     with _no_autocast(q):
-        return dispatch.lookup("fox_fwd", impl)(q, k, v, log_f, scale, cu_seqlens)
+        kernel = dispatch.lookup("fox_fwd", impl)
+        return kernel(q, k, v, log_f, scale, cu_seqlens, **_window_kwarg(window))
 
 
 @_fox_fwd.register_fake
@@ -365,6 +394,7 @@ def _(
     scale: float,
     cu_seqlens: Tensor | None,
     impl: str,
+    window: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     B, T, HQ, _ = q.shape
     return q.new_empty(B, T, HQ, v.shape[3]), log_f.new_empty(B, T, HQ)
@@ -374,7 +404,8 @@ def _(
     "attnspec::fox_bwd",
     mutates_args=(),
     schema="(Tensor q, Tensor k, Tensor v, Tensor log_f, Tensor o, Tensor lse, Tensor do, "
-    "Tensor? dlse, float scale, Tensor? cu_seqlens, str impl) -> (Tensor, Tensor, Tensor, Tensor)",
+    "Tensor? dlse, float scale, Tensor? cu_seqlens, str impl, int? window=None) "
+    "-> (Tensor, Tensor, Tensor, Tensor)",
 )
 def _fox_bwd(
     q: Tensor,
@@ -388,11 +419,13 @@ def _fox_bwd(
     scale: float,
     cu_seqlens: Tensor | None,
     impl: str,
+    window: int | None = None,
 ) -> tuple[Tensor, ...]:
     cu_seqlens, _ = _drop_empty_sequences(cu_seqlens, q.shape[1])
     with _no_autocast(q):
         kernel = dispatch.lookup("fox_bwd", impl)
-        return tuple(kernel(q, k, v, log_f, o, lse, do, dlse, scale, cu_seqlens))
+        args = (q, k, v, log_f, o, lse, do, dlse, scale, cu_seqlens)
+        return tuple(kernel(*args, **_window_kwarg(window)))
 
 
 @_fox_bwd.register_fake
@@ -408,23 +441,35 @@ def _(
     scale: float,
     cu_seqlens: Tensor | None,
     impl: str,
+    window: int | None = None,
 ) -> tuple[Tensor, ...]:
     return _empty(q), _empty(k), _empty(v), _empty(log_f)
 
 
 def _fox_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    q, k, v, log_f, scale, cu_seqlens, impl = inputs
+    q, k, v, log_f, scale, cu_seqlens, impl, window = inputs
     ctx.save_for_backward(q, k, v, log_f, *output, cu_seqlens)
-    ctx.scale, ctx.impl = scale, impl
+    ctx.scale, ctx.impl, ctx.window = scale, impl, window
 
 
 def _fox_backward(ctx: Any, do: Tensor, dlse: Tensor) -> tuple[Tensor | None, ...]:
     q, k, v, log_f, o, lse, cu_seqlens = ctx.saved_tensors
     impl = _backward_impl("fox_bwd", ctx.impl)
     grads = _fox_bwd(
-        q, k, v, log_f, o, lse, do.contiguous(), dlse.contiguous(), ctx.scale, cu_seqlens, impl
+        q,
+        k,
+        v,
+        log_f,
+        o,
+        lse,
+        do.contiguous(),
+        dlse.contiguous(),
+        ctx.scale,
+        cu_seqlens,
+        impl,
+        ctx.window,
     )
-    return (*grads, None, None, None)
+    return (*grads, None, None, None, None)
 
 
 _fox_fwd.register_autograd(_fox_backward, setup_context=_fox_setup)
@@ -435,29 +480,36 @@ def fox_attention(
     k: Tensor,
     v: Tensor,
     log_f: Tensor,
-    *,
     scale: float | None = None,
+    window: int | None = None,
     cu_seqlens: Tensor | None = None,
+    *,
+    window_size: int | None = None,
     impl: str | None = None,
 ) -> Tensor:
     """Forgetting Transformer attention, (F6): FPA with field = level = cumsum(log_f).
 
-    The call shape of flash-linear-attention's ``parallel_forgetting_attn(q, k, v, g, scale,
-    cu_seqlens)``; the decay is computed from segment-local cumulative sums.
+    The call shape of flash-linear-attention's ``parallel_forgetting_attn(q, k, v, g,
+    scale=None, window_size=None, cu_seqlens=None)``: the same positional order, and
+    ``window_size=`` accepted by that name; the decay is computed from segment-local
+    cumulative sums.
 
     Args:
         q: [B, T, HQ, K]; k: [B, T, H, K]; v: [B, T, H, V] (GQA as in :func:`fpa_attention`).
         log_f: [B, T, HQ] log forget gates <= 0, float32 or float64 (float64 when q is);
             float16 and bfloat16 gates, as ``parallel_forgetting_attn`` takes them, are
             widened to float32 (they carry no more precision than they arrive with).
-        scale, cu_seqlens, impl: as in :func:`fpa_attention`.
+        scale, window, cu_seqlens, window_size, impl: as in :func:`fpa_attention` (window
+            and window_size: the window of (F3w), fla's ``window_size``).
 
     Returns:
-        o [B, T, HQ, V] in q's dtype. Time O(T^2 (K + V)); memory O(T * block) (eager).
+        o [B, T, HQ, V] in q's dtype. Time O(T^2 (K + V)), O(T W (K + V)) with a window W;
+        memory O(T * block) (eager).
     """
     dims = checks.attention_inputs(q, k, v)
     log_f = checks.per_token("log_f", log_f, q)
     s = checks.scale(scale, dims.K)
+    window = checks.window(window, window_size)
     cu_seqlens = checks.cu_seqlens(cu_seqlens, dims.B, q)
     impl = resolve_impl("fox_fwd", impl, q.device)
     q, k, v = _autocast(q, k, v)
@@ -466,7 +518,14 @@ def fox_attention(
     if dims.B == 0:
         return _empty_batch((0, dims.T, dims.HQ, dims.V), q.dtype, q, k, v, log_f)
     o, _ = _fox_fwd(
-        q.contiguous(), k.contiguous(), v.contiguous(), log_f.contiguous(), s, cu_seqlens, impl
+        q.contiguous(),
+        k.contiguous(),
+        v.contiguous(),
+        log_f.contiguous(),
+        s,
+        cu_seqlens,
+        impl,
+        window,
     )
     return o
 

@@ -285,7 +285,7 @@ def _softmax_step(
     return m_new, l_i, acc
 
 
-@triton.jit(do_not_specialize=["N_TOK", "NTILES"])
+@triton.jit(do_not_specialize=["N_TOK", "NTILES", "WS"])
 def _fwd_kernel(
     q: tl.tensor,
     k: tl.tensor,
@@ -302,6 +302,7 @@ def _fwd_kernel(
     NTILES: tl.tensor,
     HQ: tl.constexpr,
     G: tl.tensor,
+    WS: tl.tensor,
     K: tl.constexpr,
     V: tl.constexpr,
     BT: tl.constexpr,
@@ -311,12 +312,15 @@ def _fwd_kernel(
     LOG_BT: tl.constexpr,
     FOX: tl.constexpr,
     SKIP: tl.constexpr,
+    WINDOW: tl.constexpr,
     DOT: tl.constexpr,
     PRECISION: tl.constexpr,
     ROUND_BF16: tl.constexpr,
 ) -> None:
     """(F1)-(F5) for one query tile and head. ``blocks``: the block minima of the field, or with
-    FOX the tile-local sums of log f (then ``field`` holds log f and only the bias is used)."""
+    FOX the tile-local sums of log f (then ``field`` holds log f and only the bias is used).
+    WINDOW: the window of (F3w), WS keys per query; key tiles wholly outside it are not
+    visited, and pairs with i - j >= WS are masked in the tiles it covers partly."""
     H = HQ // G
     tile = NTILES - 1 - tl.program_id(0)  # the longest query tiles start first
     hq = tl.program_id(1)
@@ -367,7 +371,10 @@ def _fwd_kernel(
             )
             lev = tl.load(level + (bos + ik) * HQ + hq, mask=k_ok, other=0.0)
             b_s -= tl.maximum(lev[None, :] - m, 0.0)  # (F2)-(F3)
-        b_s = tl.where((iq[:, None] >= ik[None, :]) & k_ok[None, :], b_s, float("-inf"))
+        causal = (iq[:, None] >= ik[None, :]) & k_ok[None, :]
+        if WINDOW:  # (F3w)
+            causal = causal & (iq[:, None] - ik[None, :] < WS)
+        b_s = tl.where(causal, b_s, float("-inf"))
         m_i, l_i, acc = _softmax_step(
             b_s, b_v.to(DOT), m_i, l_i, acc, DOT, PRECISION, ROUND_BF16, log2e
         )
@@ -383,7 +390,10 @@ def _fwd_kernel(
         theta = tl.load(consts + 3)
         phi_qs = tl.load(field + (bos + qs) * HQ + hq)
         cur = tl.full([], float("inf"), scale.dtype)  # min phi over its visited part
-    for n in range(0, qs // BS):
+    n_tiles = qs // BS
+    if WINDOW:  # (F3w) the key tiles [s, s + BS) with qs - (s + BS - 1) < WS
+        n_tiles = tl.minimum(n_tiles, tl.cdiv(WS - 1, BS))
+    for n in range(0, n_tiles):
         s = qs - (n + 1) * BS
         ik = s + tl.arange(0, BS)
         enter = (s + BS) % BT == 0  # s is the last BS tile of a farther BT key tile
@@ -416,6 +426,8 @@ def _fwd_kernel(
                 # (F1)-(F3): max(0, lev_j - min(A_j, mid, B_i))
                 #          = max(max(0, lev_j - A_j), lev_j - min(mid, B_i))
                 b_s -= tl.maximum(excess[None, :], lev[None, :] - theta_q[:, None])
+            if WINDOW:  # (F3w) the tile's pairs outside the window
+                b_s = tl.where(iq[:, None] - ik[None, :] < WS, b_s, float("-inf"))
             m_i, l_i, acc = _softmax_step(
                 b_s, b_v.to(DOT), m_i, l_i, acc, DOT, PRECISION, ROUND_BF16, log2e
             )
@@ -456,7 +468,7 @@ def _delta_kernel(
     tl.store(delta + tok * HQ + hq, d, mask=ok)
 
 
-@triton.jit(do_not_specialize=["N_TOK", "NTILES", "NT_MAX"])
+@triton.jit(do_not_specialize=["N_TOK", "NTILES", "NT_MAX", "WS"])
 def _bwd_dq_kernel(
     q: tl.tensor,
     k: tl.tensor,
@@ -479,6 +491,7 @@ def _bwd_dq_kernel(
     NT_MAX: tl.tensor,
     HQ: tl.constexpr,
     G: tl.tensor,
+    WS: tl.tensor,
     K: tl.constexpr,
     V: tl.constexpr,
     BT: tl.constexpr,
@@ -488,6 +501,7 @@ def _bwd_dq_kernel(
     BV: tl.constexpr,
     LOG_BT: tl.constexpr,
     FOX: tl.constexpr,
+    WINDOW: tl.constexpr,
     DOT: tl.constexpr,
     PRECISION: tl.constexpr,
     ROUND_BF16: tl.constexpr,
@@ -496,7 +510,8 @@ def _bwd_dq_kernel(
 ) -> None:
     """(G1) dq for one query tile; (G3) the dfield parts whose argmin lies in this tile (rows
     into B's argmin, the whole diagonal tile) into d_rows, and per gap tile one sum into
-    mid_sums. FOX: d_rows = sum_j G_ij."""
+    mid_sums. FOX: d_rows = sum_j G_ij. WINDOW: as in _fwd_kernel (G_ij = 0 outside it, so the
+    sums of (G3) see only the pairs inside)."""
     H = HQ // G
     tile = NTILES - 1 - tl.program_id(0)
     hq = tl.program_id(1)
@@ -559,6 +574,8 @@ def _bwd_dq_kernel(
             lev = tl.load(level + (bos + ik) * HQ + hq, mask=k_ok, other=0.0)
             b_s -= tl.maximum(lev[None, :] - m, 0.0)
         causal = (iq[:, None] >= ik[None, :]) & k_ok[None, :]
+        if WINDOW:  # (F3w)
+            causal = causal & (iq[:, None] - ik[None, :] < WS)
         # mask first: no overflow
         p = tl.exp2(tl.where(causal, b_s, float("-inf")) * log2e - lse2[:, None])
         dp = tl.dot(b_do, b_v.to(DOT), input_precision=PRECISION).to(scale.dtype)
@@ -601,7 +618,10 @@ def _bwd_dq_kernel(
     gap = tl.zeros([], scale.dtype)
     total = tl.zeros([], scale.dtype)
     holder = tl.full([], -1, tl.int32)  # the BT tile holding the gap's latest minimum
-    for n in range(0, qs // BS):
+    n_tiles = qs // BS
+    if WINDOW:  # (F3w) as in _fwd_kernel
+        n_tiles = tl.minimum(n_tiles, tl.cdiv(WS - 1, BS))
+    for n in range(0, n_tiles):
         s = qs - (n + 1) * BS
         ik = s + tl.arange(0, BS)
         enter = (s + BS) % BT == 0
@@ -637,6 +657,8 @@ def _bwd_dq_kernel(
             b_s += c_q[:, None] + after_j[None, :]
         else:  # max(0, lev_j - min(A_j, mid, B_i)) = lev_j - min(A_j, lev_j, mid, B_i)
             b_s -= lev[None, :] - tl.minimum(floor[None, :], theta[:, None])
+        if WINDOW:  # (F3w)
+            b_s = tl.where(iq[:, None] - ik[None, :] < WS, b_s, float("-inf"))
         p = tl.exp2(b_s * log2e - lse2[:, None])
         dp = tl.dot(b_do, b_v, input_precision=PRECISION).to(scale.dtype)
         ds = p * (dp - b_delta[:, None])
@@ -666,7 +688,7 @@ def _bwd_dq_kernel(
     tl.store(d_rows + tok_q * HQ + hq, d_row, mask=q_ok)
 
 
-@triton.jit(do_not_specialize=["N_TOK"])
+@triton.jit(do_not_specialize=["N_TOK", "WS"])
 def _bwd_dkv_kernel(
     q: tl.tensor,
     k: tl.tensor,
@@ -688,6 +710,7 @@ def _bwd_dkv_kernel(
     N_TOK: tl.tensor,
     HQ: tl.constexpr,
     G: tl.tensor,
+    WS: tl.tensor,
     K: tl.constexpr,
     V: tl.constexpr,
     BT: tl.constexpr,
@@ -697,12 +720,14 @@ def _bwd_dkv_kernel(
     BV: tl.constexpr,
     LOG_BT: tl.constexpr,
     FOX: tl.constexpr,
+    WINDOW: tl.constexpr,
     DOT: tl.constexpr,
     PRECISION: tl.constexpr,
     ROUND_BF16: tl.constexpr,
 ) -> None:
     """(G1) dk, dv for one key tile and query head; (G2) dlevel; (G3) the dfield part whose
-    argmin lies in A (columns into A's argmin) into d_cols. FOX: d_cols = sum_i G_ij."""
+    argmin lies in A (columns into A's argmin) into d_cols. FOX: d_cols = sum_i G_ij. WINDOW:
+    query tiles wholly outside the window of (F3w) are not visited, pairs outside it masked."""
     H = HQ // G
     tile = tl.program_id(0)  # the first key tiles have the most query tiles: they start first
     hq = tl.program_id(1)
@@ -769,6 +794,8 @@ def _bwd_dkv_kernel(
             )
             b_s -= tl.maximum(lev[:, None] - m, 0.0)
         causal = (ik[:, None] <= iq[None, :]) & q_ok[None, :]
+        if WINDOW:  # (F3w)
+            causal = causal & (iq[None, :] - ik[:, None] < WS)
         p = tl.exp2(tl.where(causal, b_s, float("-inf")) * log2e - lse2[None, :])
         p_op = _bf16_nearest(p) if ROUND_BF16 else p
         dv_acc = tl.dot(p_op.to(DOT), b_do, dv_acc, input_precision=PRECISION)
@@ -787,7 +814,10 @@ def _bwd_dkv_kernel(
     pending = tl.full([], float("inf"), scale.dtype)
     gap = tl.zeros([], scale.dtype)
     top = blocks + ((LOG_BT - 1) * HQ + hq) * N_TOK  # Pre at the top level
-    for s in range(ks + BT, T, BS):  # query tiles after the key tile, nearest first
+    stop = T
+    if WINDOW:  # (F3w) the query tiles [s, s + BS) with s - (ks + BT - 1) < WS
+        stop = tl.minimum(T, ks + BT - 1 + WS)
+    for s in range(ks + BT, stop, BS):  # query tiles after the key tile, nearest first
         iq = s + tl.arange(0, BS)
         q_ok = iq < T
         if FOX:
@@ -829,6 +859,8 @@ def _bwd_dkv_kernel(
             b_s += bias
         else:  # max(0, lev_j - min(a_j, B_i))
             b_s -= tl.maximum(c[:, None], lev[:, None] - b_min[None, :])
+        if WINDOW:  # (F3w)
+            b_s = tl.where(iq[None, :] - ik[:, None] < WS, b_s, float("-inf"))
         p = tl.exp2(b_s * log2e - lse2[None, :])
         p_op = _bf16_nearest(p) if ROUND_BF16 else p
         dv_acc = tl.dot(p_op.to(DOT), b_do, dv_acc, input_precision=PRECISION)
@@ -1063,12 +1095,22 @@ def _resolve_scale(scale: float | None, K: int) -> float:
 
 
 def kernel_sizes(
-    HQ: int, K: int, V: int, tiles: Tiles, dtype: torch.dtype, fox: bool, interpret: bool
+    HQ: int,
+    K: int,
+    V: int,
+    tiles: Tiles,
+    dtype: torch.dtype,
+    fox: bool,
+    interpret: bool,
+    window: int | None = None,
 ) -> dict[str, object]:
     """The compile-time arguments (and launch options) shared by the forward, dq and dk/dv
-    kernels of one call; the static Hopper gate (bench/gpu_static.py) compiles with them."""
+    kernels of one call, with the window of (F3w) (WS, WINDOW); the static Hopper gate
+    (bench/gpu_static.py) compiles with them."""
     BT = tiles.own
     return dict(
+        WS=1 if window is None else window,
+        WINDOW=window is not None,
         HQ=HQ,
         K=K,
         V=V,
@@ -1141,6 +1183,7 @@ def _forward(
     cu_seqlens: torch.Tensor | None,
     theta: float | None,
     fox: bool,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     wide = _per_token_scalars(field, level, fox)
     shape = _layout(q, k, v, wide, cu_seqlens)
@@ -1156,7 +1199,7 @@ def _forward(
         blocks = _block_sums(field, cu, tile_list, shape, BT)
     else:
         blocks = _block_minima(field, wide["level"], cu, tile_list, shape, BT, with_links=False)[0]
-    sizes = kernel_sizes(shape.HQ, shape.K, shape.V, tiles, q.dtype, fox, interpreting())
+    sizes = kernel_sizes(shape.HQ, shape.K, shape.V, tiles, q.dtype, fox, interpreting(), window)
     _fwd_kernel[(tile_list.shape[0], shape.HQ)](
         q,
         k,
@@ -1191,6 +1234,7 @@ def _backward(
     scale: float | None,
     cu_seqlens: torch.Tensor | None,
     fox: bool,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, ...]:
     wide = _per_token_scalars(field, level, fox)
     shape = _layout(q, k, v, wide, cu_seqlens)
@@ -1226,7 +1270,7 @@ def _backward(
     d_cols = torch.empty(B, T, HQ, dtype=acc, device=q.device)
     d_level = torch.empty(B, T, HQ, dtype=acc, device=q.device)  # FoX: unused
     mid_sums = None if fox else torch.zeros(HQ, ntiles, nt_max, dtype=acc, device=q.device)
-    sizes = kernel_sizes(HQ, shape.K, shape.V, tiles, q.dtype, fox, interpreting())
+    sizes = kernel_sizes(HQ, shape.K, shape.V, tiles, q.dtype, fox, interpreting(), window)
     common = (q, k, v, field, level, blocks, links, do, lse, delta)
     _bwd_dq_kernel[(ntiles, HQ)](
         *common,
@@ -1274,6 +1318,7 @@ def fpa_fwd(
     cu_seqlens: torch.Tensor | None,
     *,
     theta: float | None = None,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """First Passage Attention forward, (F1)-(F5) tiled as in spec section 7.
 
@@ -1283,6 +1328,8 @@ def fpa_fwd(
         scale: softmax scale (None: K ** -0.5). cu_seqlens: None or int offsets, B = 1.
         theta: optional eviction threshold: key tiles whose every descent depth is >= theta are
             skipped (section 7); None (default) computes exactly.
+        window: None, or the window W of (F3w): key tiles wholly outside it are not visited
+            (time O(T W (K + V)) per head).
 
     Returns:
         o [B, T, HQ, V] in q's dtype; lse [B, T, HQ] natural log, in field's dtype.
@@ -1291,7 +1338,7 @@ def fpa_fwd(
     for the block minima).
     """
     assert theta is None or theta > 0, theta
-    return _forward(q, k, v, field, level, scale, cu_seqlens, theta, fox=False)
+    return _forward(q, k, v, field, level, scale, cu_seqlens, theta, fox=False, window=window)
 
 
 @dispatch.register("fpa_bwd", "triton")
@@ -1307,9 +1354,12 @@ def fpa_bwd(
     dlse: torch.Tensor | None,
     scale: float | None,
     cu_seqlens: torch.Tensor | None,
+    *,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of :func:`fpa_fwd`, (G1)-(G4): derivative of max(0, x) at 0 is 1, argmin ties
-    go to the latest position. Deterministic (no atomics).
+    go to the latest position; with ``window``, over the pairs inside it (F3w), tiles wholly
+    outside not visited. Deterministic (no atomics).
 
     Returns:
         dq, dk, dv (shaped and typed like q, k, v; dk, dv summed over each GQA group), dfield,
@@ -1317,7 +1367,7 @@ def fpa_bwd(
         and O(HQ (T / BT)^2) for the per-tile-pair gap sums.
     """
     dq, dk, dv, dfield, dlevel = _backward(
-        q, k, v, field, level, o, lse, do, dlse, scale, cu_seqlens, fox=False
+        q, k, v, field, level, o, lse, do, dlse, scale, cu_seqlens, fox=False, window=window
     )
     return dq, dk, dv, dfield, dlevel
 
@@ -1330,14 +1380,17 @@ def fox_fwd(
     log_f: torch.Tensor,
     scale: float | None,
     cu_seqlens: torch.Tensor | None,
+    *,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forgetting attention forward (F6) on the bias-only fast path.
+    """Forgetting attention forward (F6) on the bias-only fast path; ``window``: (F3w), as in
+    :func:`fpa_fwd`.
 
     Args: as :func:`fpa_fwd` with log_f [B, T, HQ] (log forget gates <= 0) for field and level.
     Returns: o [B, T, HQ, V] in q's dtype, lse [B, T, HQ] in log_f's dtype.
     Time O(T^2 (K + V) / 2) per head; memory O(1) beyond inputs and outputs.
     """
-    return _forward(q, k, v, log_f, None, scale, cu_seqlens, None, fox=True)
+    return _forward(q, k, v, log_f, None, scale, cu_seqlens, None, fox=True, window=window)
 
 
 @dispatch.register("fox_bwd", "triton")
@@ -1352,10 +1405,13 @@ def fox_bwd(
     dlse: torch.Tensor | None,
     scale: float | None,
     cu_seqlens: torch.Tensor | None,
+    *,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of :func:`fox_fwd`: dq, dk, dv, dlog_f, dlog_f_l = sum over (i, j) with
-    j < l <= i of G_ij. Deterministic. Time O(T^2 (K + V)) per head."""
+    j < l <= i (inside the window of (F3w) when given) of G_ij. Deterministic. Time
+    O(T^2 (K + V)) per head."""
     dq, dk, dv, dlog_f = _backward(
-        q, k, v, log_f, None, o, lse, do, dlse, scale, cu_seqlens, fox=True
+        q, k, v, log_f, None, o, lse, do, dlse, scale, cu_seqlens, fox=True, window=window
     )
     return dq, dk, dv, dlog_f
