@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from attnspec.theory import plots  # noqa: E402
+from attnspec.theory import plots
 
 
 def test_the_threshold_labels_touch_neither_their_lines_nor_the_curves():
