@@ -1,6 +1,8 @@
 """The eviction figure (docs/figures/eviction.png, theory/plots.py): the labels of the T3
 thresholds sit beside their dashed lines and off the curves (issue 40, point 7)."""
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -30,7 +32,7 @@ def test_the_threshold_labels_touch_neither_their_lines_nor_the_curves():
                 assert not box.x0 <= x <= box.x1, text.get_text()
             for line in curves:
                 points = ax.transData.transform(np.column_stack(line.get_data()))
-                for a, b in zip(points[:-1], points[1:], strict=True):  # each segment, sampled
+                for a, b in itertools.pairwise(points):  # each segment, sampled
                     for s in np.linspace(0, 1, 50):
                         px, py = a + s * (b - a)
                         assert not (box.x0 <= px <= box.x1 and box.y0 <= py <= box.y1)
