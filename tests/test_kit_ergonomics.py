@@ -170,6 +170,10 @@ def test_a_project_with_its_own_backend_option_runs_beside_the_plugin(tmp_path):
     [
         ("--pyargs", "attnspec.conformance", "--backend", "numpy", "--conformance-cases"),
         ("--pyargs", "attnspec.conformance", "--attnspec-backend", "numpy", "--attnspec-cases"),
+        (
+            *("-p", "attnspec.conformance.pytest_plugin", "--pyargs", "attnspec.conformance"),
+            *("--backend", "numpy", "--conformance-cases"),
+        ),
     ],
 )
 def test_the_plugin_runs_the_cases_under_both_spellings(tmp_path, spelling):
