@@ -8,10 +8,16 @@ floor of softmax attention here), and for FoX flash-linear-attention's naive tor
 torch SDPA with the FoX decay as a float mask. Then the peak memory of FPA forward+backward at
 T = 32768 (B = H = 1, K = V = 64), measured as the high-water RSS of a child process.
 
+``--threads-table`` prints instead the table of a CPU user's first step: the aten calls of one
+FoX and one FPA forward+backward at small T (counted by a TorchDispatchMode) and their times with
+torch's default threads and with 1 thread, the two settings interleaved run by run so that the
+machine's load falls on both alike.
+
 Each time is the median of repeated runs after one warm-up run (which also builds the LegS step
 products, cached per (T, M); their one-time build is reported separately).
 
     python bench/cpu_torch.py [--lengths 512 2048 8192] [--skip-peak-memory]
+    python bench/cpu_torch.py --threads-table [--lengths 128 512]
 """
 
 from __future__ import annotations
@@ -168,6 +174,68 @@ def interdomain_rows(op: str, T: int, gen: torch.Generator):
     return rows
 
 
+def aten_calls(fn) -> int:
+    """The aten calls of one run of ``fn`` (forward+backward), after a warm-up run: every
+    ``aten::`` event of torch.profiler, nested ones included (the ops inside attnspec's custom
+    ops and inside composite aten ops: each pays the dispatcher and, when it parallelises, a
+    wake-up of torch's threads)."""
+    fn()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(e.name.startswith("aten::") for e in prof.events())
+
+
+def interleaved_times(fn, threads: list[int], runs: int = 7) -> list[float]:
+    """Median wall time of ``fn`` at each thread count, the counts alternating run by run."""
+    times: list[list[float]] = [[] for _ in threads]
+    default = torch.get_num_threads()
+    try:
+        for n in threads:  # one warm-up each
+            torch.set_num_threads(n)
+            fn()
+        for _ in range(runs):
+            for slot, n in enumerate(threads):
+                torch.set_num_threads(n)
+                start = time.perf_counter()
+                fn()
+                times[slot].append(time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(default)
+    return [sorted(t)[len(t) // 2] for t in times]
+
+
+def threads_table(lengths: list[int]) -> None:
+    """The aten calls and fwd+bwd times (default threads, 1 thread) of FoX and FPA, with fla's
+    naive FoX as the peer where it is installed."""
+    gen = torch.Generator().manual_seed(0)
+    default = torch.get_num_threads()
+    row = "| {:<4} | {:>5} | {:<14} | {:>10} | {:>16} | {:>13} |"
+    print(
+        row.format(
+            "op", "T", "implementation", "aten calls", f"ms, {default} threads", "ms, 1 thread"
+        )
+    )
+    print(row.format(*(("-" * w) for w in (4, 5, 14, 10, 16, 13))).replace(" ", "-"))
+    for T in lengths:
+        q, k, v, field, level, log_f = attention_inputs(T, gen)
+        do = torch.randn(B, T, H, D, generator=gen)
+        runs = [
+            ("FoX", "torch eager", fox_attention, (q, k, v, log_f)),
+            ("FPA", "torch eager", fpa_attention, (q, k, v, field, level)),
+        ]
+        try:
+            from fla.ops.forgetting_attn.naive import naive_forgetting_attn
+
+            runs.insert(1, ("FoX", "fla naive FoX", naive_forgetting_attn, (q, k, v, log_f)))
+        except ImportError:
+            pass
+        for op, name, fn, inputs in runs:
+            _, forward_backward = torch_pair(fn, inputs, do)
+            calls = aten_calls(forward_backward)
+            many, one = interleaved_times(forward_backward, [default, 1])
+            print(row.format(op, T, name, calls, f"{1e3 * many:.1f}", f"{1e3 * one:.1f}"))
+
+
 # --------------------------------------------------------------------------------------------
 # Peak memory of FPA forward+backward at T = 32768, in a child process
 
@@ -220,6 +288,7 @@ def main(argv=None) -> int:
     p.add_argument("--ops", nargs="*", default=["FPA", "FoX", "LegS", "S4D"])
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     p.add_argument("--skip-peak-memory", action="store_true")
+    p.add_argument("--threads-table", action="store_true", help="aten calls, default vs 1 thread")
     p.add_argument("--peak-memory-child", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.peak_memory_child:
@@ -229,6 +298,9 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     print(header())
+    if args.threads_table:
+        threads_table(args.lengths if args.lengths != [512, 2048, 8192] else [128, 512])
+        return 0
     gen = torch.Generator().manual_seed(0)
     build = {}
     lines = []

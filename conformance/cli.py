@@ -162,6 +162,14 @@ def conformance_parser(prog: str = "attnspec conformance") -> argparse.ArgumentP
         help="extra skip files (<case-id prefix> [dtype]  # reason)",
     )
     p.add_argument(
+        "--xfails",
+        nargs="+",
+        metavar="FILE",
+        default=[],
+        help="expected-failure files (the skip files' format): a listed item that fails is\n"
+        "xfailed, one that passes is a failure (remove its entry)",
+    )
+    p.add_argument(
         "--smoke",
         action="store_true",
         help=f"the smoke subset: {SMOKE_TEXT}\n(--dtypes, when given, replaces the two dtypes)",
@@ -250,7 +258,7 @@ def conformance_main(argv: list[str] | None = None, prog: str = "attnspec confor
     from .registry import available_backends
     from .report import format_report, write_json, write_junit
     from .runner import probe_dtypes, run
-    from .skips import SkipList
+    from .skips import SkipList, XfailList
 
     args = conformance_parser(prog).parse_args(argv)
     try:
@@ -287,16 +295,17 @@ def conformance_main(argv: list[str] | None = None, prog: str = "attnspec confor
             continue
         try:
             skips = SkipList.load(backend.name, args.skips)
+            xfails = XfailList.load(backend.name, args.xfails)
         except ValueError as exc:
             problems.append(str(exc))
             continue
-        loaded.append((name, backend, skips))
+        loaded.append((name, backend, skips, xfails))
     if problems:
         for problem in problems:
             print(f"{prog}: {problem}", file=sys.stderr)
         return 2
     status = 0
-    for name, backend, skips in loaded:
+    for name, backend, skips, xfails in loaded:
         dtypes = args.dtypes or (
             smoke_dtypes(tuple(backend.dtypes)) if args.smoke else list(backend.dtypes)
         )
@@ -312,6 +321,7 @@ def conformance_main(argv: list[str] | None = None, prog: str = "attnspec confor
             gradients=not args.no_gradients,
             finite_differences=fd,
             skips=skips,
+            xfails=xfails,
             progress=_progress(sys.stderr),
             probes=[] if args.dtypes else probe_dtypes(backend),
         )

@@ -66,6 +66,10 @@ class Comparison:
         )
 
     def describe(self) -> str:
+        if self.problem and math.isfinite(self.rel):  # right values, another fault (dtype)
+            return (
+                f"{self.problem} (the values pass: rel {self.rel:.2e} vs tol {self.tolerance:.0e})"
+            )
         if self.problem:
             return self.problem
         text = (
@@ -77,8 +81,15 @@ class Comparison:
         return text
 
     def failed_with(self, problem: str) -> Comparison:
+        """This comparison failed for ``problem`` (a dtype fault), its measured errors kept."""
         return Comparison(
-            math.inf, self.tolerance, math.inf, self.worst_index, problem, math.inf, ()
+            self.rel,
+            self.tolerance,
+            self.worst_abs,
+            self.worst_index,
+            problem,
+            self.row_rel,
+            self.row_index,
         )
 
 

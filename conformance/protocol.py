@@ -21,6 +21,12 @@ A backend is any object with:
   that arrives widened to float32 is accepted;
 - the ops below, called with keyword arguments in the canonical layout, returning its own arrays;
 - ``vjp(op, inputs, params, cotangents) -> dict``: input cotangents by input name.
+- optionally ``unsupported(op, shapes) -> str | None``: the reason a shape (``shapes``: input
+  name -> shape tuple) is outside what the backend takes (a kernel for head dims in {16, 32,
+  64, 128} only), else None; an op or vjp may also raise :class:`UnsupportedShape`. Either
+  makes the item "not implemented", with the reason;
+- optionally ``environment() -> dict[str, str]``: environment variables the backend needs
+  (``TRITON_INTERPRET=1``); the repro line of a failure sets them.
 
 Conventions the runner checks:
 
@@ -52,6 +58,11 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
+
+
+class UnsupportedShape(NotImplementedError):
+    """Raised by a backend for a shape it does not take (the message says why): the item is
+    reported as not implemented, with the message, rather than failed."""
 
 
 @runtime_checkable

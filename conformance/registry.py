@@ -39,6 +39,9 @@ def _import_file(path: str) -> ModuleType:
     if spec is None or spec.loader is None:
         raise ValueError(f"backend: cannot load {path!r} as a Python module")
     module = importlib.util.module_from_spec(spec)
+    folder = os.path.dirname(os.path.abspath(path))
+    if folder not in sys.path:  # its sibling modules import, as under ``python file.py``
+        sys.path.insert(0, folder)
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module

@@ -9,7 +9,7 @@ from collections import defaultdict
 from .runner import RunReport
 from .tolerances import format_table as tolerance_table
 
-VERDICTS = ("passed", "failed", "not implemented", "skipped")
+VERDICTS = ("passed", "failed", "not implemented", "skipped", "xfailed")
 
 
 def summary_rows(report: RunReport) -> list[dict]:
@@ -21,7 +21,8 @@ def summary_rows(report: RunReport) -> list[dict]:
     for (op, dtype, kind), results in groups.items():
         counts = {v: sum(r.verdict == v for r in results) for v in VERDICTS}
         compared = [r for r in results if r.verdict in ("passed", "failed") and r.ratio == r.ratio]
-        worst = max(compared, key=lambda r: r.ratio, default=None)
+        # a dtype fault has ratio inf but its measured error: rank the rows by that error
+        worst = max(compared, key=lambda r: (r.ratio, r.error), default=None)
         raised = [r.raised for r in results if r.verdict == "failed" and r.raised]
         rows.append(
             {
@@ -34,6 +35,9 @@ def summary_rows(report: RunReport) -> list[dict]:
                 "worst_case": worst.case_id if worst else None,
                 "raised": len(raised),
                 "first_raised": raised[0] if raised else None,
+                "dtype_faults": sum(
+                    r.verdict == "failed" and "(the values pass" in r.message for r in results
+                ),
             }
         )
     return rows
@@ -56,6 +60,8 @@ def format_report(report: RunReport, *, max_failures: int = 30) -> str:
         if row["failed"] and row["raised"] == row["failed"]:  # no error to show: exceptions
             err = tol = ""
             verdict = f"raised {_clip(row['first_raised'])}"
+        elif row["failed"] and row["dtype_faults"] == row["failed"]:  # values right
+            verdict = "FAILED (wrong dtype, values pass)"
         elif row["failed"]:
             verdict = "FAILED" + (f" ({row['raised']} raised)" if row["raised"] else "")
         elif row["passed"]:
@@ -72,19 +78,23 @@ def format_report(report: RunReport, *, max_failures: int = 30) -> str:
         lines += ["", f"{len(failures)} failure(s):"]
         for r in failures[:max_failures]:
             lines.append(f"  {r.case_id} [{r.dtype}, {r.kind}]: {r.message}")
+            if r.note:
+                lines.append(f"    case: {r.note}")
             lines.append(f"    repro: {r.repro}")
         if len(failures) > max_failures:
             lines.append(f"  ... and {len(failures) - max_failures} more (see --json)")
     for warning in report.unmatched_skips:
-        lines.append(f"warning: skip entry {warning}")
+        entry = warning if warning.startswith("xfail entry ") else f"skip entry {warning}"
+        lines.append(f"warning: {entry}")
     for note in report.notes:
         lines.append(f"note: {note}")
     lines += ["", "tolerances (normwise relative error):", tolerance_table(), ""]
     counts = {v: sum(r.verdict == v for r in report.results) for v in VERDICTS}
     lines.append(
         f"{counts['passed']} passed, {counts['failed']} failed, "
-        f"{counts['not implemented']} not implemented, {counts['skipped']} skipped "
-        f"in {report.seconds:.1f} s"
+        f"{counts['not implemented']} not implemented, {counts['skipped']} skipped"
+        + (f", {counts['xfailed']} xfailed" if counts["xfailed"] else "")
+        + f" in {report.seconds:.1f} s"
     )
     return "\n".join(lines)
 

@@ -27,8 +27,8 @@ from .cases import Case, partner
 from .gradcheck import directional_check
 from .metrics import Comparison, compare, compare_count, gradient_floors, row_ndim
 from .numpy_backend import NumpyBackend
-from .protocol import OPS, Backend, call_op
-from .skips import SkipList
+from .protocol import OPS, Backend, UnsupportedShape, call_op
+from .skips import SkipList, XfailList
 from .tolerances import round_to, tolerance, wide_dtype
 
 KINDS = ("output", "gradient", "finite_difference", "call_order")
@@ -54,6 +54,7 @@ class CaseResult:
     seed: int = 0
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     details: dict[str, Any] = field(default_factory=dict)
+    note: str = ""  # the case's note: its conventions (ties of spec/fpa.md section 6), limits
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -266,10 +267,9 @@ def _gradient_comparisons(backend: Backend, case: Case, dtype: str) -> dict[str,
     floors = gradient_floors({n: ref[n] for n in spec.differentiable})
     comparisons = {}
     for name in spec.differentiable:
-        if name not in got:
-            comparisons[name] = Comparison(
-                np.inf, tol, np.inf, (), "missing from the backend's vjp"
-            )
+        if name not in got or got[name] is None:
+            fault = "missing from the backend's vjp" if name not in got else "vjp returned None"
+            comparisons[name] = Comparison(np.inf, tol, np.inf, (), f"{fault} for {name}")
             continue
         comparisons[name] = compare(
             backend.to_numpy(got[name]), ref[name], tol, row_ndim=row_ndim(name), floor=floors[name]
@@ -353,12 +353,38 @@ def _run_finite_difference(case: Case, result: CaseResult) -> CaseResult:
     return result
 
 
-def repro_line(backend_name: str, case_id: str, dtype: str, device: str = "cpu") -> str:
+def repro_line(
+    backend_name: str,
+    case_id: str,
+    dtype: str,
+    device: str = "cpu",
+    environment: dict[str, str] | None = None,
+) -> str:
+    """The command that reruns one item; ``environment`` (the backend's ``environment()``)
+    goes in front as ``NAME=value`` assignments."""
     device_flag = f" --device {device}" if device != "cpu" else ""
+    env = "".join(f"{k}={v} " for k, v in sorted((environment or {}).items()))
     return (
-        f"attnspec conformance --backend {backend_name}{device_flag} --cases {case_id} "
+        f"{env}attnspec conformance --backend {backend_name}{device_flag} --cases {case_id} "
         f"--dtypes {dtype}"
     )
+
+
+def backend_environment(backend: Backend) -> dict[str, str]:
+    """The backend's optional ``environment()``: the variables its repro line sets."""
+    environment = getattr(backend, "environment", None)
+    if environment is None:
+        return {}
+    return dict(environment() if callable(environment) else environment)
+
+
+def unsupported_reason(backend: Backend, case: Case) -> str | None:
+    """The backend's optional ``unsupported(op, shapes)``: why it does not take this shape."""
+    unsupported = getattr(backend, "unsupported", None)
+    if unsupported is None:
+        return None
+    reason = unsupported(case.op, case.shapes())
+    return None if reason is None else str(reason)
 
 
 def run_case(
@@ -386,9 +412,10 @@ def run_case(
         "failed",
         seed=case.seed,
         shapes=case.shapes(),
-        repro=repro_line(name, case.id, dtype, device),
+        note=case.note,
     )
     try:
+        result.repro = repro_line(name, case.id, dtype, device, backend_environment(backend))
         caps = set(backend.capabilities())
         needed = {
             "output": () if "session" in case.params else (case.op,),  # requires: <op>.session
@@ -410,6 +437,12 @@ def run_case(
             from .sessions import run_session
 
             return run_session(backend, case, dtype, result)
+
+        reason = None if kind == "finite_difference" else unsupported_reason(backend, case)
+        if reason is not None:
+            result.verdict = "not implemented"
+            result.message = f"not supported for this shape: {reason}"
+            return result
         if kind == "output":
             return _run_output(backend, case, dtype, result)
         if kind == "gradient":
@@ -420,6 +453,10 @@ def run_case(
     except NotOffered as exc:
         result.verdict = "not implemented"
         result.message = str(exc)
+        return result
+    except UnsupportedShape as exc:
+        result.verdict = "not implemented"
+        result.message = f"not supported for this shape: {exc}"
         return result
     except Exception as exc:  # a fault of the backend under test, reported per case
         result.verdict = "not implemented" if probe else "failed"
@@ -536,8 +573,10 @@ def run(
     skips: SkipList | None = None,
     progress: Callable[[int, int, CaseResult], None] | None = None,
     probes: Iterable[str] = (),
+    xfails: XfailList | None = None,
 ) -> RunReport:
-    """Run every planned item; skip-list entries turn matching items into 'skipped'.
+    """Run every planned item; skip-list entries turn matching items into 'skipped', and
+    expected-failure entries turn a failure into 'xfailed' and a pass into a failure.
 
     ``probes``: dtypes the backend does not declare but that are run anyway (see
     :func:`run_case`); :func:`probe_dtypes` says which are worth it.
@@ -576,6 +615,8 @@ def run(
                 device=device,
                 probe=dtype in probes,
             )
+            if xfails is not None:
+                result = xfails.judge(result)
         results.append(result)
         if progress:
             progress(n, len(work.items), result)
@@ -596,9 +637,8 @@ def run(
             "tolerances hide small errors), so the kit ran them as a probe; a backend that "
             "refuses them is reported as not implemented there"
         )
-    return RunReport(
-        name, device, results, skips.unmatched(), versions, time.perf_counter() - start, notes
-    )
+    unmatched = skips.unmatched() + ([] if xfails is None else xfails.unmatched())
+    return RunReport(name, device, results, unmatched, versions, time.perf_counter() - start, notes)
 
 
 def probe_dtypes(backend: Backend) -> list[str]:

@@ -1,14 +1,21 @@
-"""Per-backend skip files: one entry a line, ``<case-id prefix> [dtype]  # reason``.
+"""Per-backend skip and expected-failure files: one entry a line,
+``<case-id prefix> [dtype]  # reason``.
 
-The reason is required. Entries that match no planned case are reported, so stale skips do not
-hide anything. Packaged skip files live in ``conformance/skips/<backend>.txt``.
+The reason is required. Entries that match no planned case are reported, so stale entries do
+not hide anything. A skipped item is not run; an expected failure is run, reported "xfailed"
+when it fails and failed when it passes (the entry is stale: remove it). Packaged files live in
+``conformance/skips/<backend>.txt`` and ``conformance/skips/<backend>.xfails.txt``.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
+from typing import TYPE_CHECKING, Self
+
+if TYPE_CHECKING:
+    from .runner import CaseResult
 
 
 @dataclass
@@ -21,11 +28,14 @@ class SkipEntry:
 
 
 class SkipList:
+    suffix = ".txt"  # of the packaged file: skips/<backend><suffix>
+    what = "skip"
+
     def __init__(self, entries: list[SkipEntry]):
         self.entries = entries
 
     @classmethod
-    def parse(cls, text: str, source: str) -> SkipList:
+    def parse(cls, text: str, source: str) -> Self:
         entries = []
         for lineno, raw in enumerate(text.splitlines(), 1):
             body, _, reason = raw.partition("#")
@@ -43,15 +53,16 @@ class SkipList:
         return cls(entries)
 
     @classmethod
-    def load(cls, backend_name: str, extra_files: list[str] | None = None) -> SkipList:
+    def load(cls, backend_name: str, extra_files: list[str] | None = None) -> Self:
         """The packaged skip file of ``backend_name`` (if any) plus the given files."""
         entries: list[SkipEntry] = []
-        packaged = resources.files("attnspec.conformance") / "skips" / f"{backend_name}.txt"
+        packaged_name = f"{backend_name}{cls.suffix}"
+        packaged = resources.files("attnspec.conformance") / "skips" / packaged_name
         if packaged.is_file():
-            entries += cls.parse(packaged.read_text(), f"skips/{backend_name}.txt").entries
+            entries += cls.parse(packaged.read_text(), f"skips/{packaged_name}").entries
         for path in extra_files or []:
             if not os.path.isfile(path):
-                raise ValueError(f"skips: no such file {path!r}")
+                raise ValueError(f"{cls.what}s: no such file {path!r}")
             with open(path) as fh:
                 entries += cls.parse(fh.read(), path).entries
         return cls(entries)
@@ -70,3 +81,29 @@ class SkipList:
             for e in self.entries
             if not e.used
         ]
+
+
+class XfailList(SkipList):
+    """Expected failures: run, and judged by :meth:`judge`."""
+
+    suffix = ".xfails.txt"
+    what = "xfail"
+
+    def judge(self, result: CaseResult) -> CaseResult:
+        """A failure of a listed item becomes "xfailed"; a pass of one becomes a failure that
+        names the entry, so an expected failure that starts passing is reported."""
+        reason = self.reason(result.case_id, result.dtype)
+        if reason is None or result.verdict not in ("passed", "failed"):
+            return result
+        if result.verdict == "failed":
+            return replace(
+                result, verdict="xfailed", message=f"expected: {reason}; {result.message}"
+            )
+        return replace(
+            result,
+            verdict="failed",
+            message=f"listed as an expected failure ({reason}) but passed: remove the entry",
+        )
+
+    def unmatched(self) -> list[str]:
+        return [f"xfail entry {text}" for text in super().unmatched()]

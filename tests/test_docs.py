@@ -275,7 +275,8 @@ def _generated_body(command, body):
         lines = _kit_output(repro.group(1)).splitlines()
         case = shlex.split(repro.group(1))[shlex.split(repro.group(1)).index("--cases") + 1]
         first = next(i for i, line in enumerate(lines) if line.startswith(f"  {case} ["))
-        return "\n".join(line[2:] for line in lines[first : first + 2])
+        last = next(i for i in range(first, len(lines)) if lines[i].startswith("    repro: "))
+        return "\n".join(line[2:] for line in lines[first : last + 1])  # failure, case, repro
     lines = _kit_output(command.strip()).splitlines()
     first = next(i for i, line in enumerate(lines) if line.startswith("op "))
     last = lines.index("", first)

@@ -240,3 +240,26 @@ def test_chromium_renders_the_math_offline(site, name):
     assert "KaTeX_Main" in state["fonts"], state["fonts"]
     assert outside == [], f"requests outside the site: {outside}"
     assert any(url.endswith("katex.min.js") for url in requested)
+
+
+def test_the_kit_counts_are_those_of_the_kit(site):
+    # Generated at build time by docs/hooks/kit_counts.py (issue 40: the page said 1,115 items
+    # and 195 cases while a run had 1,169 and 204).
+    from attnspec.conformance.cases import generate_cases
+    from attnspec.conformance.numpy_backend import NumpyBackend
+    from attnspec.conformance.runner import plan
+
+    cases = generate_cases(None, None)
+    items = plan(cases, NumpyBackend().dtypes, finite_differences=True).items
+    text = html.unescape(re.sub(r"<[^>]+>", "", page(site, "conformance")))
+    assert f"passes all {len(items):,} items ({len(cases):,} cases:" in " ".join(text.split())
+
+
+def test_spec_equation_blocks_wrap_instead_of_scrolling(site):
+    # docs/spec/*.md stay byte-identical to the spec: the hook marks their pages and the
+    # stylesheet wraps their code blocks, (F1)-(F7) among them.
+    spec = page(site, "spec/fpa")
+    assert '<div class="spec-page">' in spec and "(F1) segment minimum" in spec
+    with open(os.path.join(site, "assets", "stylesheets", "attnspec.css")) as fh:
+        css = " ".join(fh.read().split())
+    assert ".md-typeset .spec-page pre > code { white-space: pre-wrap;" in css

@@ -134,6 +134,12 @@ def plot_legs(path: str) -> None:
 
 def plot_eviction(path: str) -> None:
     """(4) Kept fraction of the KV cache vs the eviction threshold theta (F7, T3)."""
+    _save(eviction_figure(), path)
+
+
+def eviction_figure() -> Figure:
+    """The figure of :func:`plot_eviction`: the curves, and the T3 thresholds as dashed lines
+    labelled beside them (left of each line, below the curves), not on them."""
     plt = _pyplot()
     rng = np.random.default_rng(52)
     T, dk = 256, 8
@@ -148,14 +154,25 @@ def plot_eviction(path: str) -> None:
     for eps in (1e-2, 1e-8):
         theta = fpa.eviction_threshold(U, T, eps)
         ax.axvline(theta, color="gray", ls="--", lw=1)
-        label = rf" safe for $\varepsilon = 10^{{{np.log10(eps):.0f}}}$"
-        ax.text(theta, 0.05, label, rotation=90, fontsize=8, color="gray")
+        label = rf"safe for $\varepsilon = 10^{{{np.log10(eps):.0f}}}$"
+        ax.annotate(
+            label,
+            xy=(theta, 0.03),
+            xycoords=("data", "axes fraction"),
+            xytext=(-3, 0),
+            textcoords="offset points",
+            rotation=90,
+            ha="right",
+            va="bottom",
+            fontsize=8,
+            color="gray",
+        )
     ax.set_xlabel(r"eviction threshold $\theta$")
     ax.set_ylabel(r"kept fraction (peak cache / $T$)")
     ax.set_ylim(0, 1.05)
     ax.set_title(rf"FPA decoding with eviction (F7, T3), $T = {T}$, $l = \phi$")
     ax.legend()
-    _save(fig, path)
+    return fig
 
 
 FIGURES = {

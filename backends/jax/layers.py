@@ -48,6 +48,9 @@ def _params(
     missing = sorted(set(schema) - set(optional) - set(params))
     if missing:
         raise ValueError(f"params: missing {missing}; see {name}")
+    unknown = sorted(set(params) - set(schema))  # a typo would keep its initial value silently
+    if unknown:
+        raise ValueError(f"params: unknown {unknown}; see {name}")
     return {
         key: check.array(f"params[{key!r}]", value, jnp.ndim(value))
         for key, value in params.items()

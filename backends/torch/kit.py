@@ -301,6 +301,10 @@ class TritonBackend(TorchBackend):
     def _registered(self, kernel: str) -> bool:
         return "triton" in dispatch.implementations(kernel)
 
+    def environment(self) -> dict[str, str]:
+        """What a repro line sets: the interpreter switch when the kernels run under it."""
+        return {"TRITON_INTERPRET": "1"} if os.environ.get("TRITON_INTERPRET") == "1" else {}
+
     def capabilities(self) -> set[str]:
         claimed = {op for op, (fwd, _) in self.KERNELS.items() if self._registered(fwd)}
         vjps = {op for op in claimed if self._registered(self.KERNELS[op][1])}

@@ -68,13 +68,51 @@ def _positions(cu_seqlens: Tensor | None, T: int, device: Device) -> Tensor:
     return t - starts[torch.searchsorted(starts, t, right=True) - 1]
 
 
-def _check_x(x: Tensor, d: int) -> Tensor:
-    x = checks.tensor("x", x, 3, checks.QKV_DTYPES, "[B, T, d_model]")
-    if x.shape[2] != d:
+def _check_x(
+    x: Tensor, layer: FirstPassageAttention | InterdomainAttention, ndim: int = 3
+) -> Tensor:
+    """x [B, T, d_model] (or [B, d_model] for a step): the layer's width, its dtype (unless
+    autocast is on, which casts the projections), finite values."""
+    meaning = "[B, T, d_model]" if ndim == 3 else "[B, d_model]"
+    x = checks.tensor("x", x, ndim, checks.QKV_DTYPES, meaning)
+    d = layer.d_model
+    if x.shape[-1] != d:
         raise ValueError(f"x: expected d_model = {d} features, got shape {tuple(x.shape)}")
-    if x.shape[1] < 1:
+    if ndim == 3 and x.shape[1] < 1:
         raise ValueError(f"x: expected T >= 1, got shape {tuple(x.shape)}")
+    dtype = layer.wq.dtype
+    if x.dtype != dtype and not _autocast_casts(x, dtype):
+        raise ValueError(
+            f"x: expected the layer's dtype {dtype}, got {x.dtype} (cast x or the layer)"
+        )
+    if x.device.type != "meta":  # meta tensors carry no values
+        checks.finite("x", x)
     return x
+
+
+def _autocast_casts(x: Tensor, dtype: torch.dtype) -> bool:
+    """Whether autocast is on for x's device (meta: never) and casts a layer of ``dtype``."""
+    if x.device.type == "meta" or dtype == torch.float64:
+        return False
+    return torch.is_autocast_enabled(x.device.type)
+
+
+def _check_sizes(**sizes: int | None) -> None:
+    """The layer's sizes (d_model, n_heads, head_dim, ...): integers >= 1 (None: a default)."""
+    for name, value in sizes.items():
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 1
+        ):
+            raise ValueError(f"{name}: expected an integer >= 1, got {value!r}")
+
+
+def _check_batch(x: Tensor, cached: Tensor | None) -> None:
+    """A decode step's x [B, d] against the batch its cache or state holds."""
+    if cached is not None and cached.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"x: expected the batch of the decode cache, B = {cached.shape[0]}, got "
+            f"{x.shape[0]} (a new batch needs new_cache())"
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -128,6 +166,7 @@ class FirstPassageAttention(nn.Module):
         super().__init__()
         if increments not in ("signed", "logsigmoid"):
             raise ValueError(f"increments: expected 'signed' or 'logsigmoid', got {increments!r}")
+        _check_sizes(d_model=d_model, n_heads=n_heads, head_dim=head_dim, value_dim=value_dim)
         d, H, dk = d_model, n_heads, head_dim
         dv = head_dim if value_dim is None else value_dim
         self.d_model, self.n_heads, self.head_dim, self.value_dim = d, H, dk, dv
@@ -186,7 +225,7 @@ class FirstPassageAttention(nn.Module):
 
         Time O(B H T^2 (dk + dv) + B T d H (dk + dv)); memory O(T * block) in the attention.
         """
-        x = _check_x(x, self.d_model)
+        x = _check_x(x, self)
         q, k, v, delta, offset = self._projections(x)
         field = torch.cumsum(delta, dim=1)  # phi
         if cu_seqlens is not None:  # each sequence's field starts afresh (precision only: (F2)
@@ -207,7 +246,8 @@ class FirstPassageAttention(nn.Module):
 
     def step(self, x: Tensor, cache: FPALayerCache) -> Tensor:
         """One token: x [B, d] -> y [B, d], updating ``cache``."""
-        x = checks.tensor("x", x, 2, checks.QKV_DTYPES, "[B, d_model]")
+        x = _check_x(x, self, ndim=2)
+        _check_batch(x, cache.field)
         q, k, v, delta, offset = self._projections(x[:, None])
         phi = delta[:, 0] if cache.field is None else cache.field + delta[:, 0]
         cache.field = phi
@@ -216,7 +256,7 @@ class FirstPassageAttention(nn.Module):
 
     def prefill(self, x: Tensor, cache: FPALayerCache) -> Tensor:
         """A whole prompt x [B, T, d] into an empty ``cache``; equals T calls of :meth:`step`."""
-        x = _check_x(x, self.d_model)
+        x = _check_x(x, self)
         q, k, v, delta, offset = self._projections(x)
         field = torch.cumsum(delta, dim=1)
         o = cache.attention.prefill(q, k, v, field, field + offset)
@@ -330,6 +370,13 @@ class InterdomainAttention(nn.Module):
     ):
         super().__init__()
         checks.readout(readout)
+        _check_sizes(
+            d_model=d_model,
+            n_heads=n_heads,
+            head_dim=head_dim,
+            value_dim=value_dim,
+            n_modes=n_modes,
+        )
         if use_rope and head_dim % 2:
             raise ValueError(f"head_dim: RoPE needs an even head dim, got {head_dim}")
         dv = head_dim if value_dim is None else value_dim
@@ -468,7 +515,7 @@ class InterdomainAttention(nn.Module):
         """x [B, T, d] -> y [B, T, d]; packed sequences by ``cu_seqlens`` (B = 1), each with
         its own conv window, positions and zero initial state. Time O(B T (d H (R + dv) +
         H (L M + M (R + dv + M)))) with S4D chunks of L; state size independent of T."""
-        x = _check_x(x, self.d_model)
+        x = _check_x(x, self)
         positions = _positions(cu_seqlens, x.shape[1], x.device)
         q = short_conv(x @ self.wq, self.conv_q, positions)  # (I8)
         k = short_conv(x @ self.wk, self.conv_k, positions)
@@ -491,7 +538,8 @@ class InterdomainAttention(nn.Module):
 
     def step(self, x: Tensor, state: InterdomainLayerState) -> Tensor:
         """One token: x [B, d] -> y [B, d], updating ``state`` (whose size does not grow)."""
-        x = checks.tensor("x", x, 2, checks.QKV_DTYPES, "[B, d_model]")[:, None]
+        x = _check_x(x, self, ndim=2)[:, None]
+        _check_batch(x, state.conv_q)
         positions = torch.tensor([state.position], device=x.device)
         qk = []
         for name in ("q", "k"):
@@ -513,7 +561,7 @@ class InterdomainAttention(nn.Module):
         """A prompt x [B, T, d] into a fresh ``state``; equals T calls of :meth:`step`."""
         if state.position:
             raise ValueError(f"prefill: expected a fresh state, at position {state.position}")
-        x = _check_x(x, self.d_model)
+        x = _check_x(x, self)
         T = x.shape[1]
         positions = torch.arange(T, device=x.device)
         projected = {name: x @ getattr(self, f"w{name}") for name in ("q", "k")}
