@@ -150,7 +150,7 @@ def check_pages(s: PagedFPASession):
     assert bool(((s.state.pos < 0) | slots_on).all())
 
 
-def run_program(program, *, R, HQ, H, dk, dv, dtype, theta, window, W, P, seed):
+def run_program(program, *, R, HQ, H, dk, dv, dtype, theta, window, W, P, seed, attention=None):
     rng = np.random.default_rng(seed)
     scale = 0.4
     s = PagedFPASession(
@@ -165,6 +165,7 @@ def run_program(program, *, R, HQ, H, dk, dv, dtype, theta, window, W, P, seed):
         window=window,
         max_rollback=W,
         page_size=P,
+        **({} if attention is None else {"attention": attention}),
     )
     lit = LiteralSession(R, HQ, H, scale, theta, window, W)
     for call in program:
@@ -340,3 +341,40 @@ def test_select_shares_pages_and_copies_on_write():
     # row 0 wrote into its shared half-full tail page: one copy per kv head
     assert int((s.refs > 0).sum()) == physical + 2
     check_pages(s)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "P", "split"),
+    [(torch.float32, 4, 2), (torch.bfloat16, 16, 1), (torch.float64, 4, 16), (torch.float16, 8, 3)],
+)
+def test_triton_kernel_under_the_interpreter(monkeypatch, dtype, P, split):
+    """The decode kernel in the session against the literal loops, and against its eager twin
+    on the same state (several page splits: the combine pass)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from attnspec.backends.torch import triton_decode
+    from attnspec.backends.torch.paged import paged_attention_eager
+
+    calls = []
+
+    def kernel(*args):
+        got = triton_decode.paged_attention_triton(*args, pages_per_split=split)
+        want = paged_attention_eager(*args)
+        calls.append(float((got - want).abs().max()))
+        return got
+
+    run_program(
+        PROGRAM[:7],
+        R=3,
+        HQ=4,
+        H=2,
+        dk=4,
+        dv=3,
+        dtype=dtype,
+        theta=0.9,
+        window=7,
+        W=3,
+        P=P,
+        seed=2,
+        attention=kernel,
+    )
+    assert calls and max(calls) <= TOL[dtype]
