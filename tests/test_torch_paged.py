@@ -378,3 +378,31 @@ def test_triton_kernel_under_the_interpreter(monkeypatch, dtype, P, split):
         attention=kernel,
     )
     assert calls and max(calls) <= TOL[dtype]
+
+
+def test_open_session_in_the_kit_adapters(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from attnspec.conformance.registry import get_backend
+
+    config = {
+        "heads": 4,
+        "kv_heads": 2,
+        "dk": 4,
+        "dv": 3,
+        "scale": 0.5,
+        "theta": 1.0,
+        "window": None,
+        "max_rollback": 2,
+    }
+    for name, attention in (
+        ("torch", "paged_attention_eager"),
+        ("triton", "paged_attention_triton"),
+    ):
+        backend = get_backend(name)
+        assert "fpa_decode.session" in backend.capabilities()
+        s = backend.open_session("fpa_decode", rows=2, dtype="float32", config=config)
+        assert s.attention.__name__ == attention and s.dtype == torch.float32
+        with pytest.raises(ValueError, match="config"):
+            backend.open_session("fpa_decode", rows=2, dtype="float32", config={"heads": 4})
+        with pytest.raises(NotImplementedError, match="op"):
+            backend.open_session("fox_attention", rows=2, dtype="float32", config=config)
