@@ -406,3 +406,39 @@ def test_open_session_in_the_kit_adapters(monkeypatch):
             backend.open_session("fpa_decode", rows=2, dtype="float32", config={"heads": 4})
         with pytest.raises(NotImplementedError, match="op"):
             backend.open_session("fox_attention", rows=2, dtype="float32", config=config)
+
+
+@pytest.mark.parametrize(
+    ("theta", "window", "W"), [(0.8, None, 3), (1.5, 5, 0), (math.inf, None, 2)]
+)
+def test_prefill_state_equals_advancing_the_prompt(theta, window, W):
+    rng = np.random.default_rng(4)
+    R, HQ, H, T, dk, dv = 2, 4, 2, 37, 4, 3
+    kw = dict(
+        rows=R,
+        heads=HQ,
+        kv_heads=H,
+        dk=dk,
+        dv=dv,
+        dtype=torch.float64,
+        scale=0.5,
+        theta=theta,
+        window=window,
+        max_rollback=W,
+        page_size=4,
+    )
+    stepped, filled = PagedFPASession(**kw), PagedFPASession(**kw)
+    prompt = torch_chunk(make_chunk(rng, R, HQ, H, T, dk, dv), torch.float64)
+    stepped.advance(prompt, torch.ones(R, T, dtype=torch.bool))
+    filled.prefill_state(prompt)
+    for _ in range(2):
+        for key in ("tokens", "live", "stored"):
+            assert torch.equal(stepped.counts()[key], filled.counts()[key]), key
+        assert torch.equal(stepped.pages_held(), filled.pages_held())
+        if W:
+            stepped.rollback(1, 2)
+            filled.rollback(1, 2)
+        chunk = torch_chunk(make_chunk(rng, R, HQ, H, 3, dk, dv), torch.float64)
+        present = torch.ones(R, 3, dtype=torch.bool)
+        a, b = stepped.advance(chunk, present)["o"], filled.advance(chunk, present)["o"]
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)

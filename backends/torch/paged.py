@@ -502,6 +502,92 @@ class PagedFPASession:
         self.state = replace(self.state, table=table, pos=posr, fill=fill_new, **moved_state)
         self._recount()
 
+    def prefill_state(self, inputs: dict[str, Tensor]) -> None:
+        """An empty session takes a prompt of T tokens in every row, without computing its
+        outputs (a server takes them from the parallel op): the state equals that of
+        :meth:`advance` with every position present. k [R, H, T, dk], v [R, H, T, dv],
+        field, level [R, HQ, T] (q is not needed; if given it is ignored).
+
+        The eviction step of key j is the first u > j with l_j - phi_u >= theta (F2, F7), found
+        by binary lifting over a table of range minima (rounding is monotone, so
+        l_j - min phi = max (l_j - phi)); time O(T log T) per head, not the O(T^2) of steps.
+        """
+        if int(self.state.tokens.max()) > 0:
+            raise ValueError("inputs: prefill_state expects an empty session")
+        R, T = self.rows, inputs["k"].shape[2] if "k" in inputs else 0
+        self._check_chunk(
+            {"q": torch.zeros(R, self.HQ, T, self.dk, dtype=self.dtype, device=self.device)}
+            | {x: inputs[x] for x in ("k", "v", "field", "level") if x in inputs},
+            torch.ones(R, T, dtype=torch.bool, device=self.device),
+        )
+        P, NT = self.P, -(-T // self.P)
+        need = R * self.H * NT
+        if self.max_pages is not None and need > self.free_pages():
+            raise ValueError(
+                f"max_pages: the pool of {self.max_pages} pages has {self.free_pages()} free, "
+                f"the prompt needs {need}"
+            )
+        if T == 0:
+            return
+        if inputs["field"].dtype == torch.float64:
+            self.wide = torch.float64
+        wide, S = self.wide, NT * P
+        f, lv = inputs["field"].to(wide), inputs["level"].to(wide)  # [R, HQ, T]
+        j = torch.arange(T, device=self.device)
+        # range minima mins_k[u] = min f[u : u + 2^k]; first hit by binary lifting
+        levels, step = [f], 1
+        while 2 * step <= T:
+            prev = levels[-1]
+            levels.append(
+                torch.minimum(
+                    prev[..., : T - 2 * step + 1], prev[..., step:][..., : T - 2 * step + 1]
+                )
+            )
+            step *= 2
+        u = (j + 1).expand(R, self.HQ, T).clone()
+        for k in range(len(levels) - 1, -1, -1):
+            width = 1 << k
+            ok = u + width <= T
+            at = u.clamp_max(levels[k].shape[2] - 1)
+            clear = (lv - levels[k].gather(2, at)) < self.theta
+            u = torch.where(ok & clear, u + width, u)
+        evict = torch.where(u < T, u, LIVE)
+        if self.window is not None:
+            by_window = j + self.window
+            evict = torch.minimum(evict, torch.where(by_window < T, by_window, LIVE))
+        after = torch.cat([f[..., 1:], torch.full_like(f[..., :1], math.inf)], dim=2)
+        mins = torch.cummin(after.flip(2), dim=2).values.flip(2)  # min f over (j, T - 1]
+        b = min(T, self.W)
+        c = T - b - 1
+        base = torch.cummin(after.masked_fill(j >= c, math.inf).flip(2), dim=2).values.flip(2)
+        ring = torch.zeros(R, self.HQ, max(self.W, 1), dtype=wide, device=self.device)
+        if self.W:
+            last = torch.arange(T - b, T, device=self.device)
+            ring[..., last % self.W] = f[..., last]
+        pages = self._allocate(need).view(R, self.H, NT)
+        pad = S - T
+        k = torch.nn.functional.pad(inputs["k"], (0, 0, 0, pad)).view(R, self.H, NT, P, -1)
+        v = torch.nn.functional.pad(inputs["v"], (0, 0, 0, pad)).view(R, self.H, NT, P, -1)
+        self.k_pool[pages], self.v_pool[pages] = k, v
+
+        def slots(x: Tensor, value: float) -> Tensor:
+            return torch.nn.functional.pad(x, (0, pad), value=value)
+
+        self.state = replace(
+            self.state,
+            table=pages,
+            fill=torch.full((R, self.H), T, dtype=torch.int64, device=self.device),
+            pos=slots(j.expand(R, self.H, T), -1).contiguous(),
+            level=slots(lv, 0.0),
+            mins=slots(mins, math.inf),
+            base=slots(base, math.inf),
+            evict=slots(evict, LIVE),
+            tokens=torch.full((R,), T, dtype=torch.int64, device=self.device),
+            budget=torch.full((R,), b, dtype=torch.int64, device=self.device),
+            ring=ring,
+        )
+        self._release()
+
     def select(self, rows: Sequence[int]) -> None:
         """(F9) the session now holds len(rows) rows, row i a copy of old row rows[i]; pages are
         shared (reference counts), never copied."""
