@@ -356,8 +356,8 @@ def test_triton_kernel_under_the_interpreter(monkeypatch, dtype, P, split):
 
     calls = []
 
-    def kernel(*args):
-        got = triton_decode.paged_attention_triton(*args, pages_per_split=split)
+    def kernel(*args, **kw):
+        got = triton_decode.paged_attention_triton(*args, **kw, pages_per_split=split)
         want = paged_attention_eager(*args)
         calls.append(float((got - want).abs().max()))
         return got

@@ -62,6 +62,7 @@ def paged_attention_eager(
     tok: Tensor,
     field: Tensor,
     scale: float,
+    buffers: dict[str, Tensor] | None = None,
 ) -> Tensor:
     """(F3)-(F5) for a block of chunk positions over the row's pages, GQA by kv head.
 
@@ -72,6 +73,8 @@ def paged_attention_eager(
         level, mins, evict: [R, HQ, NT * P] l_j, m_j before the block (wide), eviction step.
         tok: [R, n] int64 the token index of each position (-1: absent); field: [R, HQ, n] wide.
         scale: the softmax scale.
+        buffers: where the pages' k and v are gathered, kept by the caller between calls
+            (a fresh 100 MB tensor costs more in page faults than the copy into it).
 
     Returns:
         o [R, HQ, n, V] in the dtype of ``mins``; 0 at absent positions.
@@ -81,9 +84,18 @@ def paged_attention_eager(
     R, HQ, n, K = q.shape
     H, wide = table.shape[1], mins.dtype
     G, S = HQ // H, pos.shape[2]
-    pages = table.clamp_min(0)
-    keys = k_pool[pages].reshape(R, H, S, K).to(wide)  # [R, H, S, K]
-    values = v_pool[pages].reshape(R, H, S, -1).to(wide)  # [R, H, S, V]
+    pages = table.clamp_min(0).flatten()
+    gathered = []
+    for name, pool in (("k", k_pool), ("v", v_pool)):
+        shape = (pages.numel(), *pool.shape[1:])
+        buf = (buffers or {}).get(name)
+        if buf is None or buf.numel() < math.prod(shape) or buf.dtype != pool.dtype:
+            buf = pool.new_empty(math.prod(shape))
+            if buffers is not None:
+                buffers[name] = buf
+        out = buf[: math.prod(shape)].view(shape)
+        gathered.append(torch.index_select(pool, 0, pages, out=out).view(R, H, S, -1).to(wide))
+    keys, values = gathered  # [R, H, S, K], [R, H, S, V]
     content = scale * torch.einsum("rhgnk,rhsk->rhgns", q.to(wide).view(R, H, G, n, K), keys)
     posq = pos.repeat_interleave(G, dim=1)  # [R, HQ, S]
     running, penalty, valid = mins, [], []
@@ -96,9 +108,9 @@ def paged_attention_eager(
     logits = content - torch.stack(penalty, 2).view(R, H, G, n, S)  # (F3)
     keep = torch.stack(valid, 2).view(R, H, G, n, S)
     logits = logits.masked_fill(~keep, -math.inf)
-    weights = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # (F4); rows without keys: 0
+    weights = torch.softmax(logits, dim=-1)  # (F4); NaN in rows without keys (absent)
     o = torch.einsum("rhgns,rhsv->rhgnv", weights, values)  # (F5)
-    return o.reshape(R, HQ, n, -1)
+    return o.reshape(R, HQ, n, -1).masked_fill((tok < 0)[:, None, :, None], 0.0)
 
 
 @dataclass
@@ -171,6 +183,7 @@ class PagedFPASession:
         self.dtype, self.device = dtype, torch.device(device)
         self.wide = torch.float64 if dtype == torch.float64 else torch.float32
         self.attention = attention
+        self._buffers: dict[str, Tensor] = {}  # the attention's scratch, kept between calls
         NP = self.max_pages or 4
         self.k_pool = torch.zeros(NP, self.P, self.dk, dtype=dtype, device=self.device)
         self.v_pool = torch.zeros(NP, self.P, self.dv, dtype=dtype, device=self.device)
@@ -394,13 +407,15 @@ class PagedFPASession:
         """At most QUERY_BLOCK positions: evictions (F7, F3w), attention, then the minima, the
         budgets, the base minima and the ring of fields advanced token by token."""
         st, G = self.state, self.G
-        posq = st.pos.repeat_interleave(G, dim=1)[..., None]  # [R, HQ, S, 1]
-        t = tok[:, None, None, :]  # [R, 1, 1, n]
-        after = (t > posq) & (posq >= 0)
-        hit = (st.level[..., None] - field[:, :, None, :]) >= self.theta  # (F2): depth >= theta
-        if self.window is not None:
-            hit = hit | (t - posq >= self.window)  # (F3w)
-        first = torch.where(after & hit, t, LIVE).amin(dim=3)  # [R, HQ, S]
+        posq = st.pos.repeat_interleave(G, dim=1)  # [R, HQ, S]
+        first = torch.full_like(st.evict, LIVE)
+        evicting = math.isfinite(self.theta) or self.window is not None
+        for p in reversed(range(tok.shape[1] if evicting else 0)):  # first t > j evicting j
+            t = tok[:, p, None, None]  # [R, 1, 1]
+            hit = (st.level - field[:, :, p, None]) >= self.theta  # (F2): depth >= theta
+            if self.window is not None:
+                hit = hit | (t - posq >= self.window)  # (F3w)
+            first = torch.where(hit & (t > posq) & (posq >= 0), t, first)
         evict = torch.where(st.evict == LIVE, first, st.evict)
         o = self.attention(
             q,
@@ -414,10 +429,10 @@ class PagedFPASession:
             tok,
             field,
             self.scale,
+            buffers=self._buffers,
         )
         mins, base, ring = st.mins, st.base, st.ring.clone()
         tokens, budget = st.tokens.clone(), st.budget.clone()
-        posq = posq[..., 0]
         for p in range(tok.shape[1]):
             here = tok[:, p] >= 0  # [R]
             u = tok[:, p, None, None]
@@ -460,6 +475,26 @@ class PagedFPASession:
         held = (table >= 0).sum(dim=2)
         for r, h in torch.nonzero(held > -(-count // P)).tolist():
             self._compact(r, h)
+        self._trim()
+
+    def _trim(self) -> None:
+        """Table columns (and slots) past the last held page of every (row, kv head) dropped,
+        so attention visits only pages some row holds."""
+        st, P = self.state, self.P
+        NT = st.table.shape[2]
+        cols = torch.arange(1, NT + 1, device=self.device)
+        last = ((st.table >= 0) * cols).amax(dim=2) if NT else st.fill * 0  # [R, H]
+        width = int(last.max()) if last.numel() else 0
+        fill = torch.minimum(st.fill, last * P)
+        if width == NT and torch.equal(fill, st.fill):
+            return
+        S = width * P
+        self.state = replace(
+            st,
+            table=st.table[..., :width],
+            fill=fill,
+            **{f: getattr(st, f)[..., :S] for f in ("pos", "level", "mins", "base", "evict")},
+        )
 
     def _compact(self, r: int, h: int) -> None:
         """Stored entries of (r, h) from its first page with a hole on, moved to fresh pages."""

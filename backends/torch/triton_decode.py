@@ -204,10 +204,12 @@ def paged_attention_triton(
     tok: torch.Tensor,
     field: torch.Tensor,
     scale: float,
+    buffers: dict[str, torch.Tensor] | None = None,
     pages_per_split: int = PAGES_PER_SPLIT,
 ) -> torch.Tensor:
     """The kernel's launch; arguments and result as :func:`.paged.paged_attention_eager`
-    (q [R, HQ, n, K] with n <= 16; o [R, HQ, n, V] in the dtype of ``mins``)."""
+    (q [R, HQ, n, K] with n <= 16; o [R, HQ, n, V] in the dtype of ``mins``); ``buffers`` is
+    not needed (the pages are read in place)."""
     R, HQ, n, K = q.shape
     H, NT = table.shape[1], table.shape[2]
     G, P, V, S = HQ // H, k_pool.shape[1], v_pool.shape[2], pos.shape[2]
