@@ -601,9 +601,12 @@ class PagedFPASession:
             ring[..., last % self.W] = f[..., last]
         pages = self._allocate(need).view(R, self.H, NT)
         pad = S - T
-        k = torch.nn.functional.pad(inputs["k"], (0, 0, 0, pad)).view(R, self.H, NT, P, -1)
-        v = torch.nn.functional.pad(inputs["v"], (0, 0, 0, pad)).view(R, self.H, NT, P, -1)
-        self.k_pool[pages], self.v_pool[pages] = k, v
+        self.k_pool[pages] = torch.nn.functional.pad(inputs["k"], (0, 0, 0, pad)).view(
+            R, self.H, NT, P, -1
+        )
+        self.v_pool[pages] = torch.nn.functional.pad(inputs["v"], (0, 0, 0, pad)).view(
+            R, self.H, NT, P, -1
+        )
 
         def slots(x: Tensor, value: float) -> Tensor:
             return torch.nn.functional.pad(x, (0, pad), value=value)

@@ -32,23 +32,23 @@ PAGES_PER_SPLIT = 16  # pages a program visits (256 tokens at 16 per page)
 
 @triton.jit
 def _paged_decode_kernel(
-    q,
-    k_pool,
-    v_pool,
-    table,
-    pos,
-    level,
-    mins,
-    evict,
-    tok,
-    field,
-    acc_out,
-    m_out,
-    l_out,
-    scale,
-    n,
-    NT,
-    S,
+    q: tl.tensor,
+    k_pool: tl.tensor,
+    v_pool: tl.tensor,
+    table: tl.tensor,
+    pos: tl.tensor,
+    level: tl.tensor,
+    mins: tl.tensor,
+    evict: tl.tensor,
+    tok: tl.tensor,
+    field: tl.tensor,
+    acc_out: tl.tensor,
+    m_out: tl.tensor,
+    l_out: tl.tensor,
+    scale: tl.tensor,
+    n: tl.tensor,
+    NT: tl.tensor,
+    S: tl.tensor,
     H: tl.constexpr,
     G: tl.constexpr,
     K: tl.constexpr,
@@ -63,7 +63,7 @@ def _paged_decode_kernel(
     DOT: tl.constexpr,
     PRECISION: tl.constexpr,
     ROUND_BF16: tl.constexpr,
-):
+) -> None:
     rh = tl.program_id(0)
     split = tl.program_id(1)
     nsplit = tl.num_programs(1)
@@ -140,19 +140,19 @@ def _paged_decode_kernel(
 
 @triton.jit
 def _combine_kernel(
-    acc_in,
-    m_in,
-    l_in,
-    o,
-    n,
-    nsplit,
+    acc_in: tl.tensor,
+    m_in: tl.tensor,
+    l_in: tl.tensor,
+    o: tl.tensor,
+    n: tl.tensor,
+    nsplit: tl.tensor,
     H: tl.constexpr,
     G: tl.constexpr,
     V: tl.constexpr,
     NB: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_V: tl.constexpr,
-):
+) -> None:
     """o = sum_s e^{m_s - M} acc_s / sum_s e^{m_s - M} l_s over the splits s of a (row, kv head)."""
     rh = tl.program_id(0)
     r = rh // H
@@ -203,7 +203,7 @@ def paged_attention_triton(
     evict: torch.Tensor,
     tok: torch.Tensor,
     field: torch.Tensor,
-    scale: float,
+    scale: tl.tensor,
     buffers: dict[str, torch.Tensor] | None = None,
     pages_per_split: int = PAGES_PER_SPLIT,
 ) -> torch.Tensor:
