@@ -60,7 +60,7 @@ def test_triton_adapter_claims_only_registered_kernels(monkeypatch):
     for kernel in registry.values():
         kernel.pop("triton", None)
     monkeypatch.setattr(dispatch, "_REGISTRY", registry)
-    sessions = {"fpa_decode.session"}  # the paged session's kernel is not in the registry
+    sessions = {"fpa_decode.session", "fpa_layer.session"}  # their kernel: not in the registry
     assert backend.capabilities() == sessions
     registry["fox_fwd"]["triton"] = registry["fox_fwd"]["eager"]
     fox = {"fox_attention", "fox_attention.varlen", "fox_attention.gqa"}

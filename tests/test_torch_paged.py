@@ -442,3 +442,74 @@ def test_prefill_state_equals_advancing_the_prompt(theta, window, W):
         present = torch.ones(R, 3, dtype=torch.bool)
         a, b = stepped.advance(chunk, present)["o"], filled.advance(chunk, present)["o"]
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("theta", [math.inf, 0.7])
+def test_layer_session_ragged_and_padded(theta):
+    """FirstPassageAttention.open_session on rows of different lengths with left and right
+    padding against the layer on each row alone: the parallel forward (theta = inf) or the
+    single-stream (F7) cache stepped token by token."""
+    from attnspec.backends.torch.modules import FirstPassageAttention
+
+    torch.manual_seed(0)
+    layer = FirstPassageAttention(8, 2, 4, dtype=torch.float64)
+    with torch.no_grad():
+        layer.b_delta.fill_(-0.3)  # a falling field: keys die at finite theta
+    s = layer.open_session(3, theta=theta, max_rollback=2, page_size=4)
+    chunks = [
+        torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1], [0, 0, 0, 0, 0]], dtype=torch.bool),
+        torch.tensor([[1, 1, 0], [1, 1, 1], [0, 1, 1]], dtype=torch.bool),
+    ]
+    seen = [[] for _ in range(3)]
+    got = [[] for _ in range(3)]
+    for present in chunks:
+        x = torch.randn(3, present.shape[1], 8, dtype=torch.float64)
+        with torch.no_grad():
+            y = s.advance({"x": x}, present)["y"]
+        assert not y[~present].any()
+        for r in range(3):
+            seen[r] += list(x[r][present[r]])
+            got[r] += list(y[r][present[r]])
+    for r in range(3):
+        if not seen[r]:
+            continue
+        xr = torch.stack(seen[r])[None]
+        with torch.no_grad():
+            if math.isinf(theta):
+                want = layer(xr)[0]
+            else:
+                cache = layer.new_cache(theta=theta)
+                want = torch.cat([layer.step(xr[:, t], cache) for t in range(xr.shape[1])])
+        torch.testing.assert_close(torch.stack(got[r]), want, rtol=0, atol=1e-10)
+    assert s.counts()["tokens"].tolist() == [7, 6, 2]
+    if math.isinf(theta):  # rollback restores the row's field: the row continues exactly
+        s.rollback(1, 2)
+        x = torch.randn(3, 2, 8, dtype=torch.float64)
+        with torch.no_grad():
+            y = s.advance({"x": x}, torch.tensor([[0, 0], [1, 1], [0, 0]], dtype=torch.bool))
+            want = layer(torch.cat([torch.stack(seen[1][:4]), x[1]])[None])[0, 4:]
+        torch.testing.assert_close(y["y"][1], want, rtol=0, atol=1e-10)
+
+
+def test_kit_fpa_layer_session_against_the_reference_layer():
+    from attnspec.conformance.registry import get_backend
+    from attnspec.reference.fpa import fpa_layer, init_fpa_params
+
+    backend = get_backend("torch")
+    assert "fpa_layer.session" in backend.capabilities()
+    params = init_fpa_params(8, 2, 4, 3, seed=1)
+    config = {
+        "params": {n: backend.asarray(a, "float64") for n, a in params.items()},
+        "increments": "logsigmoid",
+        "theta": math.inf,
+        "window": None,
+        "max_rollback": 1,
+    }
+    s = backend.open_session("fpa_layer", rows=2, dtype="float64", config=config)
+    x = np.random.default_rng(0).normal(size=(2, 5, 8))
+    present = np.array([[1, 1, 1, 1, 1], [0, 1, 1, 1, 0]], dtype=bool)
+    y = s.advance({"x": backend.asarray(x, "float64")}, torch.from_numpy(present))["y"]
+    want0 = fpa_layer(x[:1], params, increments="logsigmoid")[0]
+    want1 = fpa_layer(x[1:, 1:4], params, increments="logsigmoid")[0]
+    np.testing.assert_allclose(y[0].numpy(), want0, rtol=0, atol=1e-10)
+    np.testing.assert_allclose(y[1, 1:4].numpy(), want1, rtol=0, atol=1e-10)

@@ -59,7 +59,7 @@ class TorchBackend:
             raise ValueError(f"device: {device!r} asked for, but torch sees no CUDA device")
 
     # ops whose decode sessions (F8, F9) open_session opens: capability "<op>.session"
-    SESSIONS: tuple[str, ...] = ("fpa_decode",)
+    SESSIONS: tuple[str, ...] = ("fpa_decode", "fpa_layer")
 
     def capabilities(self) -> set[str]:
         return op_claims(self.OPS) | {f"{op}.session" for op in self.SESSIONS}
@@ -259,6 +259,8 @@ class TorchBackend:
             raise ValueError(f"dtype: expected one of {self.dtypes}, got {dtype!r}")
         if op == "fpa_decode":
             return self._fpa_decode_session(rows, dtype, config)
+        if op == "fpa_layer":
+            return self._fpa_layer_session(rows, dtype, config)
         raise NotImplementedError(f"op: no decode session for {op!r} in {self.name}")
 
     def _fpa_decode_session(self, rows: int, dtype: str, config: dict[str, Any]) -> Any:
@@ -277,6 +279,19 @@ class TorchBackend:
             attention=self._decode_attention(),
             **config,
         )
+
+    def _fpa_layer_session(self, rows: int, dtype: str, config: dict[str, Any]) -> Any:
+        """FirstPassageAttention's session over the paged cache; config: params, the layer's
+        options (increments), theta, window, max_rollback."""
+        options = dict(config)
+        if "params" not in options:
+            raise ValueError("config: missing ['params']")
+        params = options.pop("params")
+        session = {n: options.pop(n) for n in ("theta", "window", "max_rollback") if n in options}
+        layer = FirstPassageAttention.from_reference_params(
+            params, **options, device=self.device, dtype=TORCH_DTYPES[dtype]
+        )
+        return layer.open_session(rows, **session, attention=self._decode_attention())
 
     # ---------------------------------------------------------------- gradients
 
