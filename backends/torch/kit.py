@@ -72,7 +72,9 @@ class TorchBackend:
         return paged_attention_eager
 
     def asarray(self, x: np.ndarray, dtype: str) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(x)).to(self.device, TORCH_DTYPES[dtype])
+        """``x`` as a tensor of ``dtype``: a tested float dtype, or "bool" (masks, sessions)."""
+        target = torch.bool if dtype == "bool" else TORCH_DTYPES[dtype]
+        return torch.from_numpy(np.ascontiguousarray(x)).to(self.device, target)
 
     def asarray_strided(self, x: np.ndarray, dtype: str, layout: str) -> torch.Tensor:
         """``x`` (B, H, T, D) as a non-contiguous tensor view with the same values: ``"slice"``

@@ -167,17 +167,27 @@ class FirstPassageAttention(nn.Module):
         _load(layer, tensors, layer.parameter_shapes(), device, dtype)
         return layer
 
-    def _projections(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    def _projections(
+        self, x: Tensor, wide_field: bool = False
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """q, k, v in x's dtype; the field increments and key offsets in float32 (float64 for
+        float64 x), from x's dtype or (``wide_field``: decode sessions, whose evictions the kit
+        counts exactly) from x and the weights widened first."""
         B, T, _ = x.shape
         H, dk, dv = self.n_heads, self.head_dim, self.value_dim
         q = (x @ self.wq).view(B, T, H, dk)
         k = (x @ self.wk).view(B, T, H, dk)
         v = (x @ self.wv).view(B, T, H, dv)
         wide = torch.float64 if x.dtype == torch.float64 else torch.float32
-        delta = (x @ self.w_delta + self.b_delta).to(wide)  # [B, T, H]
+        xf = x.to(wide) if wide_field else x
+
+        def project(w: Tensor, b: Tensor) -> Tensor:
+            return (xf @ w.to(xf.dtype) + b.to(xf.dtype)).to(wide)  # [B, T, H]
+
+        delta = project(self.w_delta, self.b_delta)
         if self.increments == "logsigmoid":
             delta = F.logsigmoid(delta)
-        offset = (x @ self.w_lam + self.b_lam).to(wide)  # lam_j: levels relative to the field
+        offset = project(self.w_lam, self.b_lam)  # lam_j: levels relative to the field
         return q, k, v, delta, offset
 
     def forward(
@@ -272,10 +282,11 @@ class FPALayerSession:
         layer, R = self.layer, self.attention.rows
         if not isinstance(inputs, dict) or "x" not in inputs:
             raise ValueError("inputs: expected {'x': tensor (R, n, d)}")
-        x = _check_x(inputs["x"], layer.d_model)
+        x = checks.tensor("x", inputs["x"], 3, checks.QKV_DTYPES, "(R, n, d)")
+        checks.shape("x", x, (R, x.shape[1], layer.d_model), "(rows, n, d_model)")
         checks.tensor("present", present, 2, (torch.bool,), "(R, n) bool")
-        checks.shape("x", x, (R, *present.shape[1:], layer.d_model), "(rows, n of present, d)")
-        q, k, v, delta, offset = layer._projections(x)
+        checks.shape("present", present, tuple(x.shape[:2]), "(rows, n of x)")
+        q, k, v, delta, offset = layer._projections(x, wide_field=True)
         delta = delta.masked_fill(~present[..., None], 0.0)
         field = self._last_field()[:, None] + torch.cumsum(delta, dim=1)  # [R, n, H]
         chunk = {

@@ -219,8 +219,9 @@ class PagedFPASession:
         if missing:
             raise ValueError(f"inputs: missing {sorted(missing)}")
         checks.tensor("present", present, 2, (torch.bool,), "(R, n) bool")
-        n = present.shape[1]
-        checks.shape("present", present, (R, n), "(rows, n)")
+        q = inputs["q"]
+        n = q.shape[2] if isinstance(q, Tensor) and q.dim() == 4 else present.shape[1]
+        checks.shape("present", present, (R, n), "(rows, n of the chunk)")
         expected = {
             "q": (R, HQ, n, self.dk),
             "k": (R, H, n, self.dk),
