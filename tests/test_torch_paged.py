@@ -302,7 +302,7 @@ def test_bad_input_names_the_argument_and_changes_nothing():
     big = torch_chunk(make_chunk(rng, 2, 2, 1, 9, 4, 3), torch.float32)
     bad = [
         (lambda: s.advance({**ok, "q": ok["q"][:1]}, torch.ones(2, 3, dtype=torch.bool)), "q"),
-        (lambda: s.advance(ok, torch.ones(2, 4, dtype=torch.bool)), "q"),
+        (lambda: s.advance(ok, torch.ones(2, 4, dtype=torch.bool)), "present"),
         (lambda: s.advance(ok, torch.ones(2, 3)), "present"),
         (lambda: s.advance({**ok, "k": ok["k"].double()}, torch.ones(2, 3, dtype=torch.bool)), "k"),
         (lambda: s.advance(big, torch.ones(2, 9, dtype=torch.bool)), "max_pages"),

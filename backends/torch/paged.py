@@ -96,18 +96,19 @@ def paged_attention_eager(
         out = buf[: math.prod(shape)].view(shape)
         gathered.append(torch.index_select(pool, 0, pages, out=out).view(R, H, S, -1).to(wide))
     keys, values = gathered  # [R, H, S, K], [R, H, S, V]
-    content = scale * torch.einsum("rhgnk,rhsk->rhgns", q.to(wide).view(R, H, G, n, K), keys)
-    posq = pos.repeat_interleave(G, dim=1)  # [R, HQ, S]
-    running, penalty, valid = mins, [], []
+    logits = torch.einsum("rhgnk,rhsk->rhgns", q.to(wide).view(R, H, G, n, K), keys)
+    logits.mul_(scale)
+    j = pos.view(R, H, 1, S)  # the token of each slot, shared by the G query heads
+    running = mins.view(R, H, G, S)
+    lv, gone = level.view(R, H, G, S), evict.view(R, H, G, S)
     for p in range(n):
-        t = tok[:, p, None, None]  # [R, 1, 1]
+        t = tok[:, p].view(R, 1, 1, 1)
         # (F7) m_j <- min(m_j, phi_t) for the keys before token t
-        running = torch.minimum(running, field[:, :, p, None].where(posq < t, math.inf))
-        penalty.append(torch.clamp_min(level - running, 0.0))  # (F2)
-        valid.append((posq >= 0) & (posq <= t) & (evict > t) & (t >= 0))
-    logits = content - torch.stack(penalty, 2).view(R, H, G, n, S)  # (F3)
-    keep = torch.stack(valid, 2).view(R, H, G, n, S)
-    logits = logits.masked_fill(~keep, -math.inf)
+        f = field[:, :, p].view(R, H, G, 1)
+        running = torch.minimum(running, f.where(j < t, math.inf))
+        depth = torch.clamp_min(lv - running, 0.0)  # (F2)
+        drop = (j < 0) | (j > t) | (gone <= t) | (t < 0)
+        logits[:, :, :, p].sub_(depth).masked_fill_(drop, -math.inf)  # (F3)
     weights = torch.softmax(logits, dim=-1)  # (F4); NaN in rows without keys (absent)
     o = torch.einsum("rhgns,rhsv->rhgnv", weights, values)  # (F5)
     return o.reshape(R, HQ, n, -1).masked_fill((tok < 0)[:, None, :, None], 0.0)
@@ -383,12 +384,12 @@ class PagedFPASession:
         page = table[rr, h, slot // P]
         self.k_pool[page, slot % P] = k[rr, h, p[:, None]]
         self.v_pool[page, slot % P] = v[rr, h, p[:, None]]
-        pos = st.pos.clone()
+        pos = st.pos  # written in place: the checks are behind us
         pos[rr, h, slot] = st.tokens[r, None] + rank[r, p, None]
         slotq = slot.repeat_interleave(G, dim=1)  # [E, HQ]
         hq = torch.arange(self.HQ, device=self.device).expand_as(slotq)
         rq = r[:, None].expand_as(slotq)
-        lv, mins, base, evict = st.level.clone(), st.mins.clone(), st.base.clone(), st.evict.clone()
+        lv, mins, base, evict = st.level, st.mins, st.base, st.evict
         lv[rq, hq, slotq] = level[rq, hq, p[:, None]]
         mins[rq, hq, slotq] = math.inf  # empty segment: pi_tt = 0
         base[rq, hq, slotq] = math.inf
@@ -417,7 +418,7 @@ class PagedFPASession:
             if self.window is not None:
                 hit = hit | (t - posq >= self.window)  # (F3w)
             first = torch.where(hit & (t > posq) & (posq >= 0), t, first)
-        evict = torch.where(st.evict == LIVE, first, st.evict)
+        evict = torch.where(st.evict == LIVE, first, st.evict) if evicting else st.evict
         o = self.attention(
             q,
             self.k_pool,
