@@ -25,7 +25,16 @@ def test_the_kit_passes_every_case(dtype, all_cases):
     backend = get_backend("torch")
     assert dtype in backend.dtypes
     report = runner.run(backend, all_cases, [dtype], skips=SkipList.load("torch", []))
-    failed = [f"{r.case_id} {r.kind}: {r.message}" for r in report.results if r.verdict != "passed"]
+    caps = backend.capabilities()
+
+    def unclaimed_session(r: runner.CaseResult) -> bool:  # sessions of ops torch has none for
+        return r.verdict == "not implemented" and f"{r.op}.session" not in caps
+
+    failed = [
+        f"{r.case_id} {r.kind}: {r.message}"
+        for r in report.results
+        if r.verdict != "passed" and not ("/session_" in r.case_id and unclaimed_session(r))
+    ]
     assert not failed, "\n".join(failed[:20])
     vjps = {op for op in backend.OPS if f"{op}.vjp" in backend.capabilities()}
     assert {(op, "gradient") for op in vjps} <= {(r.op, r.kind) for r in report.results}
