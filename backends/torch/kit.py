@@ -24,6 +24,7 @@ from attnspec.conformance.protocol import call_op, op_claims
 from . import dispatch, ops
 from .decode import FPADecodeCache
 from .modules import FirstPassageAttention, InterdomainAttention
+from .paged import Attention, PagedFPASession, paged_attention_eager
 
 TORCH_DTYPES = {
     "float64": torch.float64,
@@ -57,14 +58,23 @@ class TorchBackend:
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device: {device!r} asked for, but torch sees no CUDA device")
 
+    # ops whose decode sessions (F8, F9) open_session opens: capability "<op>.session"
+    SESSIONS: tuple[str, ...] = ("fpa_decode", "fpa_layer")
+
     def capabilities(self) -> set[str]:
-        return op_claims(self.OPS)
+        return op_claims(self.OPS) | {f"{op}.session" for op in self.SESSIONS}
 
     def _impl(self, op: str) -> str:
         return "eager"
 
+    def _decode_attention(self) -> Attention:
+        """The attention over pages of the FPA session: the eager twin."""
+        return paged_attention_eager
+
     def asarray(self, x: np.ndarray, dtype: str) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(x)).to(self.device, TORCH_DTYPES[dtype])
+        """``x`` as a tensor of ``dtype``: a tested float dtype, or "bool" (masks, sessions)."""
+        target = torch.bool if dtype == "bool" else TORCH_DTYPES[dtype]
+        return torch.from_numpy(np.ascontiguousarray(x)).to(self.device, target)
 
     def asarray_strided(self, x: np.ndarray, dtype: str, layout: str) -> torch.Tensor:
         """``x`` (B, H, T, D) as a non-contiguous tensor view with the same values: ``"slice"``
@@ -245,6 +255,50 @@ class TorchBackend:
             y: Tensor = layer(x, cu_seqlens=self._offsets(cu_seqlens))
         return y
 
+    # ---------------------------------------------------------------- sessions
+
+    def open_session(self, op: str, *, rows: int, dtype: str, config: dict[str, Any]) -> Any:
+        """A decode session of ``op`` (spec/fpa.md F8, F9) with ``rows`` rows in ``dtype``."""
+        if f"{op}.session" not in self.capabilities():
+            raise NotImplementedError(f"op: no decode session for {op!r} in {self.name}")
+        if dtype not in self.dtypes:
+            raise ValueError(f"dtype: expected one of {self.dtypes}, got {dtype!r}")
+        if op == "fpa_decode":
+            return self._fpa_decode_session(rows, dtype, config)
+        if op == "fpa_layer":
+            return self._fpa_layer_session(rows, dtype, config)
+        raise NotImplementedError(f"op: no decode session for {op!r} in {self.name}")
+
+    def _fpa_decode_session(self, rows: int, dtype: str, config: dict[str, Any]) -> Any:
+        """The paged FPA session (:mod:`.paged`); config as the session contract states."""
+        known = {"heads", "kv_heads", "dk", "dv", "scale", "theta", "window", "max_rollback"}
+        unknown = set(config) - known - {"page_size", "max_pages"}
+        if unknown:
+            raise ValueError(f"config: unknown keys {sorted(unknown)}")
+        missing = known - set(config) - {"window", "max_rollback", "theta"}
+        if missing:
+            raise ValueError(f"config: missing {sorted(missing)}")
+        return PagedFPASession(
+            rows=rows,
+            dtype=TORCH_DTYPES[dtype],
+            device=self.device,
+            attention=self._decode_attention(),
+            **config,
+        )
+
+    def _fpa_layer_session(self, rows: int, dtype: str, config: dict[str, Any]) -> Any:
+        """FirstPassageAttention's session over the paged cache; config: params, the layer's
+        options (increments), theta, window, max_rollback."""
+        options = dict(config)
+        if "params" not in options:
+            raise ValueError("config: missing ['params']")
+        params = options.pop("params")
+        session = {n: options.pop(n) for n in ("theta", "window", "max_rollback") if n in options}
+        layer = FirstPassageAttention.from_reference_params(
+            params, **options, device=self.device, dtype=TORCH_DTYPES[dtype]
+        )
+        return layer.open_session(rows, **session, attention=self._decode_attention())
+
     # ---------------------------------------------------------------- gradients
 
     def vjp(
@@ -308,7 +362,13 @@ class TritonBackend(TorchBackend):
     def capabilities(self) -> set[str]:
         claimed = {op for op, (fwd, _) in self.KERNELS.items() if self._registered(fwd)}
         vjps = {op for op in claimed if self._registered(self.KERNELS[op][1])}
-        return op_claims(claimed, vjps=vjps)
+        return op_claims(claimed, vjps=vjps) | {f"{op}.session" for op in self.SESSIONS}
+
+    def _decode_attention(self) -> Attention:
+        """The attention over pages of the FPA session: the Triton decode kernel."""
+        from .triton_decode import paged_attention_triton
+
+        return paged_attention_triton
 
     def _impl(self, op: str) -> str:
         kernels = self.KERNELS.get(op)

@@ -11,7 +11,7 @@ token at a time with a cache (``new_cache``, ``step``, ``prefill``).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,6 +27,7 @@ from attnspec.reference.interdomain import interdomain_parameter_shapes
 from . import checks
 from .decode import FPADecodeCache, S4DDecodeState
 from .ops import fpa_attention, s4d_pairs
+from .paged import Attention, PagedFPASession, paged_attention_eager
 
 Device = torch.device | str | None
 
@@ -205,17 +206,27 @@ class FirstPassageAttention(nn.Module):
         _load(layer, tensors, layer.parameter_shapes(), device, dtype)
         return layer
 
-    def _projections(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    def _projections(
+        self, x: Tensor, wide_field: bool = False
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """q, k, v in x's dtype; the field increments and key offsets in float32 (float64 for
+        float64 x), from x's dtype or (``wide_field``: decode sessions, whose evictions the kit
+        counts exactly) from x and the weights widened first."""
         B, T, _ = x.shape
         H, dk, dv = self.n_heads, self.head_dim, self.value_dim
         q = (x @ self.wq).view(B, T, H, dk)
         k = (x @ self.wk).view(B, T, H, dk)
         v = (x @ self.wv).view(B, T, H, dv)
         wide = torch.float64 if x.dtype == torch.float64 else torch.float32
-        delta = (x @ self.w_delta + self.b_delta).to(wide)  # [B, T, H]
+        xf = x.to(wide) if wide_field else x
+
+        def project(w: Tensor, b: Tensor) -> Tensor:
+            return (xf @ w.to(xf.dtype) + b.to(xf.dtype)).to(wide)  # [B, T, H]
+
+        delta = project(self.w_delta, self.b_delta)
         if self.increments == "logsigmoid":
             delta = F.logsigmoid(delta)
-        offset = (x @ self.w_lam + self.b_lam).to(wide)  # lam_j: levels relative to the field
+        offset = project(self.w_lam, self.b_lam)  # lam_j: levels relative to the field
         return q, k, v, delta, offset
 
     def forward(
@@ -244,6 +255,28 @@ class FirstPassageAttention(nn.Module):
         """An empty decode cache evicting keys at depth >= theta (spec/fpa.md F7, T3)."""
         return FPALayerCache(FPADecodeCache(theta=theta, scale=self.scale))
 
+    def open_session(
+        self,
+        rows: int,
+        *,
+        theta: float = math.inf,
+        window: int | None = None,
+        max_rollback: int = 0,
+        page_size: int = 16,
+        max_pages: int | None = None,
+        attention: Attention = paged_attention_eager,
+    ) -> FPALayerSession:
+        """A batched decode session (spec/fpa.md F8, F9): ragged and padded rows, select and
+        rollback, over the paged cache of :mod:`.paged` (one kv head per head)."""
+        p = self.wq
+        session = PagedFPASession(
+            rows=rows, heads=self.n_heads, kv_heads=self.n_heads, dk=self.head_dim,
+            dv=self.value_dim, dtype=p.dtype, scale=checks.scale(self.scale, self.head_dim),
+            theta=theta, window=window, max_rollback=max_rollback, page_size=page_size,
+            max_pages=max_pages, device=p.device, attention=attention,
+        )  # fmt: skip
+        return FPALayerSession(self, session)
+
     def step(self, x: Tensor, cache: FPALayerCache) -> Tensor:
         """One token: x [B, d] -> y [B, d], updating ``cache``."""
         x = _check_x(x, self, ndim=2)
@@ -262,6 +295,62 @@ class FirstPassageAttention(nn.Module):
         o = cache.attention.prefill(q, k, v, field, field + offset)
         cache.field = field[:, -1]
         return o.reshape(*x.shape[:2], self.n_heads * self.value_dim) @ self.wo
+
+
+class FPALayerSession:
+    """The decode session of :class:`FirstPassageAttention` (contract: advance / select /
+    rollback / counts with x (R, n, d) -> y (R, n, d)): the paged attention session plus each
+    row's running field phi and the fields of its last W tokens (to restore phi on rollback)."""
+
+    def __init__(self, layer: FirstPassageAttention, attention: PagedFPASession):
+        self.layer, self.attention = layer, attention
+        R, H, W = attention.rows, layer.n_heads, attention.W
+        wide = torch.float64 if layer.wq.dtype == torch.float64 else torch.float32
+        # phi after token u of each row at u % (W + 1), for the last W + 1 tokens
+        self.fields = torch.zeros(R, W + 1, H, dtype=wide, device=layer.wq.device)
+
+    def _last_field(self) -> Tensor:
+        tokens = self.attention.state.tokens
+        at = ((tokens - 1) % self.fields.shape[1])[:, None, None].expand(
+            -1, 1, self.fields.shape[2]
+        )
+        return torch.where((tokens > 0)[:, None], self.fields.gather(1, at)[:, 0], 0.0)
+
+    @torch.no_grad()
+    def advance(self, inputs: dict[str, Tensor], present: Tensor) -> dict[str, Tensor]:
+        """x (R, n, d) with present (R, n) bool -> {"y": (R, n, d)}, 0 at absent positions."""
+        layer, R = self.layer, self.attention.rows
+        if not isinstance(inputs, dict) or "x" not in inputs:
+            raise ValueError("inputs: expected {'x': tensor (R, n, d)}")
+        x = checks.tensor("x", inputs["x"], 3, checks.QKV_DTYPES, "(R, n, d)")
+        checks.shape("x", x, (R, x.shape[1], layer.d_model), "(rows, n, d_model)")
+        checks.tensor("present", present, 2, (torch.bool,), "(R, n) bool")
+        checks.shape("present", present, tuple(x.shape[:2]), "(rows, n of x)")
+        q, k, v, delta, offset = layer._projections(x, wide_field=True)
+        delta = delta.masked_fill(~present[..., None], 0.0)
+        field = self._last_field()[:, None] + torch.cumsum(delta, dim=1)  # [R, n, H]
+        chunk = {
+            "q": q.transpose(1, 2), "k": k.transpose(1, 2), "v": v.transpose(1, 2),
+            "field": field.transpose(1, 2), "level": (field + offset).transpose(1, 2),
+        }  # fmt: skip
+        tokens = self.attention.state.tokens.clone()
+        o = self.attention.advance(chunk, present)["o"]  # [R, H, n, dv]
+        rank = torch.cumsum(present.to(torch.int64), dim=1) - 1
+        at = (tokens[:, None] + rank) % self.fields.shape[1]
+        r, p = torch.nonzero(present, as_tuple=True)
+        self.fields[r, at[r, p]] = field[r, p]
+        y = o.transpose(1, 2).reshape(R, -1, layer.n_heads * layer.value_dim) @ layer.wo
+        return {"y": y.masked_fill(~present[..., None], 0.0)}
+
+    def select(self, rows: Sequence[int]) -> None:
+        self.attention.select(rows)
+        self.fields = self.fields[torch.tensor([int(i) for i in rows], device=self.fields.device)]
+
+    def rollback(self, row: int, n: int) -> None:
+        self.attention.rollback(row, n)  # the field ring needs nothing: phi is read by tokens
+
+    def counts(self) -> dict[str, Tensor]:
+        return self.attention.counts()
 
 
 # --------------------------------------------------------------------------------------------
