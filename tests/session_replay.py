@@ -13,6 +13,38 @@ from attnspec.conformance.metrics import relative_error
 from attnspec.reference import fpa as ref_fpa
 from attnspec.reference import interdomain as ref_id
 
+# the sizes of the session programs of the tests: rows, heads, features, dv, modes, delay W
+R, H, F, DV, M, W = 3, 2, 4, 3, 6, 3
+
+
+def program(R: int, bad_inputs) -> list:
+    """One program through every rule: prefill, ragged chunks (left and right padding, a row
+    with no token, an empty chunk), rollback within W, select with repetitions, the refused
+    calls (each then followed by calls that still work)."""
+    every = np.ones((R, 4), bool)
+    ragged = np.array([[False, True, True], [False, False, False], [True, True, False]])
+    return [
+        ("advance", every),
+        ("advance", ragged),
+        ("advance", np.ones((R, 0), bool)),
+        ("rollback", 0, 2),
+        ("advance", np.array([[True, True]] * R)),
+        ("fails", lambda s: s.rollback(0, W + 1), "max_rollback"),
+        ("rollback", 2, 3),
+        ("fails", lambda s: s.rollback(2, 1), "n: row 2 can undo at most 0 tokens"),
+        ("select", [2, 0, 0]),
+        ("rollback", 1, 1),
+        ("fails", lambda s: s.select([]), "rows"),
+        ("fails", lambda s: s.select([0, 3]), "rows"),
+        ("fails", lambda s: s.rollback(3, 0), "row"),
+        ("fails", lambda s: s.advance(*bad_inputs(s)), "present"),
+        ("advance", np.array([[True, False, True], [True, True, True], [False, True, True]])),
+        ("advance", np.ones((R, 5), bool)),  # past W: the snapshots follow
+        ("rollback", 1, 3),
+        ("advance", np.ones((R, 2), bool)),
+    ]
+
+
 # absent positions hold NaN: a session that reads them poisons its rows
 ABSENT = np.nan
 
@@ -115,28 +147,32 @@ def interdomain_layer_reference(params, **options):
     return run
 
 
-def fpa_layer_reference(params, theta, **options):
-    """fpa_layer with theta = inf is the parallel layer; with eviction the layer's (F7)
-    decode: projections of the parallel layer, then the reference's whole-stream decode."""
+def fpa_layer_reference(params, **options):
+    """The parallel FPA layer (theta = inf: the session's steps must equal it)."""
 
     def run(history):
-        x = stacked(history, axis=0)["x"]
-        if theta == np.inf:
-            return ref_fpa.fpa_layer(x, params, **options)[0]
-        raise NotImplementedError
+        return ref_fpa.fpa_layer(stacked(history, axis=0)["x"], params, **options)[0]
 
     return run
 
 
-def fpa_decode_reference(scale, theta, kv_groups):
+def fpa_decode_reference(scale, theta, kv_groups, window=None):
     """Each row: the whole-stream (F7) decode of its tokens, k and v repeated per query head
-    (F8 gqa)."""
+    (F8 gqa). With a window w (F3w) token i's output is the last one of the decode of tokens
+    i - w + 1 .. i alone: depths only read the fields inside the window."""
 
-    def run(history):
+    def decode(history):
         x = stacked(history, axis=1)
         k, v = (np.repeat(x[n], kv_groups, axis=1) for n in ("k", "v"))
         out = ref_fpa.fpa_decode(x["q"], k, v, x["field"], x["level"], theta=theta, scale=scale)
         return np.moveaxis(out.o[0], 1, 0)
+
+    def run(history):
+        if window is None:
+            return decode(history)
+        return np.stack(
+            [decode(history[max(0, i - window + 1) : i + 1])[-1] for i in range(len(history))]
+        )
 
     return run
 

@@ -11,9 +11,16 @@ import numpy as np
 import pytest
 from drawers import s4d_parameters
 from session_replay import (
+    DV,
+    F,
+    H,
+    M,
+    R,
     Replay,
+    W,
     interdomain_layer_reference,
     legs_reference,
+    program,
     run_program,
     s4d_reference,
 )
@@ -22,36 +29,6 @@ from attnspec.reference import interdomain as ref_id
 
 torch = pytest.importorskip("torch")
 from attnspec.backends.torch.kit import TorchBackend  # noqa: E402
-
-R, H, F, DV, M, W = 3, 2, 4, 3, 6, 3
-
-
-def program(R: int, bad_inputs) -> list:
-    """One program through every rule: prefill, ragged chunks (left and right padding, a row
-    with no token, an empty chunk), rollback within W, select with repetitions, the refused
-    calls (each then followed by calls that still work)."""
-    every = np.ones((R, 4), bool)
-    ragged = np.array([[False, True, True], [False, False, False], [True, True, False]])
-    return [
-        ("advance", every),
-        ("advance", ragged),
-        ("advance", np.ones((R, 0), bool)),
-        ("rollback", 0, 2),
-        ("advance", np.array([[True, True]] * R)),
-        ("fails", lambda s: s.rollback(0, W + 1), "max_rollback"),
-        ("rollback", 2, 3),
-        ("fails", lambda s: s.rollback(2, 1), "n: row 2 can undo at most 0 tokens"),
-        ("select", [2, 0, 0]),
-        ("rollback", 1, 1),
-        ("fails", lambda s: s.select([]), "rows"),
-        ("fails", lambda s: s.select([0, 3]), "rows"),
-        ("fails", lambda s: s.rollback(3, 0), "row"),
-        ("fails", lambda s: s.advance(*bad_inputs(s)), "present"),
-        ("advance", np.array([[True, False, True], [True, True, True], [False, True, True]])),
-        ("advance", np.ones((R, 5), bool)),  # past W: the snapshots follow
-        ("rollback", 1, 3),
-        ("advance", np.ones((R, 2), bool)),
-    ]
 
 
 def bad_present(backend, names_shapes):

@@ -397,17 +397,31 @@ def _fpa_step(
     scale: float,
 ) -> tuple[jax.Array, FPALayerState]:
     ct = state.cache.levels.dtype
-    B, H = state.field.shape
+    q, k, v, field, level = fpa_token_inputs(x, P, state.field, increments, ct)
+    o, cache = _decode_step(state.cache, q, k, v, field, level, theta, scale)  # (F7)
+    return fpa_token_output(o, P, ct).astype(x.dtype), FPALayerState(cache, field)
+
+
+def fpa_token_inputs(
+    x: jax.Array, P: dict[str, jax.Array], previous: jax.Array, increments: str, ct: jnp.dtype
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """One token's attention inputs in the FPA layer: x [B, d] and the field of the token
+    before [B, N] -> q, k [B, N, dk], v [B, N, dv] in x's dtype, field phi_t and level l_t
+    [B, N] in ``ct`` (spec/fpa.md section 3)."""
+    B, H = previous.shape
     heads = lambda y: y.reshape(B, H, y.shape[-1] // H).astype(x.dtype)  # noqa: E731
     delta = _project(x, P["w_delta"], ct) + P["b_delta"].astype(ct)  # [B, N]
     if increments == "logsigmoid":
         delta = jax.nn.log_sigmoid(delta)
-    field = state.field + delta  # phi_t
+    field = previous + delta  # phi_t
     level = field + _project(x, P["w_lam"], ct) + P["b_lam"].astype(ct)  # l_t = phi_t + lam_t
     q, k, v = (heads(_project(x, P[w], ct)) for w in ("wq", "wk", "wv"))
-    o, cache = _decode_step(state.cache, q, k, v, field, level, theta, scale)  # (F7)
-    y = _project(o.reshape(B, o.shape[1] * o.shape[2]), P["wo"], ct)
-    return y.astype(x.dtype), FPALayerState(cache, field)
+    return q, k, v, field, level
+
+
+def fpa_token_output(o: jax.Array, P: dict[str, jax.Array], ct: jnp.dtype) -> jax.Array:
+    """The attention output o [B, N, dv] -> y [B, d] in ``ct``: heads concatenated, W_o."""
+    return _project(o.reshape(o.shape[0], o.shape[1] * o.shape[2]), P["wo"], ct)
 
 
 class InterdomainLayerState(NamedTuple):
