@@ -68,7 +68,9 @@ class TorchBackend:
         return "eager"
 
     def asarray(self, x: np.ndarray, dtype: str) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(x)).to(self.device, TORCH_DTYPES[dtype])
+        """``x`` on the device in ``dtype`` (a float dtype, or "bool": a session's mask)."""
+        wanted = torch.bool if dtype == "bool" else TORCH_DTYPES[dtype]
+        return torch.from_numpy(np.ascontiguousarray(x)).to(self.device, wanted)
 
     def asarray_strided(self, x: np.ndarray, dtype: str, layout: str) -> torch.Tensor:
         """``x`` (B, H, T, D) as a non-contiguous tensor view with the same values: ``"slice"``

@@ -209,12 +209,12 @@ class InterdomainLayerStep:
         window = (R, layer.conv_q.shape[0] - 1, H * layer.head_dim)
         return {
             "x": torch.zeros(R, H, M, C, dtype=lam.dtype, device=self.device),
-            "conv_q": torch.zeros(window, dtype=self.dtype, device=self.device),
-            "conv_k": torch.zeros(window, dtype=self.dtype, device=self.device),
+            "conv_q": torch.zeros(window, dtype=self.layer.wq.dtype, device=self.device),
+            "conv_k": torch.zeros(window, dtype=self.layer.wq.dtype, device=self.device),
         }
 
     def token(self, inputs: dict[str, Tensor], rows: Tensor, p: int) -> Token:
-        return {"x": inputs["x"][rows, p]}
+        return {"x": inputs["x"][rows, p].to(self.layer.wq.dtype)}
 
     def step(self, state: State, token: Token, t: int) -> tuple[Tensor, State]:
         self.ssm.state = state["x"]
@@ -416,6 +416,7 @@ def interdomain_layer_session(
         use_rope=bool(options.get("use_rope", False)),
         output_norm=output_norm,
         device=device,
+        dtype=torch.promote_types(dtype, torch.float32),
     )
     W = session_checks.max_rollback(config)
     return StateSession(InterdomainLayerStep(layer, dtype, device), rows, W)
