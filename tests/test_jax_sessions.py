@@ -227,24 +227,22 @@ def test_a_full_capacity_is_a_value_error_eagerly_and_a_flag_under_jit():
         session.advance(chunk(1), jnp.array([[False], [True]]))
     np.testing.assert_array_equal(np.asarray(session.counts()["tokens"]), [4, 4])  # unchanged
     assert not np.any(np.asarray(session.counts()["overflowed"]))
-    # the pure function under jit: the row that overflowed is flagged, the other is not
-    x = chunk(1)
-    with jax.enable_x64(True):
-        _, state = jax.jit(sessions.fpa_advance)(
-            session.state,
-            x["q"],
-            x["k"],
-            x["v"],
-            x["field"],
-            x["level"],
-            jnp.array([[False], [True]]),
-            jnp.float32(1.0),
-            jnp.float32(np.inf),
-            jnp.int32(sessions.NO_WINDOW),
+    # the pure functions under jit: 4 tokens fill the 4 slots of row 1; its fifth token sets
+    # the flag of row 1 alone (row 0 has no token then), and nothing raises
+    advance = jax.jit(sessions.fpa_advance)
+    state = sessions.fpa_session(2, 1, 1, 2, 2, capacity=4, dtype=jnp.float32)
+    scalars = (jnp.float32(1.0), jnp.float32(np.inf), jnp.int32(sessions.NO_WINDOW))
+    for present in (np.ones((2, 4), bool), np.array([[False], [True]])):
+        x = chunk(present.shape[1])
+        _, state = advance(
+            state,
+            *(x[n] for n in ("q", "k", "v", "field", "level")),
+            jnp.asarray(present),
+            *scalars,
         )
-    np.testing.assert_array_equal(
-        np.asarray(sessions.session_counts(state)["overflowed"]), [False, True]
-    )
+    counts = sessions.session_counts(state)
+    np.testing.assert_array_equal(np.asarray(counts["overflowed"]), [False, True])
+    np.testing.assert_array_equal(np.asarray(counts["tokens"]), [4, 5])
     # LegS: tokens past the step table
     legs = backend.open_session(
         "interdomain_legs", rows=1, dtype="float32", config={"M": 3, "capacity": 2}

@@ -145,3 +145,17 @@ def test_state_sessions_refuse_bad_chunks_and_stay_usable():
         session.advance({**ok, "v": torch.rand(2, 1, 3, 4)}, present)
     with pytest.raises(ValueError, match="config: missing"):
         backend.open_session("interdomain_legs", rows=2, dtype="float32", config={})
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16"])
+def test_the_kit_passes_the_first_case_of_every_session_family(dtype):
+    """The kit's session programs (conformance/session_programs.py) on the torch Interdomain
+    sessions: the first case of every family (the CI subset)."""
+    from attnspec.conformance import cases, runner, sessions
+
+    ops = ["interdomain_s4d", "interdomain_legs", "interdomain_layer"]
+    first = [c for c in cases.generate_cases(ops) if sessions.is_session(c) and c.id.endswith("/0")]
+    assert len(first) >= 3 * 9
+    report = runner.run(TorchBackend(), first, [dtype])
+    failed = [(r.case_id, r.message) for r in report.results if r.verdict != "passed"]
+    assert not failed, failed

@@ -489,17 +489,23 @@ class PallasBackend(JaxBackend):
 SESSION_CAPACITY = 1024  # default fixed capacity: FPA slots per (row, kv head), LegS steps
 
 
-def _chunk_bucket(n: int) -> int:
-    """Chunk positions padded to a power of two (absent positions: exact) so that the
-    jitted advance compiles once per bucket."""
-    return _pow2(max(n, 1))
+def session_rows_bucket(R: int) -> int:
+    """Rows a session state holds: R padded to a power of two, at least 4 (padding rows never
+    hold a token: exact), so that the programs compile once per bucket."""
+    return _pow2(max(R, 4))
 
 
 class JaxSession:
     """The kit's stateful view of a pure session of :mod:`.sessions` (the session contract of
-    docs/conformance.md). Each call checks its arguments, runs the jitted pure function and
+    docs/conformance.md). Each call checks its arguments, runs the jitted pure functions and
     commits the new state only when it succeeded: a full fixed capacity (``overflowed``) is a
     ValueError naming the capacity, the session unchanged.
+
+    Compilation [decision]: the kit's programs have chunks of every size and row counts that
+    select changes; one program per shape compiled for longer than the steps take. So the state
+    holds :func:`session_rows_bucket` rows (the real ones first) and a chunk runs position by
+    position through the jitted advance of one position: one program per (op, row bucket,
+    dtype).
 
     spec: the op's names, layout and functions (``_SessionSpec``); rows, max_rollback.
     """
@@ -509,7 +515,7 @@ class JaxSession:
         self.state: Any = None  # made at the first advance (dims of the features)
         self.dims: tuple[int, ...] | None = None
 
-    def _present(self, present: object, n: int) -> jax.Array:
+    def _present(self, present: object, n: int) -> np.ndarray:
         if not isinstance(present, jax.Array | np.ndarray) or present.dtype != bool:
             kind = getattr(present, "dtype", type(present).__name__)
             raise ValueError(f"present: expected a bool array (R, n), got {kind}")
@@ -518,7 +524,11 @@ class JaxSession:
                 f"present: expected shape ({self.R}, {n}) (rows by chunk positions), got "
                 f"{tuple(present.shape)}"
             )
-        return jnp.asarray(present)
+        return np.asarray(present)
+
+    def _padded(self, x: np.ndarray) -> np.ndarray:
+        rows = session_rows_bucket(self.R) - x.shape[0]
+        return np.pad(x, [(0, rows)] + [(0, 0)] * (x.ndim - 1))
 
     def advance(self, inputs: dict[str, jax.Array], present: jax.Array) -> dict[str, jax.Array]:
         with jax.enable_x64(True):
@@ -532,61 +542,63 @@ class JaxSession:
                     f"{', '.join(spec.inputs)}: expected the dims {self.dims} of the first "
                     f"advance, got {dims}"
                 )
-            mask = self._present(present, n)
-            state = spec.empty(self.R, dims, self.W) if self.state is None else self.state
+            flags = self._padded(self._present(present, n))
+            Rp = session_rows_bucket(self.R)
+            state = spec.empty(Rp, dims, self.W) if self.state is None else self.state
             if n == 0:
-                out = spec.empty_output(self.R, dims, inputs)
                 self.state, self.dims = state, dims
-                return {spec.output: out}
-            axis, bucket = spec.axis, _chunk_bucket(n)
-
-            def pad(x: jax.Array, axis: int) -> jax.Array:
-                width = [(0, 0)] * x.ndim
-                width[axis] = (0, bucket - n)
-                return jnp.pad(jnp.asarray(x), width)
-
-            padded = {
-                name: pad(x, axis if x.ndim > 2 else x.ndim - 1) for name, x in inputs.items()
-            }
-            _count_program("session." + spec.op, "xla", bucket, {**padded, "present": mask})
-            out, new = spec.advance(state, padded, pad(mask, 1))
-            if bool(np.any(np.asarray(sessions.session_counts(new)["overflowed"]))):
+                return {spec.output: spec.empty_output(self.R, dims, inputs)}
+            axis = spec.axis
+            host = {name: self._padded(np.asarray(x)) for name, x in inputs.items()}
+            outs, new = [], state
+            for p in range(n):
+                position = {
+                    name: jax.device_put(np.take(x, [p], axis=axis), self.device)
+                    for name, x in host.items()
+                }
+                _count_program("session." + spec.op, "xla", Rp, position)
+                out, new = spec.advance(
+                    new, position, jax.device_put(flags[:, p : p + 1], self.device)
+                )
+                outs.append(out)
+            overflowed = np.asarray(sessions.session_counts(new)["overflowed"])[: self.R]
+            if overflowed.any():
                 raise ValueError(
                     f"capacity: the session's fixed capacity of {spec.capacity} "
                     f"{spec.capacity_unit} is full (overflowed); open it with a larger "
                     "config['capacity']"
                 )
             self.state, self.dims = new, dims
-            index = [slice(None)] * out.ndim
-            index[axis] = slice(0, n)
-            return {spec.output: out[tuple(index)]}
+            return {spec.output: jnp.concatenate(outs, axis=axis)[: self.R]}
 
     def select(self, rows: Any) -> None:
         picked = session_checks.selected_rows(rows, self.R)
-        with jax.enable_x64(True):
-            if self.state is not None:
-                self.state = sessions.session_select(self.state, jnp.asarray(picked, jnp.int32))
+        if self.state is not None:
+            index = picked + [0] * (session_rows_bucket(len(picked)) - len(picked))
+            with jax.enable_x64(True):
+                self.state = sessions.session_select(self.state, jnp.asarray(index, jnp.int32))
         self.R = len(picked)
 
     def rollback(self, row: int, n: int) -> None:
-        budget = [0] * self.R if self.state is None else np.asarray(self.state_budget()).tolist()
+        budget = [0] * self.R if self.state is None else self._budget()[: self.R]
         row, n = session_checks.rollback_args(row, n, self.R, self.W, budget)
         if n == 0:
             return
+        undo = np.zeros(session_rows_bucket(self.R), np.int32)
+        undo[row] = n
         with jax.enable_x64(True):
-            undo = np.zeros(self.R, np.int32)
-            undo[row] = n
-            self.state = self.spec.rollback(self.state, jnp.asarray(undo))
+            self.state = self.spec.rollback(self.state, jax.device_put(undo, self.device))
 
-    def state_budget(self) -> jax.Array:
+    def _budget(self) -> list[int]:
         s = self.state
-        return s.attention.budget if isinstance(s, sessions.FPALayerSession) else s.budget
+        budget = s.attention.budget if isinstance(s, sessions.FPALayerSession) else s.budget
+        return [int(b) for b in np.asarray(budget)]
 
     def counts(self) -> dict[str, jax.Array]:
         with jax.enable_x64(True):
             if self.state is None:
                 return {"tokens": jnp.zeros(self.R, jnp.int32)}
-            return sessions.session_counts(self.state)
+            return {k: v[: self.R] for k, v in sessions.session_counts(self.state).items()}
 
 
 class _SessionSpec:

@@ -242,8 +242,16 @@ def fpa_advance(
     0. scale, theta (> 0, inf: no eviction) and window (>= 1; :data:`NO_WINDOW`: none) may be
     traced. Time O(n R HQ S (dk + dv)) for S slots."""
 
-    def token(s: FPASession, *x: jax.Array) -> tuple[jax.Array, FPASession]:
-        return _fpa_token(s, *x, scale, theta, window)
+    def token(
+        s: FPASession,
+        qt: jax.Array,
+        kt: jax.Array,
+        vt: jax.Array,
+        ft: jax.Array,
+        lt: jax.Array,
+        here: jax.Array,
+    ) -> tuple[jax.Array, FPASession]:
+        return _fpa_token(s, qt, kt, vt, ft, lt, here, scale, theta, window)
 
     o, state = _scan_positions(token, state, (q, k, v, field, level, present), 2)
     return o.astype(q.dtype), state

@@ -93,7 +93,8 @@ class _Features:
         dtype: torch.dtype,
         device: torch.device,
     ):
-        self.inputs, self.heads, self.dtype, self.device = names, heads, dtype, device
+        self.inputs: tuple[str, ...] = names
+        self.heads, self.dtype, self.device = heads, dtype, device
         self.dims: tuple[int, int, int] | None = None  # (H, R, dv) of the first advance
 
     def check(self, inputs: dict[str, Tensor], R: int) -> int:
@@ -183,7 +184,7 @@ class InterdomainLayerStep:
     """:meth:`InterdomainAttention.step`: x (R, n, d) -> y (R, n, d); state the windows
     conv_q, conv_k (rows, S - 1, H R) (I8) and the S4D state x (rows, H, M, C)."""
 
-    inputs = ("x",)
+    inputs: tuple[str, ...] = ("x",)
     output_name = "y"
 
     def __init__(self, layer: InterdomainAttention, dtype: torch.dtype, device: torch.device):
@@ -384,7 +385,7 @@ def s4d_session(rows: int, dtype: torch.dtype, config: dict[str, Any]) -> StateS
         joined.append(torch.complex(re, im))
     readout = checks.readout(config.get("readout", "linear"))
     W = session_checks.max_rollback(config)
-    return StateSession(S4DStep(*joined, readout, dtype), rows, W)
+    return StateSession(S4DStep(joined[0], joined[1], joined[2], readout, dtype), rows, W)
 
 
 def legs_session(
