@@ -25,6 +25,7 @@ from . import dispatch, ops
 from .decode import FPADecodeCache
 from .modules import FirstPassageAttention, InterdomainAttention
 from .paged import Attention, PagedFPASession, paged_attention_eager
+from .state_sessions import interdomain_layer_session, legs_session, s4d_session
 
 TORCH_DTYPES = {
     "float64": torch.float64,
@@ -58,8 +59,14 @@ class TorchBackend:
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device: {device!r} asked for, but torch sees no CUDA device")
 
-    # ops whose decode sessions (F8, F9) open_session opens: capability "<op>.session"
-    SESSIONS: tuple[str, ...] = ("fpa_decode", "fpa_layer")
+    # ops whose decode sessions (F8, F9, I15) open_session opens: capability "<op>.session"
+    SESSIONS: tuple[str, ...] = (
+        "fpa_decode",
+        "fpa_layer",
+        "interdomain_s4d",
+        "interdomain_legs",
+        "interdomain_layer",
+    )
 
     def capabilities(self) -> set[str]:
         return op_claims(self.OPS) | {f"{op}.session" for op in self.SESSIONS}
@@ -72,9 +79,9 @@ class TorchBackend:
         return paged_attention_eager
 
     def asarray(self, x: np.ndarray, dtype: str) -> torch.Tensor:
-        """``x`` as a tensor of ``dtype``: a tested float dtype, or "bool" (masks, sessions)."""
-        target = torch.bool if dtype == "bool" else TORCH_DTYPES[dtype]
-        return torch.from_numpy(np.ascontiguousarray(x)).to(self.device, target)
+        """``x`` on the device in ``dtype`` (a float dtype, or "bool": a session's mask)."""
+        wanted = torch.bool if dtype == "bool" else TORCH_DTYPES[dtype]
+        return torch.from_numpy(np.ascontiguousarray(x)).to(self.device, wanted)
 
     def asarray_strided(self, x: np.ndarray, dtype: str, layout: str) -> torch.Tensor:
         """``x`` (B, H, T, D) as a non-contiguous tensor view with the same values: ``"slice"``
@@ -258,7 +265,8 @@ class TorchBackend:
     # ---------------------------------------------------------------- sessions
 
     def open_session(self, op: str, *, rows: int, dtype: str, config: dict[str, Any]) -> Any:
-        """A decode session of ``op`` (spec/fpa.md F8, F9) with ``rows`` rows in ``dtype``."""
+        """A decode session of ``op`` (spec/fpa.md F8, F9; spec/interdomain.md I15) with
+        ``rows`` rows in ``dtype``; config as the session contract of docs/conformance.md."""
         if f"{op}.session" not in self.capabilities():
             raise NotImplementedError(f"op: no decode session for {op!r} in {self.name}")
         if dtype not in self.dtypes:
@@ -267,6 +275,8 @@ class TorchBackend:
             return self._fpa_decode_session(rows, dtype, config)
         if op == "fpa_layer":
             return self._fpa_layer_session(rows, dtype, config)
+        if op in ("interdomain_s4d", "interdomain_legs", "interdomain_layer"):
+            return self._state_session(op, rows, TORCH_DTYPES[dtype], config)
         raise NotImplementedError(f"op: no decode session for {op!r} in {self.name}")
 
     def _fpa_decode_session(self, rows: int, dtype: str, config: dict[str, Any]) -> Any:
@@ -298,6 +308,14 @@ class TorchBackend:
             params, **options, device=self.device, dtype=TORCH_DTYPES[dtype]
         )
         return layer.open_session(rows, **session, attention=self._decode_attention())
+
+    def _state_session(self, op: str, rows: int, dtype: torch.dtype, config: dict[str, Any]) -> Any:
+        """The Interdomain state sessions (:mod:`.state_sessions`, eager)."""
+        if op == "interdomain_s4d":
+            return s4d_session(rows, dtype, config)
+        if op == "interdomain_legs":
+            return legs_session(rows, dtype, self.device, config)
+        return interdomain_layer_session(rows, dtype, self.device, config)
 
     # ---------------------------------------------------------------- gradients
 
@@ -336,6 +354,8 @@ class TritonBackend(TorchBackend):
         "interdomain_s4d": ("s4d_fwd", "s4d_bwd"),
         "interdomain_legs": ("legs_fwd", "legs_bwd"),
     }
+    # the FPA sessions attend with the Triton decode kernel; the Interdomain ones are eager
+    SESSIONS: tuple[str, ...] = ("fpa_decode", "fpa_layer")
 
     def __init__(self, device: str = "cpu"):
         if not torch.cuda.is_available() and "triton" not in sys.modules:
