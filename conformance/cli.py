@@ -15,6 +15,7 @@ import tempfile
 import textwrap
 import time
 from collections.abc import Callable
+from importlib import metadata
 from importlib.util import find_spec
 from typing import TYPE_CHECKING, TextIO
 
@@ -55,9 +56,27 @@ FRAMEWORKS = {
     "pallas": ("jax",),
 }
 FULL_RUN = "make verify FULL=1 (or: attnspec verify --full)"
-# XLA:CPU's quick compilation settings (code generation effort only; the JAX tests use them):
-# the JAX kit's cost on a CPU is compiling a program per case, shape and dtype.
-QUICK_XLA = "--xla_cpu_use_fusion_emitters=false --xla_backend_optimization_level=0"
+
+
+def quick_xla_flags(jaxlib_version: str | None = None) -> str:
+    """XLA:CPU's quick compilation settings for a jaxlib (code generation effort only; the JAX
+    tests use them too): the JAX kit's cost on a CPU is compiling a program per case, shape and
+    dtype. ``--xla_cpu_use_fusion_emitters`` only below jaxlib 0.11, which aborts the process on
+    it ("Unknown flag in XLA_FLAGS"). ``jaxlib_version``: the installed one when None (read from
+    the package metadata: jax is not imported); no jaxlib installed gives the common flags."""
+    common = "--xla_backend_optimization_level=0"
+    if jaxlib_version is None:
+        try:
+            jaxlib_version = metadata.version("jaxlib")
+        except metadata.PackageNotFoundError:
+            return common
+    major, minor = (int(part) for part in jaxlib_version.split(".")[:2])
+    if (major, minor) < (0, 11):
+        return "--xla_cpu_use_fusion_emitters=false " + common
+    return common
+
+
+QUICK_XLA = quick_xla_flags()
 JAX_FULL = ("--dtypes", "float32")
 JAX_SMOKE = ("--smoke", "--dtypes", "float64", "bfloat16")
 

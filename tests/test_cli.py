@@ -301,3 +301,14 @@ def test_a_run_into_a_log_reports_progress_by_tenths(capsys):
     total = int(lines[-1].split("/")[1].split("]")[0])
     assert len(lines) == min(10, total) and lines[-1].split()[-3] == "100%"
     assert f"{total} passed, 0 failed" in out
+
+
+def test_quick_xla_flags_by_jaxlib_version():
+    """jaxlib 0.11 and later abort on --xla_cpu_use_fusion_emitters: only older ones get it."""
+    from attnspec.conformance import cli
+
+    assert cli.quick_xla_flags("0.10.2") == (
+        "--xla_cpu_use_fusion_emitters=false --xla_backend_optimization_level=0"
+    )
+    for version in ("0.11.2", "0.12.0.1", "1.0.0"):
+        assert cli.quick_xla_flags(version) == "--xla_backend_optimization_level=0"
