@@ -270,9 +270,7 @@ def run(specs: list[Spec], jobs: int) -> list[dict[str, Any]]:
         return list(pool.map(measure, specs))
 
 
-def judge(
-    rows: list[dict[str, Any]], assert_budgets: bool = True
-) -> tuple[list[str], list[str]]:
+def judge(rows: list[dict[str, Any]], assert_budgets: bool = True) -> tuple[list[str], list[str]]:
     """(failures, notes): the limit, wgmma and asserted budgets; ratios of every budget. With
     ``assert_budgets`` False (another Triton than the CI pin) the budgets are printed only."""
     from bench.sm90 import SHARED_LIMIT
