@@ -31,12 +31,12 @@ from attnspec.conformance.metrics import compare  # noqa: E402
 from attnspec.conformance.tolerances import round_to, tolerance  # noqa: E402
 from attnspec.reference import fpa as ref  # noqa: E402
 
-# Triton 3.6's tl.dot asserts that a given accumulator has its out_dtype (float32): the FPA/FoX
-# kernels' float64 path (float64 inputs or per-token scalars) runs from Triton 3.7 (the
+# Triton 3.6's and 3.7's tl.dot assert that a given accumulator has its out_dtype (float32): the
+# FPA/FoX kernels' float64 path (float64 inputs or per-token scalars) runs from Triton 3.8 (the
 # interpreter and the compiler share that check; docs/decisions.md, "Supported versions").
 OLD_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1" and tuple(
     int(part) for part in triton.__version__.split(".")[:2]
-) < (3, 7)
+) < (3, 8)
 
 
 def skip_float64_on_an_old_interpreter():
