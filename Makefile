@@ -3,7 +3,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.attnspec-installed
 
-.PHONY: verify install test lint typecheck format docs docs-check clean FORCE
+.PHONY: verify install test lint typecheck format docs docs-check clean matrix FORCE
 
 EXTRAS ?= test,torch,jax,flax,bench,docs
 # Triton kernels run under its interpreter on machines without a GPU (set before triton loads).
@@ -51,6 +51,13 @@ verify: $(STAMP)
 # The strict docs build is one of the tests (tests/test_docs_site.py builds the site and reads it).
 test: lint typecheck
 	$(PY) -m pytest -n auto --dist load --maxschedchunk 1
+
+# The version matrix (bench/matrix.py): Python 3.12 with JAX 0.12 and 0.11, Triton 3.6 and 3.7.1,
+# Python 3.13, each in its own venv under build/matrix/ (reused while its pins are unchanged).
+# A subset: make matrix LEGS=triton-3.6,jax-0.12 (python -m bench.matrix --list names them).
+LEGS ?=
+matrix: $(STAMP)
+	$(PY) -m bench.matrix $(if $(LEGS),--legs $(LEGS))
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

@@ -270,8 +270,9 @@ def run(specs: list[Spec], jobs: int) -> list[dict[str, Any]]:
         return list(pool.map(measure, specs))
 
 
-def judge(rows: list[dict[str, Any]]) -> tuple[list[str], list[str]]:
-    """(failures, notes): the limit, wgmma and asserted budgets; ratios of every budget."""
+def judge(rows: list[dict[str, Any]], assert_budgets: bool = True) -> tuple[list[str], list[str]]:
+    """(failures, notes): the limit, wgmma and asserted budgets; ratios of every budget. With
+    ``assert_budgets`` False (another Triton than the CI pin) the budgets are printed only."""
     from bench.sm90 import SHARED_LIMIT
 
     fails, notes = [], []
@@ -296,7 +297,7 @@ def judge(rows: list[dict[str, Any]]) -> tuple[list[str], list[str]]:
             continue
         ratio = per_row_ratio(r, peer, "off", "instructions")
         budget = BUDGETS[r["impl"], r["role"]]
-        asserted = (r["impl"], r["role"]) in ASSERTED
+        asserted = assert_budgets and (r["impl"], r["role"]) in ASSERTED
         verdict = "met" if ratio <= budget else "MISSED"
         notes.append(
             f"budget {r['impl']} {r['role']} off-diagonal instructions <= {budget}x fla: "
@@ -310,7 +311,7 @@ def judge(rows: list[dict[str, Any]]) -> tuple[list[str], list[str]]:
             # per visited row: the diagonal of dq and dk/dv steps BD rows, fla's BS
             mine = spills(r, loop) * visited(peer, loop)
             theirs = spills(peer, loop) * visited(r, loop)
-            spilled = (r["impl"], r["role"], loop) in SPILLS_ASSERTED
+            spilled = assert_budgets and (r["impl"], r["role"], loop) in SPILLS_ASSERTED
             verdict = "met" if mine <= theirs else "MISSED"
             notes.append(
                 f"spills {r['impl']} {r['role']} {loop} loop: {spills(r, loop)} STL+LDL per "
@@ -401,6 +402,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="+", help="kernels by 'impl role' (e.g. 'FPA dq')")
     parser.add_argument("--dtypes", nargs="+", choices=FULL_DTYPES, help="instead of the set")
     parser.add_argument("--dims", nargs="+", type=int, help="head dims instead of the set's")
+    parser.add_argument(
+        "--report-budgets",
+        action="store_true",
+        help="print the budgets without asserting them (a Triton other than the CI pin: the "
+        "compile, the shared-memory limit and wgmma still fail the gate)",
+    )
     args = parser.parse_args(argv)
     sets = [(t, d) for t in FULL_DTYPES for d in FULL_DIMS] if args.full else list(CI_SET)
     if args.dtypes or args.dims:
@@ -416,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     rows = run(specs, args.jobs)
     took = time.perf_counter() - start
-    fails, notes = judge(rows)
+    fails, notes = judge(rows, not args.report_budgets)
     info = versions()
     print(
         f"static sm_90 gate: {len(rows)} kernels compiled in {took:.0f} s; B={B} T={T} "
@@ -433,8 +440,10 @@ def main(argv: list[str] | None = None) -> int:
                 "versions": info,
                 "shape": {"B": B, "T": T, "HQ": HEADS, "H": HEADS},
                 "shared_limit": 232_448,
-                "asserted": sorted(f"{i} {k}" for i, k in ASSERTED),
-                "spills_asserted": sorted(" ".join(x) for x in SPILLS_ASSERTED),
+                "asserted": [] if args.report_budgets else sorted(f"{i} {k}" for i, k in ASSERTED),
+                "spills_asserted": []
+                if args.report_budgets
+                else sorted(" ".join(x) for x in SPILLS_ASSERTED),
                 "rows": rows,
                 "notes": notes,
                 "failures": fails,

@@ -794,6 +794,12 @@ def main(argv: list[str] | None = None) -> int:
         "memory only, our kernels at the Hopper blocks, both readouts)",
     )
     parser.add_argument(
+        "--report-budgets",
+        action="store_true",
+        help="print the spill budgets without asserting them (a Triton other than the CI pin: "
+        "the compile, the shared-memory limit, wgmma and the FLOP/byte model still fail)",
+    )
+    parser.add_argument(
         "--check-plan",
         action="store_true",
         help="check the FLOP/byte model against counts under the interpreter (TRITON_INTERPRET=1)",
@@ -824,7 +830,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = [] if args.plan_only else compile_rows(chosen)
     print(f"== Interdomain static Hopper gate (sm_90, {args.dtype}; launches captured in "
           f"{time.perf_counter() - t0:.0f} s)")  # fmt: skip
-    failed = report(rows, costs, ASSERTED if args.dtype == "bf16" else set())
+    asserted = ASSERTED if args.dtype == "bf16" else set()
+    if args.report_budgets:
+        asserted = {a for a in asserted if a[0] != "no_spill"}
+    failed = report(rows, costs, asserted)
     kept = kept_per_token()
     print("\nkept from the forward for the backward besides the inputs, B per token and head: "
           + ", ".join(f"{k} {v:,.0f}" for k, v in kept.items()))  # fmt: skip

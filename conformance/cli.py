@@ -15,6 +15,7 @@ import tempfile
 import textwrap
 import time
 from collections.abc import Callable
+from importlib import metadata
 from importlib.util import find_spec
 from typing import TYPE_CHECKING, TextIO
 
@@ -28,7 +29,8 @@ if TYPE_CHECKING:  # the runner loads only when a command needs it
 BROKEN_PIPE = 141  # 128 + SIGPIPE: what the shell reports for a writer whose reader left
 
 BACKEND_HELP = """which backend to check:
-  numpy, torch, triton, jax, pallas  a registered name
+  numpy, torch, triton, jax,        a registered name
+  pallas, mosaic
   package.module:attribute           a class, factory or object in an
                                      importable module
   path/to/file.py:attribute          the same in a Python file, loaded by
@@ -46,18 +48,41 @@ SMOKE_DTYPES = ("float32", "bfloat16")
 SMOKE_TEXT = "the first case of every family, in float32 and bfloat16, outputs and VJPs"
 # Backends whose kernels run natively on a GPU and under an interpreter on CPU (Triton with
 # TRITON_INTERPRET=1, Pallas with interpret=True), with the framework that says if a GPU is here.
-KERNEL_BACKENDS = {"triton": "torch", "pallas": "jax"}
+KERNEL_BACKENDS = {"triton": "torch", "pallas": "jax", "mosaic": "jax"}
 # The modules each framework backend needs (``attnspec verify`` leaves out those missing).
 FRAMEWORKS = {
     "torch": ("torch",),
     "triton": ("torch", "triton"),
     "jax": ("jax",),
     "pallas": ("jax",),
+    "mosaic": ("jax",),
 }
 FULL_RUN = "make verify FULL=1 (or: attnspec verify --full)"
-# XLA:CPU's quick compilation settings (code generation effort only; the JAX tests use them):
-# the JAX kit's cost on a CPU is compiling a program per case, shape and dtype.
-QUICK_XLA = "--xla_cpu_use_fusion_emitters=false --xla_backend_optimization_level=0"
+# Backends that "available" leaves out where their kernels would be interpreted: Mosaic GPU's
+# interpreter had done 83 of the smoke subset's 274 checks after 3.3 CPU-minutes (2026-12-03);
+# named, they run like the others (--backend mosaic).
+NAMED_ONLY_ON_CPU = ("mosaic",)
+
+
+def quick_xla_flags(jaxlib_version: str | None = None) -> str:
+    """XLA:CPU's quick compilation settings for a jaxlib (code generation effort only; the JAX
+    tests use them too): the JAX kit's cost on a CPU is compiling a program per case, shape and
+    dtype. ``--xla_cpu_use_fusion_emitters`` only below jaxlib 0.11, which aborts the process on
+    it ("Unknown flag in XLA_FLAGS"). ``jaxlib_version``: the installed one when None (read from
+    the package metadata: jax is not imported); no jaxlib installed gives the common flags."""
+    common = "--xla_backend_optimization_level=0"
+    if jaxlib_version is None:
+        try:
+            jaxlib_version = metadata.version("jaxlib")
+        except metadata.PackageNotFoundError:
+            return common
+    major, minor = (int(part) for part in jaxlib_version.split(".")[:2])
+    if (major, minor) < (0, 11):
+        return "--xla_cpu_use_fusion_emitters=false " + common
+    return common
+
+
+QUICK_XLA = quick_xla_flags()
 JAX_FULL = ("--dtypes", "float32")
 JAX_SMOKE = ("--smoke", "--dtypes", "float64", "bfloat16")
 
@@ -439,7 +464,7 @@ def verify_jobs(
 def run_jobs(jobs: list[_Job], parallel: int) -> float:
     """Run ``jobs``, ``parallel`` at a time, the longest first (as measured on 2 cores); print
     each one's output when it ends. Seconds taken."""
-    order = ["triton", "torch", "jax", "pallas", "numpy", "theory"]
+    order = ["triton", "torch", "jax", "pallas", "mosaic", "numpy", "theory"]
     rank = {name: i for i, name in enumerate(order)}
     pending = sorted(jobs, key=lambda j: rank.get(j.label.split()[0], 0))
     start = time.perf_counter()
@@ -521,6 +546,10 @@ def verify_main(argv: list[str] | None = None, prog: str = "attnspec verify") ->
                 print(f"{prog}: {_load_error(name, exc)}", file=sys.stderr)
         return 2
     names = [n for n in names if n not in unavailable]
+    named_only = [
+        n for n in names if everything and n in NAMED_ONLY_ON_CPU and native_device(n) == "cpu"
+    ]
+    names = [n for n in names if n not in named_only]
     # Each child uses its share of the CPUs (torch and XLA start a thread per CPU otherwise).
     threads = str(max(1, (os.cpu_count() or 1) // args.jobs))
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", threads)}
@@ -544,6 +573,11 @@ def verify_main(argv: list[str] | None = None, prog: str = "attnspec verify") ->
         )
     if unavailable:
         print(f"  not available here: {', '.join(unavailable)} (a framework is not installed)")
+    if named_only:
+        print(
+            f"  not run by default on this CPU: {', '.join(named_only)} (an interpreter of "
+            f"minutes per case family); --backend {','.join(named_only)} runs it"
+        )
     kernels = [n for n in partial if n in KERNEL_BACKENDS]
     if kernels:
         print(

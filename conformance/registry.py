@@ -19,6 +19,7 @@ BUILTIN = {
     "triton": "attnspec.backends.torch.kit:TritonBackend",
     "jax": "attnspec.backends.jax.kit:JaxBackend",
     "pallas": "attnspec.backends.jax.kit:PallasBackend",
+    "mosaic": "attnspec.backends.jax.kit:MosaicBackend",
 }
 
 # The context-parallel adapters (conformance/context_parallel.py): sharded runs of a framework.
@@ -28,7 +29,7 @@ CONTEXT_PARALLEL = {
 }
 
 # The extra that provides each framework backend, for the message when it is missing.
-EXTRAS = {"torch": "torch", "triton": "torch", "jax": "jax", "pallas": "jax"}
+EXTRAS = {"torch": "torch", "triton": "torch", "jax": "jax", "pallas": "jax", "mosaic": "jax"}
 
 
 def _import_file(path: str) -> ModuleType:

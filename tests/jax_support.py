@@ -6,12 +6,12 @@ import os
 import subprocess
 import sys
 
+from attnspec.conformance.cli import QUICK_XLA
+
 # XLA:CPU compiles these small programs several times faster with these settings (they change
-# code generation effort only, not results); they apply if jax has not started a backend yet.
-os.environ.setdefault(
-    "XLA_FLAGS",
-    "--xla_cpu_use_fusion_emitters=false --xla_backend_optimization_level=0",
-)
+# code generation effort only, not results; chosen by jaxlib version); they apply if jax has
+# not started a backend yet.
+os.environ.setdefault("XLA_FLAGS", QUICK_XLA)
 
 import jax
 import numpy as np

@@ -208,9 +208,9 @@ def test_verify_gives_interpreted_kernels_the_smoke_subset(monkeypatch):
     from attnspec.conformance import cli
 
     monkeypatch.setattr(cli, "native_device", lambda name: "cpu")
-    names = ["numpy", "torch", "triton", "jax", "pallas"]
+    names = ["numpy", "torch", "triton", "jax", "pallas", "mosaic"]
     jobs, partial = cli.verify_jobs(names, full=False, cases=None, env={})
-    assert partial == ["triton", "jax", "pallas"]
+    assert partial == ["triton", "jax", "pallas", "mosaic"]
     plan = [(job.label, job.scope, " ".join(job.argv).partition("--device cpu")[2]) for job in jobs]
     assert plan == [
         ("theory", "every check", ""),
@@ -220,11 +220,12 @@ def test_verify_gives_interpreted_kernels_the_smoke_subset(monkeypatch):
         ("jax on cpu", "full kit in float32", " --dtypes float32"),
         ("jax on cpu", "smoke, float64 bfloat16", " --smoke --dtypes float64 bfloat16"),
         ("pallas on cpu", "smoke subset, interpreted", " --smoke"),
+        ("mosaic on cpu", "smoke subset, interpreted", " --smoke"),
     ]
     assert {job.env.get("XLA_FLAGS") for job in jobs} == {None, cli.QUICK_XLA}
     jobs, partial = cli.verify_jobs(names, full=True, cases=None, env={})
     assert partial == [] and not any("--smoke" in job.argv for job in jobs)
-    assert [job.argv[-1] for job in jobs[1:]] == ["cpu"] * 5  # every dtype, every case
+    assert [job.argv[-1] for job in jobs[1:]] == ["cpu"] * 6  # every dtype, every case
     monkeypatch.setattr(cli, "native_device", lambda name: "cuda")
     jobs, partial = cli.verify_jobs(["triton"], full=False, cases=None, env={})
     assert partial == [] and jobs[1].scope == "full kit" and "cuda" in jobs[1].argv
@@ -301,3 +302,14 @@ def test_a_run_into_a_log_reports_progress_by_tenths(capsys):
     total = int(lines[-1].split("/")[1].split("]")[0])
     assert len(lines) == min(10, total) and lines[-1].split()[-3] == "100%"
     assert f"{total} passed, 0 failed" in out
+
+
+def test_quick_xla_flags_by_jaxlib_version():
+    """jaxlib 0.11 and later abort on --xla_cpu_use_fusion_emitters: only older ones get it."""
+    from attnspec.conformance import cli
+
+    assert cli.quick_xla_flags("0.10.2") == (
+        "--xla_cpu_use_fusion_emitters=false --xla_backend_optimization_level=0"
+    )
+    for version in ("0.11.2", "0.12.0.1", "1.0.0"):
+        assert cli.quick_xla_flags(version) == "--xla_backend_optimization_level=0"

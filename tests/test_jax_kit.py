@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 from attnspec.conformance import cases
+from attnspec.conformance.cli import QUICK_XLA
 from attnspec.conformance.registry import get_backend
 
-QUICK_COMPILE = "--xla_cpu_use_fusion_emitters=false --xla_backend_optimization_level=0"
 # The full float32 run in two halves by op: runs of about the same length, shared by the workers.
 ATTENTION = ("fpa_attention", "fox_attention", "fpa_decode")
 RUNS = [
@@ -48,7 +48,7 @@ def test_kit_passes(backend, dtypes, subset, ops):
         command += ["--cases", *first_of_each_family(backend)]
     if ops:
         command += ["--ops", *ops]
-    env = {**os.environ, "XLA_FLAGS": QUICK_COMPILE, "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": QUICK_XLA, "JAX_PLATFORMS": "cpu"}
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]

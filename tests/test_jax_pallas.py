@@ -248,6 +248,13 @@ def mosaic_modules(lowered):
     return texts
 
 
+# A TMA copy into shared memory: an nvvm op (JAX 0.10, 0.11) or inline PTX (JAX 0.12).
+TMA_LOAD = (
+    r"nvvm\.cp\.async\.bulk\.tensor\.shared\.cluster\.global"
+    r"|cp\.async\.bulk\.tensor\.\dd\.shared::\w+\.global"
+)
+
+
 def mosaic_wgmmas(lowered):
     """The number of Mosaic GPU kernels in a lowering, their wgmma instructions (e.g.
     "m64n64k16.f32.bf16.bf16") and their count of TMA copies into shared memory."""
@@ -255,7 +262,7 @@ def mosaic_wgmmas(lowered):
     wgmmas, copies = [], 0
     for text in texts:
         wgmmas += re.findall(r"wgmma\.mma_async\.sync\.aligned\.([\w.]+)", text)
-        copies += len(re.findall(r"nvvm\.cp\.async\.bulk\.tensor\.shared\.cluster\.global", text))
+        copies += len(re.findall(TMA_LOAD, text))
     return len(texts), wgmmas, copies
 
 

@@ -103,6 +103,17 @@ def _pad_last(x: jax.Array, width: int) -> jax.Array:
     return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])])
 
 
+def _swizzle(dtype: Any) -> tuple[Any, ...]:
+    """Shared-memory transforms of a 2-D tile of ``dtype``: tiles of 8 rows of 128 bytes (64
+    16-bit or 32 float32 elements), swizzled 128 bytes; wgmma's operands need them, and JAX
+    0.12's Mosaic GPU needs them on the float32 tiles registers are stored into too (without,
+    it finds no store free of bank conflicts: TransferPlanDerivationError)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    columns = 128 // jnp.dtype(dtype).itemsize
+    return (plgpu.TilingTransform((8, columns)), plgpu.SwizzleTransform(128))
+
+
 @functools.cache
 def _load_takes_index() -> bool:
     """Whether plgpu.load requires its index argument (JAX 0.10); JAX 0.11 makes it optional
@@ -372,7 +383,7 @@ def forward(
     if seg is not None:
         arrays["seg"] = jnp.broadcast_to(seg.reshape(1, Tp), (Z * G, Tp)).astype(jnp.int32)
     names = tuple(arrays)
-    swizzle = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    swizzle = _swizzle(dtype)
     kernel = plgpu.kernel(
         functools.partial(
             _forward_kernel, names=names, kind=kind, scale=float(scale), G=G, interpret=interpret
@@ -386,7 +397,7 @@ def forward(
             plgpu.SMEM((2, dkp, bs), dtype, transforms=swizzle),  # k^T, two buffers
             plgpu.SMEM((2, bs, dvp), dtype, transforms=swizzle),  # v, two buffers
             plgpu.SMEM((bs, bs), dtype, transforms=swizzle),  # p (interpreter only)
-            plgpu.SMEM((bs, dvp), jnp.float32),  # o
+            plgpu.SMEM((bs, dvp), jnp.float32, transforms=_swizzle(jnp.float32)),  # o
             plgpu.SMEM((bs,), jnp.float32),  # lse
             plgpu.Barrier(num_barriers=5),
         ),
@@ -702,11 +713,14 @@ def backward(
     common = pieces | {"lse": flat(lse), "delta": flat(delta)}
     if seg is not None:
         common["seg"] = jnp.broadcast_to(seg.reshape(1, Tp), (Z * G, Tp)).astype(jnp.int32)
-    swizzle = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    swizzle = _swizzle(dtype)
     fpa = kind == "fpa"
 
     def smem(*shape: int) -> Any:
         return plgpu.SMEM(shape, dtype, transforms=swizzle)
+
+    def smem32(*shape: int) -> Any:  # a float32 tile registers are stored into
+        return plgpu.SMEM(shape, jnp.float32, transforms=_swizzle(jnp.float32))
 
     def f32(*shape: int) -> Any:
         return jax.ShapeDtypeStruct((Z * G, *shape), jnp.float32)
@@ -733,13 +747,13 @@ def backward(
         smem(2, dvp, bs),  # v^T, two buffers
         smem(2, bs, dkp),  # k, two buffers
         smem(bs, bs),  # G (interpreter only)
-        plgpu.SMEM((bs, dkp), jnp.float32),  # dq
+        smem32(bs, dkp),  # dq
         plgpu.SMEM((bs,), jnp.float32),  # row sums
     ]
     dq_types = [f32(Tp, dkp), f32(Tp)]
     if fpa:
         dq_scratch += [
-            plgpu.SMEM((bs, bs), jnp.float32),  # W on the diagonal tile
+            smem32(bs, bs),  # W on the diagonal tile
             plgpu.SMEM((nbp,), jnp.float32),  # gap sums
             plgpu.SMEM((nbp,), jnp.int32),  # gap argmins
         ]
@@ -781,10 +795,10 @@ def backward(
         smem(2, bs, dvp),  # do, two buffers
         smem(bs, bs),  # p^T, G^T (interpreter only)
         plgpu.SMEM((bs,), jnp.float32),  # column sums
-        plgpu.SMEM((bs, dkp), jnp.float32),  # dk (and dv when dv's width is dk's)
+        smem32(bs, dkp),  # dk (and dv when dv's width is dk's)
     ]
     if dvp != dkp:
-        dkv_scratch.append(plgpu.SMEM((bs, dvp), jnp.float32))  # dv
+        dkv_scratch.append(smem32(bs, dvp))  # dv
     dkv_types = [f32(Tp, dkp), f32(Tp, dvp), f32(Tp)]
     if fpa:
         dkv_scratch.append(plgpu.SMEM((bs,), jnp.float32))  # all column sums of W

@@ -27,6 +27,8 @@ count the distinct programs they ask for and clear JAX's caches every ``PROGRAM_
 
 ``jax``: every op, by the XLA implementation. ``pallas``: FPA and FoX by the Pallas kernels
 (interpreted on CPU); the other ops have no kernel and are reported as not implemented.
+``mosaic``: FPA and FoX by the Mosaic GPU kernels (interpreted on CPU by Mosaic GPU's own
+interpreter), in the 16-bit dtypes they take.
 """
 
 from __future__ import annotations
@@ -491,6 +493,15 @@ class PallasBackend(JaxBackend):
     NOT_IMPLEMENTED = ("fpa_attention.window", "fox_attention.window")
 
     SESSIONS = ()
+
+
+class MosaicBackend(PallasBackend):
+    """FPA and FoX by the Mosaic GPU kernels (interpreted on CPU), bfloat16 and float16 inputs
+    (the dtypes of their wgmma operands)."""
+
+    name = "mosaic"
+    implementation = "mosaic"
+    dtypes = ("bfloat16", "float16")
 
 
 # ---------------------------------------------------------------- decode sessions

@@ -123,9 +123,11 @@ def _s4d_state_pass(
     p_h0 = h0
     if USE_H0:
         p_h0 = h0 + i_nh.to(tl.int64) * M * C * 2
-    (s_re, s_im), (s1_re, s1_im), one = start_state(
+    x0, x1, one = start_state(  # flat targets: Triton < 3.8 cannot scan nested ones
         p_h0, p_hm, m_hm, o_m, i_c, NKB, R, V, M, C, USE_H0, RATIO, BM, BC, ACC
     )
+    s_re, s_im = x0
+    s1_re, s1_im = x1
     for k in range(0, tl.cdiv(eos - bos, BT)):
         t0 = bos + k * BT
         L = tl.minimum(BT, eos - t0)

@@ -495,9 +495,11 @@ def _s4d_reverse_state_pass(
     p_dht = dht
     if USE_DHT:
         p_dht = dht + i_nh.to(tl.int64) * M * C * 2
-    (d_re, d_im), (d1_re, d1_im), one = start_state(
+    x0, x1, one = start_state(  # flat targets: Triton < 3.8 cannot scan nested ones
         p_dht, p_hm, m_hm, o_m, i_c, NKB, R, V, M, C, USE_DHT, RATIO, BM, BC, ACC
     )
+    d_re, d_im = x0
+    d1_re, d1_im = x1
     NT = tl.cdiv(eos - bos, BT)
     for kk in range(0, NT):
         k = NT - 1 - kk

@@ -1,0 +1,239 @@
+"""The version matrix (``make matrix``): the Python, JAX, Triton and torch versions users run,
+beside ``make test``'s one cell (Python 3.11, CPU torch 2.13, Triton 3.9, JAX 0.10.2).
+
+Each leg is a virtual environment under build/matrix/<leg>/ with exact pins from the package
+index, created on first use and reused while its pins are unchanged (the stamp file holds them);
+attnspec is installed into it editable, without dependencies. Then the leg's steps run from the
+repository root; a failing step is reported and the next one still runs. The table (leg, what ran,
+seconds to install and to run) is printed at the end and written to build/matrix/matrix.md; the
+exit status is 1 when any step failed.
+
+    python -m bench.matrix                      # every leg
+    python -m bench.matrix --legs triton-3.6    # some legs (comma-separated)
+    python -m bench.matrix --list               # the legs, their pins and steps
+
+Stdlib only: it runs under any Python 3.11+ (the Makefile calls it with the project's venv).
+Python 3.12 and 3.13 come from pyenv (``PYENV_VERSION=3.12.1 pyenv exec python``) when they are
+not on PATH as python3.12 / python3.13.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = ROOT / "build" / "matrix"
+PYENV = {"3.11": "3.11.7", "3.12": "3.12.1", "3.13": "3.13.0"}
+
+TEST_TOOLS = ("pytest==9.0.3", "pytest-xdist==3.8.0", "hypothesis==6.155.2", "setuptools==84.2.1")
+# Beside each Triton: the CPU torch wheel (it pins no Triton; the index's torch for Python 3.12 is
+# a 2.6 GB CUDA build), flash-linear-attention (the static gates' peer) and SciPy.
+TORCH_CPU = ("torch==2.13.0", "fla-core==0.6.0", "einops==0.8.2", "scipy==1.17.1")
+JAX_CPU = ("absl-py==2.5.1", "scipy==1.17.1", "numpy==2.5.2")
+STATIC = (
+    ("static FPA/FoX (sm_90)", ("python", "-m", "bench.gpu_static", "--report-budgets", "--json")),
+    ("static Interdomain (sm_90)", ("python", "-m", "bench.gpu_static_interdomain",
+                                    "--report-budgets", "--json")),
+)  # fmt: skip
+# The interpreted kernels in float32, float16 and bfloat16 (FPA, FoX, S4D, LegS, their decode
+# steps) against the reference and their eager twins.
+INTERPRETER_SMOKE = (
+    "tests/test_triton_fpa.py",
+    "tests/test_triton_interdomain.py",
+    "-k",
+    "dtypes or eager_twin or decode_steps",
+)
+GPU_CHECK_DRY_RUN = ("tests/test_gpu_check_dryrun.py", "-k", "not pallas")
+
+
+def pytest_step(*args: str) -> tuple[str, ...]:
+    """A serial, quiet pytest run (legs run one after another on CI's two cores)."""
+    return ("python", "-m", "pytest", "-p", "no:cacheprovider", "-q", "-x", *args)
+
+
+@dataclass(frozen=True)
+class Leg:
+    """One cell of the matrix: a Python version, exact pins and the steps run in its venv
+    (argument tuples: "python" is the leg's interpreter, "attnspec" its command; a step ending
+    in "--json" gets a file under build/matrix/<leg>/)."""
+
+    name: str
+    python: str
+    pins: tuple[str, ...]
+    steps: tuple[tuple[str, tuple[str, ...]], ...]
+    env: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def venv(self) -> Path:
+        return BASE / self.name
+
+
+# The JAX tests that differ between versions: the Mosaic GPU and Pallas lowerings for CUDA, the
+# Mosaic interpreter against the reference, the kit adapters' dtypes and program budget.
+JAX_TESTS = pytest_step(
+    "tests/test_jax_pallas.py",
+    "tests/test_jax_kit.py",
+    "-k",
+    "mosaic or lower or adapter or budget",
+)
+KIT_SMOKE = ("attnspec", "verify", "--backend", "jax,pallas,mosaic", "--cases", "fpa/shapes/0")
+LEGS = (
+    Leg(
+        "jax-0.12",
+        "3.12",
+        ("jax[cpu]==0.12.0.1", *JAX_CPU, *TEST_TOOLS),
+        (
+            ("JAX tests (lowerings, Mosaic, adapters)", JAX_TESTS),
+            ("kit smoke: jax, pallas, mosaic", KIT_SMOKE),
+            ("attnspec verify --backend jax", ("attnspec", "verify", "--backend", "jax")),
+        ),
+    ),
+    Leg(
+        "jax-0.11",  # the lent GPU machine's JAX
+        "3.12",
+        ("jax[cpu]==0.11.2", *JAX_CPU, *TEST_TOOLS),
+        (("JAX tests (lowerings, Mosaic, adapters)", JAX_TESTS),),
+    ),
+    Leg(
+        "triton-3.6",  # the GPU machine's Triton (the index's torch 2.10 and 2.11 pin it)
+        "3.11",
+        (*TORCH_CPU, "triton==3.6.0", "numpy==2.3.5", "packaging==26.4", *TEST_TOOLS),
+        (
+            *STATIC,
+            ("interpreter smoke", pytest_step(*INTERPRETER_SMOKE)),
+            ("gpu_check.sh --dry-run", pytest_step(*GPU_CHECK_DRY_RUN)),
+        ),
+        (("TRITON_INTERPRET", "1"),),
+    ),
+    Leg(
+        "triton-3.7.1",  # the index's torch 2.12 and 2.13 pin it
+        "3.11",
+        (*TORCH_CPU, "triton==3.7.1", "numpy==2.4.6", *TEST_TOOLS),
+        (*STATIC, ("interpreter smoke", pytest_step(*INTERPRETER_SMOKE))),
+        (("TRITON_INTERPRET", "1"),),
+    ),
+    Leg(
+        "python-3.13",
+        "3.13",
+        ("numpy==2.5.2", "scipy==1.17.1", *TEST_TOOLS),
+        (("reference tests", pytest_step("tests/test_fpa.py", "tests/test_interdomain.py")),),
+    ),
+)
+
+
+def interpreter(version: str) -> list[str]:
+    """The command that runs Python ``version`` (3.11, 3.12, 3.13): pyenv's, else
+    python<version> on PATH (the first that starts)."""
+    candidates = [["env", f"PYENV_VERSION={PYENV[version]}", "pyenv", "exec", "python"]]
+    candidates.append([f"python{version}"])
+    for command in candidates:
+        try:
+            done = subprocess.run([*command, "-c", "pass"], capture_output=True)
+        except FileNotFoundError:
+            continue
+        if done.returncode == 0:
+            return command
+    raise SystemExit(f"matrix: no Python {version} (neither pyenv nor python{version} starts)")
+
+
+def prepare(leg: Leg, log: Path) -> bool:
+    """Create the leg's venv (or reuse it while its pins are unchanged); False on failure."""
+    stamp = leg.venv / ".matrix-pins"
+    wanted = "\n".join(leg.pins) + "\n"
+    if stamp.is_file() and stamp.read_text() == wanted:
+        return True
+    shutil.rmtree(leg.venv, ignore_errors=True)
+    pip = [str(leg.venv / "bin" / "python"), "-m", "pip", "install", "-q"]
+    for command in (
+        [*interpreter(leg.python), "-m", "venv", str(leg.venv)],
+        [*pip, *leg.pins],
+        [*pip, "--no-deps", "--no-build-isolation", "-e", str(ROOT)],
+    ):
+        with log.open("a") as out:
+            out.write("$ " + " ".join(command) + "\n")
+            out.flush()
+            if subprocess.run(command, stdout=out, stderr=subprocess.STDOUT).returncode:
+                return False
+    stamp.write_text(wanted)
+    return True
+
+
+def run_leg(leg: Leg) -> list[tuple[str, str, float, int]]:
+    """(step, status, seconds, exit code) for the install and each step of ``leg``."""
+    BASE.mkdir(parents=True, exist_ok=True)
+    log = BASE / f"{leg.name}.log"
+    log.write_text("")
+    start = time.perf_counter()
+    ok = prepare(leg, log)
+    rows = [("install", "ok" if ok else "FAILED", time.perf_counter() - start, 0 if ok else 1)]
+    if not ok:
+        return rows
+    env = dict(os.environ) | dict(leg.env)
+    env["PATH"] = f"{leg.venv / 'bin'}{os.pathsep}{env['PATH']}"
+    env.pop("VIRTUAL_ENV", None)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    if "TRITON_INTERPRET" not in dict(leg.env):
+        env.pop("TRITON_INTERPRET", None)
+    for label, argv in leg.steps:
+        command = [str(leg.venv / "bin" / argv[0]), *argv[1:]]
+        if command[-1] == "--json":
+            command.append(str(leg.venv / (re.sub(r"\W+", "-", label).strip("-") + ".json")))
+        start = time.perf_counter()
+        with log.open("a") as out:
+            out.write(f"\n== {label}\n$ " + " ".join(command) + "\n")
+            out.flush()
+            code = subprocess.run(
+                command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT
+            ).returncode
+        took = time.perf_counter() - start
+        rows.append((label, "ok" if code == 0 else "FAILED", took, code))
+        print(f"matrix {leg.name}: {label}: {rows[-1][1]} in {took:.0f} s", flush=True)
+    return rows
+
+
+def table(results: dict[str, list[tuple[str, str, float, int]]]) -> list[str]:
+    """The Markdown table: leg, pins, step, status, seconds."""
+    lines = ["| leg | step | result | seconds |", "|---|---|---|---:|"]
+    for name, rows in results.items():
+        for step, status, seconds, _ in rows:
+            lines.append(f"| {name} | {step} | {status} | {seconds:.0f} |")
+    total = sum(s for rows in results.values() for _, _, s, _ in rows)
+    lines.append(f"| all | | | {total:.0f} |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--legs", default="", help="comma-separated leg names (default: all)")
+    parser.add_argument("--list", action="store_true", help="print the legs and stop")
+    args = parser.parse_args(argv)
+    names = [n for n in args.legs.split(",") if n]
+    unknown = set(names) - {leg.name for leg in LEGS}
+    if unknown:
+        parser.error(f"unknown legs {sorted(unknown)}; known: {[leg.name for leg in LEGS]}")
+    legs = [leg for leg in LEGS if not names or leg.name in names]
+    if args.list:
+        for leg in legs:
+            print(f"{leg.name}: Python {leg.python}; " + " ".join(leg.pins))
+            for label, step in leg.steps:
+                print(f"    {label}: {' '.join(step)}")
+        return 0
+    results = {leg.name: run_leg(leg) for leg in legs}
+    lines = table(results)
+    (BASE / "matrix.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    failed = [f"{n}: {s}" for n, rows in results.items() for s, st, _, _ in rows if st != "ok"]
+    print("matrix: " + ("FAILED " + "; ".join(failed) if failed else "passed"))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
