@@ -63,8 +63,8 @@ def test_the_menu_coverage_before_and_after():
     for op in covering_cases.DESIGNS:
         assert before[op][0] < before[op][1] == after[op][0] == after[op][1], op
     lines = covering_cases.coverage_lines({"fpa_attention.varlen"})
-    assert lines[0].startswith("fpa_attention: 480/480 pairs")
-    assert "need a capability the backend lacks" in lines[0]  # gqa, strided
+    assert lines[0].startswith("pair coverage, fpa_attention: 480/480 pairs")
+    assert "the backend lacks fpa_attention.gqa, strided" in lines[0]
 
 
 def test_the_held_results_catch_a_persistent_output_buffer_and_only_them():
