@@ -201,10 +201,11 @@ def _well_conditioned(inputs: C.Inputs, params: dict[str, Any], rng: np.random.G
     ratio is invariant to a common scale of them)."""
     from .metrics import compare
     from .numpy_backend import NumpyBackend
+    from .protocol import call_op
 
     ref = NumpyBackend()
     noise = np.random.default_rng(int(rng.integers(2**31)))
-    out = ref.interdomain_s4d(**inputs, **params)
+    out = call_op(ref, "interdomain_s4d", inputs, params)["o"]
     cot = {"o": noise.standard_normal(np.shape(out))}
     grads = ref.vjp("interdomain_s4d", inputs, params, cot)
     moved = {n: x * (1 + 1e-7 * noise.standard_normal(x.shape)) for n, x in inputs.items()}

@@ -1202,7 +1202,7 @@ class ModesRoundedDown(Mutant):
     FEATURES: ClassVar[tuple[str, ...]] = ("interdomain_s4d.varlen",)
     ops: ClassVar[tuple[str, ...]] = ("interdomain_s4d",)
 
-    def interdomain_s4d(self, fq: Any, kt: Any, vt: Any, **kw: Any) -> Any:
+    def interdomain_s4d(self, fq: Any, kt: Any, vt: Any, **kw: Any) -> Any:  # type: ignore[override]
         m = _below_power_of_two(kw["lam_re"].shape[-1])
         for name in ("lam_re", "lam_im", "b_re", "b_im"):
             kw[name] = kw[name][..., :m]
