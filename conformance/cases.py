@@ -66,7 +66,8 @@ class Case:
 @dataclass(frozen=True)
 class Family:
     """count cases built by ``build(rng, n) -> (inputs, params)``; flags as on :class:`Case`;
-    ``layouts``: case n gets the strided input layout ``layouts[n % len(layouts)]``."""
+    ``layouts``: case n gets the strided input layout ``layouts[n % len(layouts)]``;
+    ``per_case``: n -> (requires, layout) of case n, in place of both (covering designs)."""
 
     count: int
     build: Builder
@@ -76,6 +77,7 @@ class Family:
     requires: tuple[str, ...] = ()
     call_order: bool = False
     layouts: tuple[str, ...] = ()
+    per_case: Callable[[int], tuple[tuple[str, ...], str]] | None = None
 
 
 def case_seed(case_id: str) -> int:
@@ -1291,8 +1293,11 @@ def build_case(case_id: str, seed: int | None = None) -> Case:
         gradient, fd = False, False
         note += "; output only: " + VANISHING
     layout = fam.layouts[n % len(fam.layouts)] if fam.layouts else ""
+    requires = fam.requires
+    if fam.per_case is not None:
+        requires, layout = fam.per_case(n)
     return Case(
-        case_id, op, seed, inputs, params, gradient, fd, note, fam.requires, fam.call_order, layout
+        case_id, op, seed, inputs, params, gradient, fd, note, requires, fam.call_order, layout
     )
 
 
@@ -1326,3 +1331,12 @@ def generate_cases(ops: list[str] | None = None, prefixes: list[str] | None = No
     """All cases of the given ops whose id starts with one of ``prefixes`` (all by default)."""
     ids = [i for i in case_ids(ops) if not prefixes or any(i.startswith(p) for p in prefixes)]
     return [build_case(i) for i in ids]
+
+
+# ------------------------------------------------------------------------ covering designs
+# The all-pairs families over the feature axes (conformance/covering_cases.py), last in each
+# op's menu.
+from .covering_cases import families as _covering_families  # noqa: E402
+
+for _op, _families in _covering_families().items():
+    FAMILIES[_op].update(_families)

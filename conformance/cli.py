@@ -280,6 +280,7 @@ def _report_path(path: str, backend: str, several: bool) -> str:
 
 def conformance_main(argv: list[str] | None = None, prog: str = "attnspec conformance") -> int:
     from .cases import generate_cases
+    from .covering_cases import backend_capabilities, coverage_lines
     from .registry import available_backends
     from .report import format_report, write_json, write_junit
     from .runner import probe_dtypes, run
@@ -355,6 +356,8 @@ def conformance_main(argv: list[str] | None = None, prog: str = "attnspec confor
                 f"smoke subset: {len(cases)} of {every} cases (the first of every "
                 f"family) in {', '.join(dtypes)}; the full run drops --smoke"
             )
+        elif not args.cases:
+            report.notes.extend(coverage_lines(backend_capabilities(backend), cases))
         print(format_report(report))
         several = len(names) > 1
         if args.json:

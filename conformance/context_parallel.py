@@ -41,6 +41,7 @@ from .tolerances import round_to, tolerance, wide_dtype
 
 CP_OPS = ("fpa_attention", "fox_attention", "interdomain_s4d")
 WORLDS = (2, 4)
+FULL_WORLDS = (2, 3, 4)
 DTYPES = ("float64", "float32")
 REFERENCE = NumpyBackend()
 
@@ -90,6 +91,7 @@ class CPCase:
     layout: str
     inputs: Arrays
     params: dict[str, Any]
+    dtypes: tuple[str, ...] = ()  # the dtypes it runs in (empty: every dtype of the run)
 
 
 def _walk(rng: np.random.Generator, shape: tuple[int, ...]) -> NDArray[np.float64]:
@@ -159,9 +161,15 @@ def cases(world: int) -> list[CPCase]:
     out: list[CPCase] = []
 
     def add(
-        case_id: str, op: str, inputs: Arrays, layout: str = "contiguous", **params: Any
+        case_id: str,
+        op: str,
+        inputs: Arrays,
+        layout: str = "contiguous",
+        dtypes: tuple[str, ...] = (),
+        **params: Any,
     ) -> None:
-        out.append(CPCase(f"{op.split('_')[0]}/cp/{case_id}/P{world}", op, layout, inputs, params))
+        name = f"{op.split('_')[0]}/cp/{case_id}/P{world}"
+        out.append(CPCase(name, op, layout, inputs, params, dtypes))
 
     add("walk", "fpa_attention", _fpa(rng, 2, 2, T, _walk(rng, (2, 2, T))))
     plateau = np.zeros((1, 2, T))
@@ -213,6 +221,78 @@ def cases(world: int) -> list[CPCase]:
         cu_seqlens=with_empty,
     )
     add("shard-length-1", "interdomain_s4d", _s4d(rng, 1, 2, one), readout="linear")
+    # logits in the hundreds, drawn where a merge of the partials by weights exp(lse_b - lse)
+    # from float32 lse failed the float32 dq (kit ratio 9.4 on 2 ranks, 2.3 on 4; the
+    # single-device op 0.07 and 0.07): o must stay the convex combination of the partials. In
+    # float64 only: near-one-hot rows put the single-device op's own float64 error past 1e-12.
+    big = np.random.default_rng({2: 14, 4: 8}.get(world, 14))
+    add("large-logits", "fox_attention", _fox(big, 1, 2, T, 0.2), dtypes=("float32",), scale=40.0)
+    add("large-logits", "fpa_attention", _fpa(big, 1, 2, T, _walk(big, (1, 2, T))), scale=40.0)
+    return out
+
+
+# Shards at the sizes context parallelism runs at: every rank's shard (every zigzag chunk) spans
+# two query blocks of the cross-chunk tiles (CONTEXT_PARALLEL_QUERY_BLOCK = 128) and a ragged
+# third, and several S4D chunks (64); the heavy part of the check (``full``).
+REAL_CHUNK = 132
+
+
+def _real_offsets(world: int, S: int) -> tuple[int, ...]:
+    """cu_seqlens with a start inside every shard of length S, one on a shard border, several
+    sequences in shard 0 (a length-1 one among them)."""
+    starts = {0, 5, 6, 70, S - 1}  # lengths 5, 1, 64, ... inside shard 0
+    for r in range(1, world):
+        starts.add(r * S + (37 * r) % (S - 1) + 1)  # a start inside shard r
+    if world > 2:
+        starts.add(2 * S)  # a start on a border
+    return tuple(sorted(starts | {world * S}))
+
+
+def real_cases(world: int) -> list[CPCase]:
+    """The cases at the real shape for ``world`` ranks: shard length 2 * REAL_CHUNK (264, two
+    query blocks and a ragged tail), packed sequences with starts in every shard and several in
+    one shard, logits in the hundreds, both layouts; S4D's entering state across shards of
+    several chunks with both readouts and packings."""
+    rng = np.random.default_rng(2500 + world)
+    S = 2 * REAL_CHUNK
+    T = S * world
+    offsets = _real_offsets(world, S)
+    out: list[CPCase] = []
+
+    def add(
+        case_id: str, op: str, inputs: Arrays, layout: str = "contiguous", **params: Any
+    ) -> None:
+        out.append(
+            CPCase(f"{op.split('_')[0]}/cp-real/{case_id}/P{world}", op, layout, inputs, params)
+        )
+
+    for layout in ("contiguous", "zigzag"):
+        add(f"walk-{layout}", "fpa_attention", _fpa(rng, 1, 2, T, _walk(rng, (1, 2, T))), layout)
+        add(
+            f"varlen-large-{layout}",
+            "fpa_attention",
+            _fpa(rng, 1, 4, T, _walk(rng, (1, 4, T)), H_kv=2),
+            layout,
+            cu_seqlens=offsets,
+            scale=40.0,
+        )
+        add(f"gates-{layout}", "fox_attention", _fox(rng, 1, 2, T, 0.1), layout)
+        add(
+            f"varlen-large-{layout}",
+            "fox_attention",
+            _fox(rng, 1, 4, T, 0.1, H_kv=2),
+            layout,
+            cu_seqlens=offsets,
+            scale=40.0,
+        )
+    add("linear", "interdomain_s4d", _s4d(rng, 1, 2, T), readout="linear")
+    add(
+        "varlen-ratio",
+        "interdomain_s4d",
+        _s4d(rng, 1, 2, T, "ratio"),
+        readout="ratio",
+        cu_seqlens=offsets,
+    )
     return out
 
 
@@ -279,15 +359,23 @@ def _verdict(
 
 
 def prepare(
-    world: int, dtypes: Sequence[str], ops: Sequence[str], claimed: set[str]
+    world: int,
+    dtypes: Sequence[str],
+    ops: Sequence[str],
+    claimed: set[str],
+    *,
+    real: bool = False,
 ) -> tuple[list[Job], list[tuple[Arrays, Arrays]], list[CaseResult]]:
     """The jobs of the claimed ops at ``world`` ranks with their reference (outputs, gradients),
-    and a "not implemented" result for each case of an op not claimed."""
+    and a "not implemented" result for each case of an op not claimed; ``real``: the
+    :func:`real_cases` too."""
     jobs, refs, missing = [], [], []
-    for case in cases(world):
+    for case in cases(world) + (real_cases(world) if real else []):
         if case.op not in ops:
             continue
         for dtype in dtypes:
+            if case.dtypes and dtype not in case.dtypes:
+                continue
             if f"{case.op}.context_parallel" not in claimed:
                 missing.append(
                     CaseResult(case.case_id, case.op, dtype, "context_parallel", "not implemented")
@@ -315,12 +403,16 @@ def run(
     worlds: Sequence[int] = WORLDS,
     dtypes: Sequence[str] = DTYPES,
     ops: Sequence[str] = CP_OPS,
+    full: bool = False,
 ) -> list[CaseResult]:
     """Every context-parallel case of the ops the backend claims, at each world size and dtype;
-    ops it does not claim are reported "not implemented"."""
+    ops it does not claim are reported "not implemented". ``full``: the real-shape cases
+    (:func:`real_cases`) too, and 3 ranks added to the default worlds."""
     results: list[CaseResult] = []
+    if full and tuple(worlds) == WORLDS:
+        worlds = FULL_WORLDS
     for world in worlds:
-        jobs, refs, missing = prepare(world, dtypes, ops, backend.capabilities())
+        jobs, refs, missing = prepare(world, dtypes, ops, backend.capabilities(), real=full)
         results += missing
         if not jobs:
             continue
@@ -352,11 +444,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("backend", help="torch, jax, or module:attribute of a backend object")
     parser.add_argument("--worlds", nargs="+", type=int, default=list(WORLDS))
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES))
+    parser.add_argument("--ops", nargs="+", default=list(CP_OPS), choices=CP_OPS)
+    parser.add_argument(
+        "--full", action="store_true", help="the real-shape cases too, and 3 ranks by default"
+    )
     args = parser.parse_args(argv)
-    results = run(load_backend(args.backend), worlds=args.worlds, dtypes=args.dtypes)
+    results = run(
+        load_backend(args.backend),
+        worlds=args.worlds,
+        dtypes=args.dtypes,
+        ops=args.ops,
+        full=args.full,
+    )
     print(summary(results))
     return 0 if all(r.verdict == "passed" for r in results) else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run with -m, this file is the module __main__ and its jobs would pickle as __main__.Job,
+    # which a backend's child process cannot load: run the imported module's main instead.
+    from attnspec.conformance.context_parallel import main as _main
+
+    sys.exit(_main())

@@ -1232,6 +1232,143 @@ def _window_short_by_one() -> AbstractContextManager[Any]:
     return mock.patch.multiple(fpa, _causal=short, finite_result=lambda x, cause: x)
 
 
+# ----------------------------------------------------------------------------------- round four
+# Bugs where features meet, caught by the covering families (covering_cases.py) and by the
+# results held across the call sequence; each passes the menu before them (tests say which
+# case catches it).
+
+
+def _below_power_of_two(M: int) -> int:
+    return 1 << (M.bit_length() - 1)
+
+
+class ModesRoundedDown(Mutant):
+    """S4D with the mode count rounded down to a power of two (a kernel that tiles modes by
+    powers of two drops the rest): right for M = 1, 4, 8, 16, 64, the menu before."""
+
+    caught_by: ClassVar[tuple[str, ...]] = ("s4d/covering/0", "s4d/covering/8", "s4d/covering/9")
+    FEATURES: ClassVar[tuple[str, ...]] = ("interdomain_s4d.varlen",)
+    ops: ClassVar[tuple[str, ...]] = ("interdomain_s4d",)
+
+    def interdomain_s4d(self, fq: Any, kt: Any, vt: Any, **kw: Any) -> Any:  # type: ignore[override]
+        m = _below_power_of_two(kw["lam_re"].shape[-1])
+        for name in ("lam_re", "lam_im", "b_re", "b_im"):
+            kw[name] = kw[name][..., :m]
+        for name in ("c_re", "c_im"):
+            kw[name] = kw[name][:, :m, :m]
+        return super().interdomain_s4d(fq, kt, vt, **kw)
+
+
+class LegsModesRoundedDown(Mutant):
+    """LegS computed with M rounded down to a power of two, padded back with zeros: right for
+    the menu's M = 1, 4, 8, 16, 64."""
+
+    caught_by: ClassVar[tuple[str, ...]] = ("legs/covering/3", "legs/covering/4", "legs/covering/5")
+    ops: ClassVar[tuple[str, ...]] = ("interdomain_legs",)
+
+    def interdomain_legs(self, fq: Any, fk: Any, v: Any, *, M: int) -> Any:
+        return super().interdomain_legs(fq, fk, v, M=_below_power_of_two(M))
+
+
+def _equal_parts(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """cu_seqlens dropped when every packed sequence has the same length (a 'batch' fast path
+    that reshapes (1, n L) to (n, L) and then forgets to)."""
+    cu = kwargs.get("cu_seqlens")
+    if cu is not None and len(cu) > 2 and len(set(np.diff(np.asarray(cu)).tolist())) == 1:
+        return {**kwargs, "cu_seqlens": None}
+    return kwargs
+
+
+class EqualPackingUnmasked(Mutant):
+    """Packed sequences of equal lengths attended as one sequence: right for every packing of
+    the menu before (none has equal lengths)."""
+
+    caught_by: ClassVar[tuple[str, ...]] = ("fox/covering/6", "fpa/covering/12")
+    FEATURES: ClassVar[tuple[str, ...]] = ("fpa_attention.varlen", "fox_attention.varlen")
+    ops: ClassVar[tuple[str, ...]] = ("fpa_attention", "fox_attention")
+
+    def fpa_attention(self, *args: Any, **kwargs: Any) -> Any:
+        return super().fpa_attention(*args, **_equal_parts(kwargs))
+
+    def fox_attention(self, *args: Any, **kwargs: Any) -> Any:
+        return super().fox_attention(*args, **_equal_parts(kwargs))
+
+
+def _first_of_group(q: Any, k: Any) -> Any:
+    """q with every query head replaced by the first head of its GQA group, for a strided q."""
+    H, H_kv = q.shape[-3], k.shape[-3]
+    if H == H_kv or q.flags.c_contiguous:
+        return q
+    group = H // H_kv
+    return np.ascontiguousarray(q[..., (np.arange(H) // group) * group, :, :])
+
+
+class StridedGQAQueryHeads(Mutant):
+    """Attention that, for a non-contiguous q with fewer key/value heads, reads one q head per
+    group (its stride arithmetic steps by key/value heads): right on the strided cases (no GQA)
+    and on the GQA cases (contiguous) of the menu before."""
+
+    caught_by: ClassVar[tuple[str, ...]] = ("fpa/covering/4", "fox/covering/3", "fox/covering/7")
+    FEATURES: ClassVar[tuple[str, ...]] = (
+        "fpa_attention.gqa",
+        "fox_attention.gqa",
+        "fpa_attention.varlen",
+        "fox_attention.varlen",
+    )
+    ops: ClassVar[tuple[str, ...]] = ("fpa_attention", "fox_attention")
+
+    def fpa_attention(self, q: Any, k: Any, *args: Any, **kw: Any) -> Any:
+        return super().fpa_attention(_first_of_group(q, k), k, *args, **kw)
+
+    def fox_attention(self, q: Any, k: Any, *args: Any, **kw: Any) -> Any:
+        return super().fox_attention(_first_of_group(q, k), k, *args, **kw)
+
+
+class PersistentOutputs(Mutant):
+    """Outputs and gradients written into one persistent buffer per op, name and shape (a static
+    CUDA-graph output, a reused workspace) and that buffer returned: every value is right when
+    it is returned, and wrong in any result the caller keeps past the next call of that shape."""
+
+    caught_by: ClassVar[tuple[str, ...]] = (
+        "fpa/call_order/",
+        "fox/call_order/",
+        "s4d/call_order/",
+    )
+    ops: ClassVar[tuple[str, ...]] = ("fpa_attention", "fox_attention", "interdomain_s4d")
+
+    def __init__(self, device: str = "cpu") -> None:
+        super().__init__(device)
+        self._buffers: dict[tuple[Any, ...], FloatArray] = {}
+
+    def _into(self, key: str, x: Any) -> Any:
+        x = np.asarray(x)
+        buf = self._buffers.setdefault((key, x.shape, x.dtype.str), np.empty_like(x))
+        buf[...] = x
+        return buf
+
+    def fpa_attention(self, *args: Any, **kw: Any) -> Any:
+        out = super().fpa_attention(*args, **kw)
+        if isinstance(out, tuple):
+            return self._into("fpa.o", out[0]), self._into("fpa.lse", out[1])
+        return self._into("fpa.o", out)
+
+    def fox_attention(self, *args: Any, **kw: Any) -> Any:
+        return self._into("fox.o", super().fox_attention(*args, **kw))
+
+    def interdomain_s4d(self, *args: Any, **kw: Any) -> Any:
+        return self._into("s4d.o", super().interdomain_s4d(*args, **kw))
+
+    def vjp(
+        self,
+        op: str,
+        inputs: Mapping[str, FloatArray],
+        params: Mapping[str, Any],
+        cotangents: Mapping[str, FloatArray],
+    ) -> dict[str, FloatArray]:
+        grads = super().vjp(op, inputs, params, cotangents)
+        return {n: self._into(f"{op}.d{n}", g) for n, g in grads.items()}
+
+
 MUTANTS: dict[str, type[Mutant]] = {
     cls.__name__: cls
     for cls in [
@@ -1277,6 +1414,11 @@ MUTANTS: dict[str, type[Mutant]] = {
         IgnoresStrides,
         EmptySequenceMerges,
         WindowOffByOne,
+        ModesRoundedDown,
+        LegsModesRoundedDown,
+        EqualPackingUnmasked,
+        StridedGQAQueryHeads,
+        PersistentOutputs,
     ]
 }
 for _name, _cls in MUTANTS.items():

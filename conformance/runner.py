@@ -222,11 +222,20 @@ def _mutation_comparison(what: str, names: list[str]) -> Comparison:
     )
 
 
-def _output_comparisons(backend: Backend, case: Case, dtype: str) -> dict[str, Comparison]:
+Held = list[tuple[str, Any, np.ndarray]]
+
+
+def _output_comparisons(
+    backend: Backend, case: Case, dtype: str, held: Held | None = None
+) -> dict[str, Comparison]:
+    """The outputs of one call against the reference; ``held`` (call order) collects each
+    returned array with a copy of its values at return."""
     inputs, ref = reference_for(case, dtype)
     native = native_inputs(backend, case, inputs, dtype)
     before = _snapshot(backend, native)
     outs = call_op(backend, case.op, native, case.params)
+    if held is not None:
+        held += [(name, x, np.array(backend.to_numpy(x), copy=True)) for name, x in outs.items()]
     comparisons = {}
     for name, quantity in OPS[case.op].outputs:
         tol = tolerance(case.op, dtype, quantity)
@@ -254,7 +263,11 @@ def _run_output(backend: Backend, case: Case, dtype: str, result: CaseResult) ->
     return _summarise(result, _output_comparisons(backend, case, dtype))
 
 
-def _gradient_comparisons(backend: Backend, case: Case, dtype: str) -> dict[str, Comparison]:
+def _gradient_comparisons(
+    backend: Backend, case: Case, dtype: str, held: Held | None = None
+) -> dict[str, Comparison]:
+    """The input cotangents of one VJP against the reference (``held`` as for
+    :func:`_output_comparisons`)."""
     spec = OPS[case.op]
     inputs, _ = reference_for(case, dtype)
     cot, ref = reference_vjp_for(case, dtype)
@@ -263,6 +276,8 @@ def _gradient_comparisons(backend: Backend, case: Case, dtype: str) -> dict[str,
     before = _snapshot(backend, native)
     before_cot = _snapshot(backend, native_cot)
     got = backend.vjp(case.op, native, case.params, native_cot)
+    if held is not None:
+        held += [(name, x, np.array(backend.to_numpy(x), copy=True)) for name, x in got.items()]
     tol = tolerance(case.op, dtype, "gradient")
     floors = gradient_floors({n: ref[n] for n in spec.differentiable})
     comparisons = {}
@@ -310,14 +325,33 @@ def call_sequence(seed: int) -> list[tuple[str, int]]:
 
 def _run_call_order(backend: Backend, case: Case, dtype: str, result: CaseResult) -> CaseResult:
     """Forwards and VJPs of the case and its partner interleaved; each compared with its own
-    reference (names: "<call number> <output|gradient> <A|B>: <quantity>")."""
+    reference (names: "<call number> <output|gradient> <A|B>: <quantity>"), and every array
+    returned in the sequence held to the end and compared then with a copy taken when it was
+    returned ("... held"): a backend that hands out a persistent buffer (a static graph output,
+    a reused workspace) which a later call overwrites fails."""
     pair = (case, partner(case))
     comparisons = {}
+    held: list[tuple[str, Held]] = []
     for number, (kind, which) in enumerate(call_sequence(case.seed + 3), 1):
         run = _output_comparisons if kind == "output" else _gradient_comparisons
-        for name, comparison in run(backend, pair[which], dtype).items():
-            comparisons[f"call {number} {kind} {'AB'[which]}: {name}"] = comparison
+        label = f"call {number} {kind} {'AB'[which]}"
+        returned: Held = []
+        for name, comparison in run(backend, pair[which], dtype, returned).items():
+            comparisons[f"{label}: {name}"] = comparison
+        held.append((label, returned))
+    for label, returned in held:
+        for name, x, copy in returned:
+            comparisons[f"{label} held: {name}"] = _held_comparison(backend, x, copy)
     return _summarise(result, comparisons)
+
+
+def _held_comparison(backend: Backend, x: Any, copy: np.ndarray) -> Comparison:
+    """A result kept by the caller after the whole call sequence, against its values at
+    return: equal bit for bit, or failed."""
+    now = np.asarray(backend.to_numpy(x))
+    if now.shape == copy.shape and np.array_equal(now, copy, equal_nan=True):
+        return Comparison(0.0, 0.0, 0.0, ())
+    return Comparison(np.inf, 0.0, np.inf, (), "changed by a later call (a reused output buffer)")
 
 
 def _run_finite_difference(case: Case, result: CaseResult) -> CaseResult:

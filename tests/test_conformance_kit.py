@@ -56,6 +56,8 @@ LATER_FAMILIES = (
     "interdomain_layer/trained/",
     "interdomain_layer/long/",
     "interdomain_layer/varlen/",
+    # round four: the covering designs (conformance/covering_cases.py)
+    *(f"{prefix}/covering/" for prefix in ("fpa", "fox", "s4d", "legs")),
 )
 
 
