@@ -1,0 +1,576 @@
+"""A paged FPA decode session (spec/fpa.md F7, F8 rows, F8 gqa, F9 rollback, F3w window).
+
+Storage. k and v live once per kv head in a pool of fixed-size pages (``page_size`` tokens,
+16 by default, as vLLM and FlashInfer page their caches); each (row, kv head) has a page table,
+and its entries fill the slots of its pages in token order. The small per-entry state of (F7)
+lives beside the tables, per query head: the level l_j, the running minimum m_j, the running
+minimum m0_j as of the oldest step a rollback can reach, and the step at which the entry was
+evicted for that head (``LIVE`` while attended). It is per row, so rows that share pages after
+:meth:`PagedFPASession.select` keep their own minima; the pages themselves are never copied by a
+select (reference counts), only when a row writes into a shared page (copy on write).
+
+Freeing (the contract's budget rule, docs/decisions.md). An entry evicted at step t_e for a
+query head is kept for that head while t_e >= tokens - b (b the row's rollback budget, at most
+``max_rollback``); a slot is stored while any of the G query heads of its kv head keeps it (the
+union rule of F8 gqa). A slot no head keeps becomes a hole; a page without a stored slot goes
+back to the pool. Compaction: when a (row, kv head) holds a whole page of holes (pages held >
+ceil(stored / page_size)), its stored entries from the first page with a hole on are moved into
+fresh pages in order (the pages before stay, so a beam's shared prefix stays shared). After
+every call the pages held per (row, kv head) are at most ceil(stored / page_size): the bytes held
+are within one page of the stored entries. Cost: a compaction moves the entries after the first
+hole, (dk + dv) elements each; it happens once per page_size holes, so with one eviction per
+step it adds about stored / page_size entry copies per step, 1 / page_size of what attention
+reads.
+
+Attention over the pages is :func:`paged_attention_eager` (the twin of the Triton decode kernel
+in :mod:`.triton_decode`), one block of at most ``QUERY_BLOCK`` chunk positions at a time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields, replace
+
+import torch
+from torch import Tensor
+
+from . import checks
+
+LIVE = torch.iinfo(torch.int64).max // 2  # the eviction step of an entry still attended
+QUERY_BLOCK = 16  # chunk positions per attention block (the decode kernel's query chunk)
+PAGE_SIZE = 16
+
+Attention = Callable[..., Tensor]
+
+
+def _int(name: str, value: object, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name}: expected an integer >= {low}, got {value!r}")
+    return value
+
+
+def paged_attention_eager(
+    q: Tensor,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    table: Tensor,
+    pos: Tensor,
+    level: Tensor,
+    mins: Tensor,
+    evict: Tensor,
+    tok: Tensor,
+    field: Tensor,
+    scale: float,
+) -> Tensor:
+    """(F3)-(F5) for a block of chunk positions over the row's pages, GQA by kv head.
+
+    Args:
+        q: [R, HQ, n, K] the block's queries; k_pool [NP, P, K], v_pool [NP, P, V] the pages.
+        table: [R, H, NT] int64 page ids (-1: none); pos: [R, H, NT * P] int64 token of each
+            slot (-1: no stored entry).
+        level, mins, evict: [R, HQ, NT * P] l_j, m_j before the block (wide), eviction step.
+        tok: [R, n] int64 the token index of each position (-1: absent); field: [R, HQ, n] wide.
+        scale: the softmax scale.
+
+    Returns:
+        o [R, HQ, n, V] in the dtype of ``mins``; 0 at absent positions.
+        Key j is attended from token t iff pos_j <= t < evict_j; its depth is
+        max(0, l_j - min(m_j, field over the block's tokens in (pos_j, t])) (F2).
+    """
+    R, HQ, n, K = q.shape
+    H, wide = table.shape[1], mins.dtype
+    G, S = HQ // H, pos.shape[2]
+    pages = table.clamp_min(0)
+    keys = k_pool[pages].reshape(R, H, S, K).to(wide)  # [R, H, S, K]
+    values = v_pool[pages].reshape(R, H, S, -1).to(wide)  # [R, H, S, V]
+    content = scale * torch.einsum("rhgnk,rhsk->rhgns", q.to(wide).view(R, H, G, n, K), keys)
+    posq = pos.repeat_interleave(G, dim=1)  # [R, HQ, S]
+    running, penalty, valid = mins, [], []
+    for p in range(n):
+        t = tok[:, p, None, None]  # [R, 1, 1]
+        # (F7) m_j <- min(m_j, phi_t) for the keys before token t
+        running = torch.minimum(running, field[:, :, p, None].where(posq < t, math.inf))
+        penalty.append(torch.clamp_min(level - running, 0.0))  # (F2)
+        valid.append((posq >= 0) & (posq <= t) & (evict > t) & (t >= 0))
+    logits = content - torch.stack(penalty, 2).view(R, H, G, n, S)  # (F3)
+    keep = torch.stack(valid, 2).view(R, H, G, n, S)
+    logits = logits.masked_fill(~keep, -math.inf)
+    weights = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # (F4); rows without keys: 0
+    o = torch.einsum("rhgns,rhsv->rhgnv", weights, values)  # (F5)
+    return o.reshape(R, HQ, n, -1)
+
+
+@dataclass
+class RowState:
+    """Everything a row owns (page tables and per-entry state); indexed by rows on select."""
+
+    table: Tensor  # [R, H, NT] int64 page ids, -1 none
+    fill: Tensor  # [R, H] int64 slots used (holes included)
+    pos: Tensor  # [R, H, S] int64 token of the slot's entry, -1 no stored entry
+    level: Tensor  # [R, HQ, S] l_j
+    mins: Tensor  # [R, HQ, S] m_j after the row's last token
+    base: Tensor  # [R, HQ, S] m0_j: min field over (j, c], c the oldest restorable token
+    evict: Tensor  # [R, HQ, S] int64 step of eviction for this head, LIVE if attended
+    tokens: Tensor  # [R] int64
+    budget: Tensor  # [R] int64 tokens a rollback may undo
+    ring: Tensor  # [R, HQ, max(W, 1)] field of token u at u % W, for the last W tokens
+
+    def index(self, rows: Tensor) -> RowState:
+        return RowState(*(getattr(self, f.name)[rows] for f in fields(self)))
+
+
+class PagedFPASession:
+    """An (F8) decode session of ``rows`` rows with a paged cache; see the module docstring.
+
+    Args:
+        rows: R >= 1; heads: HQ; kv_heads: H dividing HQ; dk, dv: head dims.
+        dtype: the torch dtype of q, k, v and the outputs; device: where everything lives.
+        scale: the softmax scale; theta: eviction threshold > 0 (inf: none); window: (F3w) or
+            None; max_rollback: the W of (F9).
+        page_size: tokens per page; max_pages: the pool's size (None: grows by doubling).
+        attention: the attention over pages (:func:`paged_attention_eager` or the kernel's
+            launcher), same signature.
+
+    Time per token O(S (dk + dv)) for S stored slots of its row; memory: pages held.
+    """
+
+    def __init__(
+        self,
+        *,
+        rows: int,
+        heads: int,
+        kv_heads: int,
+        dk: int,
+        dv: int,
+        dtype: torch.dtype,
+        scale: float,
+        theta: float = math.inf,
+        window: int | None = None,
+        max_rollback: int = 0,
+        page_size: int = PAGE_SIZE,
+        max_pages: int | None = None,
+        device: torch.device | str = "cpu",
+        attention: Attention = paged_attention_eager,
+    ):
+        R, HQ, H = _int("rows", rows, 1), _int("heads", heads, 1), _int("kv_heads", kv_heads, 1)
+        if HQ % H:
+            raise ValueError(f"kv_heads: expected a divisor of heads={HQ}, got {H}")
+        self.dk, self.dv = _int("dk", dk, 1), _int("dv", dv, 1)
+        if dtype not in checks.QKV_DTYPES:
+            raise ValueError(f"dtype: expected one of {checks.QKV_DTYPES}, got {dtype!r}")
+        if isinstance(theta, bool) or not isinstance(theta, int | float) or not theta > 0:
+            raise ValueError(f"theta: expected a positive number (or inf), got {theta!r}")
+        self.window = None if window is None else _int("window", window, 1)
+        self.W = _int("max_rollback", max_rollback, 0)
+        self.P = _int("page_size", page_size, 1)
+        self.max_pages = None if max_pages is None else _int("max_pages", max_pages, 1)
+        self.scale = checks.scale(scale, self.dk)
+        self.theta = float(theta)
+        self.HQ, self.H, self.G = HQ, H, HQ // H
+        self.dtype, self.device = dtype, torch.device(device)
+        self.wide = torch.float64 if dtype == torch.float64 else torch.float32
+        self.attention = attention
+        NP = self.max_pages or 4
+        self.k_pool = torch.zeros(NP, self.P, self.dk, dtype=dtype, device=self.device)
+        self.v_pool = torch.zeros(NP, self.P, self.dv, dtype=dtype, device=self.device)
+        self.refs = torch.zeros(NP, dtype=torch.int64, device=self.device)
+        self.state = self._empty(R)
+
+    def _empty(self, R: int) -> RowState:
+        i64, dev, w = torch.int64, self.device, self.wide
+        return RowState(
+            table=torch.full((R, self.H, 0), -1, dtype=i64, device=dev),
+            fill=torch.zeros(R, self.H, dtype=i64, device=dev),
+            pos=torch.full((R, self.H, 0), -1, dtype=i64, device=dev),
+            level=torch.zeros(R, self.HQ, 0, dtype=w, device=dev),
+            mins=torch.zeros(R, self.HQ, 0, dtype=w, device=dev),
+            base=torch.zeros(R, self.HQ, 0, dtype=w, device=dev),
+            evict=torch.zeros(R, self.HQ, 0, dtype=i64, device=dev),
+            tokens=torch.zeros(R, dtype=i64, device=dev),
+            budget=torch.zeros(R, dtype=i64, device=dev),
+            ring=torch.zeros(R, self.HQ, max(self.W, 1), dtype=w, device=dev),
+        )
+
+    @property
+    def rows(self) -> int:
+        return int(self.state.tokens.shape[0])
+
+    # ------------------------------------------------------------------ checks
+
+    def _check_chunk(self, inputs: dict[str, Tensor], present: Tensor) -> int:
+        R, HQ, H = self.rows, self.HQ, self.H
+        if not isinstance(inputs, dict):
+            raise ValueError(f"inputs: expected a dict of tensors, got {type(inputs).__name__}")
+        missing = {"q", "k", "v", "field", "level"} - set(inputs)
+        if missing:
+            raise ValueError(f"inputs: missing {sorted(missing)}")
+        checks.tensor("present", present, 2, (torch.bool,), "(R, n) bool")
+        n = present.shape[1]
+        checks.shape("present", present, (R, n), "(rows, n)")
+        expected = {
+            "q": (R, HQ, n, self.dk),
+            "k": (R, H, n, self.dk),
+            "v": (R, H, n, self.dv),
+            "field": (R, HQ, n),
+            "level": (R, HQ, n),
+        }
+        for name, shape in expected.items():
+            x = inputs[name]
+            dtypes = (self.dtype,) if name in "qkv" else checks.WIDE_DTYPES + checks.QKV_DTYPES
+            checks.tensor(name, x, len(shape), dtypes, "in the session's layout and dtype")
+            checks.shape(name, x, shape, "(rows, heads, n, dim) of the session")
+            if x.device != self.device:
+                raise ValueError(f"{name}: expected device {self.device}, got {x.device}")
+        if present.device != self.device:
+            raise ValueError(f"present: expected device {self.device}, got {present.device}")
+        checks.finite("field", inputs["field"])
+        checks.finite("level", inputs["level"])
+        return n
+
+    # ------------------------------------------------------------------ pages
+
+    def free_pages(self) -> int:
+        """Pages of the pool not held by any row."""
+        return int((self.refs == 0).sum())
+
+    def _allocate(self, count: int) -> Tensor:
+        free = torch.nonzero(self.refs == 0).flatten()
+        if free.numel() < count:  # only a growing pool gets here (checked before)
+            NP = self.refs.numel()
+            grow = max(NP, count - free.numel())
+            self.k_pool = torch.cat(
+                [self.k_pool, self.k_pool.new_zeros(grow, *self.k_pool.shape[1:])]
+            )
+            self.v_pool = torch.cat(
+                [self.v_pool, self.v_pool.new_zeros(grow, *self.v_pool.shape[1:])]
+            )
+            self.refs = torch.cat([self.refs, self.refs.new_zeros(grow)])
+            free = torch.nonzero(self.refs == 0).flatten()
+        ids = free[:count]
+        self.refs[ids] = 1
+        return ids
+
+    def _recount(self) -> None:
+        table = self.state.table
+        held = table[table >= 0]
+        self.refs = torch.bincount(held, minlength=self.refs.numel())
+
+    def _widen(self, S: int) -> None:
+        """Slots (and table columns) for at least S entries per (row, kv head)."""
+        st, P = self.state, self.P
+        NT = -(-S // P)
+        extra = NT - st.table.shape[2]
+        if extra <= 0:
+            return
+
+        def pad(x: Tensor, by: int, value: float) -> Tensor:
+            return torch.cat([x, x.new_full((*x.shape[:2], by), value)], dim=2)
+
+        self.state = replace(
+            st,
+            table=pad(st.table, extra, -1),
+            pos=pad(st.pos, extra * P, -1),
+            level=pad(st.level, extra * P, 0.0),
+            mins=pad(st.mins, extra * P, math.inf),
+            base=pad(st.base, extra * P, math.inf),
+            evict=pad(st.evict, extra * P, LIVE),
+        )
+
+    def _pages_needed(self, count: Tensor) -> tuple[Tensor, Tensor]:
+        """Table cells [R, H, NT'] written by appending ``count`` [R] entries: new pages and
+        shared pages to copy first."""
+        st, P = self.state, self.P
+        fill = st.fill
+        top = fill + count[:, None]
+        NT = max(int(-(-int(top.max()) // P)) if top.numel() else 0, st.table.shape[2])
+        table = torch.cat(
+            [st.table, st.table.new_full((*st.table.shape[:2], NT - st.table.shape[2]), -1)], 2
+        )
+        cell = torch.arange(NT, device=self.device)
+        touched = (cell >= fill[..., None] // P) & (cell * P < top[..., None])
+        touched &= count[:, None, None] > 0
+        fresh = touched & (table < 0)
+        shared = touched & (table >= 0) & (self.refs[table.clamp_min(0)] > 1)
+        return fresh, shared
+
+    # ------------------------------------------------------------------ the protocol
+
+    def advance(self, inputs: dict[str, Tensor], present: Tensor) -> dict[str, Tensor]:
+        """(F8 rows) consume a chunk: q [R, HQ, n, dk], k [R, H, n, dk], v [R, H, n, dv],
+        field, level [R, HQ, n]; present [R, n] bool (False: padding).
+
+        Returns:
+            {"o": [R, HQ, n, dv]} in the session's dtype, 0 at absent positions.
+        """
+        n = self._check_chunk(inputs, present)
+        R, HQ = self.rows, self.HQ
+        count = present.sum(dim=1)  # [R]
+        fresh, shared = self._pages_needed(count)
+        need = int(fresh.sum() + shared.sum())
+        if self.max_pages is not None and need > self.free_pages():
+            raise ValueError(
+                f"max_pages: the pool of {self.max_pages} pages has {self.free_pages()} free, "
+                f"this chunk needs {need}"
+            )
+        o = torch.zeros(R, HQ, n, self.dv, dtype=self.dtype, device=self.device)
+        if n == 0:
+            return {"o": o}
+        if inputs["field"].dtype == torch.float64 and self.wide != torch.float64:
+            self.wide = torch.float64
+            self.state = replace(
+                self.state,
+                **{f: getattr(self.state, f).double() for f in ("level", "mins", "base", "ring")},
+            )
+        wide = self.wide
+        field = inputs["field"].to(wide).masked_fill(~present[:, None, :], math.inf)
+        level = inputs["level"].to(wide)
+        st = self.state
+        rank = torch.cumsum(present.to(torch.int64), dim=1) - 1  # [R, n]
+        tok = torch.where(present, st.tokens[:, None] + rank, -1)  # [R, n]
+        self._widen(int((st.fill + count[:, None]).max()))
+        self._write(inputs["k"], inputs["v"], level, present, rank, fresh, shared)
+        for p0 in range(0, n, QUERY_BLOCK):
+            p1 = min(p0 + QUERY_BLOCK, n)
+            o[:, :, p0:p1] = self._block(
+                inputs["q"][:, :, p0:p1], tok[:, p0:p1], field[:, :, p0:p1]
+            ).to(self.dtype)
+        self._release()
+        return {"o": o}
+
+    def _write(
+        self,
+        k: Tensor,
+        v: Tensor,
+        level: Tensor,
+        present: Tensor,
+        rank: Tensor,
+        fresh: Tensor,
+        shared: Tensor,
+    ) -> None:
+        """Pages for the new entries (fresh, or copies of shared ones), then k, v and the
+        per-entry state written into the slots fill + rank."""
+        st, P, G = self.state, self.P, self.G
+        NT = st.table.shape[2]
+        fresh, shared = fresh[..., :NT], shared[..., :NT]
+        table = st.table.clone()
+        if bool(shared.any()):
+            old = table[shared]
+            new = self._allocate(old.numel())
+            self.k_pool[new], self.v_pool[new] = self.k_pool[old], self.v_pool[old]
+            self.refs.index_add_(0, old, torch.full_like(old, -1))
+            table[shared] = new
+        if bool(fresh.any()):
+            table[fresh] = self._allocate(int(fresh.sum()))
+        r, p = torch.nonzero(present, as_tuple=True)  # entries in token order per row
+        slot = st.fill[r] + rank[r, p, None]  # [E, H]
+        h = torch.arange(self.H, device=self.device).expand_as(slot)
+        rr = r[:, None].expand_as(slot)
+        page = table[rr, h, slot // P]
+        self.k_pool[page, slot % P] = k[rr, h, p[:, None]]
+        self.v_pool[page, slot % P] = v[rr, h, p[:, None]]
+        pos = st.pos.clone()
+        pos[rr, h, slot] = st.tokens[r, None] + rank[r, p, None]
+        slotq = slot.repeat_interleave(G, dim=1)  # [E, HQ]
+        hq = torch.arange(self.HQ, device=self.device).expand_as(slotq)
+        rq = r[:, None].expand_as(slotq)
+        lv, mins, base, evict = st.level.clone(), st.mins.clone(), st.base.clone(), st.evict.clone()
+        lv[rq, hq, slotq] = level[rq, hq, p[:, None]]
+        mins[rq, hq, slotq] = math.inf  # empty segment: pi_tt = 0
+        base[rq, hq, slotq] = math.inf
+        evict[rq, hq, slotq] = LIVE
+        self.state = replace(
+            st,
+            table=table,
+            pos=pos,
+            level=lv,
+            mins=mins,
+            base=base,
+            evict=evict,
+            fill=st.fill + present.sum(dim=1)[:, None],
+        )
+
+    def _block(self, q: Tensor, tok: Tensor, field: Tensor) -> Tensor:
+        """At most QUERY_BLOCK positions: evictions (F7, F3w), attention, then the minima, the
+        budgets, the base minima and the ring of fields advanced token by token."""
+        st, G = self.state, self.G
+        posq = st.pos.repeat_interleave(G, dim=1)[..., None]  # [R, HQ, S, 1]
+        t = tok[:, None, None, :]  # [R, 1, 1, n]
+        after = (t > posq) & (posq >= 0)
+        hit = (st.level[..., None] - field[:, :, None, :]) >= self.theta  # (F2): depth >= theta
+        if self.window is not None:
+            hit = hit | (t - posq >= self.window)  # (F3w)
+        first = torch.where(after & hit, t, LIVE).amin(dim=3)  # [R, HQ, S]
+        evict = torch.where(st.evict == LIVE, first, st.evict)
+        o = self.attention(
+            q,
+            self.k_pool,
+            self.v_pool,
+            st.table,
+            st.pos,
+            st.level,
+            st.mins,
+            evict,
+            tok,
+            field,
+            self.scale,
+        )
+        mins, base, ring = st.mins, st.base, st.ring.clone()
+        tokens, budget = st.tokens.clone(), st.budget.clone()
+        posq = posq[..., 0]
+        for p in range(tok.shape[1]):
+            here = tok[:, p] >= 0  # [R]
+            u = tok[:, p, None, None]
+            f = field[:, :, p, None]  # [R, HQ, 1]
+            mins = torch.minimum(mins, f.where(posq < u, math.inf))  # (F7)
+            if self.W:
+                # (F9) at the cap, the oldest restorable token's field folds into the base
+                full = here & (budget == self.W)
+                slot = (tokens % self.W)[:, None, None].expand(-1, self.HQ, 1)
+                oldest = ring.gather(2, slot)  # field of token t - W
+                fold = full[:, None, None] & (posq < (tokens - self.W)[:, None, None])
+                base = torch.where(fold, torch.minimum(base, oldest), base)
+                ring = torch.where(here[:, None, None], ring.scatter(2, slot, f), ring)
+            tokens = tokens + here
+            budget = torch.clamp_max(budget + here, self.W)
+        self.state = replace(
+            st, evict=evict, mins=mins, base=base, ring=ring, tokens=tokens, budget=budget
+        )
+        return o
+
+    def _stored(self) -> Tensor:
+        """[R, H, S] slots holding an entry some query head of the kv head keeps (the union
+        rule with the F9 delay)."""
+        st = self.state
+        oldest = (st.tokens - st.budget)[:, None, None]
+        keep = (st.evict >= oldest).view(self.rows, self.H, self.G, -1).any(dim=2)
+        return keep & (st.pos >= 0)
+
+    def _release(self) -> None:
+        """Holes for the slots no head keeps, pages without a stored slot back to the pool,
+        then the compaction of (row, kv head)s holding a page of holes."""
+        st, P = self.state, self.P
+        stored = self._stored()
+        pos = st.pos.where(stored, -1)
+        empty = ~(pos >= 0).view(*pos.shape[:2], -1, P).any(dim=3) & (st.table >= 0)
+        table = st.table.masked_fill(empty, -1)
+        self.state = replace(st, pos=pos, table=table)
+        self._recount()
+        count = stored.sum(dim=2)
+        held = (table >= 0).sum(dim=2)
+        for r, h in torch.nonzero(held > -(-count // P)).tolist():
+            self._compact(r, h)
+
+    def _compact(self, r: int, h: int) -> None:
+        """Stored entries of (r, h) from its first page with a hole on, moved to fresh pages."""
+        st, P, G = self.state, self.P, self.G
+        fill = int(st.fill[r, h])
+        pos = st.pos[r, h]
+        hole = torch.nonzero(pos[:fill] < 0)
+        if hole.numel() == 0:
+            return
+        a = int(hole[0]) // P * P
+        moved = a + torch.nonzero(pos[a:fill] >= 0).flatten()
+        m = moved.numel()
+        old = st.table[r, h, a // P :]
+        old = old[old >= 0]
+        if self.max_pages is not None and -(-m // P) > self.free_pages() + int(
+            (self.refs[old] == 1).sum()
+        ):
+            return  # a fixed pool too full to hold the copies of shared pages: not now
+        pages = st.table[r, h, moved // P]
+        keys, values = self.k_pool[pages, moved % P], self.v_pool[pages, moved % P]
+        table, posr = st.table.clone(), st.pos.clone()
+        table[r, h, a // P :] = -1
+        self.state = replace(st, table=table)
+        self._recount()
+        new = self._allocate(-(-m // P))
+        table[r, h, a // P : a // P + new.numel()] = new
+        dest = torch.arange(a, a + m, device=self.device)
+        self.k_pool[table[r, h, dest // P], dest % P] = keys
+        self.v_pool[table[r, h, dest // P], dest % P] = values
+        posr[r, h, a:] = -1
+        posr[r, h, a : a + m] = pos[moved]
+        heads = slice(h * G, (h + 1) * G)
+        moved_state = {}
+        for name in ("level", "mins", "base", "evict"):
+            x = getattr(st, name).clone()
+            x[r, heads, a : a + m] = getattr(st, name)[r, heads][:, moved]
+            moved_state[name] = x
+        fill_new = st.fill.clone()
+        fill_new[r, h] = a + m
+        self.state = replace(self.state, table=table, pos=posr, fill=fill_new, **moved_state)
+        self._recount()
+
+    def select(self, rows: Sequence[int]) -> None:
+        """(F9) the session now holds len(rows) rows, row i a copy of old row rows[i]; pages are
+        shared (reference counts), never copied."""
+        try:
+            index = [int(i) for i in rows]
+        except (TypeError, ValueError):
+            raise ValueError(f"rows: expected a sequence of integers, got {rows!r}") from None
+        if not index or any(isinstance(i, bool) for i in rows):
+            raise ValueError(f"rows: expected a non-empty sequence of integers, got {rows!r}")
+        bad = [i for i in index if not 0 <= i < self.rows]
+        if bad or any(i != x for i, x in zip(index, rows, strict=True)):
+            raise ValueError(f"rows: expected indices in [0, {self.rows}), got {list(rows)!r}")
+        self.state = self.state.index(torch.tensor(index, device=self.device))
+        self._recount()
+
+    def rollback(self, row: int, n: int) -> None:
+        """(F9) row returns to its state after its first tokens - n tokens."""
+        if isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < self.rows:
+            raise ValueError(f"row: expected an integer in [0, {self.rows}), got {row!r}")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"n: expected an integer >= 0, got {n!r}")
+        if n > self.W:
+            raise ValueError(f"max_rollback: n = {n} exceeds the rollback window W = {self.W}")
+        st = self.state
+        b = int(st.budget[row])
+        if n > b:
+            raise ValueError(f"n: row {row} can undo at most {b} tokens now, asked for {n}")
+        if n == 0:
+            return
+        t = int(st.tokens[row])
+        kept = t - n
+        pos, evict = st.pos.clone(), st.evict.clone()
+        gone = pos[row] >= kept
+        pos[row] = pos[row].masked_fill(gone, -1)
+        fill = st.fill.clone()
+        fill[row] -= gone.sum(dim=1)
+        evict[row] = evict[row].masked_fill(evict[row] >= kept, LIVE)
+        # m_j from the base minimum and the fields of the restorable tokens (c, kept - 1]
+        c = t - b - 1
+        posq = pos[row].repeat_interleave(self.G, dim=0)  # [HQ, S]
+        mins = st.base[row].clone()
+        for u in range(c + 1, kept):
+            f = st.ring[row, :, u % self.W, None]  # [HQ, 1]
+            mins = torch.minimum(mins, f.where(posq < u, math.inf))
+        all_mins = st.mins.clone()
+        all_mins[row] = mins
+        tokens, budget = st.tokens.clone(), st.budget.clone()
+        tokens[row], budget[row] = kept, b - n
+        self.state = replace(
+            st, pos=pos, fill=fill, evict=evict, mins=all_mins, tokens=tokens, budget=budget
+        )
+        self._release()
+
+    def counts(self) -> dict[str, Tensor]:
+        """ "tokens" [R]; "live" [R, HQ] keys attended now; "stored" [R, H] entries stored."""
+        st = self.state
+        posq = st.pos.repeat_interleave(self.G, dim=1)
+        return {
+            "tokens": st.tokens.clone(),
+            "live": ((posq >= 0) & (st.evict == LIVE)).sum(dim=2),
+            "stored": (st.pos >= 0).sum(dim=2),
+        }
+
+    def pages_held(self) -> Tensor:
+        """[R, H] pages in the page table of each (row, kv head) (shared pages counted by
+        every row that holds them)."""
+        return (self.state.table >= 0).sum(dim=2)
+
+    def bytes_held(self) -> int:
+        """Bytes of k and v in the pool's pages held by some row (each physical page once)."""
+        per_page = self.P * (self.dk + self.dv) * self.k_pool.element_size()
+        return int((self.refs > 0).sum()) * per_page
