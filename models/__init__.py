@@ -20,22 +20,27 @@ from .modeling import (
     AttnSpecForCausalLM,
     AttnSpecModel,
     FoXForCausalLM,
+    FoXModel,
     FPAForCausalLM,
+    FPAModel,
     HybridForCausalLM,
+    HybridModel,
     InterdomainForCausalLM,
+    InterdomainModel,
 )
 
+# configuration -> (base model, causal LM)
 MODELS = {
-    FPAConfig: FPAForCausalLM,
-    FoXConfig: FoXForCausalLM,
-    InterdomainConfig: InterdomainForCausalLM,
-    HybridConfig: HybridForCausalLM,
+    FPAConfig: (FPAModel, FPAForCausalLM),
+    FoXConfig: (FoXModel, FoXForCausalLM),
+    InterdomainConfig: (InterdomainModel, InterdomainForCausalLM),
+    HybridConfig: (HybridModel, HybridForCausalLM),
 }
 
-for _config, _model in MODELS.items():
+for _config, (_base, _lm) in MODELS.items():
     AutoConfig.register(_config.model_type, _config, exist_ok=True)
-    AutoModel.register(_config, AttnSpecModel, exist_ok=True)
-    AutoModelForCausalLM.register(_config, _model, exist_ok=True)
+    AutoModel.register(_config, _base, exist_ok=True)
+    AutoModelForCausalLM.register(_config, _lm, exist_ok=True)
 
 __all__ = [
     "LAYER_KINDS",
@@ -45,10 +50,14 @@ __all__ = [
     "AttnSpecModel",
     "FPAConfig",
     "FPAForCausalLM",
+    "FPAModel",
     "FoXConfig",
     "FoXForCausalLM",
+    "FoXModel",
     "HybridConfig",
     "HybridForCausalLM",
+    "HybridModel",
     "InterdomainConfig",
     "InterdomainForCausalLM",
+    "InterdomainModel",
 ]

@@ -64,7 +64,9 @@ class SessionLayer(CacheLayerMixin):
         """Record the presence of a chunk's positions (for crop)."""
         self.positions += present.shape[1]
         if self.max_rollback:
-            before = present.new_zeros(present.shape[0], 0) if self.history is None else self.history
+            before = (
+                present.new_zeros(present.shape[0], 0) if self.history is None else self.history
+            )
             self.history = torch.cat([before, present], dim=1)[:, -self.max_rollback :]
 
     def select(self, rows: list[int]) -> None:
@@ -120,7 +122,7 @@ class ForgetGateSessionLayer(SessionLayer):
 
     def advance(self, mixer: ForgetGateAttention, x: Tensor, present: Tensor) -> Tensor:
         """A chunk x [R, n, d] with ``present`` [R, n] -> the mixer's output [R, n, d]."""
-        R, n, _ = x.shape
+        R = x.shape[0]
         q, k, v = mixer.qkv(x)  # [R, n, heads, dk]
         delta, lam = mixer.increments(x)  # [R, n, HQ]
         if self.session is None:
@@ -168,7 +170,9 @@ class ForgetGateSessionLayer(SessionLayer):
     def rollback(self, row: int, n: int) -> None:
         super().rollback(row, n)
         if n and self.phi is not None:
-            self.phi[row] = torch.cat([self.phi[row, :, :1].expand(-1, n), self.phi[row, :, :-n]], 1)
+            self.phi[row] = torch.cat(
+                [self.phi[row, :, :1].expand(-1, n), self.phi[row, :, :-n]], 1
+            )
 
     def reset(self) -> None:
         super().reset()
@@ -209,9 +213,6 @@ class AttnSpecCache(Cache):
                 f"past_key_values: a cache for layers {self.kinds}, the model has"
                 f" {config.layer_kinds}"
             )
-
-    def advanced(self, present: Tensor) -> None:
-        """Called once the model has advanced every layer by a chunk."""
 
     def fractions(self) -> list[dict[str, float] | None]:
         """Per layer, the live and stored fractions of the FPA / FoX sessions (None for ID)."""

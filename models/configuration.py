@@ -23,7 +23,7 @@ FPA / FoX layers' decode sessions; ``generate(..., theta=...)`` overrides theta 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 from transformers import PretrainedConfig
 
@@ -60,9 +60,10 @@ def _positive_int(name: str, value: Any) -> int:
 class AttnSpecConfig(PretrainedConfig):
     """The configuration every attnspec model kind shares (see the module docstring).
 
-    Args:
+    Fields:
         vocab_size, hidden_size, num_hidden_layers: the usual.
-        layer_pattern: the mixer of each layer (``LAYER_KINDS``), comma-separated.
+        layer_pattern: the mixer of each layer (``LAYER_KINDS``), comma-separated (default: the
+            configuration class's kind).
         num_heads: query heads; ``num_kv_heads`` key/value heads of the FPA and FoX layers
             (GQA; default num_heads; must divide num_heads). ``head_dim`` default
             hidden_size // num_heads.
@@ -73,85 +74,73 @@ class AttnSpecConfig(PretrainedConfig):
         hidden_ratio, intermediate_size: the MLP's width (fla's rule: 2/3 of hidden_ratio times
             hidden_size, rounded up to a multiple of 256, unless intermediate_size is given).
         norm_eps, initializer_range, tie_word_embeddings: the usual.
+
+    Bad values are a ValueError naming the field.
     """
 
     model_type = "attnspec"
-    default_layer_pattern = "FPA"
-    keys_to_ignore_at_inference = ["past_key_values"]  # noqa: RUF012 (transformers' convention)
+    default_layer_pattern: ClassVar[str] = "FPA"
+    keys_to_ignore_at_inference: ClassVar[list[str]] = ["past_key_values"]
 
-    def __init__(
-        self,
-        vocab_size: int = 256,
-        hidden_size: int = 256,
-        num_hidden_layers: int = 4,
-        layer_pattern: str | None = None,
-        num_heads: int = 4,
-        num_kv_heads: int | None = None,
-        head_dim: int | None = None,
-        window_size: int | None = None,
-        theta: float = math.inf,
-        max_rollback: int = 0,
-        id_modes: int = 16,
-        id_readout: str = "linear",
-        id_use_rope: bool = False,
-        id_gate: bool = True,
-        id_output_norm: bool = True,
-        hidden_ratio: int | None = 4,
-        intermediate_size: int | None = None,
-        norm_eps: float = 1e-6,
-        initializer_range: float = 0.02,
-        use_cache: bool = True,
-        pad_token_id: int | None = None,
-        bos_token_id: int | None = None,
-        eos_token_id: int | None = None,
-        tie_word_embeddings: bool = False,
-        **kwargs: Any,
-    ) -> None:
-        self.vocab_size = _positive_int("vocab_size", vocab_size)
-        self.hidden_size = _positive_int("hidden_size", hidden_size)
-        self.num_hidden_layers = _positive_int("num_hidden_layers", num_hidden_layers)
-        self.layer_pattern = layer_pattern or self.default_layer_pattern
+    vocab_size: int = 256
+    hidden_size: int = 256
+    num_hidden_layers: int = 4
+    layer_pattern: str | None = None
+    num_heads: int = 4
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    window_size: int | None = None
+    theta: float = math.inf
+    max_rollback: int = 0
+    id_modes: int = 16
+    id_readout: str = "linear"
+    id_use_rope: bool = False
+    id_gate: bool = True
+    id_output_norm: bool = True
+    hidden_ratio: int | None = 4
+    intermediate_size: int | None = None
+    norm_eps: float = 1e-6
+    initializer_range: float = 0.02
+    use_cache: bool = True
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self, **kwargs: Any) -> None:
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_heads", "id_modes"):
+            _positive_int(name, getattr(self, name))
+        self.layer_pattern = self.layer_pattern or self.default_layer_pattern
         parse_layer_pattern(self.layer_pattern, self.num_hidden_layers)
-        self.num_heads = _positive_int("num_heads", num_heads)
-        self.num_kv_heads = _positive_int("num_kv_heads", num_kv_heads or num_heads)
+        self.num_kv_heads = _positive_int("num_kv_heads", self.num_kv_heads or self.num_heads)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_kv_heads: {self.num_kv_heads} does not divide num_heads = {self.num_heads}"
             )
-        if head_dim is None and self.hidden_size % self.num_heads:
+        if self.head_dim is None and self.hidden_size % self.num_heads:
             raise ValueError(
                 f"num_heads: {self.num_heads} does not divide hidden_size = {self.hidden_size}"
                 " (or give head_dim)"
             )
-        self.head_dim = _positive_int("head_dim", head_dim or self.hidden_size // self.num_heads)
-        self.window_size = None if window_size is None else _positive_int("window_size", window_size)
+        self.head_dim = _positive_int(
+            "head_dim", self.head_dim or self.hidden_size // self.num_heads
+        )
+        if self.window_size is not None:
+            _positive_int("window_size", self.window_size)
+        theta = self.theta
         if isinstance(theta, bool) or not isinstance(theta, int | float) or not theta > 0:
             raise ValueError(f"theta: expected a positive number (or inf), got {theta!r}")
         self.theta = float(theta)
-        if isinstance(max_rollback, bool) or not isinstance(max_rollback, int) or max_rollback < 0:
-            raise ValueError(f"max_rollback: expected an integer >= 0, got {max_rollback!r}")
-        self.max_rollback = max_rollback
-        self.id_modes = _positive_int("id_modes", id_modes)
-        if id_readout not in ("linear", "ratio"):
-            raise ValueError(f"id_readout: expected 'linear' or 'ratio', got {id_readout!r}")
-        self.id_readout = id_readout
-        self.id_use_rope, self.id_gate = bool(id_use_rope), bool(id_gate)
-        self.id_output_norm = bool(id_output_norm)
-        self.hidden_ratio = hidden_ratio
-        if intermediate_size is None:
-            ratio = _positive_int("hidden_ratio", hidden_ratio)
-            intermediate_size = 256 * math.ceil(int(self.hidden_size * ratio * 2 / 3) / 256)
-        self.intermediate_size = _positive_int("intermediate_size", intermediate_size)
-        self.norm_eps = float(norm_eps)
-        self.initializer_range = float(initializer_range)
-        self.use_cache = use_cache
-        super().__init__(
-            pad_token_id=pad_token_id,
-            bos_token_id=bos_token_id,
-            eos_token_id=eos_token_id,
-            tie_word_embeddings=tie_word_embeddings,
-            **kwargs,
-        )
+        W = self.max_rollback
+        if isinstance(W, bool) or not isinstance(W, int) or W < 0:
+            raise ValueError(f"max_rollback: expected an integer >= 0, got {W!r}")
+        if self.id_readout not in ("linear", "ratio"):
+            raise ValueError(f"id_readout: expected 'linear' or 'ratio', got {self.id_readout!r}")
+        if self.intermediate_size is None:
+            ratio = _positive_int("hidden_ratio", self.hidden_ratio)
+            self.intermediate_size = 256 * math.ceil(int(self.hidden_size * ratio * 2 / 3) / 256)
+        _positive_int("intermediate_size", self.intermediate_size)
+        super().__post_init__(**kwargs)
 
     @property
     def layer_kinds(self) -> tuple[str, ...]:
@@ -163,28 +152,26 @@ class FPAConfig(AttnSpecConfig):
     """An FPA transformer (signed-field layers; ``layer_pattern="FPA_FOX"`` FoX-initialised)."""
 
     model_type = "attnspec_fpa"
-    default_layer_pattern = "FPA"
+    default_layer_pattern: ClassVar[str] = "FPA"
 
 
 class FoXConfig(AttnSpecConfig):
     """A Forgetting Transformer: the counterpart of flash-linear-attention's."""
 
     model_type = "attnspec_fox"
-    default_layer_pattern = "FOX"
+    default_layer_pattern: ClassVar[str] = "FOX"
 
 
 class InterdomainConfig(AttnSpecConfig):
     """An Interdomain-attention transformer."""
 
     model_type = "attnspec_interdomain"
-    default_layer_pattern = "ID"
+    default_layer_pattern: ClassVar[str] = "ID"
 
 
 class HybridConfig(AttnSpecConfig):
     """Layers of several kinds from ``layer_pattern`` (e.g. "FPA,ID,FPA,ID")."""
 
     model_type = "attnspec_hybrid"
-    default_layer_pattern = "FPA,ID"
-
-    def __init__(self, num_hidden_layers: int = 2, **kwargs: Any) -> None:
-        super().__init__(num_hidden_layers=num_hidden_layers, **kwargs)
+    default_layer_pattern: ClassVar[str] = "FPA,ID"
+    num_hidden_layers: int = 2

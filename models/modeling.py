@@ -137,14 +137,14 @@ class AttnSpecBlock(nn.Module):
         self.layer_idx = layer_idx
         self.attn_norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
         self.attn: nn.Module = (
-            InterdomainMixer(config) if self.kind == "ID" else ForgetGateAttention(config, self.kind)
+            InterdomainMixer(config)
+            if self.kind == "ID"
+            else ForgetGateAttention(config, self.kind)
         )
         self.mlp_norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
         self.mlp = SwiGLU(config)
 
-    def forward(
-        self, x: Tensor, packing: Packing, cache: AttnSpecCache | None = None
-    ) -> Tensor:
+    def forward(self, x: Tensor, packing: Packing, cache: AttnSpecCache | None = None) -> Tensor:
         h = self.attn_norm(x)
         if cache is None:
             h = self.attn(h, packing)
@@ -210,8 +210,11 @@ class AttnSpecModel(AttnSpecPreTrainedModel):
         use_cache: bool | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
+        theta: float | None = None,
         **kwargs: Any,
     ) -> BaseModelOutputWithPast:
+        """hidden [B, T, d]; a new cache (``use_cache`` without ``past_key_values``) evicts at
+        depth >= ``theta`` (default: the configuration's; generate(..., theta=...) passes it)."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("input_ids: give exactly one of input_ids and inputs_embeds")
         x = self.embeddings(input_ids) if inputs_embeds is None else inputs_embeds
@@ -220,23 +223,19 @@ class AttnSpecModel(AttnSpecPreTrainedModel):
         use_cache = use_cache and not self.training
         if past_key_values is not None and not isinstance(past_key_values, AttnSpecCache):
             if past_key_values.get_seq_length() > 0:
-                raise ValueError(
-                    f"past_key_values: expected an AttnSpecCache, got {type(past_key_values).__name__}"
-                )
+                kind = type(past_key_values).__name__
+                raise ValueError(f"past_key_values: expected an AttnSpecCache, got {kind}")
             past_key_values = None  # an empty cache made by another library: ours instead
         if use_cache and past_key_values is None:
-            past_key_values = AttnSpecCache(self.config)
+            past_key_values = AttnSpecCache(self.config, theta=theta)
         if past_key_values is not None:
             past_key_values.check_model(self.config)
-        present = Packing.present_from_mask(attention_mask, B, T, x.device)
-        packing = Packing(present)
+        packing = Packing.from_mask(attention_mask, B, T, x.device)
         hidden = [x] if output_hidden_states else None
         for block in self.layers:
             x = block(x, packing, past_key_values if use_cache else None)
             if hidden is not None:
                 hidden.append(x)
-        if use_cache and past_key_values is not None:
-            past_key_values.advanced(present)
         x = self.norm(x)
         return BaseModelOutputWithPast(
             last_hidden_state=x,
@@ -279,6 +278,7 @@ class AttnSpecForCausalLM(AttnSpecPreTrainedModel, GenerationMixin):
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
         logits_to_keep: int = 0,
+        theta: float | None = None,
         **kwargs: Any,
     ) -> CausalLMOutputWithPast:
         outputs = self.model(
@@ -288,6 +288,7 @@ class AttnSpecForCausalLM(AttnSpecPreTrainedModel, GenerationMixin):
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             output_hidden_states=output_hidden_states,
+            theta=theta,
         )
         hidden = outputs.last_hidden_state
         logits = self.lm_head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
@@ -302,16 +303,32 @@ class AttnSpecForCausalLM(AttnSpecPreTrainedModel, GenerationMixin):
         )
 
 
+class FPAModel(AttnSpecModel):
+    config_class = FPAConfig
+
+
 class FPAForCausalLM(AttnSpecForCausalLM):
     config_class = FPAConfig
+
+
+class FoXModel(AttnSpecModel):
+    config_class = FoXConfig
 
 
 class FoXForCausalLM(AttnSpecForCausalLM):
     config_class = FoXConfig
 
 
+class InterdomainModel(AttnSpecModel):
+    config_class = InterdomainConfig
+
+
 class InterdomainForCausalLM(AttnSpecForCausalLM):
     config_class = InterdomainConfig
+
+
+class HybridModel(AttnSpecModel):
+    config_class = HybridConfig
 
 
 class HybridForCausalLM(AttnSpecForCausalLM):

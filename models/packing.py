@@ -17,10 +17,11 @@ class Packing:
     Without padding nothing is packed (``cu_seqlens`` None, pack and unpack are the identity).
     """
 
-    def __init__(self, present: Tensor):
+    def __init__(self, present: Tensor, *, padded: bool | None = None):
         self.present = present  # [B, T] bool
         self.B, self.T = present.shape
-        self.padded = not bool(present.all())
+        # whether any position is padding (a host sync; known without a mask)
+        self.padded = not bool(present.all()) if padded is None else padded
         if self.padded:
             lengths = present.sum(dim=1)
             zero = lengths.new_zeros(1)
@@ -29,12 +30,13 @@ class Packing:
         else:
             self.cu_seqlens = None
 
-    @staticmethod
-    def present_from_mask(mask: Tensor | None, B: int, T: int, device: torch.device) -> Tensor:
+    @classmethod
+    def from_mask(cls, mask: Tensor | None, B: int, T: int, device: torch.device) -> Packing:
         """The tokens of a chunk of T positions: the last T columns of a 2-D mask
-        ([B, T_total] of 0 / 1, generate()'s form), or all positions without one."""
+        ([B, T_total] of 0 / 1, generate()'s form), or all positions without one (then
+        nothing is read back to the host: the forward compiles without graph breaks)."""
         if mask is None:
-            return torch.ones(B, T, dtype=torch.bool, device=device)
+            return cls(torch.ones(B, T, dtype=torch.bool, device=device), padded=False)
         if mask.ndim != 2 or mask.shape[0] != B or mask.shape[1] < T:
             raise ValueError(
                 f"attention_mask: expected a 2-D [batch, positions >= {T}] mask of 0 and 1 for"
@@ -42,7 +44,7 @@ class Packing:
             )
         if not bool(((mask == 0) | (mask == 1)).all()):
             raise ValueError("attention_mask: expected 0 (padding) and 1 (token) only")
-        return mask[:, -T:].to(device=device, dtype=torch.bool)
+        return cls(mask[:, -T:].to(device=device, dtype=torch.bool))
 
     def pack(self, x: Tensor) -> Tensor:
         """x [B, T, ...] -> [1, N, ...] (the N tokens), or x itself without padding."""
