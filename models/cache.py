@@ -196,13 +196,13 @@ class AttnSpecCache(Cache):
         theta = config.theta if theta is None else theta
         if isinstance(theta, bool) or not isinstance(theta, int | float) or not theta > 0:
             raise ValueError(f"theta: expected a positive number (or inf), got {theta!r}")
-        layers: list[Any] = [
+        self.sessions: list[ForgetGateSessionLayer | InterdomainSessionLayer] = [
             InterdomainSessionLayer(config)
             if kind == "ID"
             else ForgetGateSessionLayer(config, theta=float(theta))
             for kind in config.layer_kinds
         ]
-        super().__init__(layers=layers)
+        super().__init__(layers=list(self.sessions))
         self.kinds = config.layer_kinds
         self.theta = float(theta)
 
@@ -218,7 +218,7 @@ class AttnSpecCache(Cache):
         """Per layer, the live and stored fractions of the FPA / FoX sessions (None for ID)."""
         return [
             layer.fractions() if isinstance(layer, ForgetGateSessionLayer) else None
-            for layer in self.layers
+            for layer in self.sessions
         ]
 
 

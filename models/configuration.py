@@ -23,7 +23,7 @@ FPA / FoX layers' decode sessions; ``generate(..., theta=...)`` overrides theta 
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 from transformers import PretrainedConfig
 
@@ -49,6 +49,16 @@ def parse_layer_pattern(pattern: str, num_hidden_layers: int) -> tuple[str, ...]
             f"layer_pattern: {len(kinds)} kinds for num_hidden_layers = {num_hidden_layers}"
         )
     return kinds
+
+
+class Sizes(NamedTuple):
+    """A configuration's sizes: width d, query heads, key/value heads, head dim, MLP width."""
+
+    d: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    mlp: int
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -110,8 +120,9 @@ class AttnSpecConfig(PretrainedConfig):
     def __post_init__(self, **kwargs: Any) -> None:
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_heads", "id_modes"):
             _positive_int(name, getattr(self, name))
-        self.layer_pattern = self.layer_pattern or self.default_layer_pattern
-        parse_layer_pattern(self.layer_pattern, self.num_hidden_layers)
+        pattern = self.layer_pattern or self.default_layer_pattern
+        parse_layer_pattern(pattern, self.num_hidden_layers)
+        self.layer_pattern = pattern
         self.num_kv_heads = _positive_int("num_kv_heads", self.num_kv_heads or self.num_heads)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
@@ -145,7 +156,14 @@ class AttnSpecConfig(PretrainedConfig):
     @property
     def layer_kinds(self) -> tuple[str, ...]:
         """The mixer kind of each layer."""
-        return parse_layer_pattern(self.layer_pattern, self.num_hidden_layers)
+        return parse_layer_pattern(self.layer_pattern or "", self.num_hidden_layers)
+
+    @property
+    def sizes(self) -> Sizes:
+        """The resolved sizes (the optional fields are set by ``__post_init__``)."""
+        kv, dk, mlp = self.num_kv_heads, self.head_dim, self.intermediate_size
+        assert kv is not None and dk is not None and mlp is not None
+        return Sizes(self.hidden_size, self.num_heads, kv, dk, mlp)
 
 
 class FPAConfig(AttnSpecConfig):

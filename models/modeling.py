@@ -27,7 +27,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 
 from attnspec.backends.torch import InterdomainAttention, fox_attention, fpa_attention
 
-from .cache import AttnSpecCache
+from .cache import AttnSpecCache, ForgetGateSessionLayer, InterdomainSessionLayer
 from .configuration import (
     AttnSpecConfig,
     FoXConfig,
@@ -50,7 +50,7 @@ class ForgetGateAttention(nn.Module):
 
     def __init__(self, config: AttnSpecConfig, kind: str):
         super().__init__()
-        d, HQ, H, dk = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
+        d, HQ, H, dk, _ = config.sizes
         self.kind, self.num_heads, self.num_kv_heads, self.head_dim = kind, HQ, H, dk
         self.window_size = config.window_size
         self.q_proj = nn.Linear(d, HQ * dk, bias=False)
@@ -81,7 +81,9 @@ class ForgetGateAttention(nn.Module):
         """The parallel layer; ``packing`` says which positions are tokens."""
         q, k, v = self.qkv(x)
         delta, lam = self.increments(x)
-        window = {} if self.window_size is None else {"window_size": self.window_size}
+        window: dict[str, Any] = (
+            {} if self.window_size is None else {"window_size": self.window_size}
+        )
         if self.kind == "FOX":
             q, k, v, log_f = (packing.pack(t) for t in (q, k, v, delta))
             o = fox_attention(q, k, v, log_f, cu_seqlens=packing.cu_seqlens, **window)
@@ -101,7 +103,7 @@ class InterdomainMixer(nn.Module):
         self.layer = InterdomainAttention(
             config.hidden_size,
             config.num_heads,
-            config.head_dim,
+            config.sizes.head_dim,
             n_modes=config.id_modes,
             readout=config.id_readout,
             gate=config.id_gate,
@@ -119,7 +121,7 @@ class SwiGLU(nn.Module):
 
     def __init__(self, config: AttnSpecConfig):
         super().__init__()
-        d, m = config.hidden_size, config.intermediate_size
+        d, m = config.hidden_size, config.sizes.mlp
         self.gate_proj = nn.Linear(d, m, bias=False)
         self.up_proj = nn.Linear(d, m, bias=False)
         self.down_proj = nn.Linear(m, d, bias=False)
@@ -136,7 +138,7 @@ class AttnSpecBlock(nn.Module):
         self.kind = config.layer_kinds[layer_idx]
         self.layer_idx = layer_idx
         self.attn_norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
-        self.attn: nn.Module = (
+        self.attn: ForgetGateAttention | InterdomainMixer = (
             InterdomainMixer(config)
             if self.kind == "ID"
             else ForgetGateAttention(config, self.kind)
@@ -149,7 +151,17 @@ class AttnSpecBlock(nn.Module):
         if cache is None:
             h = self.attn(h, packing)
         else:
-            h = cache.layers[self.layer_idx].advance(self.attn, h, packing.present)
+            layer = cache.sessions[self.layer_idx]
+            if isinstance(layer, ForgetGateSessionLayer) and isinstance(
+                self.attn, ForgetGateAttention
+            ):
+                h = layer.advance(self.attn, h, packing.present)
+            elif isinstance(layer, InterdomainSessionLayer) and isinstance(
+                self.attn, InterdomainMixer
+            ):
+                h = layer.advance(self.attn, h, packing.present)
+            else:  # check_model makes this unreachable
+                raise ValueError(f"past_key_values: layer {self.layer_idx} is of another kind")
         x = x + h
         return x + self.mlp(self.mlp_norm(x))
 
@@ -188,17 +200,17 @@ class AttnSpecModel(AttnSpecPreTrainedModel):
 
     def __init__(self, config: AttnSpecConfig):
         super().__init__(config)
-        self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embeddings: nn.Module = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             AttnSpecBlock(config, i) for i in range(config.num_hidden_layers)
         )
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
         self.post_init()
 
-    def get_input_embeddings(self) -> nn.Embedding:
+    def get_input_embeddings(self) -> nn.Module:
         return self.embeddings
 
-    def set_input_embeddings(self, value: nn.Embedding) -> None:
+    def set_input_embeddings(self, value: nn.Module) -> None:
         self.embeddings = value
 
     def forward(
@@ -255,10 +267,10 @@ class AttnSpecForCausalLM(AttnSpecPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
-    def get_input_embeddings(self) -> nn.Embedding:
+    def get_input_embeddings(self) -> nn.Module:
         return self.model.embeddings
 
-    def set_input_embeddings(self, value: nn.Embedding) -> None:
+    def set_input_embeddings(self, value: nn.Module) -> None:
         self.model.embeddings = value
 
     def get_output_embeddings(self) -> nn.Linear:

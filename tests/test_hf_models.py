@@ -294,3 +294,18 @@ def test_the_forward_compiles_without_graph_breaks():
     ids, _ = batch()
     explained = torch._dynamo.explain(lambda x: model(x, use_cache=False).logits)(ids)
     assert explained.graph_break_count == 0, explained.break_reasons
+
+
+def test_the_documented_example_trains_generates_and_reloads():
+    import importlib.util
+
+    path = ROOT / "docs" / "examples" / "transformers_lm.py"
+    spec = importlib.util.spec_from_file_location("transformers_lm", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    model, losses = example.train(steps=6)
+    assert losses[-1] < losses[0]
+    texts, fractions = example.generate(model, theta=2.0)
+    assert len(texts) == 2 and all(len(t) == 24 for t in texts)
+    assert fractions[1] is None and 0 < fractions[0]["live"] <= fractions[0]["stored"] <= 1
+    assert example.generate(example.save_and_load(model))[0] == example.generate(model)[0]
