@@ -19,6 +19,8 @@ from numpy.typing import NDArray
 from attnspec.reference import fpa, hippo
 from attnspec.reference import interdomain as idm
 
+from . import session_programs
+
 GENERATOR_VERSION = "1"
 
 # A family's builder draws a case's float64 inputs and its static params from (rng, n).
@@ -1144,6 +1146,25 @@ FAMILIES: dict[str, dict[str, Family]] = {
         **INTERDOMAIN_LAYER_FAMILIES,
     },
 }
+
+
+def _session_builder(build: session_programs.Build) -> Builder:
+    def session_case(rng: np.random.Generator, n: int) -> Built:
+        return {}, {"session": build(rng, n)}
+
+    return session_case
+
+
+# Decode sessions (session_programs.py): <prefix>/session_<family>/<n>, for "<op>.session".
+for _op, _families in session_programs.FAMILIES.items():
+    FAMILIES[_op].update(
+        {
+            f"session_{name}": Family(
+                count, _session_builder(build), note, requires=(f"{_op}.session",)
+            )
+            for name, (count, build, note) in _families.items()
+        }
+    )
 PREFIX = {
     "fpa_attention": "fpa",
     "fox_attention": "fox",

@@ -55,6 +55,7 @@ class Mutant(NumpyBackend):
     """The reference backend, without the optional features unless a mutant is about them."""
 
     FEATURES: ClassVar[tuple[str, ...]] = ()
+    SESSIONS: ClassVar[tuple[str, ...]] = ()  # decode sessions: conformance/session_mutants.py
     ops: ClassVar[tuple[str, ...]] = ()
     caught_in: ClassVar[str] = "float64"
     # Case-id prefixes that catch it (each of their cases fails), for the mutants written

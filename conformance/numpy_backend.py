@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Literal, TypeVar, overload
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-from attnspec.reference import fpa
+from attnspec.reference import fpa, sessions
 from attnspec.reference import interdomain as idm
 from attnspec.reference.packing import packing
 
@@ -67,6 +67,25 @@ def _sum_groups(g: NDArray[np.float64], H_kv: int) -> NDArray[np.float64]:
     return g.reshape(*lead, H_kv, H // H_kv, T, D).sum(axis=-3)
 
 
+class NumpySession:
+    """A reference session whose advance returns the outputs in the tested dtype."""
+
+    def __init__(self, session: sessions.Session, dtype: np.dtype[Any]) -> None:
+        self.session, self.dtype = session, dtype
+
+    def advance(self, inputs: Mapping[str, ArrayLike], present: ArrayLike) -> dict[str, FloatArray]:
+        return {k: v.astype(self.dtype) for k, v in self.session.advance(inputs, present).items()}
+
+    def select(self, rows: Any) -> None:
+        self.session.select(rows)
+
+    def rollback(self, row: int, n: int) -> None:
+        self.session.rollback(row, n)
+
+    def counts(self) -> dict[str, NDArray[np.int64]]:
+        return self.session.counts()
+
+
 ATTENTION_AXES = {"q": -2, "k": -2, "v": -2, "field": -1, "level": -1, "log_f": -1, "d_out": -2}
 ATTENTION_AXES["d_lse"] = -1
 
@@ -83,8 +102,21 @@ class NumpyBackend:
             raise ValueError(f"device: the numpy backend runs on 'cpu' only, got {device!r}")
         self.device = device
 
+    # the decode sessions of docs/conformance.md ("<op>.session"), over reference/sessions.py
+    SESSIONS: ClassVar[tuple[str, ...]] = sessions.SESSION_OPS
+
     def capabilities(self) -> set[str]:
-        return op_claims(self.OPS, features=self.FEATURES)
+        return op_claims(self.OPS, features=self.FEATURES) | {
+            f"{op}.session" for op in self.SESSIONS
+        }
+
+    def open_session(
+        self, op: str, *, rows: int, dtype: str, config: Mapping[str, Any]
+    ) -> NumpySession:
+        """The reference session of ``op`` (float64 inside), outputs in ``dtype``."""
+        if op not in self.SESSIONS:
+            raise ValueError(f"op: no session for {op!r}; sessions: {list(self.SESSIONS)}")
+        return NumpySession(sessions.open_session(op, rows=rows, config=config), np.dtype(dtype))
 
     def asarray(self, x: NDArray[Any], dtype: str) -> NDArray[Any]:
         return np.asarray(x, dtype=dtype)

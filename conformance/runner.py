@@ -391,7 +391,7 @@ def run_case(
     try:
         caps = set(backend.capabilities())
         needed = {
-            "output": (case.op,),
+            "output": () if "session" in case.params else (case.op,),  # requires: <op>.session
             "gradient": (f"{case.op}.vjp",),
             "call_order": (case.op, f"{case.op}.vjp"),
         }.get(kind, ())
@@ -406,6 +406,10 @@ def run_case(
             result.verdict = "not implemented"
             result.message = f"dtype {dtype} is not in the backend's dtypes"
             return result
+        if kind == "output" and "session" in case.params:  # a decode-session program
+            from .sessions import run_session
+
+            return run_session(backend, case, dtype, result)
         if kind == "output":
             return _run_output(backend, case, dtype, result)
         if kind == "gradient":

@@ -24,3 +24,14 @@ def test_cached_generation_equals_the_parallel_forward(framework):
     cached, parallel = generate(b"def first_passage(", 8)
     assert len(cached) == 8 and len(set(cached)) > 1  # not a constant continuation
     assert cached == parallel
+
+
+def test_a_full_jax_cache_stops_generation():
+    """Capacity for the prompt and 2 tokens: the jitted step sets ``overflowed`` at the third
+    generated token, and the example reads it and raises (eager steps raise by themselves)."""
+    pytest.importorskip("jax")
+    prompt = b"def first_passage("
+    with pytest.raises(ValueError, match=f"capacity: the FPA cache of {len(prompt) + 2} slots"):
+        example().generate_jax(prompt, 8, capacity=len(prompt) + 2)
+    with pytest.raises(ValueError, match="capacity: the cache of 4 slots per head is full"):
+        example().generate_jax(prompt, 8, capacity=4)  # the eager prefill

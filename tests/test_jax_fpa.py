@@ -241,16 +241,25 @@ def test_decode_with_eviction_matches_the_reference_decoder():
     assert expected.kept_fraction < 1.0  # eviction really happened
 
 
-def test_decode_steps_compose_and_report_overflow():
+def test_decode_steps_compose_and_a_full_cache_fails_loudly():
+    """A full cache (6 keys, 4 slots, no eviction): eagerly a ValueError naming the capacity,
+    with the cache passed in unchanged; under jit the ``overflowed`` flag."""
     q, k, v, field, level = (jnp.asarray(x) for x in draw(1, 6, 2, 1, 4, 3, seed=10))
     cache = fpa_cache(1, 2, 4, 4, 3, dtype=jnp.float64)
     outs = []
-    for t in range(6):
+    for t in range(4):
         o, cache = fpa_decode_step(cache, q[:, t], k[:, t], v[:, t], field[:, t], level[:, t])
         outs.append(o)
-    assert np.all(np.asarray(cache.overflowed))  # 6 keys, 4 slots, no eviction
     full, _ = fpa_decode(q, k, v, field, level)
-    np.testing.assert_allclose(np.stack(outs, 1)[:, :4], full[:, :4], rtol=1e-12, atol=0)
+    np.testing.assert_allclose(np.stack(outs, 1), full[:, :4], rtol=1e-12, atol=0)
+    with pytest.raises(ValueError, match="capacity: the cache of 4 slots per head is full"):
+        fpa_decode_step(cache, q[:, 4], k[:, 4], v[:, 4], field[:, 4], level[:, 4])
+    assert int(cache.steps) == 4 and not np.any(np.asarray(cache.overflowed))  # unchanged
+    step = jax.jit(lambda c, *x: fpa_decode_step(c, *x))
+    _, jitted = step(cache, q[:, 4], k[:, 4], v[:, 4], field[:, 4], level[:, 4])
+    assert np.all(np.asarray(jitted.overflowed))
+    with pytest.raises(ValueError, match="capacity: the cache of 5 slots per head is full"):
+        fpa_decode(q, k, v, field, level, capacity=5)
     with pytest.raises(ValueError, match="cache: expected shape"):
         fpa_decode_step(
             fpa_cache(2, 2, 4, 4, 3), q[:, 0], k[:, 0], v[:, 0], field[:, 0], level[:, 0]

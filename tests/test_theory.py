@@ -245,3 +245,17 @@ WRONG["CP4"] = {"carry_scan": _carry_not_propagated}
 def test_context_parallel_check_fails_for_a_wrong_implementation(check_id):
     result = CHECKS[check_id](**WRONG[check_id])
     assert not result.passed, f"{check_id} passed a wrong implementation: {result.measured}"
+
+
+from attnspec.conformance import session_mutants  # noqa: E402
+
+WRONG["F8"] = {"factory": session_mutants._FreedByFirstHead}
+WRONG["F3w"] = {"factory": session_mutants._WindowOffByOne}
+WRONG["F9"] = {"factory": session_mutants._MinimaNotRestored}
+WRONG["I15"] = {"legs_factory": session_mutants._LegsChunkCounter}
+
+
+@pytest.mark.parametrize("check_id", ["F8", "F3w", "F9", "I15"])
+def test_session_check_fails_for_a_wrong_session(check_id):
+    result = CHECKS[check_id](**WRONG[check_id])
+    assert not result.passed, f"{check_id} passed a wrong session: {result.measured}"

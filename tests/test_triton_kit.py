@@ -32,7 +32,7 @@ def test_the_kit_passes_the_first_case_of_every_family(dtype, group):
     backend = get_backend("triton")
     claimed = {c for c in backend.capabilities() if "." not in c} & set(GROUPS[group])
     assert claimed == set(GROUPS[group])
-    ids = [i for i in cases.case_ids(sorted(claimed)) if i.endswith("/0")]
+    ids = [i for i in cases.case_ids(sorted(claimed)) if i.endswith("/0") and "/session_" not in i]
     report = runner.run(
         backend, [cases.build_case(i) for i in ids], [dtype], skips=SkipList.load("triton", [])
     )

@@ -7,9 +7,11 @@ slot with m = +inf, and the query attends over the live slots. With theta = inf,
 decoding equals the parallel op. Liveness is per query head (field and level are), so with GQA
 each query head keeps its own copy of its kv head's keys.
 
-When every slot is live and a key must be added, the cache overflows: ``overflowed`` is set for
-that head and the key is dropped (its output is then not the spec's). Size the capacity from the
-eviction bound (T3), or use capacity = T.
+When every slot is live and a key must be added, the cache overflows: the key is dropped and its
+output is not the spec's. Called eagerly, the public functions then raise a ValueError naming the
+capacity (the cache passed in is unchanged); under jit (a traced cache) they cannot raise, and
+``overflowed`` is set for that head instead: a jitted decoding loop must read it (any True is a
+failure). Size the capacity from the eviction bound (T3), or use capacity = T.
 """
 
 from __future__ import annotations
@@ -116,6 +118,17 @@ def _step(
     return o, cache._replace(peak=jnp.maximum(cache.peak, size))
 
 
+def raise_if_overflowed(overflowed: jax.Array, capacity: int) -> None:
+    """The eager check of a fixed capacity: a ValueError naming it when ``overflowed`` holds
+    values (not a tracer) and any is True; under jit nothing (the flag is the report)."""
+    if check.concrete(overflowed) and bool(jnp.any(overflowed)):
+        raise ValueError(
+            f"capacity: the cache of {capacity} slots per head is full (every slot live when a "
+            "key had to be added); allocate more slots (capacity = T never overflows) or evict "
+            "(theta, spec/fpa.md T3)"
+        )
+
+
 def _expand_kv(x: jax.Array, heads: int) -> jax.Array:
     """[B, K, .] -> [B, N, .]: query head n reads kv head n // (N / K)."""
     return jnp.repeat(x, heads // x.shape[1], axis=1)
@@ -149,8 +162,9 @@ def fpa_decode_step(
 ) -> tuple[jax.Array, FPACache]:
     """Consume one token (F7): q [B, N, H], k [B, K, H], v [B, K, Hv], field, level [B, N].
 
-    Returns (o [B, N, Hv] in q's dtype, the next cache). ``theta`` may be traced. Time and
-    memory O(B N S (H + Hv)) for S slots.
+    Returns (o [B, N, Hv] in q's dtype, the next cache). ``theta`` may be traced. A full
+    cache is a ValueError naming the capacity when called eagerly, the ``overflowed`` flag of
+    the returned cache under jit. Time and memory O(B N S (H + Hv)) for S slots.
     """
     q = check.array("q", q, 3, meaning="[B, N, H]")
     B, N, H = q.shape
@@ -177,6 +191,7 @@ def fpa_decode_step(
         )
     s = check.scale(scale, H)
     o, cache = _decode_step(cache, q, k, v, field, level, theta, s)
+    raise_if_overflowed(cache.overflowed, cache.keys.shape[2])
     return o.astype(q.dtype), cache
 
 
@@ -229,7 +244,8 @@ def fpa_decode(
 
     Args: as :func:`attnspec.backends.jax.fpa_attention` (q [B, T, N, H], k [B, T, K, H],
     v [B, T, K, Hv], field, level [B, T, N]); theta the eviction threshold (> 0, may be inf);
-    capacity the cache slots per head (default T: never overflows).
+    capacity the cache slots per head (default T: never overflows; a full cache is a
+    ValueError naming it when called eagerly, the ``overflowed`` flag under jit).
 
     Returns:
         o [B, T, N, Hv] in q's dtype and the final cache (``kept_fraction``, ``peak``,
@@ -244,4 +260,7 @@ def fpa_decode(
     capacity = q.shape[1] if capacity is None else capacity
     if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
         raise ValueError(f"capacity: expected a positive int, got {capacity!r}")
-    return _decode_all(q, k, v, field, level, theta, check.scale(scale, q.shape[-1]), capacity)
+    s = check.scale(scale, q.shape[-1])
+    o, cache = _decode_all(q, k, v, field, level, theta, s, capacity)
+    raise_if_overflowed(cache.overflowed, capacity)
+    return o, cache

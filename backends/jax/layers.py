@@ -34,7 +34,7 @@ from attnspec.reference.interdomain import (
 )
 
 from . import validation as check
-from .decode import FPACache, _decode_step, fpa_cache
+from .decode import FPACache, _decode_step, fpa_cache, raise_if_overflowed
 from .fpa import fpa_attention
 from .interdomain import S4DState, interdomain_s4d, interdomain_s4d_step, s4d_state
 
@@ -328,8 +328,11 @@ def fpa_layer_step(
     """One token of :func:`fpa_layer`: x [B, d] -> (y [B, d] in x's dtype, the next state).
 
     phi_t = phi_{t-1} + delta_t, l_t = phi_t + lam_t, then one step of the (F7) cache, evicting
-    keys at depth >= ``theta`` (inf: none, so the steps equal the parallel layer). Time and
-    memory O(B N S (dk + dv) + B d N (dk + dv)) per token for S slots.
+    keys at depth >= ``theta`` (inf: none, so the steps equal the parallel layer). A full
+    cache (every slot live when a key must be added) is a ValueError naming the capacity when
+    called eagerly; under jit the returned ``state.cache.overflowed`` is set instead, and the
+    caller must read it (any True is a failure). Time and memory O(B N S (dk + dv) + B d N
+    (dk + dv)) per token for S slots.
     """
     x = check.array("x", x, 2, meaning="[B, d]")
     P = _params("FPA_PARAMETER_SCHEMA", params, FPA_PARAMETER_SCHEMA)
@@ -337,7 +340,9 @@ def fpa_layer_step(
         raise ValueError(f"increments: expected 'signed' or 'logsigmoid', got {increments!r}")
     check.shape("state.field", state.field, (x.shape[0], P["b_delta"].shape[0]), "[B, N]")
     scale = check.scale(None, P["wq"].shape[1] // P["b_delta"].shape[0])
-    return _fpa_step(x, P, state, jnp.asarray(theta), increments, scale)
+    y, new = _fpa_step(x, P, state, jnp.asarray(theta), increments, scale)
+    raise_if_overflowed(new.cache.overflowed, new.cache.keys.shape[2])
+    return y, new
 
 
 def fpa_layer_prefill(
@@ -349,7 +354,8 @@ def fpa_layer_prefill(
     theta: ArrayLike = jnp.inf,
 ) -> tuple[jax.Array, FPALayerState]:
     """A prompt x [B, T, d] into ``state``: (y [B, T, d], the state after it), by a scan of
-    :func:`fpa_layer_step`; equals T calls of it. Time O(T) steps of O(S) each."""
+    :func:`fpa_layer_step`; equals T calls of it (a full cache as there: a ValueError eagerly,
+    the ``overflowed`` flag under jit). Time O(T) steps of O(S) each."""
     x = check.array("x", x, 3, meaning="[B, T, d]")
     P = _params("FPA_PARAMETER_SCHEMA", params, FPA_PARAMETER_SCHEMA)
     if increments not in ("signed", "logsigmoid"):
@@ -360,7 +366,9 @@ def fpa_layer_prefill(
     def step(xt: jax.Array, s: FPALayerState) -> tuple[jax.Array, FPALayerState]:
         return _fpa_step(xt, P, s, theta, increments, scale)
 
-    return _scan_steps(step, x, state)
+    y, new = _scan_steps(step, x, state)
+    raise_if_overflowed(new.cache.overflowed, new.cache.keys.shape[2])
+    return y, new
 
 
 StateT = TypeVar("StateT")
@@ -389,17 +397,31 @@ def _fpa_step(
     scale: float,
 ) -> tuple[jax.Array, FPALayerState]:
     ct = state.cache.levels.dtype
-    B, H = state.field.shape
+    q, k, v, field, level = fpa_token_inputs(x, P, state.field, increments, ct)
+    o, cache = _decode_step(state.cache, q, k, v, field, level, theta, scale)  # (F7)
+    return fpa_token_output(o, P, ct).astype(x.dtype), FPALayerState(cache, field)
+
+
+def fpa_token_inputs(
+    x: jax.Array, P: dict[str, jax.Array], previous: jax.Array, increments: str, ct: jnp.dtype
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """One token's attention inputs in the FPA layer: x [B, d] and the field of the token
+    before [B, N] -> q, k [B, N, dk], v [B, N, dv] in x's dtype, field phi_t and level l_t
+    [B, N] in ``ct`` (spec/fpa.md section 3)."""
+    B, H = previous.shape
     heads = lambda y: y.reshape(B, H, y.shape[-1] // H).astype(x.dtype)  # noqa: E731
     delta = _project(x, P["w_delta"], ct) + P["b_delta"].astype(ct)  # [B, N]
     if increments == "logsigmoid":
         delta = jax.nn.log_sigmoid(delta)
-    field = state.field + delta  # phi_t
+    field = previous + delta  # phi_t
     level = field + _project(x, P["w_lam"], ct) + P["b_lam"].astype(ct)  # l_t = phi_t + lam_t
     q, k, v = (heads(_project(x, P[w], ct)) for w in ("wq", "wk", "wv"))
-    o, cache = _decode_step(state.cache, q, k, v, field, level, theta, scale)  # (F7)
-    y = _project(o.reshape(B, o.shape[1] * o.shape[2]), P["wo"], ct)
-    return y.astype(x.dtype), FPALayerState(cache, field)
+    return q, k, v, field, level
+
+
+def fpa_token_output(o: jax.Array, P: dict[str, jax.Array], ct: jnp.dtype) -> jax.Array:
+    """The attention output o [B, N, dv] -> y [B, d] in ``ct``: heads concatenated, W_o."""
+    return _project(o.reshape(o.shape[0], o.shape[1] * o.shape[2]), P["wo"], ct)
 
 
 class InterdomainLayerState(NamedTuple):

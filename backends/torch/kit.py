@@ -24,6 +24,7 @@ from attnspec.conformance.protocol import call_op, op_claims
 from . import dispatch, ops
 from .decode import FPADecodeCache
 from .modules import FirstPassageAttention, InterdomainAttention
+from .state_sessions import interdomain_layer_session, legs_session, s4d_session
 
 TORCH_DTYPES = {
     "float64": torch.float64,
@@ -57,14 +58,19 @@ class TorchBackend:
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device: {device!r} asked for, but torch sees no CUDA device")
 
+    # ops whose decode sessions (F8, F9, I15) open_session opens: capability "<op>.session"
+    SESSIONS: tuple[str, ...] = ("interdomain_s4d", "interdomain_legs", "interdomain_layer")
+
     def capabilities(self) -> set[str]:
-        return op_claims(self.OPS)
+        return op_claims(self.OPS) | {f"{op}.session" for op in self.SESSIONS}
 
     def _impl(self, op: str) -> str:
         return "eager"
 
     def asarray(self, x: np.ndarray, dtype: str) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(x)).to(self.device, TORCH_DTYPES[dtype])
+        """``x`` on the device in ``dtype`` (a float dtype, or "bool": a session's mask)."""
+        wanted = torch.bool if dtype == "bool" else TORCH_DTYPES[dtype]
+        return torch.from_numpy(np.ascontiguousarray(x)).to(self.device, wanted)
 
     def asarray_strided(self, x: np.ndarray, dtype: str, layout: str) -> torch.Tensor:
         """``x`` (B, H, T, D) as a non-contiguous tensor view with the same values: ``"slice"``
@@ -241,6 +247,27 @@ class TorchBackend:
             y: Tensor = layer(x, cu_seqlens=self._offsets(cu_seqlens))
         return y
 
+    # ---------------------------------------------------------------- sessions
+
+    def open_session(self, op: str, *, rows: int, dtype: str, config: dict[str, Any]) -> Any:
+        """A decode session of ``op`` (spec/fpa.md F8, F9; spec/interdomain.md I15) with
+        ``rows`` rows in ``dtype``; config as the session contract of docs/conformance.md."""
+        if f"{op}.session" not in self.capabilities():
+            raise NotImplementedError(f"op: no decode session for {op!r} in {self.name}")
+        if dtype not in self.dtypes:
+            raise ValueError(f"dtype: expected one of {self.dtypes}, got {dtype!r}")
+        if op in ("interdomain_s4d", "interdomain_legs", "interdomain_layer"):
+            return self._state_session(op, rows, TORCH_DTYPES[dtype], config)
+        raise NotImplementedError(f"op: no decode session for {op!r} in {self.name}")
+
+    def _state_session(self, op: str, rows: int, dtype: torch.dtype, config: dict[str, Any]) -> Any:
+        """The Interdomain state sessions (:mod:`.state_sessions`, eager)."""
+        if op == "interdomain_s4d":
+            return s4d_session(rows, dtype, config)
+        if op == "interdomain_legs":
+            return legs_session(rows, dtype, self.device, config)
+        return interdomain_layer_session(rows, dtype, self.device, config)
+
     # ---------------------------------------------------------------- gradients
 
     def vjp(
@@ -300,7 +327,7 @@ class TritonBackend(TorchBackend):
     def capabilities(self) -> set[str]:
         claimed = {op for op, (fwd, _) in self.KERNELS.items() if self._registered(fwd)}
         vjps = {op for op in claimed if self._registered(self.KERNELS[op][1])}
-        return op_claims(claimed, vjps=vjps)
+        return op_claims(claimed, vjps=vjps)  # no sessions: those of the torch backend are eager
 
     def _impl(self, op: str) -> str:
         kernels = self.KERNELS.get(op)

@@ -11,7 +11,9 @@ followed (causality), which is what recomputing the sequence for each new token 
   state);
 - JAX: the same layers as pure functions of the parameter dicts of ``init_fpa_params`` and
   ``init_interdomain_params``, with ``*_layer_state``, ``*_layer_prefill`` and
-  ``*_layer_step`` (explicit state pytrees).
+  ``*_layer_step`` (explicit state pytrees). The per-token step is jitted, as a server would;
+  under jit a full FPA cache cannot raise, so the loop reads ``cache.overflowed`` after each
+  step and stops with a ValueError naming the capacity (eager calls raise it themselves).
 
 Run: ``python docs/examples/generation.py`` (needs the torch and jax extras).
 """
@@ -89,9 +91,12 @@ def generate_torch(prompt: bytes = PROMPT, n: int = NEW_TOKENS) -> tuple[bytes, 
 # --------------------------------------------------------------------------------- JAX
 
 
-def generate_jax(prompt: bytes = PROMPT, n: int = NEW_TOKENS) -> tuple[bytes, bytes]:
+def generate_jax(
+    prompt: bytes = PROMPT, n: int = NEW_TOKENS, capacity: int | None = None
+) -> tuple[bytes, bytes]:
     """The same model in JAX, as pure functions of parameter dicts: (with the decode states, by
-    the parallel layers)."""
+    the parallel layers). ``capacity``: the FPA cache's slots per head (default: prompt + n,
+    never full); a cache that fills up is a ValueError, read from the ``overflowed`` flag."""
     import jax
     import jax.numpy as jnp
 
@@ -111,11 +116,20 @@ def generate_jax(prompt: bytes = PROMPT, n: int = NEW_TOKENS) -> tuple[bytes, by
         x = x + attn.interdomain_layer(x, idm_params)
         return x @ head
 
-    total = len(prompt) + n
+    capacity = len(prompt) + n if capacity is None else capacity
     states = (
-        attn.fpa_layer_state(fpa_params, 1, total),  # (F7) cache of up to `total` keys
+        attn.fpa_layer_state(fpa_params, 1, capacity),  # (F7) cache of up to `capacity` keys
         attn.interdomain_layer_state(idm_params, 1),  # fixed size (H6)
     )
+
+    @jax.jit
+    def step(token: jax.Array, fpa_state, idm_state):  # -> (logits [B, 256], the states)
+        x = embed[token]  # [B, d]: one token, fixed cost per step
+        y, fpa_state = attn.fpa_layer_step(x, fpa_params, fpa_state)
+        x = x + y
+        y, idm_state = attn.interdomain_layer_step(x, idm_params, idm_state)
+        return (x + y) @ head, fpa_state, idm_state
+
     x = embed[jnp.array([list(prompt)])]  # the prompt once
     y, fpa_state = attn.fpa_layer_prefill(x, fpa_params, states[0])
     x = x + y
@@ -125,11 +139,12 @@ def generate_jax(prompt: bytes = PROMPT, n: int = NEW_TOKENS) -> tuple[bytes, by
     for _ in range(n):
         token = int(jnp.argmax(logits[0]))
         cached.append(token)
-        x = embed[jnp.array([token])]  # [B, d]: one token, fixed cost per step
-        y, fpa_state = attn.fpa_layer_step(x, fpa_params, fpa_state)
-        x = x + y
-        y, idm_state = attn.interdomain_layer_step(x, idm_params, idm_state)
-        logits = (x + y) @ head
+        logits, fpa_state, idm_state = step(jnp.array([token]), fpa_state, idm_state)
+        if bool(jnp.any(fpa_state.cache.overflowed)):  # under jit the flag is the report
+            raise ValueError(
+                f"capacity: the FPA cache of {capacity} slots per head filled up after "
+                f"{len(cached)} generated tokens; its outputs would not be the model's"
+            )
     parallel = jnp.argmax(
         forward(jnp.array([list(prompt) + cached[:-1]]))[0, len(prompt) - 1 :], -1
     )
