@@ -24,6 +24,7 @@ from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from attnspec.backends.torch.paged import PagedFPASession
+from attnspec.backends.torch.state_sessions import InterdomainLayerStep, StateSession
 
 from .configuration import AttnSpecConfig
 
@@ -83,8 +84,13 @@ class SessionLayer(CacheLayerMixin):
         self.select([int(i) for i in indices.tolist()])
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.session is not None:
-            self.select([r for r in range(self.session.rows) for _ in range(repeats)])
+        if self.history is not None:
+            rows = self.history.shape[0]
+        elif self.session is not None:
+            rows = int(self.session.counts()["tokens"].shape[0])
+        else:
+            return
+        self.select([r for r in range(rows) for _ in range(repeats)])
 
     def crop(self, max_length: int) -> None:
         """transformers' crop: keep the first ``max_length`` positions (a negative value removes
@@ -223,10 +229,19 @@ class AttnSpecCache(Cache):
 
 
 class InterdomainSessionLayer(SessionLayer):
-    """The decode state of an Interdomain layer (I15): its layer session."""
+    """The decode state of an Interdomain layer (I15): the layer's state session (the
+    short-convolution windows and the S4D state of every row)."""
 
     def __init__(self, config: AttnSpecConfig):
         super().__init__(config.max_rollback)
 
     def advance(self, mixer: InterdomainMixer, x: Tensor, present: Tensor) -> Tensor:
-        raise NotImplementedError("Interdomain decode sessions: pending the state sessions")
+        """A chunk x [R, n, d] with ``present`` [R, n] -> the layer's output [R, n, d]."""
+        if self.session is None:
+            step = InterdomainLayerStep(mixer.layer, x.dtype, x.device)
+            self.session = StateSession(step, rows=x.shape[0], max_rollback=self.max_rollback)
+        if self.session.R != x.shape[0]:
+            raise ValueError(f"x: expected {self.session.R} rows (the cache's), got {x.shape[0]}")
+        y = self.session.advance({"x": x}, present)["y"]
+        self.remember(present)
+        return y
