@@ -5,7 +5,7 @@ STAMP  := $(VENV)/.attnspec-installed
 
 .PHONY: verify install test lint typecheck format docs docs-check clean matrix FORCE
 
-EXTRAS ?= test,torch,jax,flax,bench,docs
+EXTRAS ?= test,torch,jax,flax,bench,docs,hf
 # Triton kernels run under its interpreter on machines without a GPU (set before triton loads).
 export TRITON_INTERPRET ?= $(shell nvidia-smi -L >/dev/null 2>&1 || echo 1)
 # Material for MkDocs prints a banner about its successor on every build unless this is set.

@@ -26,6 +26,7 @@ FOLDERS = {
     "attnspec.conformance": ROOT / "conformance",
     "attnspec.backends": ROOT / "backends",
     "attnspec.experiments": ROOT / "experiments",
+    "attnspec.models": ROOT / "models",
 }
 
 # layer -> the layers it may import ("attnspec" alone is the top package's __init__: the version)
@@ -35,7 +36,16 @@ ALLOWED = {
     "theory": {"theory", "reference"},
     "conformance": {"conformance", "reference", "attnspec"},
     "backends": {"backends", "reference", "conformance", "attnspec"},
-    "experiments": {"experiments", "reference", "theory", "backends", "conformance", "attnspec"},
+    "models": {"models", "reference", "backends", "attnspec"},
+    "experiments": {
+        "experiments",
+        "reference",
+        "theory",
+        "backends",
+        "conformance",
+        "models",
+        "attnspec",
+    },
 }
 
 # Inside backends/ only the adapters to the kit import it.

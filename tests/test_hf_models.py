@@ -1,0 +1,311 @@
+"""The attnspec models in Hugging Face transformers (attnspec.models, the ``.[hf]`` extra).
+
+Tests of flash-linear-attention's kind for its Forgetting Transformer: the Auto classes build
+every kind; prefill plus token-by-token decoding, with left padding, equals the forward without
+a cache; at finite theta the decoded outputs equal the reference's (F7) decoder; generate()'s
+greedy, sampling and beam search give what they give without a cache; save / load; Trainer.
+Tiny configurations, float32 (float64 where an exact comparison wants it).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import attnspec.models as M  # noqa: E402
+from attnspec.reference.fpa import fpa_decode  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+ROOT = Path(__file__).resolve().parents[1]
+KINDS = {  # name -> (configuration class, layer_pattern, num_kv_heads)
+    "fpa": (M.FPAConfig, "FPA", 2),
+    "fpa_fox": (M.FPAConfig, "FPA_FOX", 2),
+    "fox": (M.FoXConfig, "FOX", 2),
+    "interdomain": (M.InterdomainConfig, "ID", 4),
+    "hybrid": (M.HybridConfig, "FPA,ID", 4),
+}
+
+
+def tiny(kind: str, **overrides):
+    cls, pattern, kv = KINDS[kind]
+    fields = dict(
+        vocab_size=40,
+        hidden_size=32,
+        num_hidden_layers=2,
+        layer_pattern=pattern,
+        num_heads=4,
+        num_kv_heads=kv,
+        intermediate_size=48,
+        id_modes=8,
+        initializer_range=0.2,  # logits far from uniform, so differences show
+    )
+    return cls(**{**fields, **overrides})
+
+
+def build(kind: str, dtype=torch.float32, seed: int = 0, **overrides):
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(tiny(kind, **overrides))
+    return model.to(dtype).eval()
+
+
+def batch(seed: int = 1, T: int = 9):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 40, (3, T), generator=g)
+    mask = torch.ones(3, T, dtype=torch.long)
+    mask[1, :3] = 0  # left padding
+    mask[2, :1] = 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_the_auto_classes_build_every_kind(kind):
+    config = tiny(kind)
+    fields = {k: v for k, v in config.to_diff_dict().items() if k != "model_type"}
+    again = transformers.AutoConfig.for_model(config.model_type, **fields)
+    assert type(again) is type(config) and again.layer_kinds == config.layer_kinds
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    assert type(model) is M.MODELS[type(config)][1]
+    assert type(transformers.AutoModel.from_config(config)) is M.MODELS[type(config)][0]
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_padded_rows_equal_their_unpadded_forward(kind):
+    model = build(kind)
+    ids, mask = batch()
+    with torch.no_grad():
+        padded = model(ids, attention_mask=mask, use_cache=False).logits
+        for r in range(3):
+            alone = model(ids[r : r + 1, mask[r].bool()], use_cache=False).logits[0]
+            torch.testing.assert_close(padded[r, mask[r].bool()], alone, rtol=0, atol=1e-5)
+        # the mask matters: without it row 1 attends to its padding and differs
+        unmasked = model(ids, use_cache=False).logits
+        assert (unmasked[1, 3:] - padded[1, 3:]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_prefill_then_steps_equal_the_forward_without_cache(kind):
+    model = build(kind)
+    ids, mask = batch()
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask, use_cache=False).logits
+        out = model(ids[:, :4], attention_mask=mask[:, :4], use_cache=True)
+        logits = [out.logits]
+        cache = out.past_key_values
+        for t in range(4, ids.shape[1]):
+            step = model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], past_key_values=cache)
+            logits.append(step.logits)
+        decoded = torch.cat(logits, dim=1)
+    present = mask.bool()
+    torch.testing.assert_close(decoded[present], full[present], rtol=0, atol=1e-5)
+    assert cache.get_seq_length() == ids.shape[1]
+
+
+def _attention_inputs(layer, x):
+    """q, k, v, field, level of an FPA layer for x [1, T, d], in the reference's layout."""
+    q, k, v = layer.qkv(x)
+    delta, lam = layer.increments(x)
+    field = delta.cumsum(dim=1)
+    G = layer.num_heads // layer.num_kv_heads
+    k, v = (t.repeat_interleave(G, dim=2) for t in (k, v))
+    arrays = [t.transpose(1, 2).double().numpy() for t in (q, k, v)]
+    return (*arrays, *(t.transpose(1, 2).double().numpy() for t in (field, field + lam)))
+
+
+@pytest.mark.parametrize("kind", ["fpa", "fox"])
+def test_eviction_at_finite_theta_equals_the_reference_decoder(kind):
+    """One FPA layer decoded with theta = 1.0 in float64: the block's attention output equals
+    the reference's (F7) stream decoder on the same q, k, v, field, level (k, v repeated)."""
+    model = build(kind, dtype=torch.float64, num_hidden_layers=1, theta=1.0)
+    block = model.model.layers[0]
+    ids = torch.randint(0, 40, (1, 24), generator=torch.Generator().manual_seed(3))
+    seen = []
+    block.attn.o_proj.register_forward_hook(lambda m, i, o: seen.append(i[0]))
+    with torch.no_grad():
+        out = model(ids[:, :10], use_cache=True)
+        for t in range(10, 24):
+            model(ids[:, t : t + 1], past_key_values=out.past_key_values)
+        x = block.attn_norm(model.model.embeddings(ids))
+        want = fpa_decode(*_attention_inputs(block.attn, x), theta=1.0)
+    got = torch.cat(seen, dim=1)[0].view(24, 4, 8).transpose(0, 1).numpy()
+    np.testing.assert_allclose(got, want.o[0], rtol=0, atol=1e-12)
+    fractions = out.past_key_values.fractions()[0]
+    assert fractions["live"] < 1.0  # some keys were evicted
+    live = out.past_key_values.layers[0].session.counts()["live"]
+    np.testing.assert_array_equal(live[0].numpy(), want.cache_sizes[0, :, -1])
+
+
+@pytest.mark.parametrize("kind", ["fpa", "fox", "hybrid"])
+def test_generate_greedy_sampling_and_beams_equal_generation_without_cache(kind):
+    model = build(kind)
+    ids, mask = batch(T=6)
+    modes = {
+        "greedy": dict(do_sample=False),
+        "sampling": dict(do_sample=True, top_k=0, temperature=1.0),
+        "beams": dict(do_sample=False, num_beams=3, num_return_sequences=2),
+    }
+    for name, options in modes.items():
+        outputs = []
+        for use_cache in (True, False):
+            torch.manual_seed(7)
+            outputs.append(
+                model.generate(
+                    ids,
+                    attention_mask=mask,
+                    max_new_tokens=6,
+                    use_cache=use_cache,
+                    pad_token_id=0,
+                    **options,
+                )
+            )
+        torch.testing.assert_close(outputs[0], outputs[1], rtol=0, atol=0, msg=name)
+
+
+def test_greedy_generation_is_the_argmax_of_the_forward():
+    model = build("fpa")
+    ids, mask = batch(T=5)
+    out = model.generate(
+        ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0
+    )
+    seq, m = ids, mask
+    with torch.no_grad():
+        for _ in range(5):
+            nxt = model(seq, attention_mask=m, use_cache=False).logits[:, -1].argmax(-1)
+            seq = torch.cat([seq, nxt[:, None]], dim=1)
+            m = torch.cat([m, torch.ones_like(m[:, :1])], dim=1)
+    torch.testing.assert_close(out, seq, rtol=0, atol=0)
+
+
+def test_theta_per_generate_call_and_the_fractions_after_it():
+    model = build("fpa", num_hidden_layers=1)
+    ids, mask = batch(T=12)
+    fractions = {}
+    for theta in (math.inf, 0.5):
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=8,
+            do_sample=False,
+            pad_token_id=0,
+            theta=theta,
+            return_dict_in_generate=True,
+        )
+        fractions[theta] = out.past_key_values.fractions()[0]
+    assert fractions[math.inf] == {"live": 1.0, "stored": 1.0}
+    assert fractions[0.5]["live"] < fractions[0.5]["stored"] <= 1.0 or (
+        fractions[0.5]["live"] == fractions[0.5]["stored"] < 1.0
+    )
+
+
+def test_crop_is_a_rollback_within_max_rollback():
+    model = build("fpa", max_rollback=3, theta=0.5)
+    ids, mask = batch(T=10)
+    with torch.no_grad():
+        cache = model(ids[:, :7], attention_mask=mask[:, :7]).past_key_values
+        model(ids[:, 7:9], attention_mask=mask[:, :9], past_key_values=cache)
+        cache.crop(7)  # back to 7 positions
+        again = model(ids[:, 7:10], attention_mask=mask[:, :10], past_key_values=cache).logits
+        fresh = model(ids[:, :7], attention_mask=mask[:, :7]).past_key_values
+        want = model(ids[:, 7:10], attention_mask=mask[:, :10], past_key_values=fresh).logits
+    torch.testing.assert_close(again, want, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="max_rollback"):
+        cache.crop(cache.get_seq_length() - 4)
+
+
+def test_save_and_load_give_the_same_logits(tmp_path):
+    model = build("hybrid")
+    ids, mask = batch()
+    model.save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors").exists()
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(loaded) is type(model)
+    with torch.no_grad():
+        a = model(ids, attention_mask=mask, use_cache=False).logits
+        b = loaded(ids, attention_mask=mask, use_cache=False).logits
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_a_few_trainer_steps_lower_the_loss(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    text = (ROOT / "docs" / "spec" / "fpa.md").read_bytes()[:4096]
+    data = torch.tensor(list(text), dtype=torch.long)
+    windows = data[: (len(data) // 64) * 64].view(-1, 64)
+    model = build("fpa", vocab_size=256, initializer_range=0.02).train()
+
+    class Windows(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(windows)
+
+        def __getitem__(self, i):
+            return {"input_ids": windows[i], "labels": windows[i]}
+
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=12,
+        per_device_train_batch_size=8,
+        learning_rate=3e-3,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Windows())
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 12 and all(math.isfinite(x) for x in losses)
+    assert np.mean(losses[-3:]) < np.mean(losses[:3]) - 0.3
+
+
+@pytest.mark.parametrize(
+    "fields, name",
+    [
+        (dict(layer_pattern="FPA,XL"), "layer_pattern"),
+        (dict(layer_pattern="FPA,FPA,FPA"), "layer_pattern"),
+        (dict(num_kv_heads=3), "num_kv_heads"),
+        (dict(hidden_size=30), "num_heads"),
+        (dict(theta=0.0), "theta"),
+        (dict(max_rollback=-1), "max_rollback"),
+        (dict(id_readout="softmax"), "id_readout"),
+    ],
+)
+def test_bad_configurations_name_the_field(fields, name):
+    with pytest.raises(ValueError, match=name):
+        tiny("fpa", **fields)
+
+
+def test_a_cache_from_another_model_is_refused():
+    fpa, hybrid = build("fpa"), build("hybrid")
+    ids, mask = batch()
+    cache = fpa(ids[:, :4], attention_mask=mask[:, :4]).past_key_values
+    with pytest.raises(ValueError, match="past_key_values"):
+        hybrid(ids[:, 4:5], attention_mask=mask[:, :5], past_key_values=cache)
+
+
+def test_the_forward_compiles_without_graph_breaks():
+    model = build("fpa")
+    ids, _ = batch()
+    explained = torch._dynamo.explain(lambda x: model(x, use_cache=False).logits)(ids)
+    assert explained.graph_break_count == 0, explained.break_reasons
+
+
+def test_the_documented_example_trains_generates_and_reloads():
+    import importlib.util
+
+    path = ROOT / "docs" / "examples" / "transformers_lm.py"
+    spec = importlib.util.spec_from_file_location("transformers_lm", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    model, losses = example.train(steps=6)
+    assert losses[-1] < losses[0]
+    texts, fractions = example.generate(model, theta=2.0)
+    assert len(texts) == 2 and all(len(t) == 24 for t in texts)
+    assert fractions[1] is None and 0 < fractions[0]["live"] <= fractions[0]["stored"] <= 1
+    assert example.generate(example.save_and_load(model))[0] == example.generate(model)[0]
