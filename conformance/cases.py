@@ -1338,5 +1338,5 @@ def generate_cases(ops: list[str] | None = None, prefixes: list[str] | None = No
 # op's menu.
 from .covering_cases import families as _covering_families  # noqa: E402
 
-for _op, _families in _covering_families().items():
-    FAMILIES[_op].update(_families)
+for _op, _covering in _covering_families().items():
+    FAMILIES[_op].update(_covering)
