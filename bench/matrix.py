@@ -85,15 +85,31 @@ JAX_TESTS = pytest_step(
     "mosaic or lower or adapter or budget",
 )
 KIT_SMOKE = ("attnspec", "verify", "--backend", "jax,pallas,mosaic", "--cases", "fpa/shapes/0")
+# The Flax NNX modules and their example on current Flax (flax 0.12.10+ needs JAX 0.11.1+).
+NNX_TESTS = pytest_step("tests/test_jax_init.py", "tests/test_jax_nnx.py", "tests/test_nnx_example.py")
+
+
+def first_cases() -> tuple[str, ...]:
+    """The first case of every family of the JAX backend's ops: what ``attnspec verify`` runs in
+    the matrix (the whole kit on JAX is the job of make verify; in CI it would take longer than
+    the leg's share of the 90 minutes)."""
+    from attnspec.conformance import cases  # the project's venv runs this file
+
+    return tuple(i for i in cases.case_ids(sorted(cases.FAMILIES)) if i.endswith("/0"))
+
 LEGS = (
     Leg(
         "jax-0.12",
         "3.12",
-        ("jax[cpu]==0.12.0.1", *JAX_CPU, *TEST_TOOLS),
+        ("jax[cpu]==0.12.0.1", "flax==0.12.12", "optax==0.2.8", *JAX_CPU, *TEST_TOOLS),
         (
             ("JAX tests (lowerings, Mosaic, adapters)", JAX_TESTS),
+            ("Flax NNX modules and example", NNX_TESTS),
             ("kit smoke: jax, pallas, mosaic", KIT_SMOKE),
-            ("attnspec verify --backend jax", ("attnspec", "verify", "--backend", "jax")),
+            (
+                "attnspec verify --backend jax (first case of every family)",
+                ("attnspec", "verify", "--backend", "jax", "--cases", *first_cases()),
+            ),
         ),
     ),
     Leg(

@@ -309,3 +309,32 @@ def test_the_documented_example_trains_generates_and_reloads():
     assert len(texts) == 2 and all(len(t) == 24 for t in texts)
     assert fractions[1] is None and 0 < fractions[0]["live"] <= fractions[0]["stored"] <= 1
     assert example.generate(example.save_and_load(model))[0] == example.generate(model)[0]
+
+
+@pytest.mark.parametrize("kind", ["fpa", "hybrid"])
+def test_bfloat16_decoding_is_within_the_kit_tolerance_of_the_float64_forward(kind):
+    """Prefill plus steps of a bfloat16 model against the float64 forward without a cache of
+    the same (bfloat16-rounded) weights: normwise relative error within the kit's bfloat16
+    output tolerance (conformance/tolerances.py)."""
+    from attnspec.conformance.tolerances import TOLERANCES
+
+    model = build(kind, dtype=torch.bfloat16)
+    wide = build(kind).to(torch.float64).eval()
+    wide.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
+    ids, mask = batch()
+    with torch.no_grad():
+        want = wide(ids, attention_mask=mask, use_cache=False).logits
+        out = model(ids[:, :4], attention_mask=mask[:, :4])
+        logits = [out.logits]
+        for t in range(4, ids.shape[1]):
+            step = model(
+                ids[:, t : t + 1],
+                attention_mask=mask[:, : t + 1],
+                past_key_values=out.past_key_values,
+            )
+            logits.append(step.logits)
+    got = torch.cat(logits, dim=1).double()
+    present = mask.bool()
+    error = (got[present] - want[present]).norm() / want[present].norm()
+    assert got.dtype == torch.float64 and torch.isfinite(got).all()
+    assert error <= TOLERANCES[("bfloat16", "output")], float(error)
