@@ -86,7 +86,9 @@ JAX_TESTS = pytest_step(
 )
 KIT_SMOKE = ("attnspec", "verify", "--backend", "jax,pallas,mosaic", "--cases", "fpa/shapes/0")
 # The Flax NNX modules and their example on current Flax (flax 0.12.10+ needs JAX 0.11.1+).
-NNX_TESTS = pytest_step("tests/test_jax_init.py", "tests/test_jax_nnx.py", "tests/test_nnx_example.py")
+NNX_TESTS = pytest_step(
+    "tests/test_jax_init.py", "tests/test_jax_nnx.py", "tests/test_nnx_example.py"
+)
 
 
 def first_cases() -> tuple[str, ...]:
@@ -96,6 +98,7 @@ def first_cases() -> tuple[str, ...]:
     from attnspec.conformance import cases  # the project's venv runs this file
 
     return tuple(i for i in cases.case_ids(sorted(cases.FAMILIES)) if i.endswith("/0"))
+
 
 LEGS = (
     Leg(

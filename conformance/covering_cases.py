@@ -338,7 +338,7 @@ def menu_coverage(
         ]
     out = {}
     for op, design in DESIGNS.items():
-        rows_ = [case_axes(c) for c in menu if c.op == op]
+        rows_ = [case_axes(c) for c in menu if c.op == op and "session" not in c.params]
         covered, missing = coverage(design, rows_)
         lacking = set() if capabilities is None else unavailable(design, covered, capabilities)
         out[op] = (len(covered), len(design.required()), missing, lacking)

@@ -126,8 +126,10 @@ class ForgetGateSessionLayer(SessionLayer):
         self.theta, self.window = theta, config.window_size
         self.phi: Tensor | None = None  # [R, HQ, max_rollback + 1]: phi after recent tokens
 
+    @torch.no_grad()
     def advance(self, mixer: ForgetGateAttention, x: Tensor, present: Tensor) -> Tensor:
-        """A chunk x [R, n, d] with ``present`` [R, n] -> the mixer's output [R, n, d]."""
+        """A chunk x [R, n, d] with ``present`` [R, n] -> the mixer's output [R, n, d].
+        Decoding is not differentiated (the sessions keep no autograd graph)."""
         R = x.shape[0]
         q, k, v = mixer.qkv(x)  # [R, n, heads, dk]
         delta, lam = mixer.increments(x)  # [R, n, HQ]
@@ -235,8 +237,10 @@ class InterdomainSessionLayer(SessionLayer):
     def __init__(self, config: AttnSpecConfig):
         super().__init__(config.max_rollback)
 
+    @torch.no_grad()
     def advance(self, mixer: InterdomainMixer, x: Tensor, present: Tensor) -> Tensor:
-        """A chunk x [R, n, d] with ``present`` [R, n] -> the layer's output [R, n, d]."""
+        """A chunk x [R, n, d] with ``present`` [R, n] -> the layer's output [R, n, d]
+        (not differentiated, as the FPA layers')."""
         if self.session is None:
             step = InterdomainLayerStep(mixer.layer, x.dtype, x.device)
             self.session = StateSession(step, rows=x.shape[0], max_rollback=self.max_rollback)

@@ -139,7 +139,13 @@ def test_ratio_cases_have_positive_denominators(all_cases):
         elif case.op == "interdomain_s4d" and case.params["readout"] == "ratio":
             assert (case.inputs["fq"] > 0).all() and (case.inputs["kt"] > 0).all()
             checked += 1
-    assert checked == 20  # LegS 13 (strided 2), S4D ratio 7 (packings, zero_mode, empty_segment 1)
+    covering = sum(1 for i in cases.case_ids(["interdomain_legs"]) if "/covering/" in i) + sum(
+        1
+        for c in all_cases
+        if c.op == "interdomain_s4d" and "/covering/" in c.id and c.params["readout"] == "ratio"
+    )
+    # LegS 13 (strided 2), S4D ratio 7 (packings, zero_mode, empty_segment 1), the covering ones
+    assert checked == 20 + covering
 
 
 def test_unknown_case_id():

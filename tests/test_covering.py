@@ -41,7 +41,11 @@ def test_all_pairs_covers_every_allowed_pair_and_respects_the_constraints():
 
 def test_each_covering_family_alone_covers_every_pair_of_its_axes():
     for op, design in covering_cases.DESIGNS.items():
-        built = [covering_cases.case_axes(cases.build_case(i)) for i in cases.case_ids([op])]
+        built = [
+            covering_cases.case_axes(cases.build_case(i))
+            for i in cases.case_ids([op])
+            if "/session_" not in i
+        ]
         family = [
             covering_cases.case_axes(cases.build_case(i))
             for i in cases.case_ids([op])

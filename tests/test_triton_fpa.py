@@ -534,14 +534,14 @@ from attnspec.backends.torch import triton_fpa as tf
 
 ptr = {n: "*bf16" for n in ("q", "k", "v", "o", "do", "dq", "dk", "dv")}
 ptr |= {"links": "*i32", "cu_seqlens": "*i64", "tiles": "*i32", "tile_start": "*i32"}
-ints = {n: "i32" for n in ("N_TOK", "NTILES", "NT_MAX", "G")}
+ints = {n: "i32" for n in ("N_TOK", "NTILES", "NT_MAX", "G", "WS")}
 def build(kernel, constexprs):
     types = {n: "constexpr" if n in constexprs else ptr.get(n) or ints.get(n, "*fp32")
              for n in kernel.arg_names}
     source = ASTSource(fn=kernel, signature=types, constexprs=constexprs)
     triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 sizes = dict(HQ=2, K=16, V=16, BT=32, BS=16, BK=16, BV=16, LOG_BT=5, DOT=tl.bfloat16,
-             PRECISION="tf32", ROUND_BF16=False)
+             PRECISION="tf32", ROUND_BF16=False, WINDOW=True)  # the (F3w) path; none: gpu_static
 for fox in (False, True):
     unused = dict(level=None, links=None) if fox else {}
     build(tf._fwd_kernel, sizes | dict(FOX=fox, SKIP=not fox) | ({"level": None} if fox else {}))

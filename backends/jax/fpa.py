@@ -598,8 +598,8 @@ def fox_attention(
         log_f: [B, T, N] log forget gates, all <= 0: float32 or float64, or float16 and
             bfloat16 as ``parallel_forgetting_attn`` takes them, widened to float32 (they
             carry no more precision than they arrive with).
-        scale, cu_seqlens, window, return_lse, implementation, block_size, interpret,
-            validate: as for :func:`fpa_attention` (validate also rejects log gates > 0).
+        scale, cu_seqlens, window, return_lse, implementation, block_size, interpret, validate:
+            as for :func:`fpa_attention` (validate also rejects log gates > 0).
 
     Returns:
         o [B, T, N, Hv] in q's dtype, or (o, lse).

@@ -86,7 +86,9 @@ def _check_x(
         raise ValueError(
             f"x: expected the layer's dtype {dtype}, got {x.dtype} (cast x or the layer)"
         )
-    if x.device.type != "meta":  # meta tensors carry no values
+    # meta tensors carry no values; under torch.compile the check would be a graph break (a
+    # host read of the values), so compiled code skips it as it skips the ops' value checks
+    if x.device.type != "meta" and not torch.compiler.is_compiling():
         checks.finite("x", x)
     return x
 
