@@ -435,6 +435,8 @@ def _fwd_kernel(
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
     o_ptr = o + ((bos + iq) * HQ + hq)[:, None] * V + dv[None, :]
+    if ROUND_BF16:  # the interpreter's conversion truncates; a GPU's rounds to nearest
+        out = _bf16_nearest(out)
     tl.store(o_ptr, out.to(o.dtype.element_ty), mask=q_ok[:, None] & (dv < V)[None, :])
     ln2 = tl.load(consts + 2)
     tl.store(lse + (bos + iq) * HQ + hq, m_i + tl.log2(l_safe) * ln2, mask=q_ok)
@@ -678,9 +680,10 @@ def _bwd_dq_kernel(
             mid_sums + (hq * NTILES + tile) * NT_MAX + holder, tl.sum(in_gap, 0), mask=holder >= 0
         )
     dq_ptr = dq + q_rows * K + dk[None, :]
-    tl.store(
-        dq_ptr, (dq_acc * scale).to(dq.dtype.element_ty), mask=q_ok[:, None] & (dk < K)[None, :]
-    )
+    dq_acc *= scale
+    if ROUND_BF16 and dq.dtype.element_ty == tl.bfloat16:  # as the forward's store of o
+        dq_acc = _bf16_nearest(dq_acc)
+    tl.store(dq_ptr, dq_acc.to(dq.dtype.element_ty), mask=q_ok[:, None] & (dk < K)[None, :])
     if not FOX:
         # B's latest argmin up to i is t when nothing in [qs, t) is lower and t <= i < after(t).
         owns = (r[:, None] <= r[None, :]) & (r[None, :] < after[:, None]) & (before < 0)[:, None]
@@ -877,9 +880,13 @@ def _bwd_dkv_kernel(
             to_suffix += tl.where(suffix, every - below, 0.0)  # and with t* in A
 
     out_rows = (tok_k * HQ + hq)[:, None]  # dk, dv per query head (reduced over G outside)
+    dk_acc *= scale
+    if ROUND_BF16 and dk.dtype.element_ty == tl.bfloat16:  # as the forward's store of o
+        dk_acc = _bf16_nearest(dk_acc)
+        dv_acc = _bf16_nearest(dv_acc)
     tl.store(
         dk + out_rows * K + dd[None, :],
-        (dk_acc * scale).to(dk.dtype.element_ty),
+        dk_acc.to(dk.dtype.element_ty),
         mask=k_ok[:, None] & (dd < K)[None, :],
     )
     tl.store(
