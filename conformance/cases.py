@@ -1127,20 +1127,35 @@ def _interdomain_layer_trained(
         if packed:
             options["cu_seqlens"] = draw_packing(rng, n)
             T_ = options["cu_seqlens"][-1]
-        for _ in range(50):
-            init = idm.init_interdomain_params(
-                d, 2, 4, 4, 8, int(rng.integers(2**31)), gate=gate, output_norm=output_norm
-            )
-            params = trained(init, rng)
-            if readout == "ratio":
-                params["norm_k_b"] += 3.0  # positive k~ keeps the denominator away from zero
-                params["c_re"] += np.eye(8)
-            inputs = _layer_inputs(rng, params, B, T_, d)
-            if readout != "ratio" or _layer_well_conditioned(inputs, options, rng):
-                return inputs, options
-        raise RuntimeError("could not draw a well-conditioned ratio layer")
+        return _interdomain_layer_draw(rng, B, T_, d, options)
 
     return build
+
+
+def _interdomain_layer_draw(
+    rng: np.random.Generator, B: int, T: int, d: int, options: dict[str, Any]
+) -> Built:
+    """Trained parameters (H = 2, R = dv = 4, M = 8) and x for the layer ``options`` (readout,
+    gate, use_rope, output_norm, cu_seqlens); a ratio readout redrawn until RATIO_LAYER holds."""
+    for _ in range(50):
+        init = idm.init_interdomain_params(
+            d,
+            2,
+            4,
+            4,
+            8,
+            int(rng.integers(2**31)),
+            gate=options["gate"],
+            output_norm=options["output_norm"],
+        )
+        params = trained(init, rng)
+        if options["readout"] == "ratio":
+            params["norm_k_b"] += 3.0  # positive k~ keeps the denominator away from zero
+            params["c_re"] += np.eye(8)
+        inputs = _layer_inputs(rng, params, B, T, d)
+        if options["readout"] != "ratio" or _layer_well_conditioned(inputs, options, rng):
+            return inputs, options
+    raise RuntimeError("could not draw a well-conditioned ratio layer")
 
 
 RATIO_LAYER = (
@@ -1159,7 +1174,9 @@ def _layer_well_conditioned(
 
     def layer(x: NDArray[np.float64], p: Inputs) -> NDArray[np.float64]:
         parts = [
-            idm.interdomain_layer(x[..., a:b, :], p, **layer_options) for a, b in pairwise(offsets)
+            idm.interdomain_layer(x[..., a:b, :], p, **layer_options)
+            for a, b in pairwise(offsets)
+            if b > a  # a zero-length sequence contributes nothing
         ]
         return np.concatenate(parts, axis=-2)
 

@@ -131,7 +131,52 @@ LEGS_DESIGN = Design(
     22,
     needs=lambda a, x: "strided" if a == "layout" and x else "",
 )
-DESIGNS = {d.op: d for d in (FPA_DESIGN, FOX_DESIGN, S4D_DESIGN, LEGS_DESIGN)}
+LAYER_LENGTHS = ("below", "across")  # 33 and 129: within one chunk, and past two borders
+
+
+def _layer_needs(op: str) -> Any:
+    return lambda a, x: f"{op}.varlen" if a == "packing" and x != "none" else ""
+
+
+FPA_LAYER_DESIGN = Design(
+    "fpa_layer",
+    (
+        ("B", (1, 2)),
+        ("T", LAYER_LENGTHS),
+        ("increments", ("signed", "logsigmoid")),
+        ("packing", PACKINGS),
+    ),
+    12,
+    _attention_forbid,
+    _layer_needs("fpa_layer"),
+)
+INTERDOMAIN_LAYER_DESIGN = Design(
+    "interdomain_layer",
+    (
+        ("B", (1, 2)),
+        ("T", LAYER_LENGTHS),
+        ("readout", ("linear", "ratio")),
+        ("gate", (False, True)),
+        ("use_rope", (False, True)),
+        ("output_norm", (True, False)),
+        ("packing", PACKINGS),
+    ),
+    14,
+    _attention_forbid,
+    _layer_needs("interdomain_layer"),
+)
+DESIGNS = {
+    d.op: d
+    for d in (
+        FPA_DESIGN,
+        FOX_DESIGN,
+        S4D_DESIGN,
+        LEGS_DESIGN,
+        FPA_LAYER_DESIGN,
+        INTERDOMAIN_LAYER_DESIGN,
+    )
+}
+LAYER_D = 16  # the layers' model width (H = 2 heads of 4: cases.py's trained layers)
 
 
 def rows(op: str) -> tuple[Row, ...]:
@@ -221,6 +266,33 @@ def _legs(rng: np.random.Generator, n: int) -> C.Built:
     return C._legs_family([(row["B"], row["H"], T, row["R"], row["dv"], row["M"])])(rng, 0)
 
 
+def _fpa_layer(rng: np.random.Generator, n: int) -> C.Built:
+    from attnspec.reference import fpa
+
+    from . import cases as C
+
+    row = rows("fpa_layer")[n]
+    T = LENGTHS[row["T"]]
+    params = C.trained(fpa.init_fpa_params(LAYER_D, 2, 4, 4, int(rng.integers(2**31))), rng)
+    options: dict[str, Any] = {"increments": row["increments"]}
+    offsets = draw_offsets(rng, row["packing"], T)
+    if offsets is not None:
+        options["cu_seqlens"] = offsets
+    return C._layer_inputs(rng, params, row["B"], T, LAYER_D), options
+
+
+def _interdomain_layer(rng: np.random.Generator, n: int) -> C.Built:
+    from . import cases as C
+
+    row = rows("interdomain_layer")[n]
+    T = LENGTHS[row["T"]]
+    options: dict[str, Any] = {a: row[a] for a in ("readout", "gate", "use_rope", "output_norm")}
+    offsets = draw_offsets(rng, row["packing"], T)
+    if offsets is not None:
+        options["cu_seqlens"] = offsets
+    return C._interdomain_layer_draw(rng, row["B"], T, LAYER_D, options)
+
+
 def per_case(op: str) -> Any:
     """(requires, layout) of case n: the optional capabilities its row uses and its layout."""
 
@@ -238,6 +310,12 @@ COVERING = (
 )
 
 
+LAYER_COVERING = (
+    "all-pairs covering design over the layer's option flags (increments; readout, output gate, "
+    "RoPE, output norm), B, T and packings (conformance/covering_cases.py)"
+)
+
+
 def families() -> dict[str, dict[str, C.Family]]:
     """The covering family of each op, for cases.FAMILIES."""
     from . import cases as C
@@ -248,9 +326,18 @@ def families() -> dict[str, dict[str, C.Family]]:
         ("fox_attention", lambda rng, n: _attention("fox_attention", rng, n)),
         ("interdomain_s4d", _s4d),
         ("interdomain_legs", _legs),
+        ("fpa_layer", _fpa_layer),
+        ("interdomain_layer", _interdomain_layer),
     ):
-        note = COVERING + ("; " + RATIO_CONDITION if op == "interdomain_s4d" else "")
-        out[op] = {"covering": C.Family(len(rows(op)), build, note, True, per_case=per_case(op))}
+        note = {
+            "interdomain_s4d": f"{COVERING}; {RATIO_CONDITION}",
+            "fpa_layer": f"{LAYER_COVERING}; {C.TRAINED}",
+            "interdomain_layer": f"{LAYER_COVERING}; {C.TRAINED}; {C.RATIO_LAYER}",
+        }.get(op, COVERING)
+        gradient = op not in ("fpa_layer", "interdomain_layer")  # layers: forward only
+        out[op] = {
+            "covering": C.Family(len(rows(op)), build, note, gradient, per_case=per_case(op))
+        }
     return out
 
 
@@ -306,6 +393,16 @@ def case_axes(case: C.Case) -> Row:
             "memory": "long" if mean > 0.99 else ("short" if mean < 0.7 else "mid"),
             "layout": case.layout,
         }
+    elif case.op in ("fpa_layer", "interdomain_layer"):
+        B, T = x["x"].shape[0], x["x"].shape[-2]
+        row = {"B": B, "T": classify_length(T), "packing": classify_packing(p.get("cu_seqlens"))}
+        if case.op == "fpa_layer":
+            row["increments"] = p.get("increments", "signed")
+        else:
+            row["readout"] = p.get("readout", "linear")
+            row["gate"] = bool(p.get("gate", False))
+            row["use_rope"] = bool(p.get("use_rope", False))
+            row["output_norm"] = bool(p.get("output_norm", True))
     elif case.op == "interdomain_legs":
         B, H, T, R = x["fq"].shape
         row = {
@@ -327,7 +424,7 @@ def menu_coverage(
 ) -> dict[str, tuple[int, int, set[Pair], set[Pair]]]:
     """Per op: (covered, required, missing pairs, covered pairs unavailable to
     ``capabilities``) over ``menu`` (default: the kit's whole menu, with or without the
-    covering families)."""
+    covering families); a given menu reports the ops it holds."""
     from . import cases as C
 
     if menu is None:
@@ -336,8 +433,11 @@ def menu_coverage(
             for i in C.case_ids(list(DESIGNS))
             if with_covering or "/covering/" not in i
         ]
+    held = {c.op for c in menu}
     out = {}
     for op, design in DESIGNS.items():
+        if op not in held:
+            continue
         rows_ = [case_axes(c) for c in menu if c.op == op and "session" not in c.params]
         covered, missing = coverage(design, rows_)
         lacking = set() if capabilities is None else unavailable(design, covered, capabilities)

@@ -1369,6 +1369,52 @@ class PersistentOutputs(Mutant):
         return {n: self._into(f"{op}.d{n}", g) for n, g in grads.items()}
 
 
+class PackedRopePositions(Mutant):
+    """The Interdomain layer on packed sequences with RoPE positions counted from the start of
+    the pack, not of each sequence (a kernel that rotates by the token's row in the packed
+    tensor): right without RoPE or without packing, the menu before (its packed layer cases have
+    no RoPE, its RoPE cases no packing)."""
+
+    caught_by: ClassVar[tuple[str, ...]] = tuple(
+        f"interdomain_layer/covering/{n}"
+        for n in (3, 5, 7, 8)  # RoPE on packed sequences
+    )
+    FEATURES: ClassVar[tuple[str, ...]] = ("interdomain_layer.varlen",)
+    ops: ClassVar[tuple[str, ...]] = ("interdomain_layer",)
+
+    def interdomain_layer(
+        self,
+        x: FloatArray,
+        params: Mapping[str, FloatArray],
+        *,
+        readout: str = "linear",
+        cu_seqlens: ArrayLike | None = None,
+        **options: Any,
+    ) -> FloatArray:
+        if cu_seqlens is None or not options.get("use_rope"):
+            return super().interdomain_layer(
+                x, params, readout=readout, cu_seqlens=cu_seqlens, **options
+            )
+        parts = []
+        for bos, eos in pairwise(np.asarray(cu_seqlens).tolist()):
+            if eos == bos:
+                continue
+
+            def rotated(z: ArrayLike, start: int = bos) -> NDArray[np.float64]:
+                z = np.asarray(z, dtype=np.float64)
+                pad = np.zeros((*z.shape[:-2], start, z.shape[-1]))
+                return _rope(np.concatenate([pad, z], axis=-2))[..., start:, :]
+
+            with mock.patch.object(idm, "rope", rotated):
+                parts.append(
+                    idm.interdomain_layer(x[..., bos:eos, :], params, readout=readout, **options)
+                )
+        return np.concatenate(parts, axis=-2).astype(x.dtype)
+
+
+_rope = idm.rope
+
+
 MUTANTS: dict[str, type[Mutant]] = {
     cls.__name__: cls
     for cls in [
@@ -1419,6 +1465,7 @@ MUTANTS: dict[str, type[Mutant]] = {
         EqualPackingUnmasked,
         StridedGQAQueryHeads,
         PersistentOutputs,
+        PackedRopePositions,
     ]
 }
 for _name, _cls in MUTANTS.items():

@@ -57,7 +57,10 @@ LATER_FAMILIES = (
     "interdomain_layer/long/",
     "interdomain_layer/varlen/",
     # round four: the covering designs (conformance/covering_cases.py)
-    *(f"{prefix}/covering/" for prefix in ("fpa", "fox", "s4d", "legs")),
+    *(
+        f"{prefix}/covering/"
+        for prefix in ("fpa", "fox", "s4d", "legs", "fpa_layer", "interdomain_layer")
+    ),
 )
 
 

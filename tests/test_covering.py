@@ -91,6 +91,10 @@ ROUND_FOUR = {
     "EqualPackingUnmasked": ("fox/covering/6", ("fpa/packings/", "fox/varlen/", "fox/packings/")),
     "StridedGQAQueryHeads": ("fpa/covering/4", ("fpa/strided/", "fox/strided/", "fpa/gqa/")),
     "PersistentOutputs": ("fpa/call_order/0", ()),
+    "PackedRopePositions": (
+        "interdomain_layer/covering/3",
+        ("interdomain_layer/trained/", "interdomain_layer/varlen/", "interdomain_layer/long/"),
+    ),
 }
 
 
