@@ -18,6 +18,7 @@ from numpy.typing import NDArray
 
 from attnspec.reference import fpa, hippo
 from attnspec.reference import interdomain as idm
+from attnspec.reference.ops import OPS
 
 from . import session_programs
 
@@ -1228,15 +1229,7 @@ for _op, _families in session_programs.FAMILIES.items():
             for name, (count, build, note) in _families.items()
         }
     )
-PREFIX = {
-    "fpa_attention": "fpa",
-    "fox_attention": "fox",
-    "fpa_decode": "decode",
-    "interdomain_legs": "legs",
-    "interdomain_s4d": "s4d",
-    "fpa_layer": "fpa_layer",
-    "interdomain_layer": "interdomain_layer",
-}
+PREFIX = {op: spec.prefix for op, spec in OPS.items()}
 OP_OF_PREFIX = {prefix: op for op, prefix in PREFIX.items()}
 
 
