@@ -102,23 +102,17 @@ OPS: dict[str, OpSpec] = {
             prefix="s4d",
             torch_kernels=("s4d_fwd", "s4d_bwd"),
         ),
-        OpSpec(
-            "fpa_layer",
-            ("x",),
-            (("y", "output"),),
-            layer=True,
-            varlen=True,
-            prefix="fpa_layer",
-            cotangents=(),
-        ),
-        OpSpec(
-            "interdomain_layer",
-            ("x",),
-            (("y", "output"),),
-            layer=True,
-            varlen=True,
-            prefix="interdomain_layer",
-            cotangents=(),
+        *(
+            OpSpec(
+                name,
+                ("x",),
+                (("y", "output"),),
+                layer=True,
+                varlen=True,
+                prefix=name,
+                cotangents=(),
+            )
+            for name in ("fpa_layer", "interdomain_layer")
         ),
     ]
 }

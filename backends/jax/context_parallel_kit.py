@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -13,6 +14,12 @@ from jax.sharding import Mesh
 
 from .context_parallel import DEFAULT, Sharding, fox_attention, fpa_attention, interdomain_s4d
 from .context_parallel_launch import run_on_host_devices
+
+# the sharded attention ops by name; their arguments are the op table's inputs
+ATTENTION: dict[str, Callable[..., Any]] = {
+    "fpa_attention": fpa_attention,
+    "fox_attention": fox_attention,
+}
 
 
 def run_jobs(jobs: list[Any], world: int, sharding: Sharding = DEFAULT) -> list[Any]:
@@ -36,7 +43,9 @@ def run_jobs(jobs: list[Any], world: int, sharding: Sharding = DEFAULT) -> list[
 
 def _run_job(job: Any, mesh: Mesh, sharding: Sharding) -> Any:
     from attnspec.conformance.context_parallel import JobResult
+    from attnspec.conformance.protocol import OPS
 
+    spec = OPS[job.op]
     dt = {"float64": jnp.float64, "float32": jnp.float32}[job.dtype]
     wide = jnp.float64 if job.dtype == "float64" else jnp.float32
     names = list(job.inputs)
@@ -52,44 +61,23 @@ def _run_job(job: Any, mesh: Mesh, sharding: Sharding) -> Any:
         common: dict[str, Any] = dict(
             mesh=mesh, cu_seqlens=params.get("cu_seqlens"), sharding=sharding
         )
-        if job.op == "fpa_attention":
-            o, lse = fpa_attention(
-                a["q"],
-                a["k"],
-                a["v"],
-                a["field"],
-                a["level"],
-                layout=job.layout,
-                scale=params.get("scale"),
-                return_lse=True,
-                **common,
-            )
-            return {"o": o, "lse": lse}
-        if job.op == "fox_attention":
+        if job.op == "interdomain_s4d":
+            lam, b, c = (a[f"{n}_re"] + 1j * a[f"{n}_im"] for n in ("lam", "b", "c"))
+            readout = params.get("readout", "linear")
             return {
-                "o": fox_attention(
-                    a["q"],
-                    a["k"],
-                    a["v"],
-                    a["log_f"],
-                    layout=job.layout,
-                    scale=params.get("scale"),
-                    **common,
+                "o": interdomain_s4d(
+                    a["fq"], a["kt"], a["vt"], lam, b, c, readout=readout, **common
                 )
             }
-        cplx = {n: a[f"{n}_re"] + 1j * a[f"{n}_im"] for n in ("lam", "b", "c")}
-        return {
-            "o": interdomain_s4d(
-                a["fq"],
-                a["kt"],
-                a["vt"],
-                cplx["lam"],
-                cplx["b"],
-                cplx["c"],
-                readout=params.get("readout", "linear"),
-                **common,
-            )
-        }
+        result = ATTENTION[job.op](
+            *(a[n] for n in spec.inputs),
+            layout=job.layout,
+            scale=params.get("scale"),
+            **common,
+            **dict(spec.call_options),
+        )
+        outputs = [n for n, _ in spec.outputs]
+        return dict(zip(outputs, result if len(outputs) > 1 else (result,), strict=True))
 
     @jax.jit
     def both(xs: tuple[jax.Array, ...], cot: dict[str, jax.Array]) -> Any:

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,6 +23,12 @@ from .context_parallel import (
     unshard_sequence,
 )
 from .context_parallel_launch import spawn
+
+# the sharded attention ops by name; their arguments are the op table's inputs
+ATTENTION: dict[str, Callable[..., Any]] = {
+    "fpa_attention": fpa_attention,
+    "fox_attention": fox_attention,
+}
 
 _PER_TOKEN = ("q", "k", "v", "field", "level", "log_f", "fq", "kt", "vt")
 _DTYPES = {"float64": torch.float64, "float32": torch.float32}
@@ -52,54 +59,23 @@ def run_job(
 
     x = {name: tensor(name, val) for name, val in job.inputs.items()}
     params = dict(job.params)
-    if job.op == "fpa_attention":
-        o, lse = fpa_attention(
-            x["q"],
-            x["k"],
-            x["v"],
-            x["field"],
-            x["level"],
-            group=group,
+    common: dict[str, Any] = dict(
+        group=group, cu_seqlens=params.get("cu_seqlens"), impl=impl, sharding=sharding
+    )
+    if job.op == "interdomain_s4d":
+        lam, b, c = (torch.complex(x[f"{n}_re"], x[f"{n}_im"]) for n in ("lam", "b", "c"))
+        readout = params.get("readout", "linear")
+        result = interdomain_s4d(x["fq"], x["kt"], x["vt"], lam, b, c, readout=readout, **common)
+    else:
+        result = ATTENTION[job.op](
+            *(x[n] for n in spec.inputs),
             layout=layout,
             scale=params.get("scale"),
-            cu_seqlens=params.get("cu_seqlens"),
-            return_lse=True,
-            impl=impl,
-            sharding=sharding,
+            **common,
+            **dict(spec.call_options),
         )
-        outs = {"o": o, "lse": lse}
-    elif job.op == "fox_attention":
-        outs = {
-            "o": fox_attention(
-                x["q"],
-                x["k"],
-                x["v"],
-                x["log_f"],
-                group=group,
-                layout=layout,
-                scale=params.get("scale"),
-                cu_seqlens=params.get("cu_seqlens"),
-                impl=impl,
-                sharding=sharding,
-            )
-        }
-    else:
-        cplx = {n: torch.complex(x[f"{n}_re"], x[f"{n}_im"]) for n in ("lam", "b", "c")}
-        outs = {
-            "o": interdomain_s4d(
-                x["fq"],
-                x["kt"],
-                x["vt"],
-                cplx["lam"],
-                cplx["b"],
-                cplx["c"],
-                group=group,
-                readout=params.get("readout", "linear"),
-                cu_seqlens=params.get("cu_seqlens"),
-                impl=impl,
-                sharding=sharding,
-            )
-        }
+    names = [n for n, _ in spec.outputs]
+    outs = dict(zip(names, result if len(names) > 1 else (result,), strict=True))
     loss = sum(
         (
             out
