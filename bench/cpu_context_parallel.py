@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from attnspec.backends.torch import context_parallel as cp
+from attnspec.backends.torch.context_parallel_launch import spawn
 
 B, H, D, M = 1, 2, 64, 64
 
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         for world in args.worlds:
             with tempfile.TemporaryDirectory() as tmp:
                 path = os.path.join(tmp, "rows.json")
-                cp.spawn(_worker, world, op, args.T, path, timeout=1800.0)
+                spawn(_worker, world, op, args.T, path, timeout=1800.0)
                 with open(path) as fh:
                     rows = json.load(fh)
             peak = max(r["peak"] for r in rows) / 2**20

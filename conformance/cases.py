@@ -18,6 +18,7 @@ from numpy.typing import NDArray
 
 from attnspec.reference import fpa, hippo
 from attnspec.reference import interdomain as idm
+from attnspec.reference.ops import OPS
 
 from . import session_programs
 
@@ -177,74 +178,106 @@ FPA_FIELD_SHAPE = (1, 2, 33, 8, 8)
 SMOOTH = "inputs at least 1e-4 away from clamp zeros and segment-minimum ties"
 
 
+# Menus, packings and notes that several ops' families share.
+TIES = "tie case: checks the conventions of spec/fpa.md section 6"
+
+
+# Packed sequences: FlashAttention's cu_seqlens with B = 1; a length-1 segment in the second.
+VARLEN_OFFSETS = [(0, 15, 100, 300), (0, 1, 40, 41, 130)]
+# GQA: (B, H of q, H of k and v, T).
+GQA_SHAPES = [(1, 8, 2, 65), (2, 4, 1, 130), (1, 6, 3, 33)]
+
+
+VARLEN = "packed sequences (cu_seqlens), each checked against the reference on its own"
+GQA = "fewer key/value heads than query heads; per-token scalars per query head"
+
+
+def draw_packing(rng: np.random.Generator, n: int) -> tuple[int, ...]:
+    """cu_seqlens drawn from a length menu: tile multiples (64, 128) and non-multiples, the
+    longest segment never last, a length-1 segment first (n % 3 = 0), inside (1) or last (2),
+    so borders fall inside late chunks of 128 as well as early ones."""
+    menu = [(128, 64, 37, 90), (200, 64, 27, 129), (63, 256, 45, 64)][n % 3]
+    while True:
+        lengths = [int(x) for x in rng.permutation(menu)]
+        if lengths[-1] != max(lengths):
+            break
+    lengths.insert([0, 2, len(lengths)][n % 3], 1)
+    return tuple(int(x) for x in np.concatenate([[0], np.cumsum(lengths)]))
+
+
+# Zero-length packed sequences (reference/packing.py: they contribute nothing): first, two in a
+# row inside, last.
+EMPTY_SEGMENT_OFFSETS = [(0, 0, 9, 65), (0, 9, 9, 9, 65), (0, 56, 65, 65)]
+EMPTY_SEGMENT = (
+    "zero-length packed sequences (contributing nothing) first, two in a row inside, and last"
+)
+
+
+# Varlen x GQA: (H of q, H of k and v) with a drawn packing; GQA with B > 1 and several
+# key/value heads: (B, H, H_kv, T).
+VARLEN_GQA_HEADS = [(4, 2), (6, 2)]
+GQA_BATCH_SHAPES = [(2, 6, 3, 65), (3, 4, 2, 130)]
+
+
+# Head dims above 128 (FlashAttention-class kernels split them), dk != dv: (dk, dv, T).
+HEADDIM_BIG = [(192, 128, 130), (256, 192, 130), (128, 256, 65)]
+
+
+# Gradients on long rows: kernels change strategy past 512 keys. (B, H, T, dk, dv), small.
+LONG_GRADIENT_SHAPES = [(1, 1, 1024, 16, 16), (1, 1, 1100, 8, 16)]
+
+
+STRIDED_LAYOUTS = ("slice", "transpose")
+CALL_ORDER = (
+    "call order: a second input set of the same shape, forwards and VJPs of both interleaved "
+    "in a shuffled order, each compared with its own reference"
+)
+STRIDED = (
+    "inputs as non-contiguous views in the backend's own arrays: 'slice' (a slice of a wider "
+    "array, as q from a fused qkv projection), 'transpose' (a (B, H, T, D) view of (B, T, H, D))"
+)
+PACKINGS = (
+    "drawn packings: tile-multiple and other lengths, longest segment not last, a length-1 "
+    "segment first, inside or last, borders inside late chunks"
+)
+
+
+# The window of (F3w), W = params["window"]: W = 1 (each query its own key), W inside a tile,
+# W across tile borders (tiles of 16-128), W = T (every causal pair: one key past the last
+# one a window off by one misses), then packed sequences and GQA with a window.
+WINDOWS = [(65, 1), (130, 17), (257, 100), (130, 130), (200, 64), (300, 129)]
+WINDOW = (
+    "the window of (F3w): query i sees keys i-W+1..i (W = 1, inside a tile, across tiles, W = T)"
+)
+
+
+def _window_varlen(inputs: Builder) -> Builder:
+    def build(rng: np.random.Generator, n: int) -> Built:
+        offsets, W = [(VARLEN_OFFSETS[0], 40), (VARLEN_OFFSETS[1], 70)][n]
+        built, _ = inputs(rng, offsets[-1])
+        return built, {"cu_seqlens": offsets, "window": W}
+
+    return build
+
+
+def _window_gqa(inputs: Callable[[np.random.Generator, int, int, int], Inputs]) -> Builder:
+    def build(rng: np.random.Generator, n: int) -> Built:
+        B, H, H_kv, T = GQA_SHAPES[n]
+        drawn = inputs(rng, B, H, T)
+        drawn["k"], drawn["v"] = drawn["k"][:, :H_kv], drawn["v"][:, :H_kv]
+        return drawn, {"window": 20 + n}
+
+    return build
+
+
+# fpa_attention
+
+
 def _fpa_family(shape_list: Sequence[tuple[int, int, int, int, int]], **kw: Any) -> Builder:
     def build(rng: np.random.Generator, n: int) -> Built:
         return _fpa_inputs(rng, shape_list[n % len(shape_list)], **kw), {}
 
     return build
-
-
-TIES = "tie case: checks the conventions of spec/fpa.md section 6"
-FPA_FAMILIES = {
-    "shapes": Family(4, _fpa_family(FPA_SHAPES, margin=1e-4), SMOOTH, True, True),
-    "headdim": Family(4, _fpa_family(FPA_HEADDIMS, margin=1e-4), SMOOTH, True, True),
-    "ragged": Family(4, _fpa_family(FPA_RAGGED, margin=1e-4), SMOOTH, True, True),
-    "long": Family(1, _fpa_family([(1, 1, 512, 16, 16)]), "T = 512"),
-    "walk": Family(3, _fpa_family([FPA_FIELD_SHAPE], margin=1e-4), SMOOTH, True, True),
-    "monotone": Family(
-        3,
-        _fpa_family([FPA_FIELD_SHAPE], field_kind="monotone", level_kind="one_walk", margin=1e-4),
-        "FoX-like field, level = field; " + SMOOTH,
-        True,
-        True,
-    ),
-    "brackets": Family(
-        3,
-        _fpa_family([FPA_FIELD_SHAPE], field_kind="brackets", level_kind="one_walk"),
-        "integer field, level = field; " + TIES,
-        True,
-        False,
-    ),
-    "constant": Family(
-        2,
-        _fpa_family([FPA_FIELD_SHAPE], field_kind="constant"),
-        "every segment minimum tied; " + TIES,
-        True,
-        False,
-    ),
-    "huge": Family(
-        2, _fpa_family([FPA_FIELD_SHAPE], field_kind="huge"), "field of magnitude 1e4", True, False
-    ),
-    "cliff": Family(2, _fpa_family([FPA_FIELD_SHAPE], field_kind="cliff"), "a 1e30 descent midway"),
-    "one_walk": Family(
-        2,
-        _fpa_family([FPA_FIELD_SHAPE], level_kind="one_walk", margin=1e-4),
-        "level = field; " + SMOOTH,
-        True,
-        True,
-    ),
-    "extreme_level": Family(
-        2,
-        _fpa_family([FPA_FIELD_SHAPE], level_kind="extreme"),
-        "level offsets of +-1e4",
-        True,
-        False,
-    ),
-    "near_uniform": Family(
-        2,
-        _fpa_family([FPA_FIELD_SHAPE], field_kind="constant", logit=1e-3),
-        "tiny logits, flat field: near-uniform weights; " + TIES,
-        True,
-        False,
-    ),
-    "near_onehot": Family(
-        2,
-        _fpa_family([FPA_FIELD_SHAPE], logit=12.0, margin=1e-4),
-        "large logits: near one-hot weights; " + SMOOTH,
-        True,
-        True,
-    ),
-}
 
 
 # Families that reach a tiled kernel's borders, precision limits and parameters. Block sizes of
@@ -325,12 +358,6 @@ def _fpa_large_field(rng: np.random.Generator, n: int) -> Built:
     return inputs, {}
 
 
-# Packed sequences: FlashAttention's cu_seqlens with B = 1; a length-1 segment in the second.
-VARLEN_OFFSETS = [(0, 15, 100, 300), (0, 1, 40, 41, 130)]
-# GQA: (B, H of q, H of k and v, T).
-GQA_SHAPES = [(1, 8, 2, 65), (2, 4, 1, 130), (1, 6, 3, 33)]
-
-
 def _fpa_varlen(rng: np.random.Generator, n: int) -> Built:
     offsets = VARLEN_OFFSETS[n % 2]
     inputs = _fpa_inputs(rng, (1, 2, offsets[-1], 16, 16))
@@ -345,38 +372,187 @@ def _fpa_gqa(rng: np.random.Generator, n: int) -> Built:
     return inputs, {}
 
 
-VARLEN = "packed sequences (cu_seqlens), each checked against the reference on its own"
-GQA = "fewer key/value heads than query heads; per-token scalars per query head"
-FPA_FAMILIES.update(
-    {
-        "tiles": Family(
-            7,
-            _fpa_tiles,
-            "T across tile borders (127-129, 255-257, 300), B*H > 1; walk, bracket and one-walk "
-            "fields (brackets are tie cases)",
-            True,
-        ),
-        "headdim_long": Family(
-            12, _fpa_headdim_long, "dk/dv 64/64, 128/128, 128/64, 96/96 at T 65, 130, 257", True
-        ),
-        "ties_tiles": Family(6, _fpa_ties_tiles, "ties across tile borders; " + TIES, True),
-        "scale": Family(2, _fpa_scale, "non-default softmax scale; " + SMOOTH, True, True),
-        "large_logits": Family(
-            2, _fpa_large_logits, "logits in the hundreds; " + SMOOTH, True, True
-        ),
-        "low_rows": Family(
-            2, _fpa_low_rows, "30% of rows have every logit near -200; " + SMOOTH, True, True
-        ),
-        "long_uniform": Family(
-            1, _fpa_long_uniform, "T = 2304, near-uniform weights, every key live"
-        ),
-        "large_field": Family(
-            2, _fpa_large_field, "fields near +-1e4 with O(1) penalties; " + SMOOTH, True, True
-        ),
-        "varlen": Family(2, _fpa_varlen, VARLEN, True, requires=("fpa_attention.varlen",)),
-        "gqa": Family(3, _fpa_gqa, GQA + "; " + SMOOTH, True, True, ("fpa_attention.gqa",)),
-    }
-)
+def _fpa_empty_segment(rng: np.random.Generator, n: int) -> Built:
+    offsets = EMPTY_SEGMENT_OFFSETS[n]
+    return _fpa_inputs(rng, (1, 2, offsets[-1], 16, 16)), {"cu_seqlens": offsets}
+
+
+def _fpa_packings(rng: np.random.Generator, n: int) -> Built:
+    offsets = draw_packing(rng, n)
+    return _fpa_inputs(rng, (1, 2, offsets[-1], 16, 16)), {"cu_seqlens": offsets}
+
+
+def _fpa_varlen_gqa(rng: np.random.Generator, n: int) -> Built:
+    H, H_kv = VARLEN_GQA_HEADS[n]
+    offsets = draw_packing(rng, n + 1)
+    inputs = _fpa_inputs(rng, (1, H, offsets[-1], 16, 16))
+    inputs["k"], inputs["v"] = inputs["k"][:, :H_kv], inputs["v"][:, :H_kv]
+    return inputs, {"cu_seqlens": offsets}
+
+
+def _fpa_gqa_batch(rng: np.random.Generator, n: int) -> Built:
+    B, H, H_kv, T = GQA_BATCH_SHAPES[n]
+    inputs = _fpa_inputs(rng, (B, H, T, 16, 16), margin=1e-4)
+    inputs["k"], inputs["v"] = inputs["k"][:, :H_kv], inputs["v"][:, :H_kv]
+    return inputs, {}
+
+
+def _fpa_headdim_big(rng: np.random.Generator, n: int) -> Built:
+    dk, dv, T = HEADDIM_BIG[n]
+    return _fpa_inputs(rng, (1, 2, T, dk, dv), margin=1e-4), {}
+
+
+def _fpa_long_gradient(rng: np.random.Generator, n: int) -> Built:
+    return _fpa_inputs(rng, LONG_GRADIENT_SHAPES[n]), {}
+
+
+def _fpa_call_order(rng: np.random.Generator, n: int) -> Built:
+    return _fpa_inputs(rng, (2, 2, 65, 16, 16), margin=1e-4), {}
+
+
+def _fpa_window(rng: np.random.Generator, n: int) -> Built:
+    T, W = WINDOWS[n]
+    return _fpa_inputs(rng, (1 + n % 2, 2, T, 16, 16), margin=1e-4), {"window": W}
+
+
+FPA_FAMILIES = {
+    "shapes": Family(4, _fpa_family(FPA_SHAPES, margin=1e-4), SMOOTH, True, True),
+    "headdim": Family(4, _fpa_family(FPA_HEADDIMS, margin=1e-4), SMOOTH, True, True),
+    "ragged": Family(4, _fpa_family(FPA_RAGGED, margin=1e-4), SMOOTH, True, True),
+    "long": Family(1, _fpa_family([(1, 1, 512, 16, 16)]), "T = 512"),
+    "walk": Family(3, _fpa_family([FPA_FIELD_SHAPE], margin=1e-4), SMOOTH, True, True),
+    "monotone": Family(
+        3,
+        _fpa_family([FPA_FIELD_SHAPE], field_kind="monotone", level_kind="one_walk", margin=1e-4),
+        "FoX-like field, level = field; " + SMOOTH,
+        True,
+        True,
+    ),
+    "brackets": Family(
+        3,
+        _fpa_family([FPA_FIELD_SHAPE], field_kind="brackets", level_kind="one_walk"),
+        "integer field, level = field; " + TIES,
+        True,
+        False,
+    ),
+    "constant": Family(
+        2,
+        _fpa_family([FPA_FIELD_SHAPE], field_kind="constant"),
+        "every segment minimum tied; " + TIES,
+        True,
+        False,
+    ),
+    "huge": Family(
+        2, _fpa_family([FPA_FIELD_SHAPE], field_kind="huge"), "field of magnitude 1e4", True, False
+    ),
+    "cliff": Family(2, _fpa_family([FPA_FIELD_SHAPE], field_kind="cliff"), "a 1e30 descent midway"),
+    "one_walk": Family(
+        2,
+        _fpa_family([FPA_FIELD_SHAPE], level_kind="one_walk", margin=1e-4),
+        "level = field; " + SMOOTH,
+        True,
+        True,
+    ),
+    "extreme_level": Family(
+        2,
+        _fpa_family([FPA_FIELD_SHAPE], level_kind="extreme"),
+        "level offsets of +-1e4",
+        True,
+        False,
+    ),
+    "near_uniform": Family(
+        2,
+        _fpa_family([FPA_FIELD_SHAPE], field_kind="constant", logit=1e-3),
+        "tiny logits, flat field: near-uniform weights; " + TIES,
+        True,
+        False,
+    ),
+    "near_onehot": Family(
+        2,
+        _fpa_family([FPA_FIELD_SHAPE], logit=12.0, margin=1e-4),
+        "large logits: near one-hot weights; " + SMOOTH,
+        True,
+        True,
+    ),
+    "tiles": Family(
+        7,
+        _fpa_tiles,
+        "T across tile borders (127-129, 255-257, 300), B*H > 1; walk, bracket and one-walk "
+        "fields (brackets are tie cases)",
+        True,
+    ),
+    "headdim_long": Family(
+        12, _fpa_headdim_long, "dk/dv 64/64, 128/128, 128/64, 96/96 at T 65, 130, 257", True
+    ),
+    "ties_tiles": Family(6, _fpa_ties_tiles, "ties across tile borders; " + TIES, True),
+    "scale": Family(2, _fpa_scale, "non-default softmax scale; " + SMOOTH, True, True),
+    "large_logits": Family(2, _fpa_large_logits, "logits in the hundreds; " + SMOOTH, True, True),
+    "low_rows": Family(
+        2, _fpa_low_rows, "30% of rows have every logit near -200; " + SMOOTH, True, True
+    ),
+    "long_uniform": Family(1, _fpa_long_uniform, "T = 2304, near-uniform weights, every key live"),
+    "large_field": Family(
+        2, _fpa_large_field, "fields near +-1e4 with O(1) penalties; " + SMOOTH, True, True
+    ),
+    "varlen": Family(2, _fpa_varlen, VARLEN, True, requires=("fpa_attention.varlen",)),
+    "gqa": Family(3, _fpa_gqa, GQA + "; " + SMOOTH, True, True, ("fpa_attention.gqa",)),
+    "packings": Family(3, _fpa_packings, PACKINGS, True, requires=("fpa_attention.varlen",)),
+    "empty_segment": Family(
+        3, _fpa_empty_segment, EMPTY_SEGMENT, True, requires=("fpa_attention.varlen",)
+    ),
+    "varlen_gqa": Family(
+        2,
+        _fpa_varlen_gqa,
+        "packed sequences with 4/2 and 6/2 query/key-value heads",
+        True,
+        requires=("fpa_attention.varlen", "fpa_attention.gqa"),
+    ),
+    "gqa_batch": Family(
+        2,
+        _fpa_gqa_batch,
+        "GQA with B > 1 and several key/value heads (2 x 6/3, 3 x 4/2); " + SMOOTH,
+        True,
+        True,
+        ("fpa_attention.gqa",),
+    ),
+    "headdim_big": Family(
+        3, _fpa_headdim_big, "dk/dv 192/128, 256/192, 128/256; " + SMOOTH, True, True
+    ),
+    "long_gradient": Family(
+        2, _fpa_long_gradient, "gradients at T = 1024 and 1100 (small B, H, D)", True
+    ),
+    "call_order": Family(
+        1, _fpa_call_order, CALL_ORDER + "; " + SMOOTH, True, True, call_order=True
+    ),
+    "strided": Family(
+        2,
+        _fpa_family([(2, 2, 65, 16, 16)], margin=1e-4),
+        STRIDED,
+        True,
+        layouts=STRIDED_LAYOUTS,
+    ),
+    "window": Family(
+        len(WINDOWS), _fpa_window, WINDOW + "; " + SMOOTH, True, True, ("fpa_attention.window",)
+    ),
+    "window_varlen": Family(
+        2,
+        _window_varlen(lambda rng, T: (_fpa_inputs(rng, (1, 2, T, 16, 16)), {})),
+        WINDOW + "; " + VARLEN,
+        True,
+        requires=("fpa_attention.window", "fpa_attention.varlen"),
+    ),
+    "window_gqa": Family(
+        2,
+        _window_gqa(lambda rng, B, H, T: _fpa_inputs(rng, (B, H, T, 16, 16), margin=1e-4)),
+        WINDOW + "; " + GQA + "; " + SMOOTH,
+        True,
+        True,
+        ("fpa_attention.window", "fpa_attention.gqa"),
+    ),
+}
+
+
+# fox_attention
 
 
 def _fox_family(unit_gates: float, decay: float) -> Builder:
@@ -389,13 +565,6 @@ def _fox_family(unit_gates: float, decay: float) -> Builder:
         return {"q": q, "k": k, "v": v, "log_f": log_f}, {}
 
     return build
-
-
-FOX_FAMILIES = {
-    "shapes": Family(3, _fox_family(0.0, 0.5), "gates f < 1", True, True),
-    "unit_gates": Family(3, _fox_family(0.4, 0.5), "40% of gates exactly 1; " + TIES, True),
-    "strong_decay": Family(2, _fox_family(0.0, 5.0), "log f ~ -5", True, True),
-}
 
 
 def _fox_inputs(
@@ -414,40 +583,143 @@ def _fox_inputs(
     return {"q": q, "k": k, "v": v, "log_f": log_f}
 
 
-FOX_FAMILIES.update(
-    {
-        "long": Family(
-            2,
-            lambda rng, n: (_fox_inputs(rng, 2, 2, [257, 300][n], decay=0.05), {}),
-            "T >= 257 across tile borders, weak decay, B*H > 1",
-            True,
+def _fox_empty_segment(rng: np.random.Generator, n: int) -> Built:
+    offsets = EMPTY_SEGMENT_OFFSETS[n]
+    return _fox_inputs(rng, 1, 2, offsets[-1], decay=0.05), {"cu_seqlens": offsets}
+
+
+def _fox_packings(rng: np.random.Generator, n: int) -> Built:
+    offsets = draw_packing(rng, n)
+    return _fox_inputs(rng, 1, 2, offsets[-1], decay=0.05), {"cu_seqlens": offsets}
+
+
+def _fox_varlen_gqa(rng: np.random.Generator, n: int) -> Built:
+    H, H_kv = VARLEN_GQA_HEADS[n]
+    offsets = draw_packing(rng, n + 1)
+    return _fox_inputs(rng, 1, H, offsets[-1], decay=0.05, H_kv=H_kv), {"cu_seqlens": offsets}
+
+
+def _fox_gqa_batch(rng: np.random.Generator, n: int) -> Built:
+    B, H, H_kv, T = GQA_BATCH_SHAPES[n]
+    return _fox_inputs(rng, B, H, T, H_kv=H_kv), {}
+
+
+def _fox_headdim_big(rng: np.random.Generator, n: int) -> Built:
+    dk, dv, T = HEADDIM_BIG[n]
+    return _fox_inputs(rng, 1, 2, T, dk, dv), {}
+
+
+def _fox_long_gradient(rng: np.random.Generator, n: int) -> Built:
+    B, H, T, dk, dv = LONG_GRADIENT_SHAPES[n]
+    return _fox_inputs(rng, B, H, T, dk, dv, decay=0.02), {}
+
+
+def _fox_call_order(rng: np.random.Generator, n: int) -> Built:
+    return _fox_inputs(rng, 2, 2, 65), {}
+
+
+# FoX at W = 1 has o = v and gradients of q, k and log_f exactly zero (FPA's lse cotangent keeps
+# its own nonzero): a relative check of them is ill-posed, so W = 1 is an outputs-only family.
+FOX_WINDOWS = [(65, 2), *WINDOWS[1:]]
+
+
+def _fox_window(rng: np.random.Generator, n: int) -> Built:
+    T, W = FOX_WINDOWS[n]
+    return _fox_inputs(rng, 1 + n % 2, 2, T, decay=0.05), {"window": W}
+
+
+FOX_FAMILIES = {
+    "shapes": Family(3, _fox_family(0.0, 0.5), "gates f < 1", True, True),
+    "unit_gates": Family(3, _fox_family(0.4, 0.5), "40% of gates exactly 1; " + TIES, True),
+    "strong_decay": Family(2, _fox_family(0.0, 5.0), "log f ~ -5", True, True),
+    "long": Family(
+        2,
+        lambda rng, n: (_fox_inputs(rng, 2, 2, [257, 300][n], decay=0.05), {}),
+        "T >= 257 across tile borders, weak decay, B*H > 1",
+        True,
+    ),
+    "scale": Family(
+        1, lambda rng, n: (_fox_inputs(rng, 1, 2, 65), {"scale": 0.3}), "scale 0.3", True, True
+    ),
+    "varlen": Family(
+        2,
+        lambda rng, n: (
+            _fox_inputs(rng, 1, 2, VARLEN_OFFSETS[n][-1], decay=0.05),
+            {"cu_seqlens": VARLEN_OFFSETS[n]},
         ),
-        "scale": Family(
-            1, lambda rng, n: (_fox_inputs(rng, 1, 2, 65), {"scale": 0.3}), "scale 0.3", True, True
+        VARLEN,
+        True,
+        requires=("fox_attention.varlen",),
+    ),
+    "gqa": Family(
+        3,
+        lambda rng, n: (
+            _fox_inputs(rng, *GQA_SHAPES[n][:2], GQA_SHAPES[n][3], H_kv=GQA_SHAPES[n][2]),
+            {},
         ),
-        "varlen": Family(
-            2,
-            lambda rng, n: (
-                _fox_inputs(rng, 1, 2, VARLEN_OFFSETS[n][-1], decay=0.05),
-                {"cu_seqlens": VARLEN_OFFSETS[n]},
-            ),
-            VARLEN,
-            True,
-            requires=("fox_attention.varlen",),
-        ),
-        "gqa": Family(
-            3,
-            lambda rng, n: (
-                _fox_inputs(rng, *GQA_SHAPES[n][:2], GQA_SHAPES[n][3], H_kv=GQA_SHAPES[n][2]),
-                {},
-            ),
-            GQA,
-            True,
-            True,
-            ("fox_attention.gqa",),
-        ),
-    }
-)
+        GQA,
+        True,
+        True,
+        ("fox_attention.gqa",),
+    ),
+    "packings": Family(3, _fox_packings, PACKINGS, True, requires=("fox_attention.varlen",)),
+    "empty_segment": Family(
+        3, _fox_empty_segment, EMPTY_SEGMENT, True, requires=("fox_attention.varlen",)
+    ),
+    "varlen_gqa": Family(
+        2,
+        _fox_varlen_gqa,
+        "packed sequences with 4/2 and 6/2 query/key-value heads",
+        True,
+        requires=("fox_attention.varlen", "fox_attention.gqa"),
+    ),
+    "gqa_batch": Family(
+        2,
+        _fox_gqa_batch,
+        "GQA with B > 1 and several key/value heads (2 x 6/3, 3 x 4/2)",
+        True,
+        True,
+        ("fox_attention.gqa",),
+    ),
+    "headdim_big": Family(3, _fox_headdim_big, "dk/dv 192/128, 256/192, 128/256", True, True),
+    "long_gradient": Family(
+        2, _fox_long_gradient, "gradients at T = 1024 and 1100 (small B, H, D)", True
+    ),
+    "call_order": Family(1, _fox_call_order, CALL_ORDER, True, True, call_order=True),
+    "strided": Family(
+        2,
+        lambda rng, n: (_fox_inputs(rng, 2, 2, 65), {}),
+        STRIDED,
+        True,
+        layouts=STRIDED_LAYOUTS,
+    ),
+    "window": Family(len(FOX_WINDOWS), _fox_window, WINDOW, True, True, ("fox_attention.window",)),
+    "window_one": Family(
+        1,
+        lambda rng, n: (_fox_inputs(rng, 2, 2, 65), {"window": 1}),
+        "W = 1: each query sees its own key only (o = v); outputs only, the gradients of q, "
+        "k and log_f being exactly zero",
+        requires=("fox_attention.window",),
+    ),
+    "window_varlen": Family(
+        2,
+        _window_varlen(lambda rng, T: (_fox_inputs(rng, 1, 2, T, decay=0.05), {})),
+        WINDOW + "; " + VARLEN,
+        True,
+        requires=("fox_attention.window", "fox_attention.varlen"),
+    ),
+    "window_gqa": Family(
+        2,
+        _window_gqa(lambda rng, B, H, T: _fox_inputs(rng, B, H, T)),
+        WINDOW + "; " + GQA,
+        True,
+        True,
+        ("fox_attention.window", "fox_attention.gqa"),
+    ),
+}
+
+
+# fpa_decode
 
 
 def threshold_in_widest_gap(
@@ -482,19 +754,6 @@ def _decode_family(kind: str) -> Builder:
     return build
 
 
-DECODE_FAMILIES = {
-    "no_eviction": Family(3, _decode_family("inf"), "theta = inf: equals the parallel op"),
-    "brackets": Family(
-        3, _decode_family("brackets"), "bracket field x4, theta = 6: far from all depths"
-    ),
-    "walk": Family(
-        3,
-        _decode_family("walk"),
-        "random-walk field, offset levels; theta mid-way in the widest gap of the depths",
-    ),
-}
-
-
 def _decode_boundary(rng: np.random.Generator, n: int) -> Built:
     """Integer field and levels, so every depth is an exact integer; theta is one of them."""
     B, H, T, dk, dv = [(1, 2, 65, 8, 8), (2, 2, 130, 8, 8)][n]
@@ -523,21 +782,51 @@ def _decode_long(rng: np.random.Generator, n: int) -> Built:
     return {"q": q, "k": k, "v": v, "field": f, "level": level}, {"theta": theta}
 
 
-DECODE_FAMILIES.update(
-    {
-        "boundary": Family(
-            2,
-            _decode_boundary,
-            "integer depths, theta equal to an occurring depth: evicted at pi >= theta (F7)",
-        ),
-        "long": Family(
-            3,
-            _decode_long,
-            "T = 257 (theta = inf), 300 (theta in the widest gap), 200 with every key live "
-            "(a cache of more than 128 keys); B = H = 2",
-        ),
-    }
-)
+def _decode_theta_near(rng: np.random.Generator, n: int) -> Built:
+    """Integer depths (exact in float32) and theta just off an occurring depth d: d + 1e-4,
+    d - 1e-4, d + 1/3, none of them exactly representable in binary."""
+    B, H, T, dk, dv = [(1, 2, 65, 8, 8), (2, 2, 130, 8, 8), (1, 1, 33, 8, 8)][n]
+    f = _bracket_walk(rng, (B, H, T))
+    level = f + rng.choice([-1.0, 0.0, 0.0, 1.0], size=f.shape)
+    depths = fpa.descent_depth(f, level)
+    d = 2.0 if (depths == 2.0).any() else float(depths[depths > 0].min())
+    theta = d + [1e-4, -1e-4, 1.0 / 3.0][n]
+    q, k = rng.standard_normal((2, B, H, T, dk))
+    v = rng.standard_normal((B, H, T, dv))
+    return {"q": q, "k": k, "v": v, "field": f, "level": level}, {"theta": theta}
+
+
+DECODE_FAMILIES = {
+    "no_eviction": Family(3, _decode_family("inf"), "theta = inf: equals the parallel op"),
+    "brackets": Family(
+        3, _decode_family("brackets"), "bracket field x4, theta = 6: far from all depths"
+    ),
+    "walk": Family(
+        3,
+        _decode_family("walk"),
+        "random-walk field, offset levels; theta mid-way in the widest gap of the depths",
+    ),
+    "boundary": Family(
+        2,
+        _decode_boundary,
+        "integer depths, theta equal to an occurring depth: evicted at pi >= theta (F7)",
+    ),
+    "long": Family(
+        3,
+        _decode_long,
+        "T = 257 (theta = inf), 300 (theta in the widest gap), 200 with every key live "
+        "(a cache of more than 128 keys); B = H = 2",
+    ),
+    "theta_near": Family(
+        3,
+        _decode_theta_near,
+        "integer depths, theta = d + 1e-4, d - 1e-4, d + 1/3 for an occurring depth d (not exactly "
+        "representable; a backend that rounds theta to half precision sees a tie)",
+    ),
+}
+
+
+# interdomain_legs
 
 
 def _positive(rng: np.random.Generator, shape: tuple[int, ...]) -> NDArray[np.float64]:
@@ -555,6 +844,10 @@ def _legs_family(menu: Sequence[tuple[int, int, int, int, int, int]]) -> Builder
         return inputs, {"M": M}
 
     return build
+
+
+def _legs_strided(rng: np.random.Generator, n: int) -> Built:
+    return _legs_family([(2, 2, 33, 4, 8, 8)])(rng, n)
 
 
 LEGS_FAMILIES = {
@@ -580,7 +873,13 @@ LEGS_FAMILIES = {
         True,
         True,
     ),
+    "strided": Family(
+        2, _legs_strided, "positive features; " + STRIDED, True, layouts=STRIDED_LAYOUTS
+    ),
 }
+
+
+# interdomain_s4d
 
 
 def _s4d_family(
@@ -618,6 +917,35 @@ def _s4d_family(
         return inputs, {"readout": readout}
 
     return build
+
+
+def _s4d_packings(rng: np.random.Generator, n: int) -> Built:
+    readout = ("linear", "ratio")[n % 2]
+    offsets = draw_packing(rng, n)
+    inputs, params = _s4d_family([(1, 2, offsets[-1], 4, 4, 8)], readout=readout)(rng, n)
+    return inputs, {**params, "cu_seqlens": offsets}
+
+
+def _s4d_zero_mode(rng: np.random.Generator, n: int) -> Built:
+    """Mode h of head h has Lambda = 0 (it forgets at once); the rest as usual."""
+    readout = ("linear", "ratio")[n]
+    menu = [(2, 2, 65, 4, 4, 8), (1, 3, 33, 4, 8, 4)]
+    inputs, params = _s4d_family(menu, readout=readout)(rng, n)
+    for h in range(inputs["lam_re"].shape[0]):
+        inputs["lam_re"][h, h] = inputs["lam_im"][h, h] = 0.0
+    return inputs, params
+
+
+def _s4d_call_order(rng: np.random.Generator, n: int) -> Built:
+    return _s4d_family([(2, 2, 65, 4, 4, 8)])(rng, n)
+
+
+def _s4d_empty_segment(rng: np.random.Generator, n: int) -> Built:
+    offsets = EMPTY_SEGMENT_OFFSETS[n]
+    inputs, params = _s4d_family(
+        [(1, 2, offsets[-1], 4, 4, 8)], readout=("linear", "ratio")[n % 2]
+    )(rng, n)
+    return inputs, {**params, "cu_seqlens": offsets}
 
 
 S4D_FAMILIES = {
@@ -675,395 +1003,33 @@ S4D_FAMILIES = {
         True,
         requires=("interdomain_s4d.varlen",),
     ),
+    "packings": Family(
+        3,
+        _s4d_packings,
+        PACKINGS + "; linear and ratio readouts",
+        True,
+        requires=("interdomain_s4d.varlen",),
+    ),
+    "zero_mode": Family(
+        2,
+        _s4d_zero_mode,
+        "a mode with Lambda = 0 in each head, linear and ratio readouts",
+        True,
+        True,
+    ),
+    "empty_segment": Family(
+        3,
+        _s4d_empty_segment,
+        EMPTY_SEGMENT + "; linear and ratio readouts",
+        True,
+        requires=("interdomain_s4d.varlen",),
+    ),
+    "call_order": Family(1, _s4d_call_order, CALL_ORDER, True, True, call_order=True),
+    "strided": Family(1, _s4d_family([(2, 2, 33, 4, 4, 8)]), STRIDED, True, layouts=("slice",)),
 }
 
 
-# ------------------------------------------------------------------------ round three
-# Families of combined features, drawn packings, big head dims, long-row gradients, call
-# order, strided inputs, a Lambda = 0 mode and near-threshold decoding (docs/conformance.md).
-
-
-def draw_packing(rng: np.random.Generator, n: int) -> tuple[int, ...]:
-    """cu_seqlens drawn from a length menu: tile multiples (64, 128) and non-multiples, the
-    longest segment never last, a length-1 segment first (n % 3 = 0), inside (1) or last (2),
-    so borders fall inside late chunks of 128 as well as early ones."""
-    menu = [(128, 64, 37, 90), (200, 64, 27, 129), (63, 256, 45, 64)][n % 3]
-    while True:
-        lengths = [int(x) for x in rng.permutation(menu)]
-        if lengths[-1] != max(lengths):
-            break
-    lengths.insert([0, 2, len(lengths)][n % 3], 1)
-    return tuple(int(x) for x in np.concatenate([[0], np.cumsum(lengths)]))
-
-
-# Zero-length packed sequences (reference/packing.py: they contribute nothing): first, two in a
-# row inside, last.
-EMPTY_SEGMENT_OFFSETS = [(0, 0, 9, 65), (0, 9, 9, 9, 65), (0, 56, 65, 65)]
-EMPTY_SEGMENT = (
-    "zero-length packed sequences (contributing nothing) first, two in a row inside, and last"
-)
-
-
-def _fpa_empty_segment(rng: np.random.Generator, n: int) -> Built:
-    offsets = EMPTY_SEGMENT_OFFSETS[n]
-    return _fpa_inputs(rng, (1, 2, offsets[-1], 16, 16)), {"cu_seqlens": offsets}
-
-
-def _fox_empty_segment(rng: np.random.Generator, n: int) -> Built:
-    offsets = EMPTY_SEGMENT_OFFSETS[n]
-    return _fox_inputs(rng, 1, 2, offsets[-1], decay=0.05), {"cu_seqlens": offsets}
-
-
-def _fpa_packings(rng: np.random.Generator, n: int) -> Built:
-    offsets = draw_packing(rng, n)
-    return _fpa_inputs(rng, (1, 2, offsets[-1], 16, 16)), {"cu_seqlens": offsets}
-
-
-def _fox_packings(rng: np.random.Generator, n: int) -> Built:
-    offsets = draw_packing(rng, n)
-    return _fox_inputs(rng, 1, 2, offsets[-1], decay=0.05), {"cu_seqlens": offsets}
-
-
-# Varlen x GQA: (H of q, H of k and v) with a drawn packing; GQA with B > 1 and several
-# key/value heads: (B, H, H_kv, T).
-VARLEN_GQA_HEADS = [(4, 2), (6, 2)]
-GQA_BATCH_SHAPES = [(2, 6, 3, 65), (3, 4, 2, 130)]
-
-
-def _fpa_varlen_gqa(rng: np.random.Generator, n: int) -> Built:
-    H, H_kv = VARLEN_GQA_HEADS[n]
-    offsets = draw_packing(rng, n + 1)
-    inputs = _fpa_inputs(rng, (1, H, offsets[-1], 16, 16))
-    inputs["k"], inputs["v"] = inputs["k"][:, :H_kv], inputs["v"][:, :H_kv]
-    return inputs, {"cu_seqlens": offsets}
-
-
-def _fox_varlen_gqa(rng: np.random.Generator, n: int) -> Built:
-    H, H_kv = VARLEN_GQA_HEADS[n]
-    offsets = draw_packing(rng, n + 1)
-    return _fox_inputs(rng, 1, H, offsets[-1], decay=0.05, H_kv=H_kv), {"cu_seqlens": offsets}
-
-
-def _fpa_gqa_batch(rng: np.random.Generator, n: int) -> Built:
-    B, H, H_kv, T = GQA_BATCH_SHAPES[n]
-    inputs = _fpa_inputs(rng, (B, H, T, 16, 16), margin=1e-4)
-    inputs["k"], inputs["v"] = inputs["k"][:, :H_kv], inputs["v"][:, :H_kv]
-    return inputs, {}
-
-
-def _fox_gqa_batch(rng: np.random.Generator, n: int) -> Built:
-    B, H, H_kv, T = GQA_BATCH_SHAPES[n]
-    return _fox_inputs(rng, B, H, T, H_kv=H_kv), {}
-
-
-# Head dims above 128 (FlashAttention-class kernels split them), dk != dv: (dk, dv, T).
-HEADDIM_BIG = [(192, 128, 130), (256, 192, 130), (128, 256, 65)]
-
-
-def _fpa_headdim_big(rng: np.random.Generator, n: int) -> Built:
-    dk, dv, T = HEADDIM_BIG[n]
-    return _fpa_inputs(rng, (1, 2, T, dk, dv), margin=1e-4), {}
-
-
-def _fox_headdim_big(rng: np.random.Generator, n: int) -> Built:
-    dk, dv, T = HEADDIM_BIG[n]
-    return _fox_inputs(rng, 1, 2, T, dk, dv), {}
-
-
-# Gradients on long rows: kernels change strategy past 512 keys. (B, H, T, dk, dv), small.
-LONG_GRADIENT_SHAPES = [(1, 1, 1024, 16, 16), (1, 1, 1100, 8, 16)]
-
-
-def _fpa_long_gradient(rng: np.random.Generator, n: int) -> Built:
-    return _fpa_inputs(rng, LONG_GRADIENT_SHAPES[n]), {}
-
-
-def _fox_long_gradient(rng: np.random.Generator, n: int) -> Built:
-    B, H, T, dk, dv = LONG_GRADIENT_SHAPES[n]
-    return _fox_inputs(rng, B, H, T, dk, dv, decay=0.02), {}
-
-
-def _fpa_call_order(rng: np.random.Generator, n: int) -> Built:
-    return _fpa_inputs(rng, (2, 2, 65, 16, 16), margin=1e-4), {}
-
-
-def _fox_call_order(rng: np.random.Generator, n: int) -> Built:
-    return _fox_inputs(rng, 2, 2, 65), {}
-
-
-STRIDED_LAYOUTS = ("slice", "transpose")
-CALL_ORDER = (
-    "call order: a second input set of the same shape, forwards and VJPs of both interleaved "
-    "in a shuffled order, each compared with its own reference"
-)
-STRIDED = (
-    "inputs as non-contiguous views in the backend's own arrays: 'slice' (a slice of a wider "
-    "array, as q from a fused qkv projection), 'transpose' (a (B, H, T, D) view of (B, T, H, D))"
-)
-PACKINGS = (
-    "drawn packings: tile-multiple and other lengths, longest segment not last, a length-1 "
-    "segment first, inside or last, borders inside late chunks"
-)
-
-FPA_FAMILIES.update(
-    {
-        "packings": Family(3, _fpa_packings, PACKINGS, True, requires=("fpa_attention.varlen",)),
-        "empty_segment": Family(
-            3, _fpa_empty_segment, EMPTY_SEGMENT, True, requires=("fpa_attention.varlen",)
-        ),
-        "varlen_gqa": Family(
-            2,
-            _fpa_varlen_gqa,
-            "packed sequences with 4/2 and 6/2 query/key-value heads",
-            True,
-            requires=("fpa_attention.varlen", "fpa_attention.gqa"),
-        ),
-        "gqa_batch": Family(
-            2,
-            _fpa_gqa_batch,
-            "GQA with B > 1 and several key/value heads (2 x 6/3, 3 x 4/2); " + SMOOTH,
-            True,
-            True,
-            ("fpa_attention.gqa",),
-        ),
-        "headdim_big": Family(
-            3, _fpa_headdim_big, "dk/dv 192/128, 256/192, 128/256; " + SMOOTH, True, True
-        ),
-        "long_gradient": Family(
-            2, _fpa_long_gradient, "gradients at T = 1024 and 1100 (small B, H, D)", True
-        ),
-        "call_order": Family(
-            1, _fpa_call_order, CALL_ORDER + "; " + SMOOTH, True, True, call_order=True
-        ),
-        "strided": Family(
-            2,
-            _fpa_family([(2, 2, 65, 16, 16)], margin=1e-4),
-            STRIDED,
-            True,
-            layouts=STRIDED_LAYOUTS,
-        ),
-    }
-)
-FOX_FAMILIES.update(
-    {
-        "packings": Family(3, _fox_packings, PACKINGS, True, requires=("fox_attention.varlen",)),
-        "empty_segment": Family(
-            3, _fox_empty_segment, EMPTY_SEGMENT, True, requires=("fox_attention.varlen",)
-        ),
-        "varlen_gqa": Family(
-            2,
-            _fox_varlen_gqa,
-            "packed sequences with 4/2 and 6/2 query/key-value heads",
-            True,
-            requires=("fox_attention.varlen", "fox_attention.gqa"),
-        ),
-        "gqa_batch": Family(
-            2,
-            _fox_gqa_batch,
-            "GQA with B > 1 and several key/value heads (2 x 6/3, 3 x 4/2)",
-            True,
-            True,
-            ("fox_attention.gqa",),
-        ),
-        "headdim_big": Family(3, _fox_headdim_big, "dk/dv 192/128, 256/192, 128/256", True, True),
-        "long_gradient": Family(
-            2, _fox_long_gradient, "gradients at T = 1024 and 1100 (small B, H, D)", True
-        ),
-        "call_order": Family(1, _fox_call_order, CALL_ORDER, True, True, call_order=True),
-        "strided": Family(
-            2,
-            lambda rng, n: (_fox_inputs(rng, 2, 2, 65), {}),
-            STRIDED,
-            True,
-            layouts=STRIDED_LAYOUTS,
-        ),
-    }
-)
-
-
-# The window of (F3w), W = params["window"]: W = 1 (each query its own key), W inside a tile,
-# W across tile borders (tiles of 16-128), W = T (every causal pair: one key past the last
-# one a window off by one misses), then packed sequences and GQA with a window.
-WINDOWS = [(65, 1), (130, 17), (257, 100), (130, 130), (200, 64), (300, 129)]
-WINDOW = (
-    "the window of (F3w): query i sees keys i-W+1..i (W = 1, inside a tile, across tiles, W = T)"
-)
-
-
-def _fpa_window(rng: np.random.Generator, n: int) -> Built:
-    T, W = WINDOWS[n]
-    return _fpa_inputs(rng, (1 + n % 2, 2, T, 16, 16), margin=1e-4), {"window": W}
-
-
-def _fox_window(rng: np.random.Generator, n: int) -> Built:
-    T, W = FOX_WINDOWS[n]
-    return _fox_inputs(rng, 1 + n % 2, 2, T, decay=0.05), {"window": W}
-
-
-# FoX at W = 1 has o = v and gradients of q, k and log_f exactly zero (FPA's lse cotangent keeps
-# its own nonzero): a relative check of them is ill-posed, so W = 1 is an outputs-only family.
-FOX_WINDOWS = [(65, 2), *WINDOWS[1:]]
-
-
-def _window_varlen(inputs: Builder) -> Builder:
-    def build(rng: np.random.Generator, n: int) -> Built:
-        offsets, W = [(VARLEN_OFFSETS[0], 40), (VARLEN_OFFSETS[1], 70)][n]
-        built, _ = inputs(rng, offsets[-1])
-        return built, {"cu_seqlens": offsets, "window": W}
-
-    return build
-
-
-def _window_gqa(inputs: Callable[[np.random.Generator, int, int, int], Inputs]) -> Builder:
-    def build(rng: np.random.Generator, n: int) -> Built:
-        B, H, H_kv, T = GQA_SHAPES[n]
-        drawn = inputs(rng, B, H, T)
-        drawn["k"], drawn["v"] = drawn["k"][:, :H_kv], drawn["v"][:, :H_kv]
-        return drawn, {"window": 20 + n}
-
-    return build
-
-
-FPA_FAMILIES.update(
-    {
-        "window": Family(
-            len(WINDOWS), _fpa_window, WINDOW + "; " + SMOOTH, True, True, ("fpa_attention.window",)
-        ),
-        "window_varlen": Family(
-            2,
-            _window_varlen(lambda rng, T: (_fpa_inputs(rng, (1, 2, T, 16, 16)), {})),
-            WINDOW + "; " + VARLEN,
-            True,
-            requires=("fpa_attention.window", "fpa_attention.varlen"),
-        ),
-        "window_gqa": Family(
-            2,
-            _window_gqa(lambda rng, B, H, T: _fpa_inputs(rng, (B, H, T, 16, 16), margin=1e-4)),
-            WINDOW + "; " + GQA + "; " + SMOOTH,
-            True,
-            True,
-            ("fpa_attention.window", "fpa_attention.gqa"),
-        ),
-    }
-)
-FOX_FAMILIES.update(
-    {
-        "window": Family(
-            len(FOX_WINDOWS), _fox_window, WINDOW, True, True, ("fox_attention.window",)
-        ),
-        "window_one": Family(
-            1,
-            lambda rng, n: (_fox_inputs(rng, 2, 2, 65), {"window": 1}),
-            "W = 1: each query sees its own key only (o = v); outputs only, the gradients of q, "
-            "k and log_f being exactly zero",
-            requires=("fox_attention.window",),
-        ),
-        "window_varlen": Family(
-            2,
-            _window_varlen(lambda rng, T: (_fox_inputs(rng, 1, 2, T, decay=0.05), {})),
-            WINDOW + "; " + VARLEN,
-            True,
-            requires=("fox_attention.window", "fox_attention.varlen"),
-        ),
-        "window_gqa": Family(
-            2,
-            _window_gqa(lambda rng, B, H, T: _fox_inputs(rng, B, H, T)),
-            WINDOW + "; " + GQA,
-            True,
-            True,
-            ("fox_attention.window", "fox_attention.gqa"),
-        ),
-    }
-)
-
-
-def _decode_theta_near(rng: np.random.Generator, n: int) -> Built:
-    """Integer depths (exact in float32) and theta just off an occurring depth d: d + 1e-4,
-    d - 1e-4, d + 1/3, none of them exactly representable in binary."""
-    B, H, T, dk, dv = [(1, 2, 65, 8, 8), (2, 2, 130, 8, 8), (1, 1, 33, 8, 8)][n]
-    f = _bracket_walk(rng, (B, H, T))
-    level = f + rng.choice([-1.0, 0.0, 0.0, 1.0], size=f.shape)
-    depths = fpa.descent_depth(f, level)
-    d = 2.0 if (depths == 2.0).any() else float(depths[depths > 0].min())
-    theta = d + [1e-4, -1e-4, 1.0 / 3.0][n]
-    q, k = rng.standard_normal((2, B, H, T, dk))
-    v = rng.standard_normal((B, H, T, dv))
-    return {"q": q, "k": k, "v": v, "field": f, "level": level}, {"theta": theta}
-
-
-DECODE_FAMILIES["theta_near"] = Family(
-    3,
-    _decode_theta_near,
-    "integer depths, theta = d + 1e-4, d - 1e-4, d + 1/3 for an occurring depth d (not exactly "
-    "representable; a backend that rounds theta to half precision sees a tie)",
-)
-
-
-def _legs_strided(rng: np.random.Generator, n: int) -> Built:
-    return _legs_family([(2, 2, 33, 4, 8, 8)])(rng, n)
-
-
-LEGS_FAMILIES["strided"] = Family(
-    2, _legs_strided, "positive features; " + STRIDED, True, layouts=STRIDED_LAYOUTS
-)
-
-
-def _s4d_packings(rng: np.random.Generator, n: int) -> Built:
-    readout = ("linear", "ratio")[n % 2]
-    offsets = draw_packing(rng, n)
-    inputs, params = _s4d_family([(1, 2, offsets[-1], 4, 4, 8)], readout=readout)(rng, n)
-    return inputs, {**params, "cu_seqlens": offsets}
-
-
-def _s4d_zero_mode(rng: np.random.Generator, n: int) -> Built:
-    """Mode h of head h has Lambda = 0 (it forgets at once); the rest as usual."""
-    readout = ("linear", "ratio")[n]
-    menu = [(2, 2, 65, 4, 4, 8), (1, 3, 33, 4, 8, 4)]
-    inputs, params = _s4d_family(menu, readout=readout)(rng, n)
-    for h in range(inputs["lam_re"].shape[0]):
-        inputs["lam_re"][h, h] = inputs["lam_im"][h, h] = 0.0
-    return inputs, params
-
-
-def _s4d_call_order(rng: np.random.Generator, n: int) -> Built:
-    return _s4d_family([(2, 2, 65, 4, 4, 8)])(rng, n)
-
-
-def _s4d_empty_segment(rng: np.random.Generator, n: int) -> Built:
-    offsets = EMPTY_SEGMENT_OFFSETS[n]
-    inputs, params = _s4d_family(
-        [(1, 2, offsets[-1], 4, 4, 8)], readout=("linear", "ratio")[n % 2]
-    )(rng, n)
-    return inputs, {**params, "cu_seqlens": offsets}
-
-
-S4D_FAMILIES.update(
-    {
-        "packings": Family(
-            3,
-            _s4d_packings,
-            PACKINGS + "; linear and ratio readouts",
-            True,
-            requires=("interdomain_s4d.varlen",),
-        ),
-        "zero_mode": Family(
-            2,
-            _s4d_zero_mode,
-            "a mode with Lambda = 0 in each head, linear and ratio readouts",
-            True,
-            True,
-        ),
-        "empty_segment": Family(
-            3,
-            _s4d_empty_segment,
-            EMPTY_SEGMENT + "; linear and ratio readouts",
-            True,
-            requires=("interdomain_s4d.varlen",),
-        ),
-        "call_order": Family(1, _s4d_call_order, CALL_ORDER, True, True, call_order=True),
-        "strided": Family(1, _s4d_family([(2, 2, 33, 4, 4, 8)]), STRIDED, True, layouts=("slice",)),
-    }
-)
+# The layers (fpa_layer, interdomain_layer), the sessions and the case ids
 
 
 def trained(
@@ -1280,15 +1246,7 @@ for _op, _families in session_programs.FAMILIES.items():
             for name, (count, build, note) in _families.items()
         }
     )
-PREFIX = {
-    "fpa_attention": "fpa",
-    "fox_attention": "fox",
-    "fpa_decode": "decode",
-    "interdomain_legs": "legs",
-    "interdomain_s4d": "s4d",
-    "fpa_layer": "fpa_layer",
-    "interdomain_layer": "interdomain_layer",
-}
+PREFIX = {op: spec.prefix for op, spec in OPS.items()}
 OP_OF_PREFIX = {prefix: op for op, prefix in PREFIX.items()}
 
 

@@ -24,7 +24,6 @@ from itertools import combinations
 from typing import Any
 
 import numpy as np
-from numpy.typing import NDArray
 
 Row = dict[str, Any]
 Pair = tuple[str, Any, str, Any]
@@ -201,17 +200,3 @@ def draw_offsets(rng: np.random.Generator, kind: str, T: int) -> tuple[int, ...]
         inner = [b for b in (16, 64, 128) if b < T - 1]
         return (0, *inner, T) if inner else (0, T)
     raise ValueError(f"kind: unknown packing {kind!r}")
-
-
-def logit_inputs(
-    rng: np.random.Generator, kind: str, q: NDArray[np.float64], dk: int
-) -> tuple[NDArray[np.float64], float | None]:
-    """(q, scale) of the logit class: 'default' (1/sqrt(dk)), 'small' (scale 0.3) or 'large'
-    (scale 40 / sqrt(dk) on unit q, k: logits in the tens to hundreds)."""
-    if kind == "default":
-        return q, None
-    if kind == "small":
-        return q, 0.3
-    if kind == "large":
-        return q, 40.0 / float(np.sqrt(dk))
-    raise ValueError(f"kind: unknown logit class {kind!r}")

@@ -54,10 +54,14 @@ Complex parameters cross the boundary as (re, im) pairs of real arrays (``lam_re
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
+
+# The op table lives with the reference, where every layer can read it.
+from attnspec.reference.ops import OPS as OPS
+from attnspec.reference.ops import S4D_PARAMS as S4D_PARAMS
+from attnspec.reference.ops import OpSpec as OpSpec
 
 
 class UnsupportedShape(NotImplementedError):
@@ -83,76 +87,6 @@ class Backend(Protocol):
     def vjp(
         self, op: str, inputs: dict[str, Any], params: dict[str, Any], cotangents: dict[str, Any]
     ) -> dict[str, Any]: ...
-
-
-@dataclass(frozen=True)
-class OpSpec:
-    """One op of the protocol.
-
-    inputs: array arguments in canonical order; ``wide`` ones stay float32 or wider when the
-    tested dtype is narrower (field, level and gate arithmetic, SSM parameters) [decision].
-    outputs: names of the returned values with their tolerance quantity.
-    differentiable: inputs whose cotangents ``vjp`` must return (none: the op has no VJP).
-    varlen, gqa, window: the op defines packed sequences (``cu_seqlens``), grouped-query
-    attention and the window of (F3w), the optional capabilities ``<op>.varlen``, ``<op>.gqa``
-    and ``<op>.window``.
-    """
-
-    name: str
-    inputs: tuple[str, ...]
-    outputs: tuple[tuple[str, str], ...]
-    differentiable: tuple[str, ...] = ()
-    wide: tuple[str, ...] = ()
-    layer: bool = False
-    varlen: bool = False
-    gqa: bool = False
-    window: bool = False
-
-
-S4D_PARAMS = ("lam_re", "lam_im", "b_re", "b_im", "c_re", "c_im")
-
-OPS: dict[str, OpSpec] = {
-    spec.name: spec
-    for spec in [
-        OpSpec(
-            "fpa_attention",
-            ("q", "k", "v", "field", "level"),
-            (("o", "output"), ("lse", "lse")),
-            ("q", "k", "v", "field", "level"),
-            wide=("field", "level"),
-            varlen=True,
-            gqa=True,
-            window=True,
-        ),
-        OpSpec(
-            "fox_attention",
-            ("q", "k", "v", "log_f"),
-            (("o", "output"),),
-            ("q", "k", "v", "log_f"),
-            wide=("log_f",),
-            varlen=True,
-            gqa=True,
-            window=True,
-        ),
-        OpSpec(
-            "fpa_decode",
-            ("q", "k", "v", "field", "level"),
-            (("o", "output"), ("kept_fraction", "state")),
-            wide=("field", "level"),
-        ),
-        OpSpec("interdomain_legs", ("fq", "fk", "v"), (("o", "output"),), ("fq", "fk", "v")),
-        OpSpec(
-            "interdomain_s4d",
-            ("fq", "kt", "vt", *S4D_PARAMS),
-            (("o", "output"),),
-            ("fq", "kt", "vt", *S4D_PARAMS),
-            wide=S4D_PARAMS,
-            varlen=True,
-        ),
-        OpSpec("fpa_layer", ("x",), (("y", "output"),), layer=True, varlen=True),
-        OpSpec("interdomain_layer", ("x",), (("y", "output"),), layer=True, varlen=True),
-    ]
-}
 
 
 def op_features(ops: Iterable[str]) -> tuple[str, ...]:
@@ -197,10 +131,8 @@ def call_op(
     if spec.layer:
         weights = {k.removeprefix("params."): v for k, v in inputs.items() if k != "x"}
         result = fn(inputs["x"], weights, **params)
-    elif op == "fpa_attention":
-        result = fn(**inputs, **params, return_lse=True)
     else:
-        result = fn(**inputs, **params)
+        result = fn(**inputs, **params, **dict(spec.call_options))
     names = [name for name, _ in spec.outputs]
     if len(names) == 1:
         return {names[0]: result}

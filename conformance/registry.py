@@ -24,8 +24,8 @@ BUILTIN = {
 
 # The context-parallel adapters (conformance/context_parallel.py): sharded runs of a framework.
 CONTEXT_PARALLEL = {
-    "torch": "attnspec.backends.torch.context_parallel:KitBackend",
-    "jax": "attnspec.backends.jax.context_parallel:KitBackend",
+    "torch": "attnspec.backends.torch.context_parallel_kit:KitBackend",
+    "jax": "attnspec.backends.jax.context_parallel_kit:KitBackend",
 }
 
 # The extra that provides each framework backend, for the message when it is missing.

@@ -109,10 +109,10 @@ def native_inputs(
 
 
 def cotangents(case: Case, outputs: dict[str, np.ndarray], dtype: str) -> dict[str, np.ndarray]:
-    """Random cotangents of the differentiable outputs (o, and lse for FPA), seeded by the case
-    and rounded to ``dtype``, so the reference and the backend receive the same values."""
+    """Random cotangents of the differentiable outputs (``OPS[op].cotangents``), seeded by the
+    case and rounded to ``dtype``, so the reference and the backend receive the same values."""
     rng = np.random.default_rng(case.seed + 1)
-    names = ["o", "lse"] if case.op == "fpa_attention" else ["o"]
+    names = OPS[case.op].cotangents
     return {n: round_to(rng.standard_normal(outputs[n].shape), dtype) for n in names}
 
 

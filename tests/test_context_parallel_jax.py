@@ -18,6 +18,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from attnspec.backends.jax import context_parallel as cp
+from attnspec.backends.jax import context_parallel_kit as cp_kit
 from attnspec.conformance import context_parallel as kit
 from attnspec.reference import fpa
 
@@ -30,12 +31,12 @@ PICK = {
     ("fox/cp/zigzag/P4", "float32"), ("interdomain/cp/varlen/P4", "float64"),
     ("interdomain/cp/ratio/P4", "float32"), ("fpa/cp/plateau-ties/P2", "float64"),
 }
-claimed = cp.KitBackend().capabilities()
+claimed = cp_kit.KitBackend().capabilities()
 rows = []
 for world in (4, 2):
     jobs, refs, _ = kit.prepare(world, kit.DTYPES, kit.CP_OPS, claimed)
     chosen = [n for n, j in enumerate(jobs) if (j.case_id, j.dtype) in PICK]
-    got = cp.run_jobs([jobs[n] for n in chosen], world)
+    got = cp_kit.run_jobs([jobs[n] for n in chosen], world)
     for r in kit.judge([jobs[n] for n in chosen], got, [refs[n] for n in chosen], world):
         rows.append([r.case_id, r.dtype, r.verdict, r.message])
     if world == 4:  # a wrong sharding: (CP1) without the gap minimum
@@ -45,7 +46,7 @@ for world in (4, 2):
                 return jnp.full_like(mid, jnp.inf), argmid
         wrong = [n for n, j in enumerate(jobs)
                  if j.case_id == "fpa/cp/global-min-between/P4" and j.dtype == "float64"]
-        res = cp.run_jobs([jobs[n] for n in wrong], world, NoGap())
+        res = cp_kit.run_jobs([jobs[n] for n in wrong], world, NoGap())
         report["no_gap"] = [r.verdict for r in kit.judge([jobs[n] for n in wrong], res,
                                                          [refs[n] for n in wrong], world)]
 report["kit"] = rows

@@ -14,6 +14,8 @@ import pytest
 import torch
 
 from attnspec.backends.torch import context_parallel as cp
+from attnspec.backends.torch.context_parallel_kit import KitBackend
+from attnspec.backends.torch.context_parallel_launch import spawn
 from attnspec.backends.torch.context_parallel_mutants import CAUGHT_BY, MUTANTS
 from attnspec.conformance import context_parallel as kit
 
@@ -21,8 +23,8 @@ TIMEOUT = 240.0  # seconds per launch: a deadlock fails the test instead of hang
 
 
 def test_sharded_ops_on_two_ranks_equal_the_reference():
-    jobs, refs, _ = kit.prepare(2, kit.DTYPES, kit.CP_OPS, cp.KitBackend().capabilities())
-    results = kit.judge(jobs, cp.KitBackend(timeout=TIMEOUT).run_sharded(jobs, 2), refs, 2)
+    jobs, refs, _ = kit.prepare(2, kit.DTYPES, kit.CP_OPS, KitBackend().capabilities())
+    results = kit.judge(jobs, KitBackend(timeout=TIMEOUT).run_sharded(jobs, 2), refs, 2)
     _check_all_passed(results, 2)
 
 
@@ -30,7 +32,7 @@ def test_four_ranks_equal_the_reference_and_the_kit_catches_wrong_shardings():
     """The cases on 4 ranks under the correct sharding, and each wrong sharding on the float64
     cases of the op it breaks plus the length-1 shards of every op, in one launch (one test, so
     that parallel test workers launch it once)."""
-    jobs, refs, _ = kit.prepare(4, kit.DTYPES, kit.CP_OPS, cp.KitBackend().capabilities())
+    jobs, refs, _ = kit.prepare(4, kit.DTYPES, kit.CP_OPS, KitBackend().capabilities())
     variants = {"correct": (cp.DEFAULT, jobs)}
     picked = {}
     for name, sharding in MUTANTS.items():
@@ -42,7 +44,7 @@ def test_four_ranks_equal_the_reference_and_the_kit_catches_wrong_shardings():
             if job.dtype == "float64" and (job.op == op or "shard-length-1" in job.case_id)
         ]
         variants[name] = (sharding, [jobs[n] for n in picked[name]])
-    got = cp.KitBackend(timeout=TIMEOUT).run_variants(4, variants)
+    got = KitBackend(timeout=TIMEOUT).run_variants(4, variants)
     _check_all_passed(kit.judge(jobs, got["correct"], refs, 4), 4)
     for name, chosen in picked.items():
         op, _ = CAUGHT_BY[name]
@@ -139,7 +141,7 @@ EXPECTED = {
 
 
 def test_bad_input_raises_the_same_error_on_every_rank(tmp_path):
-    cp.spawn(_bad_input_worker, 2, str(tmp_path), timeout=TIMEOUT)
+    spawn(_bad_input_worker, 2, str(tmp_path), timeout=TIMEOUT)
     records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert records[0] == records[1]  # the same message on every rank
     for name, expected in EXPECTED.items():
@@ -148,7 +150,7 @@ def test_bad_input_raises_the_same_error_on_every_rank(tmp_path):
 
 def test_spawn_kills_a_hung_launch():
     with pytest.raises(TimeoutError, match="still running"):
-        cp.spawn(_hung_worker, 2, timeout=5.0)
+        spawn(_hung_worker, 2, timeout=5.0)
 
 
 def _hung_worker(rank, world):
@@ -172,10 +174,10 @@ def test_the_triton_kernels_underneath_under_the_interpreter(monkeypatch):
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     picked = {("fpa/cp/varlen/P2", "float32"), ("fox/cp/zigzag/P2", "float32")}
-    jobs, refs, _ = kit.prepare(2, ("float32",), kit.CP_OPS, cp.KitBackend().capabilities())
+    jobs, refs, _ = kit.prepare(2, ("float32",), kit.CP_OPS, KitBackend().capabilities())
     chosen = [n for n, job in enumerate(jobs) if (job.case_id, job.dtype) in picked]
     jobs, refs = [jobs[n] for n in chosen], [refs[n] for n in chosen]
-    got = cp.KitBackend(timeout=TIMEOUT, impl="triton").run_sharded(jobs, 2)
+    got = KitBackend(timeout=TIMEOUT, impl="triton").run_sharded(jobs, 2)
     results = kit.judge(jobs, got, refs, 2)
     assert len(results) == 2
     assert all(r.verdict == "passed" for r in results), [(r.case_id, r.message) for r in results]
@@ -213,7 +215,7 @@ def _triton_worker(rank, world, path):
 def test_the_triton_kernels_take_a_batch_and_half_precision_gates(monkeypatch, tmp_path):
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    cp.spawn(_triton_worker, 2, str(tmp_path), timeout=TIMEOUT)
+    spawn(_triton_worker, 2, str(tmp_path), timeout=TIMEOUT)
     for r in range(2):
         errors = json.loads((tmp_path / f"rank{r}.json").read_text())
         assert max(errors.values()) < 1e-4, (r, errors)

@@ -49,7 +49,7 @@ ALLOWED = {
 }
 
 # Inside backends/ only the adapters to the kit import it.
-KIT_ADAPTERS = {"kit.py", "context_parallel.py"}
+KIT_ADAPTERS = {"kit.py", "context_parallel_kit.py"}
 
 # What `import attnspec.reference` may pull in besides the standard library.
 REFERENCE_THIRD_PARTY = {"numpy", "scipy"}

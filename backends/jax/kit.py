@@ -43,7 +43,8 @@ import numpy as np
 
 from attnspec.backends import session_checks
 from attnspec.conformance.protocol import OPS as OP_TABLE
-from attnspec.conformance.protocol import S4D_PARAMS, op_claims
+from attnspec.conformance.protocol import op_claims
+from attnspec.reference.ops import S4D_PARAMS
 
 from . import decode, fpa, interdomain, layers, sessions
 
@@ -166,8 +167,7 @@ def _call(
     x = folded
     if op in ATTENTION:
         scalars = [x[n] for n in ("field", "level", "log_f") if n in x]
-        fn = fpa.fpa_attention if op == "fpa_attention" else fpa.fox_attention
-        o, lse = fn(
+        o, lse = getattr(fpa, op)(
             x["q"],
             x["k"],
             x["v"],
@@ -179,7 +179,8 @@ def _call(
             implementation=impl,
             validate=False,
         )
-        return {"o": o, "lse": lse} if op == "fpa_attention" else {"o": o}
+        outputs = [name for name, _ in OP_TABLE[op].outputs]
+        return {n: x for n, x in (("o", o), ("lse", lse)) if n in outputs}
     if op == "interdomain_legs":
         return {"o": interdomain.interdomain_legs(x["fq"], x["fk"], x["v"], params["M"])}
     o = interdomain.interdomain_s4d(
@@ -219,7 +220,7 @@ def _zero_cotangents(
     first = folded["q" if "q" in folded else "fq"]
     width = folded["v" if "v" in folded else "vt"].shape[-1]
     zeros = {"o": np.zeros((*first.shape[:-1], width), first.dtype)}
-    if op == "fpa_attention":
+    if "lse" in OP_TABLE[op].cotangents:
         zeros["lse"] = np.zeros(first.shape[:-1], first.dtype)
     return jax.device_put(zeros, device)
 

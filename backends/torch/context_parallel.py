@@ -34,9 +34,7 @@ over the group (DDP and FSDP over the context-parallel ranks do).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
-from datetime import timedelta
 from typing import Any, NamedTuple
 
 import torch
@@ -183,7 +181,7 @@ def _segment_ids(offsets: tuple[int, ...] | None, T: int, device: Any) -> Tensor
 # Collectives
 
 
-def _all_gather(x: Tensor, group: Any) -> list[Tensor]:
+def all_gather(x: Tensor, group: Any) -> list[Tensor]:
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, x.contiguous(), group=group)
     return parts
@@ -207,7 +205,7 @@ class _GatherStates(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, group: Any) -> Tensor:
         ctx.group = group
-        return torch.stack(_all_gather(x, group))
+        return torch.stack(all_gather(x, group))
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
@@ -422,7 +420,7 @@ class _AttentionCP(torch.autograd.Function):
         B, _, HQ, _ = q.shape
         groups = HQ // k.shape[2]
         dtype = compute_dtype(q, field)
-        gathered = [_all_gather(x, group) for x in (k, v, field, level)]
+        gathered = [all_gather(x, group) for x in (k, v, field, level)]
         ks = _chunk_rows(gathered[0], lay, dtype, groups)
         vs = _chunk_rows(gathered[1], lay, dtype, groups)
         fs = _chunk_rows(gathered[2], lay, torch.float64 if kind == "fox" else dtype)
@@ -598,7 +596,7 @@ def _walk_adjoint(plan: _Plan, dc: Tensor) -> Tensor:
     L = lay.L
     locals_ = [dc[:, i * L : (i + 1) * L].flip(1).cumsum(1).flip(1) for i in range(len(lay.chunks))]
     mine = torch.stack([x[:, 0] for x in locals_], dim=1)  # [B, n_local, HQ] totals
-    gathered = _all_gather(mine, plan.group)
+    gathered = all_gather(mine, plan.group)
     n = chunk_count(lay.world, "contiguous" if len(lay.chunks) == 1 else "zigzag")
     totals = torch.zeros((*mine.shape[:1], n, *mine.shape[2:]), dtype=dc.dtype, device=dc.device)
     for c, (r, i) in enumerate(lay.owner):
@@ -904,237 +902,3 @@ __all__ = [
     "unshard_sequence",
     "world_info",
 ]
-
-
-# --------------------------------------------------------------------------------------------
-# Local launcher (tests, the conformance kit, CPU benchmarks)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _entry(
-    rank: int, fn: Any, world: int, port: int, backend: str, timeout: float, args: tuple[Any, ...]
-) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=timeout),
-    )
-    fn(rank, world, *args)
-    dist.barrier()  # nobody tears the group down while a peer still uses it
-    dist.destroy_process_group()
-
-
-def spawn(fn: Any, world: int, *args: Any, timeout: float = 120.0, backend: str = "gloo") -> None:
-    """Run ``fn(rank, world, *args)`` on ``world`` local processes joined in a process group.
-
-    ``fn`` must be importable (a module-level function). A process that raises makes this raise
-    with its traceback; past ``timeout`` seconds every process is killed and TimeoutError is
-    raised, so a deadlock never hangs the caller. Collectives time out after ``timeout`` too.
-    """
-    import torch.multiprocessing as mp
-
-    port = _free_port()
-    ctx = mp.start_processes(
-        _entry,
-        args=(fn, world, port, backend, timeout, args),
-        nprocs=world,
-        join=False,
-        start_method="spawn",
-    )
-    import time
-
-    deadline = time.monotonic() + timeout
-    try:
-        while not ctx.join(timeout=0.5):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"spawn: {world} processes still running after {timeout} s")
-    finally:
-        for proc in ctx.processes:
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
-
-
-# --------------------------------------------------------------------------------------------
-# The conformance kit's adapter (attnspec.conformance.context_parallel)
-
-_PER_TOKEN = ("q", "k", "v", "field", "level", "log_f", "fq", "kt", "vt")
-_DTYPES = {"float64": torch.float64, "float32": torch.float32}
-
-
-def run_job(
-    job: Any, sharding: Sharding = DEFAULT, group: Any = None, impl: str = "eager"
-) -> dict[str, Any]:
-    """One kit job on this rank: shard the canonical inputs, run the op, backpropagate the
-    cotangents; returns the full outputs and gradients (gathered, canonical, NumPy)."""
-    import numpy as np
-
-    from attnspec.conformance.protocol import OPS
-    from attnspec.conformance.tolerances import wide_dtype
-
-    group = dist.group.WORLD if group is None else group
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    spec = OPS[job.op]
-    layout = job.layout
-
-    def tensor(name: str, x: Any) -> Tensor:
-        t = torch.from_numpy(np.ascontiguousarray(x))
-        # the kit's rule: wide inputs (field, level, gates, SSM parameters) in float32 or wider
-        t = t.to(_DTYPES[wide_dtype(job.dtype) if name in spec.wide else job.dtype])
-        if name in _PER_TOKEN:
-            t = shard_sequence(t.transpose(1, 2), rank, world, layout=layout).contiguous()
-        return t.requires_grad_(True)
-
-    x = {name: tensor(name, val) for name, val in job.inputs.items()}
-    params = dict(job.params)
-    if job.op == "fpa_attention":
-        o, lse = fpa_attention(
-            x["q"],
-            x["k"],
-            x["v"],
-            x["field"],
-            x["level"],
-            group=group,
-            layout=layout,
-            scale=params.get("scale"),
-            cu_seqlens=params.get("cu_seqlens"),
-            return_lse=True,
-            impl=impl,
-            sharding=sharding,
-        )
-        outs = {"o": o, "lse": lse}
-    elif job.op == "fox_attention":
-        outs = {
-            "o": fox_attention(
-                x["q"],
-                x["k"],
-                x["v"],
-                x["log_f"],
-                group=group,
-                layout=layout,
-                scale=params.get("scale"),
-                cu_seqlens=params.get("cu_seqlens"),
-                impl=impl,
-                sharding=sharding,
-            )
-        }
-    else:
-        cplx = {n: torch.complex(x[f"{n}_re"], x[f"{n}_im"]) for n in ("lam", "b", "c")}
-        outs = {
-            "o": interdomain_s4d(
-                x["fq"],
-                x["kt"],
-                x["vt"],
-                cplx["lam"],
-                cplx["b"],
-                cplx["c"],
-                group=group,
-                readout=params.get("readout", "linear"),
-                cu_seqlens=params.get("cu_seqlens"),
-                impl=impl,
-                sharding=sharding,
-            )
-        }
-    loss = sum(
-        (
-            out
-            * shard_sequence(
-                torch.from_numpy(job.cotangents[n]).to(out.dtype).transpose(1, 2),
-                rank,
-                world,
-                layout=layout,
-            )
-        ).sum()
-        for n, out in outs.items()
-    )
-    assert isinstance(loss, Tensor)
-    loss.backward()
-
-    def full(t: Tensor, per_token: bool) -> Any:
-        t = t.detach()
-        if per_token:
-            t = unshard_sequence(_all_gather(t.contiguous(), group), layout=layout).transpose(1, 2)
-        else:
-            t = t.clone()
-            dist.all_reduce(t, group=group)
-        return t.to(torch.float64).numpy()
-
-    outputs = {n: full(o, True) for n, o in outs.items()}
-    grads = {
-        n: full(t.grad if t.grad is not None else torch.zeros_like(t), n in _PER_TOKEN)
-        for n, t in x.items()
-    }
-    return {"outputs": outputs, "grads": grads}
-
-
-def _kit_worker(
-    rank: int,
-    world: int,
-    path: str,
-    variants: dict[str, tuple[Sharding, list[Any]]],
-    impl: str = "eager",
-) -> None:
-    import pickle
-
-    results: dict[str, list[Any]] = {}
-    for name, (sharding, jobs) in variants.items():
-        results[name] = []
-        for job in jobs:
-            try:
-                results[name].append(("", run_job(job, sharding, impl=impl)))
-            except ValueError as exc:  # raised alike on every rank (see agree)
-                results[name].append((f"ValueError: {exc}", {}))
-    if rank == 0:
-        with open(path, "wb") as fh:
-            pickle.dump(results, fh)
-
-
-class KitBackend:
-    """The torch context-parallel ops as the kit's ``run_sharded`` backend: ``world`` gloo
-    processes on this machine, the eager kernels underneath."""
-
-    name = "torch-cp"
-
-    def __init__(
-        self, sharding: Sharding = DEFAULT, timeout: float = 300.0, impl: str = "eager"
-    ) -> None:
-        self.sharding, self.timeout, self.impl = sharding, timeout, impl
-
-    def capabilities(self) -> set[str]:
-        return {
-            f"{op}.context_parallel" for op in ("fpa_attention", "fox_attention", "interdomain_s4d")
-        }
-
-    def run_sharded(self, jobs: list[Any], world: int) -> list[Any]:
-        return self.run_variants(world, {"": (self.sharding, jobs)})[""]
-
-    def run_variants(
-        self, world: int, variants: dict[str, tuple[Sharding, list[Any]]]
-    ) -> dict[str, list[Any]]:
-        """Jobs under several sharding strategies (wrong ones included), in one launch:
-        ``variants`` maps a name to (strategy, jobs); returns the results by name."""
-        import pickle
-        import tempfile
-
-        from attnspec.conformance.context_parallel import JobResult
-
-        with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "results.pkl")
-            spawn(_kit_worker, world, path, variants, self.impl, timeout=self.timeout)
-            with open(path, "rb") as fh:
-                raw = pickle.load(fh)
-        return {
-            name: [JobResult(r.get("outputs", {}), r.get("grads", {}), err) for err, r in rows]
-            for name, rows in raw.items()
-        }

@@ -36,21 +36,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from attnspec.reference.ops import OPS
+
 # Kernels differ in their signatures (listed above); the registry holds them by name, and
 # ``register`` hands each function back with its own signature.
 Kernel = Callable[..., Any]
 KernelT = TypeVar("KernelT", bound=Kernel)
 
-KERNELS = (
-    "fpa_fwd",
-    "fpa_bwd",
-    "fox_fwd",
-    "fox_bwd",
-    "s4d_fwd",
-    "s4d_bwd",
-    "legs_fwd",
-    "legs_bwd",
-)
+# the kernel names, from the op table (each op's forward and backward)
+KERNELS = tuple(name for spec in OPS.values() for name in spec.torch_kernels)
 
 _REGISTRY: dict[str, dict[str, Kernel]] = {name: {} for name in KERNELS}
 

@@ -348,11 +348,8 @@ class TritonBackend(TorchBackend):
     here if triton is not imported yet), where float64 is also offered."""
 
     name = "triton"
-    KERNELS: ClassVar[dict[str, tuple[str, str]]] = {
-        "fpa_attention": ("fpa_fwd", "fpa_bwd"),
-        "fox_attention": ("fox_fwd", "fox_bwd"),
-        "interdomain_s4d": ("s4d_fwd", "s4d_bwd"),
-        "interdomain_legs": ("legs_fwd", "legs_bwd"),
+    KERNELS: ClassVar[dict[str, tuple[str, ...]]] = {
+        op: spec.torch_kernels for op, spec in OP_TABLE.items() if spec.torch_kernels
     }
     # the FPA sessions attend with the Triton decode kernel; the Interdomain ones are eager
     SESSIONS: tuple[str, ...] = ("fpa_decode", "fpa_layer")

@@ -329,8 +329,8 @@ def _fwd_kernel(
     qs = tl.load(tiles + 2 * tile + 1) * BT
     bos = tl.load(cu_seqlens + seq)
     T = (tl.load(cu_seqlens + seq + 1) - bos).to(tl.int32)
-    scale = tl.load(consts + 4)  # logits in natural units; exp2 folds in log2(e)
-    log2e = tl.load(consts + 1)
+    scale = tl.load(consts + 3)  # logits in natural units; exp2 folds in log2(e)
+    log2e = tl.load(consts)
 
     r = tl.arange(0, BT)
     iq = qs + r
@@ -387,7 +387,7 @@ def _fwd_kernel(
     gap = tl.zeros([], scale.dtype)  # FoX: sum of log f over the BT tiles strictly between
     total = tl.zeros([], scale.dtype)  # FoX: sum of log f over the current BT key tile
     if SKIP:
-        theta = tl.load(consts + 3)
+        theta = tl.load(consts + 2)
         phi_qs = tl.load(field + (bos + qs) * HQ + hq)
         cur = tl.full([], float("inf"), scale.dtype)  # min phi over its visited part
     n_tiles = qs // BS
@@ -438,7 +438,7 @@ def _fwd_kernel(
     if ROUND_BF16:  # the interpreter's conversion truncates; a GPU's rounds to nearest
         out = _bf16_nearest(out)
     tl.store(o_ptr, out.to(o.dtype.element_ty), mask=q_ok[:, None] & (dv < V)[None, :])
-    ln2 = tl.load(consts + 2)
+    ln2 = tl.load(consts + 1)
     tl.store(lse + (bos + iq) * HQ + hq, m_i + tl.log2(l_safe) * ln2, mask=q_ok)
 
 
@@ -522,8 +522,8 @@ def _bwd_dq_kernel(
     qs = tl.load(tiles + 2 * tile + 1) * BT
     bos = tl.load(cu_seqlens + seq)
     T = (tl.load(cu_seqlens + seq + 1) - bos).to(tl.int32)
-    scale = tl.load(consts + 4)  # logits in natural units; exp2 folds in log2(e)
-    log2e = tl.load(consts + 1)
+    scale = tl.load(consts + 3)  # logits in natural units; exp2 folds in log2(e)
+    log2e = tl.load(consts)
 
     r = tl.arange(0, BT)
     iq = qs + r
@@ -739,8 +739,8 @@ def _bwd_dkv_kernel(
     ks = tl.load(tiles + 2 * tile + 1) * BT
     bos = tl.load(cu_seqlens + seq)
     T = (tl.load(cu_seqlens + seq + 1) - bos).to(tl.int32)
-    scale = tl.load(consts + 4)  # logits in natural units; exp2 folds in log2(e)
-    log2e = tl.load(consts + 1)
+    scale = tl.load(consts + 3)  # logits in natural units; exp2 folds in log2(e)
+    log2e = tl.load(consts)
 
     r = tl.arange(0, BT)
     ik = ks + r
@@ -1063,8 +1063,8 @@ def _sequences(
 def _constants(
     scale: float, theta: float, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
-    """[scale log2(e), log2(e), ln 2, theta, scale] in the dtype of the penalty arithmetic."""
-    values = [scale * LOG2E, LOG2E, LN2, theta, scale]
+    """[log2(e), ln 2, theta, scale] in the dtype of the penalty arithmetic."""
+    values = [LOG2E, LN2, theta, scale]
     return torch.tensor(values, dtype=dtype, device=device)
 
 
