@@ -250,7 +250,9 @@ def families() -> dict[str, dict[str, C.Family]]:
         ("interdomain_legs", _legs),
     ):
         note = COVERING + ("; " + RATIO_CONDITION if op == "interdomain_s4d" else "")
-        out[op] = {"covering": C.Family(len(rows(op)), build, note, True, per_case=per_case(op))}
+        out[op] = {
+            "covering": C.Family(len(rows(op)), build, note, gradient=True, per_case=per_case(op))
+        }
     return out
 
 
@@ -352,7 +354,7 @@ def coverage_lines(
     a backend with ``capabilities`` cannot run ("strided": it has asarray_strided)."""
     lines = []
     for op, (covered, required, missing, lacking) in menu_coverage(
-        True, capabilities, menu
+        with_covering=True, capabilities=capabilities, menu=menu
     ).items():
         line = f"pair coverage, {op}: {covered}/{required} pairs of its axes"
         if lacking:

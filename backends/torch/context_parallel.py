@@ -53,7 +53,6 @@ LAYOUTS = ("contiguous", "zigzag")
 _INF = float("inf")
 
 
-# --------------------------------------------------------------------------------------------
 # Layout
 
 
@@ -124,7 +123,6 @@ def _layout(group: Any, T_local: int, layout: str) -> _Layout:
     return _Layout(rank, world, L, rank_chunks(rank, world, layout), owner)
 
 
-# --------------------------------------------------------------------------------------------
 # Agreement: every rank raises the same error, before any tensor collective
 
 
@@ -179,7 +177,6 @@ def _segment_ids(offsets: tuple[int, ...] | None, T: int, device: Any) -> Tensor
     return torch.searchsorted(torch.tensor(offsets, device=device), pos, right=True) - 1
 
 
-# --------------------------------------------------------------------------------------------
 # Collectives
 
 
@@ -214,7 +211,6 @@ class _GatherStates(torch.autograd.Function):
         return _sum_to_owners(list(grad.unbind(0)), ctx.group), None
 
 
-# --------------------------------------------------------------------------------------------
 # The strategy: the identities, as methods a wrong implementation can override
 
 
@@ -249,7 +245,6 @@ class Sharding:
 DEFAULT = Sharding()
 
 
-# --------------------------------------------------------------------------------------------
 # Cross-chunk tiles: queries of chunk a, keys of an earlier chunk b
 
 
@@ -382,7 +377,6 @@ def _merge(parts: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
     return o.to(dtype), (top + torch.log(total)).to(parts[0][1].dtype)
 
 
-# --------------------------------------------------------------------------------------------
 # FPA and FoX
 
 
@@ -756,7 +750,6 @@ def _try_offsets(cu_seqlens: Any, T: int) -> Any:
         return repr(cu_seqlens)
 
 
-# --------------------------------------------------------------------------------------------
 # S4D
 
 
@@ -857,7 +850,7 @@ class _S4DLocal(torch.autograd.Function):
     ) -> tuple[Tensor, Tensor]:
         readout, cu, impl = cfg
         kernel = dispatch.lookup("s4d_fwd", impl)
-        o, final, saved = kernel(fq, kt, vt, lam, b, c, readout, cu, init, True)
+        o, final, saved = kernel(fq, kt, vt, lam, b, c, readout, cu, init, return_saved=True)
         ctx.cfg = cfg
         ctx.save_for_backward(fq, kt, vt, lam, b, c, init, *saved)
         return o, final
@@ -906,7 +899,6 @@ __all__ = [
 ]
 
 
-# --------------------------------------------------------------------------------------------
 # Local launcher (tests, the conformance kit, CPU benchmarks)
 
 
@@ -966,7 +958,6 @@ def spawn(fn: Any, world: int, *args: Any, timeout: float = 120.0, backend: str 
                 proc.join(5)
 
 
-# --------------------------------------------------------------------------------------------
 # The conformance kit's adapter (attnspec.conformance.context_parallel)
 
 _PER_TOKEN = ("q", "k", "v", "field", "level", "log_f", "fq", "kt", "vt")
@@ -1070,7 +1061,7 @@ def run_job(
             dist.all_reduce(t, group=group)
         return t.to(torch.float64).numpy()
 
-    outputs = {n: full(o, True) for n, o in outs.items()}
+    outputs = {n: full(o, per_token=True) for n, o in outs.items()}
     grads = {
         n: full(t.grad if t.grad is not None else torch.zeros_like(t), n in _PER_TOKEN)
         for n, t in x.items()
