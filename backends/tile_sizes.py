@@ -54,7 +54,7 @@ def fitted(size: int, T: int, least: int) -> int:
     return min(size, max(least, 1 << (T - 1).bit_length()))
 
 
-# ------------------------------------------------------------------- Triton: FPA and FoX
+# Triton: FPA and FoX
 
 
 @dataclass(frozen=True)
@@ -85,8 +85,8 @@ class Tiles:
 
 
 # (forward, backward) per device class. Hopper (sm90): flash-linear-attention's table for its
-# FoX kernel (BT = 128, BS = 64, 8 warps; shared/notes/kernel-anchors.md). The interpreter runs
-# fastest with 64 x 64 tiles (shared/notes/triton-jax-on-cpu.md).
+# FoX kernel (BT = 128, BS = 64, 8 warps; `fla/ops/forgetting_attn`). The interpreter runs
+# fastest with 64 x 64 tiles (measured on CPU).
 TILE_TABLE: dict[str, tuple[Tiles, Tiles]] = {
     "hopper": (Tiles(128, 64, 8), Tiles(128, 64, 8)),
     "ampere": (Tiles(128, 32, 4), Tiles(64, 32, 4)),
@@ -103,7 +103,7 @@ HOPPER_WIDE: dict[int, tuple[Tiles, Tiles]] = {
 }
 
 
-# ------------------------------------------------------------------- Triton: Interdomain
+# Triton: Interdomain
 
 
 @dataclass(frozen=True)
@@ -151,7 +151,7 @@ DEVICE_BLOCKS = {"hopper": HOPPER_BLOCKS, "ampere": Blocks(), "interpreter": INT
 LEGS_POSITION_COLUMNS = 64
 
 
-# ------------------------------------------------------------------- torch eager
+# torch eager
 
 EAGER_QUERY_BLOCK = 128  # FPA/FoX query rows per tile: memory O(T * block), BLAS-wide matmuls
 EAGER_KEY_BLOCK: int | None = None  # keys per block left of the diagonal; None: all at once
@@ -159,7 +159,7 @@ EAGER_CHUNK = {"s4d": 64, "legs": 64}  # tokens per chunk of the Interdomain twi
 CONTEXT_PARALLEL_QUERY_BLOCK = 128  # query rows per cross-chunk tile: memory O(T/P * block)
 
 
-# ------------------------------------------------------------------- JAX
+# JAX
 
 # FPA/FoX positions per tile by implementation; Mosaic GPU needs 64 (one warpgroup's wgmma rows).
 JAX_BLOCK = {"xla": 128, "pallas": 64, "mosaic": 64}

@@ -48,7 +48,6 @@ from bench.cpu_common import (
     reference_bytes,
 )
 
-# --------------------------------------------------------------------------------------------
 # Inputs in the JAX layout [B, T, H, D] and the timed functions
 
 
@@ -177,7 +176,6 @@ def torch_pair(op: str, x: dict):
     return forward, forward_backward
 
 
-# --------------------------------------------------------------------------------------------
 # Peak memory of FPA forward+backward at T = 32768, in a child process
 
 
@@ -199,9 +197,6 @@ def peak_memory_child(T: int) -> None:
     seconds = time.perf_counter() - start
     peak = peak_rss()
     print(json.dumps({"before": before, "peak": peak, "scratch": scratch, "seconds": seconds}))
-
-
-# --------------------------------------------------------------------------------------------
 
 
 def header() -> list[str]:

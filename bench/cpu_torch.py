@@ -60,7 +60,6 @@ from bench.cpu_common import (
     reference_bytes,
 )
 
-# --------------------------------------------------------------------------------------------
 # Inputs and the timed functions of each implementation
 
 
@@ -236,7 +235,6 @@ def threads_table(lengths: list[int]) -> None:
             print(row.format(op, T, name, calls, f"{1e3 * many:.1f}", f"{1e3 * one:.1f}"))
 
 
-# --------------------------------------------------------------------------------------------
 # Peak memory of FPA forward+backward at T = 32768, in a child process
 
 
@@ -251,9 +249,6 @@ def peak_memory_child(T: int) -> None:
     fpa_attention(q, k, v, field, level).backward(do)
     seconds = time.perf_counter() - start
     print(json.dumps({"before": before, "peak": peak_rss(), "seconds": seconds}))
-
-
-# --------------------------------------------------------------------------------------------
 
 
 def header() -> str:

@@ -97,7 +97,7 @@ def _device_name(torch, dry: bool) -> str:
     return "CPU (Triton interpreter)" if dry else torch.cuda.get_device_name()
 
 
-# ------------------------------------------------------------------------------ kit
+# kit
 
 
 def timing_variants() -> list[tuple]:
@@ -241,7 +241,7 @@ def kit(dry: bool, out: str, workers: int | None) -> int:
     return 0 if report.ok else 1
 
 
-# ------------------------------------------------------------------------------ long check
+# long check
 
 
 def long_check(torch, device: str, T: int) -> bool:
@@ -304,7 +304,7 @@ def long_check(torch, device: str, T: int) -> bool:
     return ok
 
 
-# ------------------------------------------------------------------------------ timings
+# timings
 
 
 def _timer(torch, dry: bool):
@@ -570,7 +570,7 @@ def save(report: dict, out: str | None) -> None:
         os.replace(out + ".tmp", out)
 
 
-# ------------------------------------------------------------------------------ summary
+# summary
 
 
 def fpa_table(report: dict) -> list[str]:

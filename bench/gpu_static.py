@@ -161,7 +161,7 @@ def ours(dtype: str, D: int) -> list[Spec]:
                 )  # fmt: skip
     # The per-token passes, at the tiles of the backward (the forward's BT is the same or
     # smaller) and the launcher's warps.
-    bt = tf.tile_choice("hopper", True, D, D, torch_dtype).own
+    bt = tf.tile_choice("hopper", backward=True, K=D, V=D, dtype=torch_dtype).own
     log_bt = bt.bit_length() - 1
     common = {"N_TOK": n_tok, "HQ": HEADS, "BT": bt}
     prepasses = [

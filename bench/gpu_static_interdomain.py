@@ -331,7 +331,9 @@ def kept_per_token() -> dict[str, float]:
     hopper = triton_chunks.DEVICE_BLOCKS["hopper"]
     with triton_chunks.block_sizes(**dataclasses.asdict(hopper)), capture():
         for name, readout in (("S4D", "linear"), (RATIO, "ratio")):
-            saved = triton_s4d.s4d_fwd(fq, kt, vt, *params, readout, None, None, True)[2]
+            saved = triton_s4d.s4d_fwd(fq, kt, vt, *params, readout, None, None, return_saved=True)[
+                2
+            ]
             out[name] = sum(_size(x) for x in saved) / (B * T * H)
         out["LegS"] = 0.0
         _, A, _, _, _ = chunk_gla_fwd(q, k, v, g, None, (2 * M) ** -0.5, None, False, chunk_size=64)
@@ -356,7 +358,6 @@ def _with_role(c: Captured, role: str, impl: str = "") -> Captured:
     return c
 
 
-# --------------------------------------------------------------------------------------------
 # FLOPs and state bytes from the launch plan
 
 
@@ -449,9 +450,9 @@ def _ours_costs(name: str, a: dict[str, Any], grid: tuple[int, ...], n: int) -> 
     elif name == "_s4d_output":  # o (values)
         per, tile = readout(BV, e_off), value
     elif name == "_s4d_bwd_query":  # p, its chunk sum and derivative (, qe: MIX) (, den)
-        per, tile = s4d_state(BR) + chunk_sum(BR, True) + a["MIX"] * mix, key + ratio * ones
+        per, tile = s4d_state(BR) + chunk_sum(BR, dlam=True) + a["MIX"] * mix, key + ratio * ones
     elif name == "_s4d_bwd_values":  # g(qe), its chunk sum and derivative, g(p) (+ x^1)
-        per, tile = s4d_state(BV) + chunk_sum(BV, True) + mix, value + ratio * ones
+        per, tile = s4d_state(BV) + chunk_sum(BV, dlam=True) + mix, value + ratio * ones
     elif name == "_s4d_bwd_readout":  # dfq, the readout of g(p) (+ x^1 twice)
         per, tile = readout(BR, e_off), key + ratio * 2 * ones
     elif name == "_s4d_bwd_inputs":  # the transposed gated attention over the later blocks;
@@ -517,7 +518,6 @@ def _fla_costs(name: str, a: dict[str, Any], grid: tuple[int, ...], n: int) -> t
     return chunks * per, chunks * moved
 
 
-# --------------------------------------------------------------------------------------------
 # Compile, tabulate, check
 
 

@@ -85,7 +85,7 @@ def case_seed(case_id: str) -> int:
     return zlib.crc32(case_id.encode())
 
 
-# ------------------------------------------------------------------------------------- FPA
+# FPA
 
 
 def fpa_kink_margin(field_: NDArray[np.float64], level: NDArray[np.float64]) -> float:
@@ -416,138 +416,196 @@ def _fpa_window(rng: np.random.Generator, n: int) -> Built:
 
 
 FPA_FAMILIES = {
-    "shapes": Family(4, _fpa_family(FPA_SHAPES, margin=1e-4), SMOOTH, True, True),
-    "headdim": Family(4, _fpa_family(FPA_HEADDIMS, margin=1e-4), SMOOTH, True, True),
-    "ragged": Family(4, _fpa_family(FPA_RAGGED, margin=1e-4), SMOOTH, True, True),
+    "shapes": Family(
+        4, _fpa_family(FPA_SHAPES, margin=1e-4), SMOOTH, gradient=True, finite_difference=True
+    ),
+    "headdim": Family(
+        4, _fpa_family(FPA_HEADDIMS, margin=1e-4), SMOOTH, gradient=True, finite_difference=True
+    ),
+    "ragged": Family(
+        4, _fpa_family(FPA_RAGGED, margin=1e-4), SMOOTH, gradient=True, finite_difference=True
+    ),
     "long": Family(1, _fpa_family([(1, 1, 512, 16, 16)]), "T = 512"),
-    "walk": Family(3, _fpa_family([FPA_FIELD_SHAPE], margin=1e-4), SMOOTH, True, True),
+    "walk": Family(
+        3,
+        _fpa_family([FPA_FIELD_SHAPE], margin=1e-4),
+        SMOOTH,
+        gradient=True,
+        finite_difference=True,
+    ),
     "monotone": Family(
         3,
         _fpa_family([FPA_FIELD_SHAPE], field_kind="monotone", level_kind="one_walk", margin=1e-4),
         "FoX-like field, level = field; " + SMOOTH,
-        True,
-        True,
+        gradient=True,
+        finite_difference=True,
     ),
     "brackets": Family(
         3,
         _fpa_family([FPA_FIELD_SHAPE], field_kind="brackets", level_kind="one_walk"),
         "integer field, level = field; " + TIES,
-        True,
-        False,
+        gradient=True,
+        finite_difference=False,
     ),
     "constant": Family(
         2,
         _fpa_family([FPA_FIELD_SHAPE], field_kind="constant"),
         "every segment minimum tied; " + TIES,
-        True,
-        False,
+        gradient=True,
+        finite_difference=False,
     ),
     "huge": Family(
-        2, _fpa_family([FPA_FIELD_SHAPE], field_kind="huge"), "field of magnitude 1e4", True, False
+        2,
+        _fpa_family([FPA_FIELD_SHAPE], field_kind="huge"),
+        "field of magnitude 1e4",
+        gradient=True,
+        finite_difference=False,
     ),
     "cliff": Family(2, _fpa_family([FPA_FIELD_SHAPE], field_kind="cliff"), "a 1e30 descent midway"),
     "one_walk": Family(
         2,
         _fpa_family([FPA_FIELD_SHAPE], level_kind="one_walk", margin=1e-4),
         "level = field; " + SMOOTH,
-        True,
-        True,
+        gradient=True,
+        finite_difference=True,
     ),
     "extreme_level": Family(
         2,
         _fpa_family([FPA_FIELD_SHAPE], level_kind="extreme"),
         "level offsets of +-1e4",
-        True,
-        False,
+        gradient=True,
+        finite_difference=False,
     ),
     "near_uniform": Family(
         2,
         _fpa_family([FPA_FIELD_SHAPE], field_kind="constant", logit=1e-3),
         "tiny logits, flat field: near-uniform weights; " + TIES,
-        True,
-        False,
+        gradient=True,
+        finite_difference=False,
     ),
     "near_onehot": Family(
         2,
         _fpa_family([FPA_FIELD_SHAPE], logit=12.0, margin=1e-4),
         "large logits: near one-hot weights; " + SMOOTH,
-        True,
-        True,
+        gradient=True,
+        finite_difference=True,
     ),
     "tiles": Family(
         7,
         _fpa_tiles,
         "T across tile borders (127-129, 255-257, 300), B*H > 1; walk, bracket and one-walk "
         "fields (brackets are tie cases)",
-        True,
+        gradient=True,
     ),
     "headdim_long": Family(
-        12, _fpa_headdim_long, "dk/dv 64/64, 128/128, 128/64, 96/96 at T 65, 130, 257", True
+        12,
+        _fpa_headdim_long,
+        "dk/dv 64/64, 128/128, 128/64, 96/96 at T 65, 130, 257",
+        gradient=True,
     ),
-    "ties_tiles": Family(6, _fpa_ties_tiles, "ties across tile borders; " + TIES, True),
-    "scale": Family(2, _fpa_scale, "non-default softmax scale; " + SMOOTH, True, True),
-    "large_logits": Family(2, _fpa_large_logits, "logits in the hundreds; " + SMOOTH, True, True),
+    "ties_tiles": Family(6, _fpa_ties_tiles, "ties across tile borders; " + TIES, gradient=True),
+    "scale": Family(
+        2, _fpa_scale, "non-default softmax scale; " + SMOOTH, gradient=True, finite_difference=True
+    ),
+    "large_logits": Family(
+        2,
+        _fpa_large_logits,
+        "logits in the hundreds; " + SMOOTH,
+        gradient=True,
+        finite_difference=True,
+    ),
     "low_rows": Family(
-        2, _fpa_low_rows, "30% of rows have every logit near -200; " + SMOOTH, True, True
+        2,
+        _fpa_low_rows,
+        "30% of rows have every logit near -200; " + SMOOTH,
+        gradient=True,
+        finite_difference=True,
     ),
     "long_uniform": Family(1, _fpa_long_uniform, "T = 2304, near-uniform weights, every key live"),
     "large_field": Family(
-        2, _fpa_large_field, "fields near +-1e4 with O(1) penalties; " + SMOOTH, True, True
+        2,
+        _fpa_large_field,
+        "fields near +-1e4 with O(1) penalties; " + SMOOTH,
+        gradient=True,
+        finite_difference=True,
     ),
-    "varlen": Family(2, _fpa_varlen, VARLEN, True, requires=("fpa_attention.varlen",)),
-    "gqa": Family(3, _fpa_gqa, GQA + "; " + SMOOTH, True, True, ("fpa_attention.gqa",)),
-    "packings": Family(3, _fpa_packings, PACKINGS, True, requires=("fpa_attention.varlen",)),
+    "varlen": Family(2, _fpa_varlen, VARLEN, gradient=True, requires=("fpa_attention.varlen",)),
+    "gqa": Family(
+        3,
+        _fpa_gqa,
+        GQA + "; " + SMOOTH,
+        gradient=True,
+        finite_difference=True,
+        requires=("fpa_attention.gqa",),
+    ),
+    "packings": Family(
+        3, _fpa_packings, PACKINGS, gradient=True, requires=("fpa_attention.varlen",)
+    ),
     "empty_segment": Family(
-        3, _fpa_empty_segment, EMPTY_SEGMENT, True, requires=("fpa_attention.varlen",)
+        3, _fpa_empty_segment, EMPTY_SEGMENT, gradient=True, requires=("fpa_attention.varlen",)
     ),
     "varlen_gqa": Family(
         2,
         _fpa_varlen_gqa,
         "packed sequences with 4/2 and 6/2 query/key-value heads",
-        True,
+        gradient=True,
         requires=("fpa_attention.varlen", "fpa_attention.gqa"),
     ),
     "gqa_batch": Family(
         2,
         _fpa_gqa_batch,
         "GQA with B > 1 and several key/value heads (2 x 6/3, 3 x 4/2); " + SMOOTH,
-        True,
-        True,
-        ("fpa_attention.gqa",),
+        gradient=True,
+        finite_difference=True,
+        requires=("fpa_attention.gqa",),
     ),
     "headdim_big": Family(
-        3, _fpa_headdim_big, "dk/dv 192/128, 256/192, 128/256; " + SMOOTH, True, True
+        3,
+        _fpa_headdim_big,
+        "dk/dv 192/128, 256/192, 128/256; " + SMOOTH,
+        gradient=True,
+        finite_difference=True,
     ),
     "long_gradient": Family(
-        2, _fpa_long_gradient, "gradients at T = 1024 and 1100 (small B, H, D)", True
+        2, _fpa_long_gradient, "gradients at T = 1024 and 1100 (small B, H, D)", gradient=True
     ),
     "call_order": Family(
-        1, _fpa_call_order, CALL_ORDER + "; " + SMOOTH, True, True, call_order=True
+        1,
+        _fpa_call_order,
+        CALL_ORDER + "; " + SMOOTH,
+        gradient=True,
+        finite_difference=True,
+        call_order=True,
     ),
     "strided": Family(
         2,
         _fpa_family([(2, 2, 65, 16, 16)], margin=1e-4),
         STRIDED,
-        True,
+        gradient=True,
         layouts=STRIDED_LAYOUTS,
     ),
     "window": Family(
-        len(WINDOWS), _fpa_window, WINDOW + "; " + SMOOTH, True, True, ("fpa_attention.window",)
+        len(WINDOWS),
+        _fpa_window,
+        WINDOW + "; " + SMOOTH,
+        gradient=True,
+        finite_difference=True,
+        requires=("fpa_attention.window",),
     ),
     "window_varlen": Family(
         2,
         _window_varlen(lambda rng, T: (_fpa_inputs(rng, (1, 2, T, 16, 16)), {})),
         WINDOW + "; " + VARLEN,
-        True,
+        gradient=True,
         requires=("fpa_attention.window", "fpa_attention.varlen"),
     ),
     "window_gqa": Family(
         2,
         _window_gqa(lambda rng, B, H, T: _fpa_inputs(rng, (B, H, T, 16, 16), margin=1e-4)),
         WINDOW + "; " + GQA + "; " + SMOOTH,
-        True,
-        True,
-        ("fpa_attention.window", "fpa_attention.gqa"),
+        gradient=True,
+        finite_difference=True,
+        requires=("fpa_attention.window", "fpa_attention.gqa"),
     ),
 }
 
@@ -629,17 +687,27 @@ def _fox_window(rng: np.random.Generator, n: int) -> Built:
 
 
 FOX_FAMILIES = {
-    "shapes": Family(3, _fox_family(0.0, 0.5), "gates f < 1", True, True),
-    "unit_gates": Family(3, _fox_family(0.4, 0.5), "40% of gates exactly 1; " + TIES, True),
-    "strong_decay": Family(2, _fox_family(0.0, 5.0), "log f ~ -5", True, True),
+    "shapes": Family(
+        3, _fox_family(0.0, 0.5), "gates f < 1", gradient=True, finite_difference=True
+    ),
+    "unit_gates": Family(
+        3, _fox_family(0.4, 0.5), "40% of gates exactly 1; " + TIES, gradient=True
+    ),
+    "strong_decay": Family(
+        2, _fox_family(0.0, 5.0), "log f ~ -5", gradient=True, finite_difference=True
+    ),
     "long": Family(
         2,
         lambda rng, n: (_fox_inputs(rng, 2, 2, [257, 300][n], decay=0.05), {}),
         "T >= 257 across tile borders, weak decay, B*H > 1",
-        True,
+        gradient=True,
     ),
     "scale": Family(
-        1, lambda rng, n: (_fox_inputs(rng, 1, 2, 65), {"scale": 0.3}), "scale 0.3", True, True
+        1,
+        lambda rng, n: (_fox_inputs(rng, 1, 2, 65), {"scale": 0.3}),
+        "scale 0.3",
+        gradient=True,
+        finite_difference=True,
     ),
     "varlen": Family(
         2,
@@ -648,7 +716,7 @@ FOX_FAMILIES = {
             {"cu_seqlens": VARLEN_OFFSETS[n]},
         ),
         VARLEN,
-        True,
+        gradient=True,
         requires=("fox_attention.varlen",),
     ),
     "gqa": Family(
@@ -658,42 +726,59 @@ FOX_FAMILIES = {
             {},
         ),
         GQA,
-        True,
-        True,
-        ("fox_attention.gqa",),
+        gradient=True,
+        finite_difference=True,
+        requires=("fox_attention.gqa",),
     ),
-    "packings": Family(3, _fox_packings, PACKINGS, True, requires=("fox_attention.varlen",)),
+    "packings": Family(
+        3, _fox_packings, PACKINGS, gradient=True, requires=("fox_attention.varlen",)
+    ),
     "empty_segment": Family(
-        3, _fox_empty_segment, EMPTY_SEGMENT, True, requires=("fox_attention.varlen",)
+        3, _fox_empty_segment, EMPTY_SEGMENT, gradient=True, requires=("fox_attention.varlen",)
     ),
     "varlen_gqa": Family(
         2,
         _fox_varlen_gqa,
         "packed sequences with 4/2 and 6/2 query/key-value heads",
-        True,
+        gradient=True,
         requires=("fox_attention.varlen", "fox_attention.gqa"),
     ),
     "gqa_batch": Family(
         2,
         _fox_gqa_batch,
         "GQA with B > 1 and several key/value heads (2 x 6/3, 3 x 4/2)",
-        True,
-        True,
-        ("fox_attention.gqa",),
+        gradient=True,
+        finite_difference=True,
+        requires=("fox_attention.gqa",),
     ),
-    "headdim_big": Family(3, _fox_headdim_big, "dk/dv 192/128, 256/192, 128/256", True, True),
+    "headdim_big": Family(
+        3,
+        _fox_headdim_big,
+        "dk/dv 192/128, 256/192, 128/256",
+        gradient=True,
+        finite_difference=True,
+    ),
     "long_gradient": Family(
-        2, _fox_long_gradient, "gradients at T = 1024 and 1100 (small B, H, D)", True
+        2, _fox_long_gradient, "gradients at T = 1024 and 1100 (small B, H, D)", gradient=True
     ),
-    "call_order": Family(1, _fox_call_order, CALL_ORDER, True, True, call_order=True),
+    "call_order": Family(
+        1, _fox_call_order, CALL_ORDER, gradient=True, finite_difference=True, call_order=True
+    ),
     "strided": Family(
         2,
         lambda rng, n: (_fox_inputs(rng, 2, 2, 65), {}),
         STRIDED,
-        True,
+        gradient=True,
         layouts=STRIDED_LAYOUTS,
     ),
-    "window": Family(len(FOX_WINDOWS), _fox_window, WINDOW, True, True, ("fox_attention.window",)),
+    "window": Family(
+        len(FOX_WINDOWS),
+        _fox_window,
+        WINDOW,
+        gradient=True,
+        finite_difference=True,
+        requires=("fox_attention.window",),
+    ),
     "window_one": Family(
         1,
         lambda rng, n: (_fox_inputs(rng, 2, 2, 65), {"window": 1}),
@@ -705,16 +790,16 @@ FOX_FAMILIES = {
         2,
         _window_varlen(lambda rng, T: (_fox_inputs(rng, 1, 2, T, decay=0.05), {})),
         WINDOW + "; " + VARLEN,
-        True,
+        gradient=True,
         requires=("fox_attention.window", "fox_attention.varlen"),
     ),
     "window_gqa": Family(
         2,
         _window_gqa(lambda rng, B, H, T: _fox_inputs(rng, B, H, T)),
         WINDOW + "; " + GQA,
-        True,
-        True,
-        ("fox_attention.window", "fox_attention.gqa"),
+        gradient=True,
+        finite_difference=True,
+        requires=("fox_attention.window", "fox_attention.gqa"),
     ),
 }
 
@@ -855,26 +940,26 @@ LEGS_FAMILIES = {
         4,
         _legs_family([(1, 2, 80, 4, 4, M) for M in (1, 4, 16, 64)]),
         "positive features; T >> M for small M",
-        True,
-        True,
+        gradient=True,
+        finite_difference=True,
     ),
     "shapes": Family(
         3,
         _legs_family([(1, 1, 1, 3, 2, 4), (2, 3, 17, 8, 4, 8), (1, 2, 65, 4, 8, 16)]),
         "positive features",
-        True,
-        True,
+        gradient=True,
+        finite_difference=True,
     ),
-    "long": Family(1, _legs_family([(1, 1, 300, 4, 4, 16)]), "T = 300, M = 16", True),
+    "long": Family(1, _legs_family([(1, 1, 300, 4, 4, 16)]), "T = 300, M = 16", gradient=True),
     "tiles": Family(
         3,
         _legs_family([(1, 2, 127, 4, 4, 16), (1, 2, 129, 4, 4, 64), (2, 1, 257, 4, 8, 16)]),
         "T across chunk borders (127, 129, 257), M = 16 and 64",
-        True,
-        True,
+        gradient=True,
+        finite_difference=True,
     ),
     "strided": Family(
-        2, _legs_strided, "positive features; " + STRIDED, True, layouts=STRIDED_LAYOUTS
+        2, _legs_strided, "positive features; " + STRIDED, gradient=True, layouts=STRIDED_LAYOUTS
     ),
 }
 
@@ -950,21 +1035,25 @@ def _s4d_empty_segment(rng: np.random.Generator, n: int) -> Built:
 
 S4D_FAMILIES = {
     "modes": Family(
-        4, _s4d_family([(1, 2, 40, 4, 4, M) for M in (1, 4, 16, 64)]), "M from 1 to 64", True, True
+        4,
+        _s4d_family([(1, 2, 40, 4, 4, M) for M in (1, 4, 16, 64)]),
+        "M from 1 to 64",
+        gradient=True,
+        finite_difference=True,
     ),
     "long_memory": Family(
         2,
         _s4d_family([(1, 2, 130, 4, 4, 8)], dt_range=(1e-3, 2e-3)),
         "|Lambda| near 1, T >> M",
-        True,
-        True,
+        gradient=True,
+        finite_difference=True,
     ),
     "short_memory": Family(
         2,
         _s4d_family([(1, 2, 40, 4, 4, 8)], dt_range=(1.0, 2.0)),
         "|Lambda| = exp(-dt/2) <= 0.61",
-        True,
-        True,
+        gradient=True,
+        finite_difference=True,
     ),
     "ratio": Family(
         3,
@@ -972,60 +1061,64 @@ S4D_FAMILIES = {
             [(1, 2, 1, 4, 4, 4), (2, 2, 17, 4, 8, 8), (1, 3, 65, 8, 4, 16)], readout="ratio"
         ),
         "ratio readout, positive features, C near I",
-        True,
-        True,
+        gradient=True,
+        finite_difference=True,
     ),
     "shapes": Family(
         3,
         _s4d_family([(1, 1, 1, 3, 2, 4), (2, 3, 17, 8, 4, 8), (1, 2, 65, 16, 16, 16)]),
         "B*H > 1, odd sizes",
-        True,
-        True,
+        gradient=True,
+        finite_difference=True,
     ),
     "long": Family(
         2,
         _s4d_family([(2, 2, 300, 4, 4, 16), (1, 2, 257, 8, 4, 64)]),
         "T >= 257 across chunk borders, M = 16 and 64",
-        True,
-        True,
+        gradient=True,
+        finite_difference=True,
     ),
     "long_ratio": Family(
         1,
         _s4d_family([(1, 1, 2048, 4, 4, 8)], dt_range=(1e-3, 2e-3), readout="ratio"),
         "long memory (|Lambda| near 1) with the ratio readout at T = 2048",
-        True,
-        True,
+        gradient=True,
+        finite_difference=True,
     ),
     "varlen": Family(
         2,
         _s4d_family([(1, 2, 300, 4, 4, 8), (1, 2, 130, 4, 8, 4)], offsets=VARLEN_OFFSETS),
         VARLEN + "; the state resets at each boundary",
-        True,
+        gradient=True,
         requires=("interdomain_s4d.varlen",),
     ),
     "packings": Family(
         3,
         _s4d_packings,
         PACKINGS + "; linear and ratio readouts",
-        True,
+        gradient=True,
         requires=("interdomain_s4d.varlen",),
     ),
     "zero_mode": Family(
         2,
         _s4d_zero_mode,
         "a mode with Lambda = 0 in each head, linear and ratio readouts",
-        True,
-        True,
+        gradient=True,
+        finite_difference=True,
     ),
     "empty_segment": Family(
         3,
         _s4d_empty_segment,
         EMPTY_SEGMENT + "; linear and ratio readouts",
-        True,
+        gradient=True,
         requires=("interdomain_s4d.varlen",),
     ),
-    "call_order": Family(1, _s4d_call_order, CALL_ORDER, True, True, call_order=True),
-    "strided": Family(1, _s4d_family([(2, 2, 33, 4, 4, 8)]), STRIDED, True, layouts=("slice",)),
+    "call_order": Family(
+        1, _s4d_call_order, CALL_ORDER, gradient=True, finite_difference=True, call_order=True
+    ),
+    "strided": Family(
+        1, _s4d_family([(2, 2, 33, 4, 4, 8)]), STRIDED, gradient=True, layouts=("slice",)
+    ),
 }
 
 
@@ -1308,7 +1401,7 @@ def generate_cases(ops: list[str] | None = None, prefixes: list[str] | None = No
     return [build_case(i) for i in ids]
 
 
-# ------------------------------------------------------------------------ covering designs
+# covering designs
 # The all-pairs families over the feature axes (conformance/covering_cases.py), last in each
 # op's menu.
 from .covering_cases import families as _covering_families  # noqa: E402

@@ -80,7 +80,6 @@ class ContextParallelBackend(Protocol):
     def run_sharded(self, jobs: list[Job], world: int) -> list[JobResult]: ...
 
 
-# --------------------------------------------------------------------------------------------
 # Cases
 
 

@@ -336,7 +336,9 @@ def families() -> dict[str, dict[str, C.Family]]:
         }.get(op, COVERING)
         gradient = op not in ("fpa_layer", "interdomain_layer")  # layers: forward only
         out[op] = {
-            "covering": C.Family(len(rows(op)), build, note, gradient, per_case=per_case(op))
+            "covering": C.Family(
+                len(rows(op)), build, note, gradient=gradient, per_case=per_case(op)
+            )
         }
     return out
 
@@ -452,7 +454,7 @@ def coverage_lines(
     a backend with ``capabilities`` cannot run ("strided": it has asarray_strided)."""
     lines = []
     for op, (covered, required, missing, lacking) in menu_coverage(
-        True, capabilities, menu
+        with_covering=True, capabilities=capabilities, menu=menu
     ).items():
         line = f"pair coverage, {op}: {covered}/{required} pairs of its axes"
         if lacking:

@@ -63,7 +63,7 @@ class Mutant(NumpyBackend):
     caught_by: ClassVar[tuple[str, ...]] = ()
 
 
-# ----------------------------------------------------------------------------------- FPA/FoX
+# FPA/FoX
 
 
 class _FPAMutant(Mutant):
@@ -470,7 +470,7 @@ class GQAWrongHead(Mutant):
             return super().vjp(op, inputs, params, cotangents)
 
 
-# ----------------------------------------------------------------------------------- decode
+# decode
 
 
 class EagerEviction(Mutant):
@@ -566,7 +566,7 @@ class FinalNotPeak(Mutant):
         return res.o.astype(q.dtype), float(np.mean(res.cache_sizes[..., -1]) / q.shape[-2])
 
 
-# ----------------------------------------------------------------------------------- Interdomain
+# Interdomain
 
 
 def _s4d_variant(
@@ -737,7 +737,7 @@ class EulerLegs(Mutant):
         return out.astype(fq.dtype)
 
 
-# ----------------------------------------------------------------------------------- round three
+# Combined features: heads, packings, long rows, strides, modes, decoding, windows
 
 
 class _Heads:
@@ -1125,7 +1125,7 @@ class IgnoresStrides(Mutant):
         return super().vjp(op, inputs, params, cotangents)
 
 
-# ----------------------------------------------------------------------------------- dtypes
+# dtypes
 
 
 class HalfOnlySlightScale(Mutant):
@@ -1232,7 +1232,7 @@ def _window_short_by_one() -> AbstractContextManager[Any]:
     return mock.patch.multiple(fpa, _causal=short, finite_result=lambda x, cause: x)
 
 
-# ----------------------------------------------------------------------------------- round four
+# Where features meet
 # Bugs where features meet, caught by the covering families (covering_cases.py) and by the
 # results held across the call sequence; each passes the menu before them (tests say which
 # case catches it).

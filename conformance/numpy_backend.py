@@ -141,7 +141,7 @@ class NumpyBackend:
     def versions(self) -> dict[str, str]:
         return {"numpy": np.__version__}
 
-    # ---------------------------------------------------------------- ops
+    # ops
 
     @overload
     def fpa_attention(
@@ -307,7 +307,7 @@ class NumpyBackend:
         )
         return np.concatenate(parts, axis=-2).astype(x.dtype)
 
-    # ---------------------------------------------------------------- gradients
+    # gradients
 
     def vjp(
         self,

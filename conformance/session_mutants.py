@@ -85,7 +85,7 @@ class SessionMutant(NumpyBackend):
         return NumpySession(session, np.dtype(dtype))
 
 
-# ------------------------------------------------------------------------------ wrong sessions
+# wrong sessions
 
 
 class _PaddingUpdatesMinima(_Loop, ref.FPASession):
@@ -249,7 +249,7 @@ class _LayerTailWithPadding(_Loop, ref.InterdomainLayerSession):
         return state._replace(tail_q=tail_q, tail_k=tail_k)  # the conv window over positions
 
 
-# ------------------------------------------------------------------------------ the backends
+# the backends
 
 
 def _mutant(name: str, wrong: type[ref.Session], op: str, family: str, *also: str) -> type:

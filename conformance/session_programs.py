@@ -73,7 +73,7 @@ class Program:
         return "\n".join([head, *(f"  {i:>3}: {c.describe()}" for i, c in enumerate(calls))])
 
 
-# ------------------------------------------------------------------------------ chunk drawing
+# chunk drawing
 
 
 @dataclass
@@ -244,7 +244,7 @@ def script(
     return Script(op, rng, rows, config, d)
 
 
-# ------------------------------------------------------------------------------ the families
+# the families
 
 Build = Callable[[np.random.Generator, int], Program]
 FPA_OPS = ("fpa_decode", "fpa_layer")

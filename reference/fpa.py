@@ -1,6 +1,6 @@
 """First Passage Attention (FPA) and its Forgetting-Transformer special case.
 
-The executable statement of ``shared/spec/fpa.md``; labels in comments (``# (F3)``) are the spec's.
+The executable statement of ``docs/spec/fpa.md``; labels in comments (``# (F3)``) are the spec's.
 Everything is float64; positions are 0-based: the spec's segment (j, i] is ``range(j + 1, i + 1)``.
 
 Shapes: q, k (..., T, dk); v (..., T, dv); field, level (..., T). Any leading batch dims are allowed
@@ -31,7 +31,6 @@ from .validation import (
     scalar,
 )
 
-# --------------------------------------------------------------------------------------------
 # Validation
 
 
@@ -125,7 +124,6 @@ def _check_log_f(log_f: ArrayLike, q: NDArray[np.float64]) -> NDArray[np.float64
     return log_f
 
 
-# --------------------------------------------------------------------------------------------
 # The operator, vectorised (F1)-(F5)
 
 
@@ -364,7 +362,6 @@ def fpa_attention_loops(
     return (o, lse) if return_lse else o
 
 
-# --------------------------------------------------------------------------------------------
 # FoX, the special case (F6)
 
 
@@ -512,7 +509,6 @@ def fox_attention_direct(
     return (o, lse) if return_lse else o
 
 
-# --------------------------------------------------------------------------------------------
 # Gradients (G1)-(G4)
 
 
@@ -716,7 +712,6 @@ def fox_attention_vjp(
     return FoXGrads(*_finite_grads(dq, dk, dv, dlog_f))
 
 
-# --------------------------------------------------------------------------------------------
 # Liveness and the stack theorem (spec section 4)
 
 
@@ -766,7 +761,6 @@ def stack_live_keys(field: ArrayLike) -> NDArray[np.bool_]:
     return live
 
 
-# --------------------------------------------------------------------------------------------
 # Decoding with a KV cache and eviction (F7)
 
 
@@ -936,7 +930,6 @@ def eviction_threshold(bound_logit: float, n_keys: int, eps: float) -> float:
     # --8<-- [end:t3]
 
 
-# --------------------------------------------------------------------------------------------
 # Tiled computation (spec section 7), for kernel writers
 
 
@@ -1018,7 +1011,6 @@ def tile_skippable(
     return bool(np.all(lowest_level - lowest_field >= theta))
 
 
-# --------------------------------------------------------------------------------------------
 # The layer (spec section 3)
 
 FPA_PARAMETER_SCHEMA = {

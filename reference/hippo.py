@@ -1,6 +1,6 @@
 """HiPPO operators: LegS and LegT transitions, the exact LegS step, discretisation, S4D inits.
 
-The executable statement of section 1 of ``shared/spec/interdomain.md``; labels (``# (I5)``) are
+The executable statement of section 1 of ``docs/spec/interdomain.md``; labels (``# (I5)``) are
 the spec's. Sign convention: ``legs_transition`` and ``legt_transition`` return the positive
 matrices of the spec, for dc/dt = -(1/t) A c + (1/t) B f (LegS) and dc/dt = -A c + B f (LegT);
 ``discretize`` takes the standard state-space form dx/dt = A x + B u, as scipy does.

@@ -1,6 +1,6 @@
 """Interdomain Attention: the HiPPO-LegS projection with U, Gamma, eta, and the S4D layer.
 
-The executable statement of ``shared/spec/interdomain.md``; labels (``# (I3)``) are the spec's.
+The executable statement of ``docs/spec/interdomain.md``; labels (``# (I3)``) are the spec's.
 float64 / complex128 throughout. No axis may be empty but the batch dims (B = 0 gives empty
 results of the right shape, as SDPA does). Costs are stated per function with n = the
 product of the leading (batch) dims.
@@ -35,7 +35,6 @@ from .validation import (
     scalar,
 )
 
-# --------------------------------------------------------------------------------------------
 # Validation
 
 
@@ -82,7 +81,6 @@ def _finite_output(o: NDArray[ScalarT], names: str, what: str = "output") -> NDA
     return finite_result(o, f"{names}: the {what} overflows float64; rescale the inputs")
 
 
-# --------------------------------------------------------------------------------------------
 # The idealised mechanism (I1)-(I7)
 
 
@@ -297,7 +295,6 @@ def interdomain_legs_vjp(
     return LegsGrads(*grads)
 
 
-# --------------------------------------------------------------------------------------------
 # The scalable layer: pieces (I8)-(I10)
 
 
@@ -446,7 +443,6 @@ def s4d_b_bar(
     # --8<-- [end:zoh]
 
 
-# --------------------------------------------------------------------------------------------
 # The S4D core (I11)-(I13)
 
 
@@ -768,7 +764,6 @@ def interdomain_s4d_vjp(
     return S4DGrads(*(_finite_output(g, "fq, kt, vt, b, c, d_out", "gradient") for g in grads))
 
 
-# --------------------------------------------------------------------------------------------
 # Decoding with a fixed-size state (H6)
 
 
@@ -840,7 +835,6 @@ class InterdomainDecoder:
         return o
 
 
-# --------------------------------------------------------------------------------------------
 # The full layer
 
 

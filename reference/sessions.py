@@ -1,7 +1,7 @@
 """Decode sessions: what a batched server computes, by bookkeeping on the decode steps.
 
 The executable statement of (F8 rows), (F8 gqa), (F9 rollback) and the decoding rule of (F3w) of
-``shared/spec/fpa.md``, and of (I15 sessions) of ``shared/spec/interdomain.md``. The interface is
+``docs/spec/fpa.md``, and of (I15 sessions) of ``docs/spec/interdomain.md``. The interface is
 the session protocol of the conformance kit (docs/conformance.md, "Decode sessions"):
 
 - ``advance(inputs, present)``: a chunk of n positions for every row; ``present[r, p]`` False
@@ -104,7 +104,7 @@ class Session:
         self.max_rollback = nonnegative_int("max_rollback", max_rollback)
         self.rows = [_Row(None) for _ in range(positive_int("rows", rows))]
 
-    # ---------------------------------------------------------------- subclass interface
+    # subclass interface
 
     def _check_chunk(self, arrays: Arrays) -> int:
         """Check the chunk's shapes against the session; return n."""
@@ -120,7 +120,7 @@ class Session:
     def _commit_chunk(self, arrays: Arrays) -> None:
         """Remember what the first chunk fixed (dims read from the first advance)."""
 
-    # ---------------------------------------------------------------- protocol
+    # protocol
 
     def advance(self, inputs: Mapping[str, ArrayLike], present: ArrayLike) -> Arrays:
         """(F8 rows) n consecutive steps of each row over its present positions.
@@ -191,7 +191,7 @@ class Session:
         return {"tokens": np.array([row.tokens for row in self.rows], dtype=np.int64)}
 
 
-# ------------------------------------------------------------------------------------ FPA
+# FPA
 
 
 class FPACache(NamedTuple):
@@ -469,7 +469,7 @@ class FPALayerSession(Session):
         }
 
 
-# ---------------------------------------------------------------------------- Interdomain
+# Interdomain
 
 
 class S4DSession(Session):

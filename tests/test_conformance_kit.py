@@ -56,7 +56,7 @@ LATER_FAMILIES = (
     "interdomain_layer/trained/",
     "interdomain_layer/long/",
     "interdomain_layer/varlen/",
-    # round four: the covering designs (conformance/covering_cases.py)
+    # the covering designs (conformance/covering_cases.py)
     *(
         f"{prefix}/covering/"
         for prefix in ("fpa", "fox", "s4d", "legs", "fpa_layer", "interdomain_layer")
@@ -73,7 +73,7 @@ def test_later_families_exist():
     assert all(any(i.startswith(f) for i in ids) for f in LATER_FAMILIES)
 
 
-# ------------------------------------------------------------------------- cases
+# cases
 
 
 def test_case_ids_are_stable_and_deterministic():
@@ -158,7 +158,7 @@ def test_unknown_case_id():
         cases.build_case("fpa/long/5")
 
 
-# ------------------------------------------------------------------------- tolerances, metric
+# tolerances, metric
 
 
 def test_tolerance_table_complete():
@@ -210,7 +210,7 @@ def test_relative_error_against_a_literal_sum():
         relative_error(np.ones(3), np.ones((3, 1)))  # nothing broadcast
 
 
-# ------------------------------------------------------------------------- the reference passes
+# the reference passes
 
 
 def test_reference_backend_passes_everything(all_cases):
@@ -236,7 +236,7 @@ def test_reference_passes_hypothesis_cases(case):
         assert result.verdict == "passed", (case.id, case.seed, kind, result.message)
 
 
-# ------------------------------------------------------------------------- mutants
+# mutants
 
 
 @pytest.mark.parametrize("name", sorted(mutants.MUTANTS))
@@ -302,7 +302,7 @@ def test_a_lost_gap_minimum_shows_only_past_two_tiles(all_cases):
     assert caught and min(lengths) > 128
 
 
-# ------------------------------------------------------------------------- faults of a backend
+# faults of a backend
 
 
 class Faulty(NumpyBackend):
@@ -367,7 +367,7 @@ def test_missing_attribute_and_missing_gradient():
     assert grad.verdict == "failed" and "log_f: missing from the backend's vjp" in grad.message
 
 
-# ------------------------------------------------------------------------- CLI and reports
+# CLI and reports
 
 
 def test_cli_reports_json_junit_and_exit_codes(tmp_path, capsys):
@@ -471,7 +471,7 @@ def test_registry_loads_module_attribute_and_files():
         get_backend("numpy", "cuda")
 
 
-# ------------------------------------------------------------------------- golden vectors
+# golden vectors
 
 
 def test_vectors_round_trip(tmp_path):
@@ -512,7 +512,7 @@ def test_vectors_round_trip(tmp_path):
     assert "checksum mismatch" in tampered["decode/brackets/1"]
 
 
-# ------------------------------------------------------------------------- pytest plugin
+# pytest plugin
 
 
 def run_pytest(*args):
@@ -572,7 +572,7 @@ def test_decode_thresholds_are_far_from_every_depth():
             assert np.abs(depths - theta).min() > 1e-3, case_id
 
 
-# ------------------------------------------------------------------------- later families
+# later families
 
 
 def test_drawn_packings_vary_order_lengths_and_borders():

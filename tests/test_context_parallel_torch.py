@@ -64,7 +64,7 @@ def _check_all_passed(results, world):
     assert len(results) == sum(len(c.dtypes or kit.DTYPES) for c in kit.cases(world))
 
 
-# ------------------------------------------------------------------------------- bad input
+# bad input
 
 
 def _inputs(T, dtype=torch.float64, seed=0):

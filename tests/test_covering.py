@@ -1,5 +1,6 @@
 """Covering designs (conformance/covering.py, covering_cases.py), the results held across the
-call sequence, the round-four wrong backends, and the context-parallel command run with -m."""
+call sequence, the wrong backends where features meet, and the context-parallel command run
+with -m."""
 
 import itertools
 import os

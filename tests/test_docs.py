@@ -237,7 +237,7 @@ def test_spec_copies_match_the_shared_spec():
             assert a.read() == b.read(), f"docs/spec/{name} differs from ../shared/spec/{name}"
 
 
-# ------------------------------------------------------------------ outputs shown in the tutorial
+# outputs shown in the tutorial
 
 # A ```text block right after this comment shows (part of) the output of the command that
 # precedes the comment, or of the block's own `repro:` line; tests/test_docs.py compares it with

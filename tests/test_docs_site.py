@@ -171,7 +171,7 @@ def test_strict_build_fails_on_an_unresolved_snippet(tmp_path, include, message)
     assert message in build.stderr, build.stderr
 
 
-# ------------------------------------------------------------------ the browser check
+# the browser check
 
 CHROMIUM_ARGS = [
     "--headless",

@@ -30,7 +30,6 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return t.detach().double().numpy()
 
 
-# --------------------------------------------------------------------------------------------
 # Tasks
 
 
@@ -78,7 +77,6 @@ def test_loss_summary_bands():
     assert summary["4x"]["mean"] == 2.25 and summary["4x"]["stderr"] == 0.0
 
 
-# --------------------------------------------------------------------------------------------
 # Model pieces
 
 
@@ -228,7 +226,6 @@ def test_progress_off_a_terminal_prints_each_tenth_once():
     assert len(lines) == 11 and lines[-1].startswith("job") and "50/50" in lines[-1]
 
 
-# --------------------------------------------------------------------------------------------
 # The --quick runs: one record and one figure each
 
 

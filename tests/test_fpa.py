@@ -25,7 +25,7 @@ def random_inputs(rng, lead, T, dk, dv, *, walk=True):
     return q, k, v, field, level
 
 
-# ------------------------------------------------------------------------- (F1)-(F5) forward
+# (F1)-(F5) forward
 
 
 def test_segment_min_brute_force():
@@ -113,7 +113,7 @@ def test_penalty_kills_deeply_descended_key():
     assert o[2, 0] == pytest.approx(1.0, abs=1e-18)  # key 0 has depth 50: weight e^-50 / 2
 
 
-# ------------------------------------------------------------------------- (F6) FoX
+# (F6) FoX
 
 
 @pytest.mark.parametrize("gates_one", [False, True])
@@ -199,7 +199,7 @@ def test_fox_direct_sums_each_segment_on_its_own():
     assert rel_err(got.dlog_f, grads_want[3]) < 1e-13
 
 
-# ------------------------------------------------------------------------- (G1)-(G4) gradients
+# (G1)-(G4) gradients
 
 
 def fpa_outputs(q, k, v, field, level, scale=None):
@@ -286,7 +286,7 @@ def test_field_gradient_goes_to_latest_argmin_on_ties():
     assert g.dfield.sum() == pytest.approx(-g.dlevel.sum(), abs=1e-15)
 
 
-# ------------------------------------------------------------------------- section 4 liveness
+# section 4 liveness
 
 
 def bracket_field(rng, T):
@@ -319,7 +319,7 @@ def test_brackets_keep_open_scopes():
     assert at_e == ["a", ")", "e"]
 
 
-# ------------------------------------------------------------------------- (F7) decoding
+# (F7) decoding
 
 
 @pytest.mark.parametrize(("lead", "T", "dk", "dv"), SHAPES)
@@ -358,7 +358,7 @@ def test_decoder_cache_is_the_live_stack_when_theta_small():
     assert dec.kept_fraction == max(live[t].sum() for t in range(30)) / 30
 
 
-# ------------------------------------------------------------------------- bad input
+# bad input
 
 
 def good(T=4):
@@ -589,7 +589,7 @@ def test_tile_helpers_name_bad_arguments(call, message):
         call(np.arange(5.0))
 
 
-# ------------------------------------------------------------------------- the layer (section 3)
+# the layer (section 3)
 
 
 def test_layer_equals_per_head_fpa():
@@ -627,7 +627,7 @@ def test_fox_initialised_layer_is_fox():
     np.testing.assert_allclose(fpa.fpa_layer(x, p, increments="logsigmoid"), want, rtol=1e-12)
 
 
-# ------------------------------------------------------------------------- section 7 tiles
+# section 7 tiles
 
 
 @pytest.mark.parametrize("block", [1, 3, 4, 16, 64])
@@ -671,7 +671,7 @@ def test_the_numpy_backend_skips_a_zero_length_packed_sequence():
         backend.fpa_attention(**args, cu_seqlens=(0, 3, 2, 4))
 
 
-# ------------------------------------------------------------------------- (F3w) the window
+# (F3w) the window
 
 
 @pytest.mark.parametrize("window", [1, 2, 5, 13, 40])

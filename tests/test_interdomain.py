@@ -29,7 +29,7 @@ def s4d_inputs(rng, lead=(2,), H=2, T=9, R=3, dv=2, M=4, long_memory=False):
     return fq, kt, vt, lam, b, c
 
 
-# ------------------------------------------------------------------------- hippo.py
+# hippo.py
 
 
 def test_legs_transition_matches_i4_entrywise():
@@ -144,7 +144,7 @@ def test_s4d_inits():
     np.testing.assert_allclose(lin, [0, np.pi, 2 * np.pi])
 
 
-# ------------------------------------------------------------------------- (I1)-(I7)
+# (I1)-(I7)
 
 
 def test_linear_attention_matches_loop():
@@ -214,7 +214,7 @@ def test_h5_ratio_readout_scale_invariance():
     np.testing.assert_allclose(I.ratio_readout(fq, scaled), o, rtol=1e-13)
 
 
-# ------------------------------------------------------------------------- (I8)-(I10) pieces
+# (I8)-(I10) pieces
 
 
 def test_short_conv_matches_loop():
@@ -276,7 +276,7 @@ def test_h11_lambda_modulus_at_init():
     assert np.abs(lam).min() >= np.exp(-0.05) and np.abs(lam).max() <= np.exp(-0.0005)
 
 
-# ------------------------------------------------------------------------- (I11)-(I13) core
+# (I11)-(I13) core
 
 
 @pytest.mark.parametrize("readout", ["linear", "ratio"])
@@ -369,7 +369,7 @@ def test_conjugate_pairing_matches_parseval_with_complete_basis():
     assert rel_err(o2, o1) < 1e-13
 
 
-# ------------------------------------------------------------------------- gradients
+# gradients
 
 
 @pytest.mark.parametrize("readout", ["linear", "ratio"])
@@ -418,7 +418,7 @@ def test_legs_vjp_matches_central_differences(wrt):
     assert check.passes(1e-9), check
 
 
-# ------------------------------------------------------------------------- the layer
+# the layer
 
 
 @pytest.mark.parametrize(
@@ -531,7 +531,7 @@ def test_ops_accept_an_empty_batch():
     assert [g.shape for g in legs] == [(0, 5, 2)] * 3
 
 
-# ------------------------------------------------------------------------- bad input
+# bad input
 
 
 def test_bad_inputs_name_the_argument():

@@ -214,7 +214,7 @@ def test_log_gates_are_checked_eagerly_and_shapes_under_jit():
     assert jnp.all(jnp.isfinite(jitted(a["q"], a["k"], a["v"], -jnp.abs(a["field"]))))
 
 
-# ------------------------------------------------------------------------------ decoding
+# decoding
 
 
 def test_decode_without_eviction_equals_the_parallel_op():
@@ -273,7 +273,7 @@ def test_decode_rejects_a_threshold_that_is_not_positive(theta):
         fpa_decode(q, k, v, field, level, theta=theta)
 
 
-# ------------------------------------------------- drop-in gates, empty batches and sequences
+# drop-in gates, empty batches and sequences
 
 
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])

@@ -225,7 +225,7 @@ def test_float32_products_stay_float32_in_the_gpu_lowering():
     assert set(dots) == {("f32", "f32", "f32", "ieee")}
 
 
-# ------------------------------------------------------------------ Mosaic GPU kernels
+# Mosaic GPU kernels
 
 
 def mosaic_modules(lowered):

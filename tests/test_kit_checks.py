@@ -18,7 +18,7 @@ def run_one(backend, case_id, dtype, kind="output"):
     return runner.run_case(backend, cases.build_case(case_id), dtype, kind)
 
 
-# ------------------------------------------------------------------------- optional features
+# optional features
 
 
 def test_varlen_reference_is_each_segment_on_its_own():
@@ -85,7 +85,7 @@ def test_bad_offsets_are_rejected():
         NumpyBackend().fox_attention(**case.inputs, cu_seqlens=(0, 15, 299))
 
 
-# ------------------------------------------------------------------------- runner checks
+# runner checks
 
 
 def test_a_flash_style_low_precision_backend_passes():

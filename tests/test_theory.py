@@ -35,7 +35,7 @@ def test_check_passes_on_the_reference(results, check_id):
     assert r.statement and r.witness
 
 
-# ------------------------------------------------------------------------- wrong implementations
+# wrong implementations
 
 
 def stack_pops_equal_levels(field):
@@ -185,7 +185,7 @@ def test_check_fails_for_a_wrong_implementation(check_id):
     assert not result.passed, f"{check_id} passed a wrong implementation: {result.measured}"
 
 
-# ------------------------------------------------------------------------- the command
+# the command
 
 
 def test_command_prints_table_writes_json_and_plots(tmp_path, capsys):
@@ -210,7 +210,7 @@ def test_command_exit_code_on_failure(monkeypatch, capsys):
     assert "FAIL" in capsys.readouterr().out
 
 
-# ------------------------------------------------------------------------- context parallelism
+# context parallelism
 
 
 def _cross_chunk_min_no_gap(field, key, query, chunks):

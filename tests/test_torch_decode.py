@@ -123,7 +123,7 @@ def test_half_precision_field_and_levels_are_widened_as_by_the_parallel_op():
         assert o.dtype == torch.bfloat16 and torch.equal(o, want)
 
 
-# ------------------------------------------------------------------------- Interdomain
+# Interdomain
 
 
 def s4d_params(H=2, M=6, dtype=torch.complex128):

@@ -93,7 +93,7 @@ def test_public_op_gradients_by_autograd_match_the_reference_in_float32():
         assert relative_error(to_ref(leaf.grad), want) < 2e-5, name
 
 
-# ------------------------------------------------------------------------------------- FoX
+# FoX
 
 
 @pytest.mark.parametrize(
@@ -174,7 +174,7 @@ def test_fox_long_sequence_keeps_float32_logits_precise():
     assert error < 6e-7 < 2e-6 < global_error
 
 
-# --------------------------------------------------------------------------------- dtypes
+# dtypes
 
 
 def test_half_precision_inputs_keep_wide_statistics_and_gradients():
@@ -217,7 +217,7 @@ def test_autocast_behaves_as_for_sdpa():
     assert torch.equal(o, bf16)
 
 
-# ------------------------------------------------------------------ dispatch and bad input
+# dispatch and bad input
 
 
 def test_a_registered_kernel_is_used_by_the_custom_op_and_its_backward(monkeypatch):
@@ -311,7 +311,7 @@ def test_bad_fox_and_packed_input():
         fox_attention(*two, cu_seqlens=torch.tensor([0, 10]))
 
 
-# ------------------------------------------------- drop-in gates, empty batches and sequences
+# drop-in gates, empty batches and sequences
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -137,7 +137,7 @@ def test_long_memory_over_many_chunks_does_not_drift():
     assert relative_error(to_ref(o), o_ref) < 1e-5
 
 
-# ------------------------------------------------------------------------------------- LegS
+# LegS
 
 
 @pytest.mark.parametrize(
@@ -273,7 +273,7 @@ def test_a_mode_without_memory_lambda_zero_keeps_exact_gradients():
     assert relative_error(torch.view_as_complex(got[3]).numpy(), want.dlam) < 1e-12
 
 
-# ------------------------------------------------- empty batches and zero-length sequences
+# empty batches and zero-length sequences
 
 
 @pytest.mark.parametrize("impl", ["eager", "triton"])

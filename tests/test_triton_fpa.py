@@ -58,7 +58,7 @@ TINY = tf.Tiles(16, 16)
 LARGE = tf.Tiles(64, 64)
 
 
-# ------------------------------------------------------------------------------ inputs
+# inputs
 
 
 def walk_field(rng, kind: str, shape) -> np.ndarray:
@@ -99,7 +99,7 @@ def rounded(x: dict, dtype: str) -> dict:
     return {n: round_to(a, dtype if n in NARROW else wide) for n, a in x.items()}
 
 
-# ------------------------------------------------------------------------------ both sides
+# both sides
 
 
 def heads_first(a: np.ndarray) -> np.ndarray:
@@ -189,7 +189,7 @@ def gates(low: float, high: float, unit: float = 0.0):
     return draw_gates
 
 
-# ------------------------------------------------------------------------------ FPA
+# FPA
 
 
 def test_registered_as_triton():
@@ -323,7 +323,7 @@ def test_the_interpreter_patches_the_language_once_per_launch(monkeypatch):
         assert patched <= 2, f"triton.language patched {patched} times in one launch"
 
 
-# ------------------------------------------------------------------------------ FoX
+# FoX
 
 
 @pytest.mark.parametrize(
@@ -417,7 +417,7 @@ def test_float64_scalars_with_float32_q_match_eager_twin(op):
         assert err < 1e-5, f"{n}: relative error {err:.3g}"
 
 
-# ------------------------------------------------------------------------------ theta
+# theta
 
 
 def test_tile_skipping_is_the_reference_without_the_skipped_tiles():
@@ -451,7 +451,7 @@ def test_tile_skipping_is_the_reference_without_the_skipped_tiles():
     assert compare(o[0, :, 0].numpy(), exact, 1e-12).rel > 1e-9  # the skipping is real
 
 
-# ------------------------------------------------------------------------------ bad input
+# bad input
 # Checked once, by the public op (backends/torch/checks.py), before the Triton kernel is reached;
 # the launchers assert only their invariants.
 
@@ -524,7 +524,7 @@ def test_tiles_must_nest():
         tf.Tiles(64, 64, diagonal=24)
 
 
-# ------------------------------------------------------------------------------ GPU compiler
+# GPU compiler
 
 SM90_COMPILE = """
 import triton, triton.language as tl

@@ -117,7 +117,6 @@ def check_s4d(case, do, readout, dtype="float64", blocks=None):
         assert rel_err(unpair(x), getattr(gw, name)) < tol, name
 
 
-# --------------------------------------------------------------------------------------------
 # S4D against the reference
 
 
@@ -459,7 +458,6 @@ def test_s4d_varlen_needs_batch_one():
         s4d_op([*args, "linear", torch.tensor([0, 2, 4], device=DEVICE), None])
 
 
-# --------------------------------------------------------------------------------------------
 # LegS
 
 
@@ -596,7 +594,6 @@ def test_legs_bad_input_names_the_argument(change, match):
         interdomain_legs(*args[:4], cu_seqlens=args[4], impl="triton")
 
 
-# --------------------------------------------------------------------------------------------
 # Against the eager twins (backends/torch/eager_interdomain.py), through the registry
 
 # Importing attnspec.backends.torch (above) registers the eager twins.
@@ -647,7 +644,6 @@ def test_legs_matches_the_eager_twin():
         assert rel_err(x.cpu(), y.cpu()) < 1e-12
 
 
-# --------------------------------------------------------------------------------------------
 # The GPU check's S4D section, dry run
 
 

@@ -40,7 +40,6 @@ def layout_chunks(T: int, P: int, layout: str) -> list[list[tuple[int, int]]]:
     return [[chunk[r], chunk[2 * P - 1 - r]] for r in range(P)]
 
 
-# --------------------------------------------------------------------------------------------
 # (CP1) the segment minimum across chunks, and its latest argmin (the routing of (G3))
 
 
@@ -162,7 +161,6 @@ def cp1_segment_minimum(
     )
 
 
-# --------------------------------------------------------------------------------------------
 # (CP2) FPA rank by rank: log-sum-exp merge forward, reduced gradients backward (CP5)
 
 
@@ -283,7 +281,6 @@ def cp2_sharded_fpa(
     )
 
 
-# --------------------------------------------------------------------------------------------
 # (CP3) FoX: the walk entering a chunk is an exclusive scan of chunk totals of log f
 
 
@@ -355,7 +352,6 @@ def cp3_fox_scan(*, exclusive_scan: Callable[[Array], Array] = exclusive_scan) -
     )
 
 
-# --------------------------------------------------------------------------------------------
 # (CP4) S4D: the state entering a shard is an exclusive scan of (decay, local final state) pairs
 
 
@@ -436,7 +432,6 @@ def cp4_s4d_carry(*, carry_scan: Callable[..., list[Array]] = carry_scan) -> Che
     )
 
 
-# --------------------------------------------------------------------------------------------
 # The figure of docs/context_parallel.md
 
 

@@ -86,7 +86,12 @@ def run_checks(ids: list[str] | None = None) -> list[CheckResult]:
         except Exception as exc:  # reported as a failed row, never a crash of the report
             results.append(
                 CheckResult(
-                    id_, "(check raised)", f"{type(exc).__name__}: {exc}", math.nan, 0.0, False
+                    id_,
+                    "(check raised)",
+                    f"{type(exc).__name__}: {exc}",
+                    math.nan,
+                    0.0,
+                    passed=False,
                 )
             )
     return results

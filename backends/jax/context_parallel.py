@@ -37,7 +37,6 @@ from attnspec.reference.packing import packing
 LAYOUTS = ("contiguous", "zigzag")
 
 
-# --------------------------------------------------------------------------------------------
 # Layout
 
 
@@ -97,7 +96,6 @@ def _segment_ids(offsets: tuple[int, ...] | None, T: int) -> np.ndarray | None:
     return np.searchsorted(np.asarray(offsets), np.arange(T), side="right") - 1
 
 
-# --------------------------------------------------------------------------------------------
 # The strategy: (CP1) gap, (CP3) scan, (CP4) carry
 
 
@@ -131,7 +129,6 @@ class Sharding:
 DEFAULT = Sharding()
 
 
-# --------------------------------------------------------------------------------------------
 # FPA and FoX on one shard
 
 
@@ -315,7 +312,6 @@ def fox_shard(
     return jnp.concatenate(outs, axis=1).astype(q.dtype)
 
 
-# --------------------------------------------------------------------------------------------
 # S4D on one shard
 
 
@@ -373,7 +369,6 @@ def s4d_shard(
     return o.astype(fq.dtype)
 
 
-# --------------------------------------------------------------------------------------------
 # Wrappers over a mesh
 
 

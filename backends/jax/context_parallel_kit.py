@@ -96,8 +96,8 @@ def _run_job(job: Any, mesh: Mesh, sharding: Sharding) -> Any:
         return np.swapaxes(y, 1, 2) if token_axis else y
 
     return JobResult(
-        {n: back(x, True) for n, x in out.items()},
-        {n: back(g, n in per_token) for n, g in zip(names, grads, strict=True)},
+        {n: back(x, token_axis=True) for n, x in out.items()},
+        {n: back(g, token_axis=n in per_token) for n, g in zip(names, grads, strict=True)},
     )
 
 

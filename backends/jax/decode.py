@@ -252,8 +252,8 @@ def fpa_decode(
         ``overflowed``). Time O(B N T S (H + Hv)); memory O(B N S (H + Hv)).
     """
     q, k, v = _check_qkv(q, k, v)
-    field = _check_scalar("field", field, q, True)
-    level = _check_scalar("level", level, q, True)
+    field = _check_scalar("field", field, q, validate=True)
+    level = _check_scalar("level", level, q, validate=True)
     # complex has no float(): refused here, with the argument named
     if check.concrete(theta) and (isinstance(theta, complex) or not float(theta) > 0):
         raise ValueError(f"theta: expected a positive threshold (or inf), got {theta!r}")

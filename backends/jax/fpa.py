@@ -222,7 +222,7 @@ def _backward(
     return dq, dk, dv, dlog_f.astype(scalars[0].dtype)
 
 
-# --------------------------------------------------------------------- custom_vjp cores
+# custom_vjp cores
 # Internal layout: q (Z, G, T, dk), k (Z, T, dk), v (Z, T, dv), per-token scalars (Z, G, T).
 
 
@@ -291,7 +291,7 @@ def _fox_core_bwd(
 _fox_core.defvjp(_fox_core_fwd, _fox_core_bwd)
 
 
-# --------------------------------------------------------------------- public layout
+# public layout
 
 
 def _to_internal(

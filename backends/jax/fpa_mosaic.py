@@ -412,7 +412,7 @@ def forward(
     return o[..., :dv].reshape(Z, G, nb, bs, dv), lse.reshape(Z, G, nb, bs)
 
 
-# ------------------------------------------------------------------------------ backward
+# backward
 
 
 def _dq_kernel(

@@ -195,7 +195,7 @@ def _call(
     )(*layout.arrays)
 
 
-# ------------------------------------------------------------------------------ tile helpers
+# tile helpers
 
 
 class _Refs:
@@ -280,7 +280,7 @@ def _masked(logits: jax.Array, mask: jax.Array | None) -> jax.Array:
     return logits if mask is None else jnp.where(mask, logits, -jnp.inf)
 
 
-# ------------------------------------------------------------------------------ forward
+# forward
 
 
 def _forward_kernel(
@@ -380,7 +380,7 @@ def tiles_dtype(pen: Penalties) -> jnp.dtype:
     return pen.fox().prefix_sum.dtype
 
 
-# ------------------------------------------------------------------------------ backward
+# backward
 
 
 def _tile_grads(

@@ -58,7 +58,7 @@ def _einsum(spec: str, *args: jax.Array) -> jax.Array:
     return jnp.einsum(spec, *args, precision=HIGHEST)
 
 
-# ------------------------------------------------------------------------------ S4D
+# S4D
 
 
 class _SegmentGates(TypedDict):
@@ -280,7 +280,7 @@ def interdomain_s4d(
     return _s4d_public(fq, kt, vt, lam, b, c, readout=readout, cu_seqlens=offsets, chunk=chunk)
 
 
-# ------------------------------------------------------------------------------ S4D decode
+# S4D decode
 
 
 class S4DState(NamedTuple):
@@ -360,7 +360,7 @@ def _s4d_step(
     return o.astype(fq.dtype), S4DState(x)
 
 
-# ------------------------------------------------------------------------------ LegS
+# LegS
 
 
 @functools.lru_cache(maxsize=2)

@@ -315,7 +315,7 @@ class JaxBackend:
             "device": str(self._device),
         }
 
-    # ---------------------------------------------------------------- ops
+    # ops
 
     def _run(
         self, op: str, inputs: dict[str, jax.Array], params: dict[str, Any]
@@ -453,7 +453,7 @@ class JaxBackend:
             _count_program("interdomain_layer", self.implementation, static, {"x": x, **params})
             return layers.interdomain_layer(x, params, readout=readout, **kwargs)
 
-    # ---------------------------------------------------------------- gradients
+    # gradients
 
     def vjp(
         self,
@@ -505,7 +505,7 @@ class MosaicBackend(PallasBackend):
     dtypes = ("bfloat16", "float16")
 
 
-# ---------------------------------------------------------------- decode sessions
+# decode sessions
 
 SESSION_CAPACITY = 1024  # default fixed capacity: FPA slots per (row, kv head), LegS steps
 

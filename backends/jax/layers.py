@@ -342,7 +342,7 @@ def _interdomain_layer(
     return _readout(x, o, wide, gate, output_norm).astype(x.dtype)
 
 
-# --------------------------------------------------------------------- decoding, token by token
+# decoding, token by token
 
 
 class FPALayerState(NamedTuple):

@@ -66,7 +66,7 @@ def session_select(state: Any, rows: jax.Array) -> Any:
     return jax.tree.map(lambda x: x[rows], state)
 
 
-# ----------------------------------------------------------------------------------- FPA
+# FPA
 
 
 class FPASession(NamedTuple):
@@ -306,7 +306,7 @@ def _last_field(state: FPASession) -> jax.Array:
     return jnp.where(state.tokens[:, None] > 0, last.reshape(R, H * G), 0.0)
 
 
-# ------------------------------------------------------------------------------ FPA layer
+# FPA layer
 
 
 class FPALayerSession(NamedTuple):
@@ -364,7 +364,7 @@ def fpa_layer_rollback(state: FPALayerSession, n: jax.Array) -> FPALayerSession:
     return FPALayerSession(_fpa_rollback(state.attention, n))
 
 
-# --------------------------------------------------------------------- Interdomain states
+# Interdomain states
 
 
 class RecurrentSession(NamedTuple):
@@ -587,7 +587,7 @@ def legs_rollback(
     return _recurrent_rollback(_legs_step_fn(E, F), state, n)
 
 
-# ------------------------------------------------------------------------ Interdomain layer
+# Interdomain layer
 
 
 def interdomain_layer_session(

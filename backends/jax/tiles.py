@@ -148,7 +148,7 @@ def decay_tiles(log_f: jax.Array, bs: int) -> DecayTiles:
     return DecayTiles(suffix, prefix, total, jnp.moveaxis(diag, 0, -2))
 
 
-# ---------------------------------------------------------------------------- per-tile math
+# per-tile math
 
 
 def diagonal_penalty(kind: str, diag: jax.Array, level_cols: jax.Array | None = None) -> jax.Array:

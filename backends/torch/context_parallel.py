@@ -51,7 +51,6 @@ LAYOUTS = ("contiguous", "zigzag")
 _INF = float("inf")
 
 
-# --------------------------------------------------------------------------------------------
 # Layout
 
 
@@ -122,7 +121,6 @@ def _layout(group: Any, T_local: int, layout: str) -> _Layout:
     return _Layout(rank, world, L, rank_chunks(rank, world, layout), owner)
 
 
-# --------------------------------------------------------------------------------------------
 # Agreement: every rank raises the same error, before any tensor collective
 
 
@@ -177,7 +175,6 @@ def _segment_ids(offsets: tuple[int, ...] | None, T: int, device: Any) -> Tensor
     return torch.searchsorted(torch.tensor(offsets, device=device), pos, right=True) - 1
 
 
-# --------------------------------------------------------------------------------------------
 # Collectives
 
 
@@ -212,7 +209,6 @@ class _GatherStates(torch.autograd.Function):
         return _sum_to_owners(list(grad.unbind(0)), ctx.group), None
 
 
-# --------------------------------------------------------------------------------------------
 # The strategy: the identities, as methods a wrong implementation can override
 
 
@@ -247,7 +243,6 @@ class Sharding:
 DEFAULT = Sharding()
 
 
-# --------------------------------------------------------------------------------------------
 # Cross-chunk tiles: queries of chunk a, keys of an earlier chunk b
 
 
@@ -380,7 +375,6 @@ def _merge(parts: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
     return o.to(dtype), (top + torch.log(total)).to(parts[0][1].dtype)
 
 
-# --------------------------------------------------------------------------------------------
 # FPA and FoX
 
 
@@ -754,7 +748,6 @@ def _try_offsets(cu_seqlens: Any, T: int) -> Any:
         return repr(cu_seqlens)
 
 
-# --------------------------------------------------------------------------------------------
 # S4D
 
 
@@ -855,7 +848,7 @@ class _S4DLocal(torch.autograd.Function):
     ) -> tuple[Tensor, Tensor]:
         readout, cu, impl = cfg
         kernel = dispatch.lookup("s4d_fwd", impl)
-        o, final, saved = kernel(fq, kt, vt, lam, b, c, readout, cu, init, True)
+        o, final, saved = kernel(fq, kt, vt, lam, b, c, readout, cu, init, return_saved=True)
         ctx.cfg = cfg
         ctx.save_for_backward(fq, kt, vt, lam, b, c, init, *saved)
         return o, final

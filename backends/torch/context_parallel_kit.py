@@ -100,9 +100,9 @@ def run_job(
             dist.all_reduce(t, group=group)
         return t.to(torch.float64).numpy()
 
-    outputs = {n: full(o, True) for n, o in outs.items()}
+    outputs = {n: full(o, per_token=True) for n, o in outs.items()}
     grads = {
-        n: full(t.grad if t.grad is not None else torch.zeros_like(t), n in _PER_TOKEN)
+        n: full(t.grad if t.grad is not None else torch.zeros_like(t), per_token=n in _PER_TOKEN)
         for n, t in x.items()
     }
     return {"outputs": outputs, "grads": grads}

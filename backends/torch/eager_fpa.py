@@ -34,7 +34,6 @@ from . import dispatch
 _INF = float("inf")
 
 
-# --------------------------------------------------------------------------------------------
 # Layout: [B, T, H, D] <-> one row per (batch, query head) sequence, [N, T, D]
 
 
@@ -80,7 +79,6 @@ def compute_dtype(q: Tensor, wide: Tensor) -> torch.dtype:
     return torch.promote_types(torch.promote_types(q.dtype, torch.float32), wide.dtype)
 
 
-# --------------------------------------------------------------------------------------------
 # Segment minima and their latest argmins inside one block
 
 
@@ -133,7 +131,6 @@ def suffix_min(field: Tensor) -> tuple[Tensor, Tensor]:
     return S, torch.cummin(record.flip(1), dim=1).values.flip(1)
 
 
-# --------------------------------------------------------------------------------------------
 # Tiles: the additive penalty of one (query block, key block) pair and its backward
 
 
@@ -276,7 +273,6 @@ class FoXBias:
         return self.dc.to(torch.float64).flip(1).cumsum(1).flip(1)
 
 
-# --------------------------------------------------------------------------------------------
 # Attention over the tiles of one sequence batch: (F3)-(F5) forward, (G1) and (G4) backward
 
 
@@ -395,7 +391,6 @@ def attend_backward(
     return dq, dk, dv
 
 
-# --------------------------------------------------------------------------------------------
 # The registered kernels (signatures of dispatch.py)
 
 

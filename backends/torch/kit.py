@@ -120,7 +120,7 @@ class TorchBackend:
             return None
         return torch.tensor(cu_seqlens, dtype=torch.int32, device=self.device)
 
-    # ---------------------------------------------------------------- ops
+    # ops
 
     def fpa_attention(
         self,
@@ -262,7 +262,7 @@ class TorchBackend:
             y: Tensor = layer(x, cu_seqlens=self._offsets(cu_seqlens))
         return y
 
-    # ---------------------------------------------------------------- sessions
+    # sessions
 
     def open_session(self, op: str, *, rows: int, dtype: str, config: dict[str, Any]) -> Any:
         """A decode session of ``op`` (spec/fpa.md F8, F9; spec/interdomain.md I15) with
@@ -317,7 +317,7 @@ class TorchBackend:
             return legs_session(rows, dtype, self.device, config)
         return interdomain_layer_session(rows, dtype, self.device, config)
 
-    # ---------------------------------------------------------------- gradients
+    # gradients
 
     def vjp(
         self,

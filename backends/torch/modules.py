@@ -118,7 +118,6 @@ def _check_batch(x: Tensor, cached: Tensor | None) -> None:
         )
 
 
-# --------------------------------------------------------------------------------------------
 # First Passage Attention
 
 
@@ -355,7 +354,6 @@ class FPALayerSession:
         return self.attention.counts()
 
 
-# --------------------------------------------------------------------------------------------
 # Interdomain Attention
 
 

@@ -132,7 +132,6 @@ def _window_kwarg(window: int | None) -> dict[str, int]:
     return {} if window is None else {"window": window}
 
 
-# --------------------------------------------------------------------------------------------
 # FPA
 
 
@@ -358,7 +357,6 @@ def fpa_attention(
     return (o, lse) if return_lse else o
 
 
-# --------------------------------------------------------------------------------------------
 # FoX
 
 
@@ -530,7 +528,6 @@ def fox_attention(
     return o
 
 
-# --------------------------------------------------------------------------------------------
 # Interdomain: the S4D core
 
 
@@ -565,7 +562,9 @@ def _s4d_fwd(
     kept_initial = initial_state if keep is None or initial_state is None else initial_state[keep]
     with _no_autocast(fq):
         kernel = dispatch.lookup("s4d_fwd", impl)
-        o, final, saved = kernel(fq, kt, vt, lam, b, c, readout, offsets, kept_initial, True)
+        o, final, saved = kernel(
+            fq, kt, vt, lam, b, c, readout, offsets, kept_initial, return_saved=True
+        )
     if keep is None or cu_seqlens is None:
         return o, final, saved
     # a zero-length sequence ends in the state it started from
@@ -723,7 +722,7 @@ def s4d_pairs(
     if initial_state is not None:
         N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
         dims = (N, H, M, _s4d_state_channels(R, V, readout))
-        initial_state = checks.s4d_state(initial_state, dims, True, lam)
+        initial_state = checks.s4d_state(initial_state, dims, pairs=True, lam=lam)
         checks.same_device(("fq", "initial_state"), (fq, initial_state))
     impl = resolve_impl("s4d_fwd", impl, fq.device)
     fq, kt, vt = _autocast(fq, kt, vt)
@@ -828,7 +827,7 @@ def interdomain_s4d(
     if initial_state is not None:
         N = dims.B if cu_seqlens is None else cu_seqlens.shape[0] - 1
         C = _s4d_state_channels(dims.R, dims.V, readout)
-        initial_state = checks.s4d_state(initial_state, (N, dims.H, M, C), False, lam)
+        initial_state = checks.s4d_state(initial_state, (N, dims.H, M, C), pairs=False, lam=lam)
         initial_state = torch.view_as_real(initial_state)
     params = (lam, b, c)
     o, final = s4d_pairs(
@@ -844,7 +843,6 @@ def interdomain_s4d(
     return (o, torch.view_as_complex(final)) if output_final_state else o
 
 
-# --------------------------------------------------------------------------------------------
 # Interdomain: the LegS projection with the ratio readout
 
 

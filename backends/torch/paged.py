@@ -210,7 +210,7 @@ class PagedFPASession:
     def rows(self) -> int:
         return int(self.state.tokens.shape[0])
 
-    # ------------------------------------------------------------------ checks
+    # checks
 
     def _check_chunk(self, inputs: dict[str, Tensor], present: Tensor) -> int:
         R, HQ, H = self.rows, self.HQ, self.H
@@ -243,7 +243,7 @@ class PagedFPASession:
         checks.finite("level", inputs["level"])
         return n
 
-    # ------------------------------------------------------------------ pages
+    # pages
 
     def free_pages(self) -> int:
         """Pages of the pool not held by any row."""
@@ -309,7 +309,7 @@ class PagedFPASession:
         shared = touched & (table >= 0) & (self.refs[table.clamp_min(0)] > 1)
         return fresh, shared
 
-    # ------------------------------------------------------------------ the protocol
+    # the protocol
 
     def advance(self, inputs: dict[str, Tensor], present: Tensor) -> dict[str, Tensor]:
         """(F8 rows) consume a chunk: q [R, HQ, n, dk], k [R, H, n, dk], v [R, H, n, dv],

@@ -119,7 +119,6 @@ def flat(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]).contiguous()
 
 
-# --------------------------------------------------------------------------------------------
 # Sequences, chunks and sub-chunks (host side)
 
 
@@ -223,7 +222,6 @@ def check_cotangent(name: str, x: torch.Tensor, like: torch.Tensor) -> None:
     assert (x.shape, x.dtype, x.device) == (like.shape, like.dtype, like.device), name
 
 
-# --------------------------------------------------------------------------------------------
 # Device side
 
 

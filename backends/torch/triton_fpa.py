@@ -66,7 +66,7 @@ LN2 = math.log(2.0)
 MAX_HEAD_DIM = 256
 
 
-# ------------------------------------------------------------------------------- tile sizes
+# tile sizes
 
 
 PREPASS_WARPS = 4  # the per-token passes (block minima and sums, delta, dfield, segment sums)
@@ -111,7 +111,7 @@ def tiles_for(
     return tile_choice(device_class(device), backward, K, V, dtype)
 
 
-# ---------------------------------------------------------------------------- Triton kernels
+# Triton kernels
 
 
 @triton.jit
@@ -982,7 +982,7 @@ def _segment_sums_kernel(
         carry += tl.sum(x, 0)
 
 
-# --------------------------------------------------------------------------------- launchers
+# launchers
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 _WIDE = (torch.float32, torch.float64)
@@ -1268,7 +1268,9 @@ def _backward(
     if fox:
         blocks, links = _block_sums(field, cu, tile_list, shape, BT), None
     else:
-        blocks, links = _block_minima(field, wide["level"], cu, tile_list, shape, BT, True)
+        blocks, links = _block_minima(
+            field, wide["level"], cu, tile_list, shape, BT, with_links=True
+        )
     dq = torch.empty_like(q)
     partial = acc if G > 1 else None  # GQA: dk, dv per query head, reduced below
     dk = torch.empty(B, T, HQ, shape.K, dtype=partial or k.dtype, device=q.device)

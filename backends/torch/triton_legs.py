@@ -42,7 +42,6 @@ from .triton_chunks import (
 __all__ = ["LegsState", "legs_bwd", "legs_chunk_tables", "legs_fwd", "legs_step"]
 
 
-# --------------------------------------------------------------------------------------------
 # Position tables (host side)
 
 
@@ -78,7 +77,6 @@ def _legs_tables(
     return _LEGS_DEVICE_TABLES[key]
 
 
-# --------------------------------------------------------------------------------------------
 # Kernels
 
 
@@ -401,7 +399,6 @@ def _legs_reverse_state_pass(
         d = tl.dot(ph_t, d, input_precision=PREC) + tl.dot(q_hat, zq, input_precision=PREC)
 
 
-# --------------------------------------------------------------------------------------------
 # Launchers
 
 
@@ -664,7 +661,6 @@ def legs_bwd(
     return dfq.reshape(fq.shape), dfk.reshape(fk.shape), dv.reshape(v.shape)
 
 
-# --------------------------------------------------------------------------------------------
 # Decode: one token, fixed-size state (H6)
 
 

@@ -54,7 +54,6 @@ from .triton_s4d_tiles import (
 __all__ = ["s4d_bwd"]
 
 
-# --------------------------------------------------------------------------------------------
 # Device helpers (complex values as (re, im) tuples, sub-chunks as in .triton_s4d)
 
 
@@ -683,7 +682,6 @@ def _s4d_bwd_inputs(
         store_rows(dvt, dv, tok, i_h, H, V, tl.arange(0, BV), m_t)
 
 
-# --------------------------------------------------------------------------------------------
 # Launcher
 
 

@@ -16,7 +16,6 @@ import triton.language as tl
 from .triton_chunks import load_modes, load_rows, state_pairs, store_rows
 from .triton_fpa import _bf16_nearest
 
-# --------------------------------------------------------------------------------------------
 # Tables (host side)
 
 
@@ -65,7 +64,6 @@ def gram(c: torch.Tensor, BM: int, acc: torch.dtype) -> torch.Tensor:
     return out
 
 
-# --------------------------------------------------------------------------------------------
 # Device helpers. Complex values are (re, im) tuples; a sub-chunk is sc = (t0, t1, i_s, i_h, H):
 # its chunk's first and end tokens, its index in the chunk, the head and the number of heads.
 

@@ -24,7 +24,7 @@ PROMPT = b"def first_passage("
 NEW_TOKENS = 12
 
 
-# --------------------------------------------------------------------------------- torch
+# torch
 
 
 def torch_model(d: int = 32, seed: int = 0):  # -> an nn.Module
@@ -88,7 +88,7 @@ def generate_torch(prompt: bytes = PROMPT, n: int = NEW_TOKENS) -> tuple[bytes, 
     return bytes(cached), bytes(parallel.tolist())
 
 
-# --------------------------------------------------------------------------------- JAX
+# JAX
 
 
 def generate_jax(
