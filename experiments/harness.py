@@ -42,6 +42,7 @@ RECORD_KEYS = (
     "versions",
     "started",
     "seconds",
+    "cpu_seconds",
     "load_average",
     "figure",
 )
@@ -226,9 +227,9 @@ def main(
     started = datetime.now(UTC).isoformat(timespec="seconds")
     code = versions()  # before the run writes anything
     load_before = os.getloadavg()
-    t0 = time.monotonic()
+    t0, cpu0 = time.monotonic(), time.process_time()
     outcome = run(setting, Progress())
-    seconds = time.monotonic() - t0
+    seconds, cpu_seconds = time.monotonic() - t0, time.process_time() - cpu0
     figure = figures / f"{name}.png"
     record = {
         "experiment": name,
@@ -239,6 +240,7 @@ def main(
         "versions": code,
         "started": started,
         "seconds": round(seconds, 1),
+        "cpu_seconds": round(cpu_seconds, 1),  # this process, every thread
         # 1-minute load average before and after: the machine is shared, timings depend on it
         "load_average": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
         "figure": figure.name,

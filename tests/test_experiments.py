@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from attnspec.experiments import e1, e2, e3, harness
+from attnspec.experiments import e1, e2, e3, e4, harness
 from attnspec.experiments.layers import (
     ForgettingAttention,
     QueryFreeInterdomain,
@@ -306,9 +306,36 @@ def _check_e3(record: dict) -> None:
         assert diff["1x"]["mean"] == pytest.approx(expected, abs=1e-5)
 
 
+def _check_e4(record: dict) -> None:
+    cfg, res = record["config"], record["results"]
+    n_lengths = len(cfg["passkey"]["multiples"])
+    for setting in ("passkey", "lm"):
+        assert set(res[setting]["models"]) == set(e4.MODELS)
+        for name, entry in res[setting]["models"].items():
+            frontier = entry["passkey"]
+            methods = {e["method"] for e in frontier.values()}
+            assert methods == {"full", *e4.BUDGET_METHODS} | (
+                {"depth"} if name in e4.FIELD_MODELS else set()
+            )
+            for e in frontier.values():
+                assert len(e["accuracy"]) == len(e["kept_fraction"]) == n_lengths
+                assert all(_probability(a) for a in e["accuracy"] + e["kept_fraction"])
+            assert frontier["full 1"]["kept_fraction"] == [1.0] * n_lengths
+            for f in cfg["fractions"][1:]:  # a sink window keeps its budget exactly
+                T = cfg["passkey"]["L"] * cfg["passkey"]["multiples"][-1]
+                kept = frontier[f"streaming_llm {f:g}"]["kept_fraction"][-1]
+                assert kept == pytest.approx(max(5, round(f * T)) / T)
+    for entry in res["lm"]["models"].values():
+        bands = entry["perplexity"]["full 1"]["perplexity"]
+        assert list(bands)[-1] == res["budget_table"]["last_band"]
+        assert "snapkv 0.5" not in entry["perplexity"]  # a prompt method, not streaming
+    assert len(res["ablation"]["variants"]) == 5
+    assert any(k.endswith(" 0.25") for k in res["budget_table"]["rows"])
+
+
 @pytest.mark.parametrize(
     ("name", "module", "check"),
-    [("e1", e1, _check_e1), ("e2", e2, _check_e2), ("e3", e3, _check_e3)],
+    [("e1", e1, _check_e1), ("e2", e2, _check_e2), ("e3", e3, _check_e3), ("e4", e4, _check_e4)],
 )
 def test_quick_run_writes_record_and_figure(tmp_path, name, module, check):
     threads = torch.get_num_threads()
