@@ -214,6 +214,33 @@ def test_log_gates_are_checked_eagerly_and_shapes_under_jit():
     assert jnp.all(jnp.isfinite(jitted(a["q"], a["k"], a["v"], -jnp.abs(a["field"]))))
 
 
+def test_value_checks_copy_no_input_to_the_host(monkeypatch):
+    """An eager call reads two verdicts per checked input, not the input: NumPy sees field,
+    level and log_f only when a check fails and the message names the first bad index."""
+    from attnspec.backends.jax import validation
+
+    copied = []
+
+    class Watched:
+        def __getattr__(self, name):
+            return getattr(np, name)
+
+        def asarray(self, x, *args, **kwargs):
+            copied.append(np.shape(x))
+            return np.asarray(x, *args, **kwargs)
+
+    monkeypatch.setattr(validation, "np", Watched())
+    a = _good()
+    fpa_attention(**a)
+    fox_attention(a["q"], a["k"], a["v"], -jnp.abs(a["field"]))
+    assert copied == []
+    with pytest.raises(
+        ValueError, match=r"level: contains NaN or Inf \(first at index \(0, 3, 1\)"
+    ):
+        fpa_attention(**(a | {"level": a["level"].at[0, 3, 1].set(jnp.nan)}))
+    assert copied == [a["level"].shape]
+
+
 # decoding
 
 

@@ -13,6 +13,7 @@ from attnspec.backends.torch import dispatch, eager_fpa, fox_attention, fpa_atte
 from attnspec.conformance.metrics import relative_error  # noqa: E402
 from attnspec.conformance.numpy_backend import NumpyBackend  # noqa: E402
 from attnspec.reference import fpa  # noqa: E402
+from attnspec.reference.packing import Packing  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 NUMPY = NumpyBackend()  # the reference as the kit runs it: per packed sequence, GQA by repeats
@@ -52,7 +53,7 @@ def test_tiled_kernels_match_the_reference(shape, kinds, block, key_block, cu):
     do, dlse = rng.standard_normal((B, HQ, T, V)), rng.standard_normal((B, HQ, T))
     o_ref, lse_ref, g_ref = reference(q, k, v, f, lev, do, dlse, 0.7, cu)
     args = [to_torch(x) for x in (q, k, v, f, lev)]
-    offsets = None if cu is None else torch.tensor(cu)
+    offsets = None if cu is None else Packing(tuple(cu))
     tiles = dict(block=block, key_block=key_block)
     o, lse = eager_fpa.fpa_fwd(*args, 0.7, offsets, **tiles)
     grads = eager_fpa.fpa_bwd(*args, o, lse, to_torch(do), to_torch(dlse), 0.7, offsets, **tiles)
@@ -118,7 +119,7 @@ def test_fox_matches_its_own_formula_and_vjp(shape, unit, decay, block, key_bloc
         s = np.s_[:, :, a:b]
         o_ref[s] = fpa.fox_attention_direct(q[s], kr[s], vr[s], log_f[s])
     args = [to_torch(x) for x in (q, k, v, log_f)]
-    offsets = None if cu is None else torch.tensor(cu)
+    offsets = None if cu is None else Packing(tuple(cu))
     tiles = dict(block=block, key_block=key_block)
     o, lse = eager_fpa.fox_fwd(*args, K**-0.5, offsets, **tiles)
     grads = eager_fpa.fox_bwd(*args, o, lse, to_torch(do), None, K**-0.5, offsets, **tiles)

@@ -14,6 +14,7 @@ from attnspec.backends.torch import eager_interdomain, interdomain_legs, interdo
 from attnspec.conformance.metrics import relative_error  # noqa: E402
 from attnspec.reference import hippo  # noqa: E402
 from attnspec.reference import interdomain as idm  # noqa: E402
+from attnspec.reference.packing import Packing  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -164,7 +165,7 @@ def test_legs_matches_the_reference(shape, chunk, cu):
         for out, part in zip(g_ref, parts, strict=True):
             out[s] = part
     args = [to_torch(x) for x in (fq, fk, v)]
-    offsets = None if cu is None else torch.tensor(cu)
+    offsets = None if cu is None else Packing(tuple(cu))
     o = eager_interdomain.legs_fwd(*args, M, offsets, chunk=chunk)
     grads = eager_interdomain.legs_bwd(*args, M, offsets, to_torch(do), chunk=chunk)
     assert relative_error(to_ref(o), o_ref) < 1e-12

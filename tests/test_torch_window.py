@@ -11,6 +11,7 @@ torch = pytest.importorskip("torch")
 from attnspec.backends.torch import eager_fpa, fox_attention, fpa_attention  # noqa: E402
 from attnspec.conformance.metrics import relative_error  # noqa: E402
 from attnspec.conformance.numpy_backend import NumpyBackend  # noqa: E402
+from attnspec.reference.packing import Packing  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 NUMPY = NumpyBackend()
@@ -36,7 +37,7 @@ def test_windowed_fpa_tiles_match_the_reference(shape, window, block, key_block,
     o_ref, lse_ref = NUMPY.fpa_attention(**inputs, **params, return_lse=True)
     g_ref = NUMPY.vjp("fpa_attention", inputs, params, {"o": do, "lse": dlse})
     args = [to_torch(x) for x in inputs.values()]
-    offsets = None if cu is None else torch.tensor(cu)
+    offsets = None if cu is None else Packing(tuple(cu))
     tiles = dict(block=block, key_block=key_block, window=window)
     o, lse = eager_fpa.fpa_fwd(*args, 0.7, offsets, **tiles)
     grads = eager_fpa.fpa_bwd(*args, o, lse, to_torch(do), to_torch(dlse), 0.7, offsets, **tiles)
@@ -61,7 +62,7 @@ def test_windowed_fox_tiles_match_the_reference(shape, window, block, key_block,
     o_ref = NUMPY.fox_attention(**inputs, **params)
     g_ref = NUMPY.vjp("fox_attention", inputs, params, {"o": do})
     args = [to_torch(x) for x in inputs.values()]
-    offsets = None if cu is None else torch.tensor(cu)
+    offsets = None if cu is None else Packing(tuple(cu))
     tiles = dict(block=block, key_block=key_block, window=window)
     o, lse = eager_fpa.fox_fwd(*args, K**-0.5, offsets, **tiles)
     grads = eager_fpa.fox_bwd(*args, o, lse, to_torch(do), None, K**-0.5, offsets, **tiles)

@@ -30,6 +30,7 @@ from attnspec.backends.torch import triton_fpa as tf  # noqa: E402
 from attnspec.conformance.metrics import compare  # noqa: E402
 from attnspec.conformance.tolerances import round_to, tolerance  # noqa: E402
 from attnspec.reference import fpa as ref  # noqa: E402
+from attnspec.reference.packing import Packing  # noqa: E402
 
 # Triton 3.6's and 3.7's tl.dot assert that a given accumulator has its out_dtype (float32): the
 # FPA/FoX kernels' float64 path (float64 inputs or per-token scalars) runs from Triton 3.8 (the
@@ -140,7 +141,7 @@ def kernels(x: dict, dtype: str, cu_seqlens=None, scale=None, tiles=None) -> dic
         skip_float64_on_an_old_interpreter()
     wide = torch.float64 if dtype == "float64" else torch.float32
     t = {n: torch.tensor(a, dtype=DTYPES[dtype] if n in NARROW else wide) for n, a in x.items()}
-    cu = None if cu_seqlens is None else torch.tensor(cu_seqlens, dtype=torch.int64)
+    cu = None if cu_seqlens is None else Packing(tuple(cu_seqlens))
     with tf.forced_tiles(*(tiles or (LARGE, LARGE))):
         if "log_f" in x:
             o, lse = tf.fox_fwd(t["q"], t["k"], t["v"], t["log_f"], scale, cu)
@@ -384,7 +385,7 @@ def test_matches_eager_twin(op):
     t = {n: torch.tensor(a) for n, a in x.items()}
     mine = kernels(x, "float64", cu, scale=0.3, tiles=(SMALL, SMALL))
     args = (t["q"], t["k"], t["v"], *((t["log_f"],) if op == "fox" else (t["field"], t["level"])))
-    cu_t = torch.tensor(cu)
+    cu_t = Packing(tuple(cu))
     o, lse = dispatch.lookup(f"{op}_fwd", "eager")(*args, 0.3, cu_t)
     dlse = None if op == "fox" else t["dlse"]
     grads = dispatch.lookup(f"{op}_bwd", "eager")(*args, o, lse, t["do"], dlse, 0.3, cu_t)

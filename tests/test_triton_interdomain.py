@@ -32,6 +32,7 @@ from attnspec.conformance.metrics import relative_error as rel_err  # noqa: E402
 from attnspec.conformance.tolerances import round_to, tolerance  # noqa: E402
 from attnspec.reference import hippo  # noqa: E402
 from attnspec.reference import interdomain as ref  # noqa: E402
+from attnspec.reference.packing import Packing  # noqa: E402
 
 DEVICE = (
     "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
@@ -238,7 +239,7 @@ def test_s4d_varlen_with_a_length_one_segment(diagonal):
         *(to_torch(case[k]) for k in ("fq", "kt", "vt")),
         *(pair(case[k]) for k in ("lam", "b", "c")),
         "ratio",
-        torch.tensor(cu, device=DEVICE),
+        Packing(tuple(cu)),
         None,
     )
     with chunks.block_sizes(*forced((16, 16), diagonal)):
@@ -477,7 +478,7 @@ def check_legs(case, do, M, dtype="float64", blocks=None, cu=None):
     assert o.dtype == DTYPES[dtype] and all(x.dtype == DTYPES[dtype] for x in g)
     r = {k: round_to(v, dtype) for k, v in case.items()}
     do_r = round_to(do, dtype)
-    cu = [0, case["fq"].shape[2]] if cu is None else cu.tolist()
+    cu = [0, case["fq"].shape[2]] if cu is None else cu.offsets
     for a, e in itertools.pairwise(cu):
         seg = {k: v[:, :, a:e] for k, v in r.items()}
         want = ref.interdomain_legs(seg["fq"], seg["fk"], seg["v"], M)
@@ -517,7 +518,7 @@ def test_legs_dtypes(dtype):
 
 
 def test_legs_varlen_with_a_length_one_segment():
-    cu = torch.tensor([0, 19, 20, 45], device=DEVICE)
+    cu = Packing((0, 19, 20, 45))
     case, do = legs_case(4, T=45, R=3, V=4)
     check_legs(case, do, 8, "float64", (16, 16, "loop"), cu)
 
@@ -617,7 +618,7 @@ def test_s4d_matches_the_eager_twin(readout, diagonal):
         *(to_torch(case[k]) for k in ("fq", "kt", "vt")),
         *(pair(case[k]) for k in ("lam", "b", "c")),
         readout,
-        torch.tensor(cu, device=DEVICE),
+        Packing(tuple(cu)),
         h0,
     )
     twin_fwd, twin_bwd = dispatch.lookup("s4d_fwd", "eager"), dispatch.lookup("s4d_bwd", "eager")
@@ -634,7 +635,7 @@ def test_s4d_matches_the_eager_twin(readout, diagonal):
 
 
 def test_legs_matches_the_eager_twin():
-    cu = torch.tensor([0, 33, 34, 60], device=DEVICE)
+    cu = Packing((0, 33, 34, 60))
     case, do = legs_case(33, B=1, H=1, T=60, R=3, V=5)
     args = (*(to_torch(case[k]) for k in ("fq", "fk", "v")), 12, cu)
     o = legs.legs_fwd(*args)

@@ -16,6 +16,7 @@ pytest.importorskip("triton")
 from attnspec.backends.torch import triton_fpa as tf  # noqa: E402
 from attnspec.conformance.metrics import relative_error  # noqa: E402
 from attnspec.conformance.numpy_backend import NumpyBackend  # noqa: E402
+from attnspec.reference.packing import Packing  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 NUMPY = NumpyBackend()
@@ -50,7 +51,7 @@ def test_windowed_triton_fpa_matches_the_reference(shape, window, cu):
     o_ref, lse_ref = NUMPY.fpa_attention(**inputs, **params, return_lse=True)
     g_ref = NUMPY.vjp("fpa_attention", inputs, params, {"o": do, "lse": dlse})
     args = [to_torch(x) for x in inputs.values()]
-    offsets = None if cu is None else torch.tensor(cu)
+    offsets = None if cu is None else Packing(tuple(cu))
     with tf.forced_tiles(SMALL):
         o, lse = tf.fpa_fwd(*args, 0.7, offsets, window=window)
         grads = tf.fpa_bwd(*args, o, lse, to_torch(do), to_torch(dlse), 0.7, offsets, window=window)
@@ -72,7 +73,7 @@ def test_windowed_triton_fox_matches_the_reference(shape, window, cu):
     o_ref = NUMPY.fox_attention(**inputs, **params)
     g_ref = NUMPY.vjp("fox_attention", inputs, params, {"o": do})
     args = [to_torch(x) for x in inputs.values()]
-    offsets = None if cu is None else torch.tensor(cu)
+    offsets = None if cu is None else Packing(tuple(cu))
     with tf.forced_tiles(SMALL):
         o, lse = tf.fox_fwd(*args, None, offsets, window=window)
         grads = tf.fox_bwd(*args, o, lse, to_torch(do), None, None, offsets, window=window)

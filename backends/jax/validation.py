@@ -111,8 +111,12 @@ def check_values(name: str, x: jax.Array, *, nonpositive: bool = False) -> None:
     """
     if not concrete(x):
         return
-    # on the host: inside a trace a concrete (closed-over) array would turn jnp results into
-    # tracers, which cannot be branched on
+    # the two verdicts on x's device, evaluated now (also inside a trace that closed over x),
+    # and only they come to the host; x itself is copied only to name the first bad index
+    with jax.ensure_compile_time_eval():
+        verdicts = (jnp.all(jnp.isfinite(x)), jnp.all(x <= 0) if nonpositive else jnp.bool_(True))
+    if all(bool(v) for v in jax.device_get(verdicts)):
+        return
     values = np.asarray(x)
     if not np.issubdtype(values.dtype, np.inexact):  # bfloat16 (ml_dtypes)
         values = values.astype(np.float32)

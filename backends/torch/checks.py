@@ -15,6 +15,7 @@ undefined (the ratio readout's zero denominator).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -176,7 +177,7 @@ def cu_seqlens(x: Tensor | None, B: int, q: Tensor) -> Tensor | None:
 
     Returns:
         The offsets as int64 (a fresh tensor), or None. Their values are checked by
-        :func:`cu_seqlens_values` inside the op.
+        :func:`read_values` inside the op.
     """
     if x is None:
         return None
@@ -189,13 +190,44 @@ def cu_seqlens(x: Tensor | None, B: int, q: Tensor) -> Tensor | None:
     return x.to(torch.int64)
 
 
-def cu_seqlens_values(x: Tensor, T: int) -> Packing:
-    """The offsets' values checked by the one rule of :mod:`attnspec.reference.packing` (start
+# A value check run on the device: (a 0-d bool, True when every value passes; the check that
+# raises naming the argument, run on the host only when the flag is False).
+ValueCheck = tuple[Tensor, Callable[[], None]]
+
+
+def read_values(T: int, cu_seqlens: Tensor | None, *values: ValueCheck) -> Packing | None:
+    """Everything an op checks on the host, read in one device-to-host copy (one sync per call):
+    the flags of ``values`` (:func:`finite_check`, :func:`gates_check`, :func:`decays_check`)
+    and the offsets' values, checked by the one rule of :mod:`attnspec.reference.packing` (start
     at 0, end at T, never decrease; a zero-length sequence contributes nothing, as in
-    FlashAttention's varlen functions [decision]). It reads the tensor (a device sync)."""
-    plan = packing(x.tolist(), T)
-    assert plan is not None
-    return plan
+    FlashAttention's varlen functions [decision]).
+
+    Returns:
+        The offsets' :class:`Packing`, or None without offsets.
+    """
+    parts = [torch.stack([ok for ok, _ in values]).to(torch.int64)] if values else []
+    if cu_seqlens is not None:
+        parts.append(cu_seqlens.to(torch.int64))
+    host = torch.cat(parts).tolist() if parts else []
+    for good, (_, check) in zip(host, values, strict=False):
+        if not good:
+            check()
+    return None if cu_seqlens is None else packing(host[len(values) :], T)
+
+
+def finite_check(name: str, x: Tensor) -> ValueCheck:
+    """:func:`finite` as a :data:`ValueCheck`."""
+    return torch.isfinite(x).all(), lambda: finite(name, x)
+
+
+def gates_check(x: Tensor) -> ValueCheck:
+    """:func:`log_gates` as a :data:`ValueCheck`."""
+    return (torch.isfinite(x) & (x <= 0)).all(), lambda: log_gates(x)
+
+
+def decays_check(lam: Tensor) -> ValueCheck:
+    """:func:`decays` as a :data:`ValueCheck`."""
+    return (~(torch.linalg.vector_norm(lam, dim=-1) > 1)).all(), lambda: decays(lam)
 
 
 def finite(name: str, x: Tensor) -> None:

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from attnspec.reference.packing import packing
+from attnspec.reference.packing import Packing, packing
 
 from ..tile_sizes import CONTEXT_PARALLEL_QUERY_BLOCK
 from . import checks, dispatch, ops
@@ -163,9 +163,9 @@ def _offsets(cu_seqlens: Any, T: int) -> tuple[int, ...] | None:
     return plan.nonempty_offsets
 
 
-def _local_offsets(offsets: tuple[int, ...], start: int, stop: int, device: Any) -> Tensor:
+def _local_offsets(offsets: tuple[int, ...], start: int, stop: int) -> Packing:
     inside = [o - start for o in offsets if start < o < stop]
-    return torch.tensor([0, *inside, stop - start], dtype=torch.int64, device=device)
+    return Packing((0, *inside, stop - start))
 
 
 def _segment_ids(offsets: tuple[int, ...] | None, T: int, device: Any) -> Tensor | None:
@@ -428,7 +428,7 @@ class _AttentionCP(torch.autograd.Function):
         for i, a in enumerate(lay.chunks):
             sl = slice(i * L, (i + 1) * L)
             span = lay.span(a)
-            cu = None if plan.offsets is None else _local_offsets(plan.offsets, *span, q.device)
+            cu = None if plan.offsets is None else _local_offsets(plan.offsets, *span)
             wide = (field[:, sl],) if kind == "fox" else (field[:, sl], level[:, sl])
             o_d, lse_d = fwd(
                 q[:, sl].contiguous(),
@@ -481,7 +481,7 @@ class _AttentionCP(torch.autograd.Function):
         for i, a in enumerate(lay.chunks):
             sl = slice(i * L, (i + 1) * L)
             span = lay.span(a)
-            cu = None if plan.offsets is None else _local_offsets(plan.offsets, *span, q.device)
+            cu = None if plan.offsets is None else _local_offsets(plan.offsets, *span)
             wide = (field[:, sl],) if kind == "fox" else (field[:, sl], level[:, sl])
             grads = bwd(
                 q[:, sl].contiguous(),
@@ -804,7 +804,7 @@ def interdomain_s4d(
         torch.view_as_real(x).to(wide or torch.view_as_real(x).dtype).contiguous()
         for x in (lam, b, c)
     ]
-    cu = None if offsets is None else _local_offsets(offsets, r0, r1, fq.device)
+    cu = None if offsets is None else _local_offsets(offsets, r0, r1)
     cfg = (readout, cu, ops.resolve_impl("s4d_fwd", impl, fq.device))
     fq, kt, vt = fq.contiguous(), kt.contiguous(), vt.contiguous()
     _, final = _S4DLocal.apply(cfg, fq, kt, vt, *pairs, None)
@@ -837,7 +837,7 @@ class _S4DLocal(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx: Any,
-        cfg: tuple[str, Tensor | None, str],
+        cfg: tuple[str, Packing | None, str],
         fq: Tensor,
         kt: Tensor,
         vt: Tensor,

@@ -28,6 +28,8 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from attnspec.reference.packing import Packing
+
 from ..tile_sizes import EAGER_KEY_BLOCK, EAGER_QUERY_BLOCK
 from . import dispatch
 
@@ -59,12 +61,11 @@ def from_rows(x: Tensor, B: int, dtype: torch.dtype, groups: int = 1) -> Tensor:
     return x.permute(0, 2, 1, 3).to(dtype).contiguous()
 
 
-def segments(cu_seqlens: Tensor | None, T: int) -> list[tuple[int, int]]:
+def segments(packing: Packing | None, T: int) -> list[tuple[int, int]]:
     """The independent sequences along the time axis: [(bos, eos), ...]."""
-    if cu_seqlens is None:
+    if packing is None:
         return [(0, T)]
-    offsets = cu_seqlens.tolist()
-    return list(itertools.pairwise(offsets))
+    return list(itertools.pairwise(packing.offsets))
 
 
 def tile_sizes(block: int | None, key_block: int | None) -> tuple[int, int | None]:
@@ -402,7 +403,7 @@ def fpa_fwd(
     field: Tensor,
     level: Tensor,
     scale: float,
-    cu_seqlens: Tensor | None,
+    packing: Packing | None,
     *,
     block: int | None = None,
     key_block: int | None = None,
@@ -420,7 +421,7 @@ def fpa_fwd(
     qs, ks, vs = to_rows(q, dtype), to_rows(k, dtype, groups), to_rows(v, dtype, groups)
     fs, ls = to_rows(field, dtype), to_rows(level, dtype)
     o, lse = qs.new_empty(*qs.shape[:2], vs.shape[2]), qs.new_empty(qs.shape[:2])
-    for bos, eos in segments(cu_seqlens, T):
+    for bos, eos in segments(packing, T):
         seq = slice(bos, eos)
         bias = FPAPenalty(fs[:, seq], ls[:, seq], key_block)
         o[:, seq], lse[:, seq] = attend(
@@ -441,7 +442,7 @@ def fpa_bwd(
     do: Tensor,
     dlse: Tensor | None,
     scale: float,
-    cu_seqlens: Tensor | None,
+    packing: Packing | None,
     *,
     block: int | None = None,
     key_block: int | None = None,
@@ -461,7 +462,7 @@ def fpa_bwd(
     dlses = None if dlse is None else to_rows(dlse, dtype)
     dq, dk, dv = torch.empty_like(qs), torch.empty_like(ks), torch.empty_like(vs)
     dfield, dlevel = torch.empty_like(fs), torch.empty_like(ls)
-    for bos, eos in segments(cu_seqlens, T):
+    for bos, eos in segments(packing, T):
         seq = slice(bos, eos)
         bias = FPAPenalty(fs[:, seq], ls[:, seq], key_block)
         dq[:, seq], dk[:, seq], dv[:, seq] = attend_backward(
@@ -494,7 +495,7 @@ def fox_fwd(
     v: Tensor,
     log_f: Tensor,
     scale: float,
-    cu_seqlens: Tensor | None,
+    packing: Packing | None,
     *,
     block: int | None = None,
     key_block: int | None = None,
@@ -510,7 +511,7 @@ def fox_fwd(
     qs, ks, vs = to_rows(q, dtype), to_rows(k, dtype, groups), to_rows(v, dtype, groups)
     gs = to_rows(log_f, dtype)
     o, lse = qs.new_empty(*qs.shape[:2], vs.shape[2]), qs.new_empty(qs.shape[:2])
-    for bos, eos in segments(cu_seqlens, T):
+    for bos, eos in segments(packing, T):
         seq = slice(bos, eos)  # the cumulative sum restarts with each sequence
         bias = FoXBias(gs[:, seq], dtype, key_block)
         o[:, seq], lse[:, seq] = attend(
@@ -530,7 +531,7 @@ def fox_bwd(
     do: Tensor,
     dlse: Tensor | None,
     scale: float,
-    cu_seqlens: Tensor | None,
+    packing: Packing | None,
     *,
     block: int | None = None,
     key_block: int | None = None,
@@ -548,7 +549,7 @@ def fox_bwd(
     dlses = None if dlse is None else to_rows(dlse, dtype)
     dq, dk, dv = torch.empty_like(qs), torch.empty_like(ks), torch.empty_like(vs)
     dlog_f = torch.empty_like(gs, dtype=torch.float64)
-    for bos, eos in segments(cu_seqlens, T):
+    for bos, eos in segments(packing, T):
         seq = slice(bos, eos)
         bias = FoXBias(gs[:, seq], dtype, key_block)
         dq[:, seq], dk[:, seq], dv[:, seq] = attend_backward(

@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 
 from attnspec.reference import hippo
+from attnspec.reference.packing import Packing
 
 from ..tile_sizes import EAGER_CHUNK
 from . import dispatch
@@ -290,15 +291,15 @@ def _s4d_inputs(
     return [_heads_first(fq, dtype), _heads_first(kt, dtype), zv]
 
 
-def _rows_of(cu_seqlens: Tensor | None) -> slice:
+def _rows_of(packing: Packing | None) -> slice:
     """The batch rows of a sequence: all of B, or row 0 (B = 1) for packed sequences."""
-    return slice(None) if cu_seqlens is None else slice(0, 1)
+    return slice(None) if packing is None else slice(0, 1)
 
 
 def _states(
     state: Tensor | None,
     n: int,
-    cu_seqlens: Tensor | None,
+    packing: Packing | None,
     shape: tuple[int, int, int, int],
     R: int,
     like: Tensor,
@@ -308,7 +309,7 @@ def _states(
     if state is None:
         zeros = torch.zeros(shape, dtype=like.dtype, device=like.device)
         return [zeros[..., :R], zeros[..., R:]]
-    rows = slice(None) if cu_seqlens is None else slice(n, n + 1)
+    rows = slice(None) if packing is None else slice(n, n + 1)
     return [state[rows, ..., :R], state[rows, ..., R:]]
 
 
@@ -340,7 +341,7 @@ def s4d_fwd(
     b: Tensor,
     c: Tensor,
     readout: str,
-    cu_seqlens: Tensor | None,
+    packing: Packing | None,
     initial_state: Tensor | None,
     return_saved: bool = False,
     *,
@@ -355,11 +356,11 @@ def s4d_fwd(
     state = None if initial_state is None else _as_complex(initial_state, dtype)
     o = xs[0].new_empty(B, H, T, V)
     finals = []
-    for n, (bos, eos) in enumerate(segments(cu_seqlens, T)):
-        rows = _rows_of(cu_seqlens)
+    for n, (bos, eos) in enumerate(segments(packing, T)):
+        rows = _rows_of(packing)
         part = [x[rows, :, bos:eos] for x in xs]
         shape = (part[0].shape[0], H, model.lam.shape[1], R + xs[2].shape[3])
-        carry = _states(state, n, cu_seqlens, shape, R, model.lam)
+        carry = _states(state, n, packing, shape, R, model.lam)
         o[rows, :, bos:eos], carry = scan(model, part, carry)
         finals.append(torch.cat(carry, dim=3))
     out = _time_second(o, fq.dtype), _as_real(torch.cat(finals), lam.dtype)
@@ -375,7 +376,7 @@ def s4d_bwd(
     b: Tensor,
     c: Tensor,
     readout: str,
-    cu_seqlens: Tensor | None,
+    packing: Packing | None,
     initial_state: Tensor | None,
     do: Tensor,
     dfinal_state: Tensor | None,
@@ -396,12 +397,12 @@ def s4d_bwd(
     d_xs = [torch.empty_like(x) for x in xs]
     d_params = [torch.zeros_like(p) for p in (model.lam, model.b, model.W)]
     d_initial = []
-    for n, (bos, eos) in enumerate(segments(cu_seqlens, T)):
-        rows = _rows_of(cu_seqlens)
+    for n, (bos, eos) in enumerate(segments(packing, T)):
+        rows = _rows_of(packing)
         part = [x[rows, :, bos:eos] for x in xs]
         shape = (part[0].shape[0], H, model.lam.shape[1], R + xs[2].shape[3])
-        carry = _states(state, n, cu_seqlens, shape, R, model.lam)
-        d_carry = _states(d_final, n, cu_seqlens, shape, R, model.lam)
+        carry = _states(state, n, packing, shape, R, model.lam)
+        d_carry = _states(d_final, n, packing, shape, R, model.lam)
         grads, d_start, d_p = scan_vjp(model, part, carry, d_out[rows, :, bos:eos], d_carry)
         for d, g in zip(d_xs, grads, strict=True):
             d[rows, :, bos:eos] = g
@@ -543,15 +544,15 @@ def legs_fwd(
     fk: Tensor,
     v: Tensor,
     M: int,
-    cu_seqlens: Tensor | None,
+    packing: Packing | None,
     *,
     chunk: int | None = None,
 ) -> Tensor:
     """(I2), (I3), (I5) in chunks: o [B, T, H, V] in fq's dtype."""
     model, xs = _legs_setup(fq, fk, v, M, chunk)
     o = torch.empty_like(xs[2])
-    for bos, eos in segments(cu_seqlens, fq.shape[1]):
-        rows = _rows_of(cu_seqlens)
+    for bos, eos in segments(packing, fq.shape[1]):
+        rows = _rows_of(packing)
         part = [x[rows, :, bos:eos] for x in xs]  # each sequence starts at n = 1
         o[rows, :, bos:eos], _ = scan(model, part, _legs_zeros(part, M))
     return _time_second(o, fq.dtype)
@@ -563,7 +564,7 @@ def legs_bwd(
     fk: Tensor,
     v: Tensor,
     M: int,
-    cu_seqlens: Tensor | None,
+    packing: Packing | None,
     do: Tensor,
     *,
     chunk: int | None = None,
@@ -572,8 +573,8 @@ def legs_bwd(
     model, xs = _legs_setup(fq, fk, v, M, chunk)
     d_out = _heads_first(do, xs[0].dtype)
     d_xs = [torch.empty_like(x) for x in xs]
-    for bos, eos in segments(cu_seqlens, fq.shape[1]):
-        rows = _rows_of(cu_seqlens)
+    for bos, eos in segments(packing, fq.shape[1]):
+        rows = _rows_of(packing)
         part = [x[rows, :, bos:eos] for x in xs]
         zeros = _legs_zeros(part, M)
         grads, _, _ = scan_vjp(model, part, zeros, d_out[rows, :, bos:eos], zeros)

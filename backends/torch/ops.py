@@ -24,6 +24,8 @@ from typing import Any, Literal, overload
 import torch
 from torch import Tensor
 
+from attnspec.reference.packing import Packing
+
 from . import checks, dispatch
 from . import eager_fpa as _eager_fpa  # noqa: F401  (registers the eager FPA/FoX kernels)
 from . import eager_interdomain as _eager_interdomain  # noqa: F401  (and the Interdomain ones)
@@ -111,19 +113,19 @@ def _empty_batch(shape: tuple[int, ...], dtype: torch.dtype, *inputs: Tensor) ->
     return inputs[0].new_zeros(shape, dtype=dtype) + tie
 
 
-def _drop_empty_sequences(cu_seqlens: Tensor | None, T: int) -> tuple[Tensor | None, Tensor | None]:
-    """Offsets checked by the one rule of :mod:`attnspec.reference.packing`, without their
-    zero-length sequences, which contribute nothing [decision, as FlashAttention's varlen], and
-    the indices of the sequences kept (None when none is dropped). It reads the offsets, so it
-    runs inside the custom ops, before the kernel."""
-    if cu_seqlens is None:
-        return None, None
-    plan = checks.cu_seqlens_values(cu_seqlens, T)
-    if not plan.has_empty:
-        return cu_seqlens, None
-    device = cu_seqlens.device
-    kept = torch.tensor(plan.kept, dtype=torch.int64, device=device)
-    return torch.tensor(plan.nonempty_offsets, dtype=cu_seqlens.dtype, device=device), kept
+def _packing(
+    T: int, cu_seqlens: Tensor | None, *values: checks.ValueCheck
+) -> tuple[Packing | None, Tensor | None]:
+    """The value checks and the offsets, read in one sync (:func:`.checks.read_values`), as the
+    kernels take them: the :class:`Packing` of the non-empty sequences (zero-length ones
+    contribute nothing [decision, as FlashAttention's varlen]), and the indices of the sequences
+    kept (None when none is dropped). It reads data, so it runs inside the custom ops."""
+    plan = checks.read_values(T, cu_seqlens, *values)
+    if plan is None or not plan.has_empty:
+        return plan, None
+    assert cu_seqlens is not None
+    kept = torch.tensor(plan.kept, dtype=torch.int64, device=cu_seqlens.device)
+    return Packing(plan.nonempty_offsets), kept
 
 
 def _window_kwarg(window: int | None) -> dict[str, int]:
@@ -152,12 +154,15 @@ def _fpa_fwd(
     impl: str,
     window: int | None = None,
 ) -> tuple[Tensor, Tensor]:
-    checks.finite("field", field)
-    checks.finite("level", level)
-    cu_seqlens, _ = _drop_empty_sequences(cu_seqlens, q.shape[1])
+    plan, _ = _packing(
+        q.shape[1],
+        cu_seqlens,
+        checks.finite_check("field", field),
+        checks.finite_check("level", level),
+    )
     with _no_autocast(q):
         kernel = dispatch.lookup("fpa_fwd", impl)
-        return kernel(q, k, v, field, level, scale, cu_seqlens, **_window_kwarg(window))
+        return kernel(q, k, v, field, level, scale, plan, **_window_kwarg(window))
 
 
 @_fpa_fwd.register_fake
@@ -198,10 +203,10 @@ def _fpa_bwd(
     impl: str,
     window: int | None = None,
 ) -> tuple[Tensor, ...]:
-    cu_seqlens, _ = _drop_empty_sequences(cu_seqlens, q.shape[1])
+    plan, _ = _packing(q.shape[1], cu_seqlens)
     with _no_autocast(q):
         kernel = dispatch.lookup("fpa_bwd", impl)
-        args = (q, k, v, field, level, o, lse, do, dlse, scale, cu_seqlens)
+        args = (q, k, v, field, level, o, lse, do, dlse, scale, plan)
         return tuple(kernel(*args, **_window_kwarg(window)))
 
 
@@ -376,11 +381,10 @@ def _fox_fwd(
     impl: str,
     window: int | None = None,
 ) -> tuple[Tensor, Tensor]:
-    checks.log_gates(log_f)
-    cu_seqlens, _ = _drop_empty_sequences(cu_seqlens, q.shape[1])
+    plan, _ = _packing(q.shape[1], cu_seqlens, checks.gates_check(log_f))
     with _no_autocast(q):
         kernel = dispatch.lookup("fox_fwd", impl)
-        return kernel(q, k, v, log_f, scale, cu_seqlens, **_window_kwarg(window))
+        return kernel(q, k, v, log_f, scale, plan, **_window_kwarg(window))
 
 
 @_fox_fwd.register_fake
@@ -419,10 +423,10 @@ def _fox_bwd(
     impl: str,
     window: int | None = None,
 ) -> tuple[Tensor, ...]:
-    cu_seqlens, _ = _drop_empty_sequences(cu_seqlens, q.shape[1])
+    plan, _ = _packing(q.shape[1], cu_seqlens)
     with _no_autocast(q):
         kernel = dispatch.lookup("fox_bwd", impl)
-        args = (q, k, v, log_f, o, lse, do, dlse, scale, cu_seqlens)
+        args = (q, k, v, log_f, o, lse, do, dlse, scale, plan)
         return tuple(kernel(*args, **_window_kwarg(window)))
 
 
@@ -554,11 +558,9 @@ def _s4d_fwd(
     impl: str,
 ) -> tuple[Tensor, Tensor, list[Tensor]]:
     """o, the final state, and what the implementation keeps for its backward (``saved``)."""
-    for name, x in (("lam", lam), ("b", b), ("c", c), ("initial_state", initial_state)):
-        if x is not None:
-            checks.finite(name, x)
-    checks.decays(lam)
-    offsets, keep = _drop_empty_sequences(cu_seqlens, fq.shape[1])
+    named = (("lam", lam), ("b", b), ("c", c), ("initial_state", initial_state))
+    values = [checks.finite_check(name, x) for name, x in named if x is not None]
+    offsets, keep = _packing(fq.shape[1], cu_seqlens, *values, checks.decays_check(lam))
     kept_initial = initial_state if keep is None or initial_state is None else initial_state[keep]
     with _no_autocast(fq):
         kernel = dispatch.lookup("s4d_fwd", impl)
@@ -623,7 +625,7 @@ def _s4d_bwd(
     saved: list[Tensor],
     impl: str,
 ) -> tuple[Tensor, ...]:
-    offsets, keep = _drop_empty_sequences(cu_seqlens, fq.shape[1])
+    offsets, keep = _packing(fq.shape[1], cu_seqlens)
     kept_initial, kept_dfinal = initial_state, dfinal_state
     if keep is not None:
         kept_initial = None if initial_state is None else initial_state[keep]
@@ -854,9 +856,9 @@ def interdomain_s4d(
 def _legs_fwd(
     fq: Tensor, fk: Tensor, v: Tensor, M: int, cu_seqlens: Tensor | None, impl: str
 ) -> Tensor:
-    cu_seqlens, _ = _drop_empty_sequences(cu_seqlens, fq.shape[1])
+    plan, _ = _packing(fq.shape[1], cu_seqlens)
     with _no_autocast(fq):
-        return dispatch.lookup("legs_fwd", impl)(fq, fk, v, M, cu_seqlens)
+        return dispatch.lookup("legs_fwd", impl)(fq, fk, v, M, plan)
 
 
 @_legs_fwd.register_fake
@@ -873,9 +875,9 @@ def _(fq: Tensor, fk: Tensor, v: Tensor, M: int, cu_seqlens: Tensor | None, impl
 def _legs_bwd(
     fq: Tensor, fk: Tensor, v: Tensor, M: int, cu_seqlens: Tensor | None, do: Tensor, impl: str
 ) -> tuple[Tensor, ...]:
-    cu_seqlens, _ = _drop_empty_sequences(cu_seqlens, fq.shape[1])
+    plan, _ = _packing(fq.shape[1], cu_seqlens)
     with _no_autocast(fq):
-        return tuple(dispatch.lookup("legs_bwd", impl)(fq, fk, v, M, cu_seqlens, do))
+        return tuple(dispatch.lookup("legs_bwd", impl)(fq, fk, v, M, plan, do))
 
 
 @_legs_bwd.register_fake

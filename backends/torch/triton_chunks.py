@@ -178,17 +178,16 @@ def _build_layout(cu_list: list[int], chunk: int, sub_chunk: int, device: torch.
     )
 
 
-def sequences(name: str, x: torch.Tensor, cu_seqlens: torch.Tensor | None) -> list[int]:
+def sequences(name: str, x: torch.Tensor, packing: Packing | None) -> list[int]:
     """Sequence offsets on the flat token axis of x [B, T, ...] as a Python list.
 
-    The public ops check the offsets (``checks.cu_seqlens``, the one rule of
+    The public ops check the offsets (``checks.read_values``, the one rule of
     :mod:`attnspec.reference.packing`) and drop zero-length sequences before the kernels, so the
     launchers only assert what they rely on: offsets from 0 to T, strictly increasing, B = 1."""
     B, T = x.shape[:2]
-    if cu_seqlens is None:
+    if packing is None:
         return [i * T for i in range(B + 1)]
-    assert cu_seqlens.ndim == 1 and cu_seqlens.device == x.device, "offsets checked by the op"
-    offsets = [int(o) for o in cu_seqlens.tolist()]
+    offsets = list(packing.offsets)
     assert B == 1 and offsets[0] == 0 and offsets[-1] == T, f"{name}: offsets {offsets}"
     assert all(a < b for a, b in itertools.pairwise(offsets)), "zero-length sequences dropped"
     return offsets

@@ -1014,7 +1014,7 @@ def _layout(
     k: torch.Tensor,
     v: torch.Tensor,
     wide: dict[str, torch.Tensor],
-    cu_seqlens: torch.Tensor | None,
+    packing: Packing | None,
 ) -> _Layout:
     """The shapes of one call and the lengths of its sequences.
 
@@ -1033,9 +1033,9 @@ def _layout(
     for name, x in {"q": q, "k": k, "v": v, **wide}.items():
         assert x.device == q.device and x.is_contiguous(), name
         assert name not in wide or tuple(x.shape) == (B, T, HQ), (name, x.shape)
-    if cu_seqlens is None:
+    if packing is None:
         return _Layout(B, T, HQ, H, K, V, (T,) * B)
-    offsets = [int(o) for o in cu_seqlens.tolist()]
+    offsets = packing.offsets
     assert B == 1 and offsets[0] == 0 and offsets[-1] == T, offsets
     lengths = tuple(b - a for a, b in itertools.pairwise(offsets))
     return _Layout(B, T, HQ, H, K, V, lengths)
@@ -1187,13 +1187,13 @@ def _forward(
     field: torch.Tensor,
     level: torch.Tensor | None,
     scale: float | None,
-    cu_seqlens: torch.Tensor | None,
+    packing: Packing | None,
     theta: float | None,
     fox: bool,
     window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     wide = _per_token_scalars(field, level, fox)
-    shape = _layout(q, k, v, wide, cu_seqlens)
+    shape = _layout(q, k, v, wide, packing)
     checks.head_dims(shape.K, shape.V, MAX_HEAD_DIM, "Triton FPA/FoX")
     scale = _resolve_scale(scale, shape.K)
     tiles = tiles_for(q.device, backward=False, K=shape.K, V=shape.V, dtype=q.dtype)
@@ -1239,12 +1239,12 @@ def _backward(
     do: torch.Tensor,
     dlse: torch.Tensor | None,
     scale: float | None,
-    cu_seqlens: torch.Tensor | None,
+    packing: Packing | None,
     fox: bool,
     window: int | None = None,
 ) -> tuple[torch.Tensor, ...]:
     wide = _per_token_scalars(field, level, fox)
-    shape = _layout(q, k, v, wide, cu_seqlens)
+    shape = _layout(q, k, v, wide, packing)
     B, T, HQ, H, G = shape.B, shape.T, shape.HQ, shape.H, shape.G
     acc = field.dtype
     assert max(shape.K, shape.V) <= MAX_HEAD_DIM, (shape.K, shape.V)
@@ -1324,7 +1324,7 @@ def fpa_fwd(
     field: torch.Tensor,
     level: torch.Tensor,
     scale: float | None,
-    cu_seqlens: torch.Tensor | None,
+    packing: Packing | None,
     *,
     theta: float | None = None,
     window: int | None = None,
@@ -1334,7 +1334,8 @@ def fpa_fwd(
     Args:
         q: [B, T, HQ, K]; k: [B, T, H, K]; v: [B, T, H, V]; bf16, fp16, fp32 or fp64, one dtype.
         field, level: [B, T, HQ] float32 (float64 with float64 q).
-        scale: softmax scale (None: K ** -0.5). cu_seqlens: None or int offsets, B = 1.
+        scale: softmax scale (None: K ** -0.5).
+        packing: None or the checked offsets (a ``Packing``), B = 1.
         theta: optional eviction threshold: key tiles whose every descent depth is >= theta are
             skipped (section 7); None (default) computes exactly.
         window: None, or the window W of (F3w): key tiles wholly outside it are not visited
@@ -1347,7 +1348,7 @@ def fpa_fwd(
     for the block minima).
     """
     assert theta is None or theta > 0, theta
-    return _forward(q, k, v, field, level, scale, cu_seqlens, theta, fox=False, window=window)
+    return _forward(q, k, v, field, level, scale, packing, theta, fox=False, window=window)
 
 
 @dispatch.register("fpa_bwd", "triton")
@@ -1362,7 +1363,7 @@ def fpa_bwd(
     do: torch.Tensor,
     dlse: torch.Tensor | None,
     scale: float | None,
-    cu_seqlens: torch.Tensor | None,
+    packing: Packing | None,
     *,
     window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -1376,7 +1377,7 @@ def fpa_bwd(
         and O(HQ (T / BT)^2) for the per-tile-pair gap sums.
     """
     dq, dk, dv, dfield, dlevel = _backward(
-        q, k, v, field, level, o, lse, do, dlse, scale, cu_seqlens, fox=False, window=window
+        q, k, v, field, level, o, lse, do, dlse, scale, packing, fox=False, window=window
     )
     return dq, dk, dv, dfield, dlevel
 
@@ -1388,7 +1389,7 @@ def fox_fwd(
     v: torch.Tensor,
     log_f: torch.Tensor,
     scale: float | None,
-    cu_seqlens: torch.Tensor | None,
+    packing: Packing | None,
     *,
     window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1399,7 +1400,7 @@ def fox_fwd(
     Returns: o [B, T, HQ, V] in q's dtype, lse [B, T, HQ] in log_f's dtype.
     Time O(T^2 (K + V) / 2) per head; memory O(1) beyond inputs and outputs.
     """
-    return _forward(q, k, v, log_f, None, scale, cu_seqlens, None, fox=True, window=window)
+    return _forward(q, k, v, log_f, None, scale, packing, None, fox=True, window=window)
 
 
 @dispatch.register("fox_bwd", "triton")
@@ -1413,7 +1414,7 @@ def fox_bwd(
     do: torch.Tensor,
     dlse: torch.Tensor | None,
     scale: float | None,
-    cu_seqlens: torch.Tensor | None,
+    packing: Packing | None,
     *,
     window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -1421,6 +1422,6 @@ def fox_bwd(
     j < l <= i (inside the window of (F3w) when given) of G_ij. Deterministic. Time
     O(T^2 (K + V)) per head."""
     dq, dk, dv, dlog_f = _backward(
-        q, k, v, log_f, None, o, lse, do, dlse, scale, cu_seqlens, fox=True, window=window
+        q, k, v, log_f, None, o, lse, do, dlse, scale, packing, fox=True, window=window
     )
     return dq, dk, dv, dlog_f

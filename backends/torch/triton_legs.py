@@ -1,7 +1,7 @@
 """Triton kernels for Interdomain Attention with the LegS basis, (I2)-(I6), and its decode step.
 
 Registered in :mod:`.dispatch` as impl ``"triton"`` of ``legs_fwd`` and ``legs_bwd``; layout
-``[B, T, H, D]`` (varlen: B = 1 and ``cu_seqlens``); the launch plan of :mod:`.triton_chunks`.
+``[B, T, H, D]`` (varlen: B = 1, packed offsets); the launch plan of :mod:`.triton_chunks`.
 The exact steps c_n = E_n c_{n-1} + F_n f_n (I5) are time-varying, so the kernels read products
 of the cached steps per chunk from float64 position tables; the readout is the ratio (I3) with
 eta = e_0 exactly (I6). Derivations: docs/kernels-interdomain.md, sections L1-L3, cited below
@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from attnspec.reference import hippo
+from attnspec.reference.packing import Packing
 
 from ..tile_sizes import LEGS_POSITION_COLUMNS
 from . import dispatch
@@ -426,13 +427,13 @@ def _legs_plan(
     fk: torch.Tensor,
     v: torch.Tensor,
     M: int,
-    cu_seqlens: torch.Tensor | None,
+    packing: Packing | None,
 ) -> _LegsPlan:
     check_inputs(("fq", "fk", "v"), (fq, fk, v), (None, fq.shape[-1], None))
     assert isinstance(M, int) and M >= 1, M
     _, _, H, R = fq.shape
     V = v.shape[-1]
-    cu = sequences("fq", fq, cu_seqlens)
+    cu = sequences("fq", fq, packing)
     acc, ACC, PREC = acc_types(fq.dtype)
     blocks = blocks_for(fq.device)
     lay = layout(cu, blocks.chunk, blocks.chunk, fq.device)
@@ -571,14 +572,15 @@ def legs_fwd(
     fk: torch.Tensor,
     v: torch.Tensor,
     M: int,
-    cu_seqlens: torch.Tensor | None,
+    packing: Packing | None,
 ) -> torch.Tensor:
     """Interdomain attention with the LegS basis, (I2)-(I6), chunked over the exact steps.
 
     Args:
         fq, fk: [B, T, H, R] features; v: [B, T, H, V]; one dtype (bf16, fp16, fp32, fp64).
         M: the number of basis functions.
-        cu_seqlens: None, or (N + 1,) int offsets with B = 1; each segment starts at n = 1.
+        packing: None, or the checked offsets of N sequences (a ``Packing``, none empty),
+            B = 1; each segment starts at n = 1.
 
     Returns:
         o [B, T, H, V] in the dtype of fq (ratio readout (I3), eta = e_0 (I6)). Time
@@ -586,7 +588,7 @@ def legs_fwd(
         states, O(T (M + chunk)) per head for the per-token buffers, plus the position tables
         O(T M (M + chunk)), shared by all heads and calls.
     """
-    plan = _legs_plan(fq, fk, v, M, cu_seqlens)
+    plan = _legs_plan(fq, fk, v, M, packing)
     fq_, fk_, v_ = flat(fq), flat(fk), flat(v)
     states = _legs_state_pass_launch(plan, fk_, v_)
     modes = _legs_modes(plan, fq_, fk_, states, 0)
@@ -601,7 +603,7 @@ def legs_bwd(
     fk: torch.Tensor,
     v: torch.Tensor,
     M: int,
-    cu_seqlens: torch.Tensor | None,
+    packing: Packing | None,
     do: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of :func:`legs_fwd` for the cotangent do [B, T, H, V] (the adjoint of (I5)
@@ -612,7 +614,7 @@ def legs_bwd(
         O(T (M + chunk)) per head for the per-token buffers of p and g(p), dnum and dden, plus
         two sets of chunk states.
     """
-    plan = _legs_plan(fq, fk, v, M, cu_seqlens)
+    plan = _legs_plan(fq, fk, v, M, packing)
     check_cotangent("do", do, v)
     fq_, fk_, v_, do_ = flat(fq), flat(fk), flat(v), flat(do)
     states = _legs_state_pass_launch(plan, fk_, v_)

@@ -1,7 +1,7 @@
 """Triton kernels for the S4D core of Interdomain Attention, (I11)-(I13), and its decode step.
 
 Registered in :mod:`.dispatch` as impl ``"triton"`` of ``s4d_fwd`` (``s4d_bwd``: the gradient
-kernels in :mod:`.triton_s4d_bwd`); layout ``[B, T, H, D]`` (varlen: B = 1 and ``cu_seqlens``);
+kernels in :mod:`.triton_s4d_bwd`); layout ``[B, T, H, D]`` (varlen: B = 1, packed offsets);
 the launch plan of :mod:`.triton_chunks`; the tables and device helpers both share in
 :mod:`.triton_s4d_tiles`. The derivations (C folded into the query side as
 G = C^H C, the two gated sums, the split of Lambda^(t-u) at a sub-chunk start, the adjoint passes)
@@ -17,6 +17,8 @@ from typing import Any, NamedTuple
 import torch
 import triton
 import triton.language as tl
+
+from attnspec.reference.packing import Packing
 
 from . import dispatch
 from .triton_chunks import (
@@ -374,7 +376,7 @@ def s4d_plan(
     b: torch.Tensor,
     c: torch.Tensor,
     readout: str,
-    cu_seqlens: torch.Tensor | None,
+    packing: Packing | None,
     initial_state: torch.Tensor | None,
 ) -> S4DPlan:
     check_inputs(("fq", "kt", "vt"), (fq, kt, vt), (None, fq.shape[-1], None))
@@ -385,7 +387,7 @@ def s4d_plan(
     check_param("lam", lam, (H, M, 2), fq.device)
     check_param("b", b, (H, M, 2), fq.device)
     check_param("c", c, (H, M, M, 2), fq.device)
-    cu = sequences("fq", fq, cu_seqlens)
+    cu = sequences("fq", fq, packing)
     ratio = readout == "ratio"
     CV = V + int(ratio)
     C = R + CV
@@ -498,7 +500,7 @@ def s4d_fwd(
     b: torch.Tensor,
     c: torch.Tensor,
     readout: str,
-    cu_seqlens: torch.Tensor | None,
+    packing: Packing | None,
     initial_state: torch.Tensor | None,
     return_saved: bool = False,
 ) -> tuple[Any, ...]:
@@ -508,7 +510,8 @@ def s4d_fwd(
         fq, kt: [B, T, H, R]; vt: [B, T, H, V]; one dtype (bf16, fp16, fp32, fp64).
         lam, b: [H, M, 2]; c: [H, M, M, 2] (re, im last), float32 or float64.
         readout: "linear" (I13) or "ratio" (divided by Re(fq^T conj(U)^T eta)).
-        cu_seqlens: None, or (N + 1,) int offsets with B = 1; the state restarts at each.
+        packing: None, or the checked offsets of N sequences (a ``Packing``, none empty),
+            B = 1; the state restarts at each.
         initial_state: None or [N, H, M, C, 2], C = R + V (+ 1 for "ratio"): x before token 0.
         return_saved: also return the tensors :func:`.triton_s4d_bwd.s4d_bwd` takes as
             ``saved`` (the autograd op keeps them from the forward for the backward).
@@ -520,7 +523,7 @@ def s4d_fwd(
         memory O(T / chunk * M (R + V)) for the chunk states (bf16 for bf16 inputs), O(T M)
         for qe.
     """
-    plan = s4d_plan(fq, kt, vt, lam, b, c, readout, cu_seqlens, initial_state)
+    plan = s4d_plan(fq, kt, vt, lam, b, c, readout, packing, initial_state)
     fq_, kt_, vt_ = flat(fq), flat(kt), flat(vt)
     states, final = s4d_state_pass_launch(plan, kt_, vt_, initial_state)
     lay, sizes, tiles = plan.layout, plan.sizes, plan.tiles

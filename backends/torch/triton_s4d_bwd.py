@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from attnspec.reference.packing import Packing
+
 from . import dispatch
 from .triton_chunks import (
     channel_block,
@@ -705,7 +707,7 @@ def s4d_bwd(
     b: torch.Tensor,
     c: torch.Tensor,
     readout: str,
-    cu_seqlens: torch.Tensor | None,
+    packing: Packing | None,
     initial_state: torch.Tensor | None,
     do: torch.Tensor,
     dfinal_state: torch.Tensor | None,
@@ -726,7 +728,7 @@ def s4d_bwd(
         dinitial_state is None without initial_state. Time about 3x the forward (2.4x with
         saved); memory O(T M) for four per-token mode buffers plus two sets of chunk states.
     """
-    plan = s4d_plan(fq, kt, vt, lam, b, c, readout, cu_seqlens, initial_state)
+    plan = s4d_plan(fq, kt, vt, lam, b, c, readout, packing, initial_state)
     check_cotangent("do", do, vt)
     lay, sizes, tab = plan.layout, plan.sizes, plan.tables
     H, M = sizes["H"], sizes["M"]
