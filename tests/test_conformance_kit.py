@@ -13,6 +13,7 @@ from hypothesis import given, settings
 
 from attnspec.cli import main
 from attnspec.conformance import cases, mutants, runner, strategies, vectors
+from attnspec.conformance.cli import smoke_cases
 from attnspec.conformance.metrics import compare, relative_error
 from attnspec.conformance.numpy_backend import NumpyBackend
 from attnspec.conformance.registry import get_backend
@@ -214,13 +215,15 @@ def test_relative_error_against_a_literal_sum():
 
 
 def test_reference_backend_passes_everything(all_cases):
-    report = runner.run(
-        NumpyBackend(), all_cases, ["float64", "float32", "float16"], finite_differences=True
-    )
-    bad = [(r.case_id, r.dtype, r.kind, r.message) for r in report.results if r.verdict != "passed"]
+    """Every case in float64, with the central differences that witness the reference VJP;
+    the first case of every family in float32 and float16 (CI budget [decision]: every case in
+    every dtype is ``make verify``, which runs the numpy backend's full kit)."""
+    results = runner.run(NumpyBackend(), all_cases, ["float64"], finite_differences=True).results
+    results += runner.run(NumpyBackend(), smoke_cases(all_cases), ["float32", "float16"]).results
+    bad = [(r.case_id, r.dtype, r.kind, r.message) for r in results if r.verdict != "passed"]
     assert not bad
-    kinds = {r.kind for r in report.results}
-    assert kinds == {"output", "gradient", "finite_difference", "call_order"}
+    assert {r.kind for r in results} == {"output", "gradient", "finite_difference", "call_order"}
+    assert {r.dtype for r in results} == {"float64", "float32", "float16"}
 
 
 @settings(max_examples=25)
