@@ -404,8 +404,9 @@ def figure(rows: list[dict[str, Any]], path: str) -> None:
             fontsize=7,
         )
         ax.set_title(title)
-    axes[0].legend(fontsize=7)
-    fig.tight_layout()
+    handles, names = axes[0].get_legend_handles_labels()
+    fig.legend(handles, names, loc="lower center", ncol=len(variants), fontsize=7)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))  # the legend below, clear of the bars
     fig.savefig(path, dpi=120)
 
 
