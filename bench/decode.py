@@ -8,7 +8,12 @@ For rows B, context T, GQA HQ:H and dtype, one row of the table per (config, var
   a flat field (phi = 0) and levels l_j in {0, 2 theta}, l_j = 0 with probability k, so a key
   is kept for good or evicted at the next token (depth l_j). ``indep``: drawn per query head, so
   a kv head stores the union over its G heads (1 - (1 - k)^G of the tokens); ``shared``: one
-  draw per kv head (the union is k).
+  draw per kv head (the union is k);
+- ``fpa trained Ln theta=16``: the session on the q, k, v, field and levels of layer n of a
+  trained model, E4's passkey FPA with the FoX initialisation (2 layers, 2 heads of 32; weights
+  in ``TRAINED``, made by ``--train-field``), on passkey sequences of T + steps + 1 tokens (the
+  layer below decoding with eviction), at E4's theta for that model; beside it ``sdpa`` and
+  ``fpa inf`` at its shapes (HQ:H = 2:2, d = 32).
 Columns: tokens/s of decode (B tokens per step, the median step over ``--steps`` after a
 warm-up), bytes of k and v held, and per query head the kept fraction (live / T), per kv head
 the stored fraction (stored / T) and the pages held (pages * page_size / T): the gaps are the
@@ -17,6 +22,7 @@ cost of GQA's union and of paging. The context is built by ``prefill_state`` (no
     python -m bench.decode                 # CPU subset (a few minutes; 2 cores)
     python -m bench.decode --grid full --device cuda --attention triton   # GPU: the full grid
     python -m bench.decode --dry-run       # tiny shapes, the Triton kernel interpreted
+    python -m bench.decode --train-field   # E4's model trained again into TRAINED (a minute)
 """
 
 from __future__ import annotations
@@ -29,8 +35,10 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -47,6 +55,10 @@ GRIDS: dict[str, dict[str, Any]] = {
 }
 KEPT = 0.25
 THETA = 1.0
+VARIANTS = ("synthetic", "trained")
+TRAINED = Path(__file__).with_name("e4_passkey_fpa_foxinit.safetensors")
+TRAINED_MODEL = "fpa_foxinit"  # E4's passkey setting, seed 0
+TRAINED_THETA = 16.0  # E4's theta for it at 25%: 27.2% kept at 8x L, every passkey retrieved
 
 
 def _sync(device: torch.device) -> None:
@@ -171,36 +183,165 @@ def bench_session(
         s.advance(x | {"field": torch.zeros(B, HQ, 1, device=device), "level": lv}, present)
 
     sec = _time(step, steps, device)
+    name = "fpa inf" if mode == "inf" else f"fpa kept={KEPT} {mode}"
+    return {"variant": name, "tokens_per_s": B / sec} | _counts(s)
+
+
+def _counts(s: Any) -> dict[str, Any]:
+    """The session's kept (per query head, also head by head), stored and paged fractions."""
     counts = s.counts()
     tokens = float(counts["tokens"][0])
-    name = "fpa inf" if mode == "inf" else f"fpa kept={KEPT} {mode}"
     return {
-        "variant": name,
-        "tokens_per_s": B / sec,
         "bytes": s.bytes_held(),
         "kept": float(counts["live"].double().mean()) / tokens,
+        "kept_by_head": (counts["live"].double().mean(0) / tokens).tolist(),
         "stored": float(counts["stored"].double().mean()) / tokens,
         "paged": float(s.pages_held().double().mean()) * s.P / tokens,
     }
 
 
-def run(grid: str, steps: int, device: torch.device, attention_name: str) -> list[dict[str, Any]]:
+def _passkey_config() -> dict[str, Any]:
+    from attnspec.experiments import e4
+
+    return dict(e4.SETTINGS["full"]["passkey"])
+
+
+def train_field(path: Path) -> None:
+    """Train E4's passkey model ``TRAINED_MODEL`` (seed 0, its steps) and save its weights, with
+    the training's seconds and final loss in the file's metadata."""
+    from safetensors.torch import save_file
+
+    from attnspec.experiments import e4, harness
+
+    cfg = _passkey_config()
+    wall, cpu = time.perf_counter(), time.process_time()
+    model, losses = e4.train_passkey(TRAINED_MODEL, cfg, 0, harness.Progress(), label="e4 model")
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    meta = {
+        "model": TRAINED_MODEL,
+        "setting": "e4 full passkey",
+        "seed": "0",
+        "steps": str(cfg["steps"]),
+        "final_train_loss": repr(statistics.fmean(losses[-max(1, cfg["steps"] // 20) :])),
+        "train_seconds": f"{wall:.1f}",
+        "train_cpu_seconds": f"{cpu:.1f}",
+        "torch": torch.__version__,
+    }
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(path), metadata=meta)
+    print(f"decode bench: {TRAINED_MODEL} trained in {wall:.0f} s ({cpu:.0f} s CPU), {path}")
+
+
+def trained_model(device: torch.device) -> Any:
+    """E4's trained passkey model from ``TRAINED`` (float32, eval mode)."""
+    from safetensors.torch import load_file
+
+    from attnspec.experiments import e4
+
+    if not TRAINED.is_file():
+        raise ValueError(f"--variants: trained rows need {TRAINED.name}; make it by --train-field")
+    model = e4.passkey_model(TRAINED_MODEL, _passkey_config())
+    model.load_state_dict(load_file(str(TRAINED)))
+    return model.to(device).eval()
+
+
+@torch.no_grad()
+def trained_stream(model: Any, layer: int, B: int, n: int, seed: int) -> dict[str, torch.Tensor]:
+    """q, k, v [B, H, n, d] and field, level [B, H, n] (float32) of block ``layer`` of the
+    trained model on B passkey sequences of n tokens, the blocks below it decoding with caches
+    evicting at TRAINED_THETA (F7), the projections as the layer's session computes them."""
+    from attnspec.experiments import e2
+
+    tokens, _ = e2.passkey_sequences(np.random.default_rng(seed), B, n, _passkey_config())
+    blocks = model.layers()
+    x = model.embed(torch.from_numpy(tokens).to(model.embed.weight.device))
+    for block in blocks[:layer]:
+        x = block(x, block.fpa().new_cache(theta=TRAINED_THETA))
+    mixer = blocks[layer].fpa()
+    q, k, v, delta, offset = mixer._projections(blocks[layer].norm1(x), wide_field=True)
+    field = torch.cumsum(delta, dim=1)
+    out = {"q": q, "k": k, "v": v, "field": field, "level": field + offset}
+    return {name: t.transpose(1, 2).contiguous() for name, t in out.items()}
+
+
+def bench_trained(
+    B: int,
+    T: int,
+    dtype: torch.dtype,
+    steps: int,
+    device: torch.device,
+    model: Any,
+    layer: int,
+    attention: Any,
+) -> dict[str, Any]:
+    from attnspec.backends.torch.paged import PagedFPASession
+
+    stream = trained_stream(model, layer, B, T + steps + 1, seed=T)
+    stream |= {name: stream[name].to(dtype) for name in ("q", "k", "v")}
+    _, HQ, _, d = stream["q"].shape
+    s = PagedFPASession(
+        rows=B,
+        heads=HQ,
+        kv_heads=stream["k"].shape[1],
+        dk=d,
+        dv=stream["v"].shape[3],
+        dtype=dtype,
+        scale=d**-0.5,
+        theta=TRAINED_THETA,
+        device=device,
+        attention=attention,
+    )
+    s.prefill_state({name: x[:, :, :T] for name, x in stream.items()})
+    present = torch.ones(B, 1, dtype=torch.bool, device=device)
+    t = [T]
+
+    def step() -> None:
+        s.advance({name: x[:, :, t[0] : t[0] + 1] for name, x in stream.items()}, present)
+        t[0] += 1
+
+    sec = _time(step, steps, device)
+    name = f"fpa trained L{layer + 1} theta={TRAINED_THETA:g}"
+    return {"variant": name, "tokens_per_s": B / sec} | _counts(s)
+
+
+def _configs(grid: str, variants: str, device: torch.device) -> list[tuple[dict[str, Any], Any]]:
+    """(config, trained model or None) per table group: the synthetic GQA shapes of the grid,
+    then the trained layer's shapes."""
+    g, d = GRIDS[grid], 64 if grid != "dry" else 16
+    out: list[tuple[dict[str, Any], Any]] = []
+    for B, T, (HQ, H), dname in itertools.product(g["B"], g["T"], g["gqa"], g["dtype"]):
+        if variants in ("all", "synthetic"):
+            out.append(({"B": B, "T": T, "HQ": HQ, "H": H, "dtype": dname, "d": d}, None))
+    if variants in ("all", "trained"):
+        model = trained_model(device)
+        mixer = model.layers()[0].fpa()
+        HQ, dk = mixer.n_heads, mixer.head_dim
+        for B, T, dname in itertools.product(g["B"], g["T"], g["dtype"]):
+            out.append(({"B": B, "T": T, "HQ": HQ, "H": HQ, "dtype": dname, "d": dk}, model))
+    return out
+
+
+def run(
+    grid: str, steps: int, device: torch.device, attention_name: str, variants: str = "all"
+) -> list[dict[str, Any]]:
     if attention_name == "triton":
         from attnspec.backends.torch.triton_decode import paged_attention_triton as attention
     else:
         from attnspec.backends.torch.paged import paged_attention_eager as attention
-    g, d, rows = GRIDS[grid], 64 if grid != "dry" else 16, []
-    for B, T, (HQ, H), dname in itertools.product(g["B"], g["T"], g["gqa"], g["dtype"]):
-        dtype = getattr(torch, dname)
+    rows = []
+    for config, model in _configs(grid, variants, device):
+        B, T, HQ, H, d = (config[n] for n in ("B", "T", "HQ", "H", "d"))
+        dtype = getattr(torch, config["dtype"])
         gen = torch.Generator().manual_seed(0)
-        config = {"B": B, "T": T, "HQ": HQ, "H": H, "dtype": dname, "d": d}
         results = [bench_sdpa(B, T, HQ, H, d, dtype, steps, device, gen)]
-        for mode in ("inf", "indep", "shared"):
+        for mode in ("inf", "indep", "shared") if model is None else ("inf",):
             if mode == "shared" and HQ == H:
                 continue  # the same as indep
             results.append(
                 bench_session(B, T, HQ, H, d, dtype, steps, device, gen, mode, attention)
             )
+        for layer in range(len(model.layers()) if model is not None else 0):
+            results.append(bench_trained(B, T, dtype, steps, device, model, layer, attention))
         peer = results[0]
         for r in results:
             r |= config | {
@@ -213,7 +354,7 @@ def run(grid: str, steps: int, device: torch.device, attention_name: str) -> lis
 
 
 HEADER = (
-    f"{'B':>3} {'T':>6} {'HQ:H':>6} {'dtype':>8} {'variant':<22} {'tok/s':>9} "
+    f"{'B':>3} {'T':>6} {'HQ:H':>6} {'dtype':>8} {'variant':<24} {'tok/s':>9} "
     f"{'x sdpa':>7} {'MiB':>8} {'x sdpa':>7} {'kept':>6} {'stored':>6} {'paged':>6}"
 )
 
@@ -221,7 +362,7 @@ HEADER = (
 def _line(r: dict[str, Any]) -> str:
     return (
         f"{r['B']:>3} {r['T']:>6} {r['HQ']:>3}:{r['H']:<2} {r['dtype']:>8} "
-        f"{r['variant']:<22} {r['tokens_per_s']:>9.1f} {r['speed_vs_sdpa']:>7.2f} "
+        f"{r['variant']:<24} {r['tokens_per_s']:>9.1f} {r['speed_vs_sdpa']:>7.2f} "
         f"{r['bytes'] / 2**20:>8.2f} {r['bytes_vs_sdpa']:>7.3f} {r['kept']:>6.3f} "
         f"{r['stored']:>6.3f} {r['paged']:>6.3f}"
     )
@@ -263,8 +404,9 @@ def figure(rows: list[dict[str, Any]], path: str) -> None:
             fontsize=7,
         )
         ax.set_title(title)
-    axes[0].legend(fontsize=7)
-    fig.tight_layout()
+    handles, names = axes[0].get_legend_handles_labels()
+    fig.legend(handles, names, loc="lower center", ncol=len(variants), fontsize=7)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))  # the legend below, clear of the bars
     fig.savefig(path, dpi=120)
 
 
@@ -275,9 +417,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--attention", choices=("eager", "triton"), default="eager")
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes, Triton interpreted")
+    parser.add_argument(
+        "--variants", choices=("all", *VARIANTS), default="all", help="which table groups"
+    )
+    parser.add_argument(
+        "--train-field", action="store_true", help=f"train E4's model into {TRAINED.name}"
+    )
     parser.add_argument("--out", help="JSON file of the rows")
     parser.add_argument("--figure", help="PNG of bytes and speed relative to SDPA")
     args = parser.parse_args(argv)
+    if args.train_field:
+        torch.set_num_threads(1)  # as the experiments train
+        train_field(TRAINED)
+        return 0
     if args.dry_run:
         os.environ.setdefault("TRITON_INTERPRET", "1")
         args.grid, args.steps, args.attention = "dry", 1, "triton"
@@ -287,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
         f"torch {torch.__version__}, {torch.get_num_threads()} threads"
     )
     print(HEADER)
-    rows = run(args.grid, args.steps, device, args.attention)
+    rows = run(args.grid, args.steps, device, args.attention, args.variants)
     bad = [
         r
         for r in rows
@@ -295,7 +447,8 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if args.out:
         with open(args.out, "w") as fh:
-            json.dump({"grid": args.grid, "attention": args.attention, "rows": rows}, fh, indent=1)
+            report = {"grid": args.grid, "attention": args.attention, "variants": args.variants}
+            json.dump(report | {"rows": rows}, fh, indent=1)
     if args.figure:
         figure(rows, args.figure)
     if bad:

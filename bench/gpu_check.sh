@@ -31,7 +31,8 @@
 #               GPU only when jax sees one: its CPU interpreter would take hours at these sizes)
 #   decode      python -m bench.decode --grid full      the paged FPA session with the Triton
 #               decode kernel against SDPA decode: rows 1/8/32, context 1K/8K/32K, GQA 4:1 and
-#               1:1, bf16 and float32 (tokens/s, bytes held, kept/stored/paged fractions)
+#               1:1, bf16 and float32, and the layers of E4's trained FPA at theta 16
+#               (tokens/s, bytes held, kept/stored/paged fractions)
 #   summary     python -m bench.gpu_bench summary      the short table, last
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -196,6 +197,31 @@ def test_fpa_model_with_unbounded_caches_equals_its_forward():
         evicting = model.new_caches(1e-6)  # keys at any positive depth go
         model(x, evicting)
     assert all(c.attention.kept_fraction < 1.0 for c in evicting)
+
+
+def test_the_decode_benchmarks_weights_are_e4s_passkey_model():
+    """bench/e4_passkey_fpa_foxinit.safetensors against E4's record: its final training loss,
+    and at 8x L with eviction at theta 16 its retrieval and kept fractions per layer and head."""
+    safetensors = pytest.importorskip("safetensors.torch")
+    root = Path(__file__).resolve().parents[1]
+    path = root / "bench" / "e4_passkey_fpa_foxinit.safetensors"
+    record = json.loads((root / "experiments" / "results" / "e4.json").read_text())
+    entry = record["results"]["passkey"]["models"]["fpa_foxinit"]
+    with safetensors.safe_open(str(path), "pt") as f:
+        assert float(f.metadata()["final_train_loss"]) == entry["final_train_loss"]
+    cfg = record["config"]["passkey"]
+    model = e4.passkey_model("fpa_foxinit", cfg)
+    model.load_state_dict(safetensors.load_file(str(path)))
+    T = 8 * cfg["L"]
+    tokens, passkeys = e2.passkey_sequences(
+        np.random.default_rng(777 + T), cfg["test_sequences"], T, cfg
+    )
+    press = e4.make_press("depth", 16.0, context=None, thresholds=None)
+    logits, live = e4.compressed_run(model.eval(), tokens, press, 16)
+    want = entry["passkey"]["depth 16"]
+    assert e4.passkey_accuracy(logits, passkeys, 0) == want["accuracy"][-1]
+    summary = e4.cache_summary(model, live, press, "depth")
+    assert summary["kept_by_layer_head"] == want["kept_by_layer_head"][-1]
 
 
 def test_mlp_width_matches_parameter_counts():

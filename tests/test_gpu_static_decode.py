@@ -48,7 +48,11 @@ def test_decode_section_of_the_gpu_check_dry_run(tmp_path):
     assert report["grid"] == "dry" and report["attention"] == "triton"
     rows = report["rows"]
     assert {r["variant"] for r in rows} == {
-        "sdpa", "fpa inf", "fpa kept=0.25 indep", "fpa kept=0.25 shared"
+        "sdpa", "fpa inf", "fpa kept=0.25 indep", "fpa kept=0.25 shared",
+        "fpa trained L1 theta=16", "fpa trained L2 theta=16",
     }  # fmt: skip
+    trained = [r for r in rows if "trained" in r["variant"]]
+    assert {(r["HQ"], r["H"], r["d"]) for r in trained} == {(2, 2, 32)}  # E4's layer
+    assert all(0 < r["kept"] < 1 for r in trained)  # theta = 16 evicts on its field
     for r in rows:  # pages within one page (16 tokens) of the stored entries
         assert r["tokens_per_s"] > 0 and r["paged"] <= r["stored"] + 16 / r["T"]

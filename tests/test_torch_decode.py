@@ -59,6 +59,33 @@ def test_no_eviction_equals_the_parallel_op_with_gqa():
     assert torch.allclose(o, parallel.transpose(1, 2), rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("prefill", [False, True])
+def test_gqa_eviction_stores_the_union_of_the_query_heads_live_keys(prefill):
+    rng = np.random.default_rng(4)
+    q, k, v, f, lev = draw(rng, B=2, H=4, T=30)
+    k, v = k[:, ::2], v[:, ::2]  # query heads 2h and 2h + 1 read kv head h
+    theta = 2.0
+    want = fpa.fpa_decode(q, np.repeat(k, 2, axis=1), np.repeat(v, 2, axis=1), f, lev, theta=theta)
+    cache = FPADecodeCache(theta=theta)
+    if prefill:
+        swapped = (
+            torch.from_numpy(np.ascontiguousarray(np.swapaxes(x, 1, 2))) for x in (q, k, v, f, lev)
+        )
+        o = np.swapaxes(cache.prefill(*swapped).numpy(), 1, 2)
+    else:
+        o = steps(cache, q, k, v, f, lev)
+    np.testing.assert_allclose(o, want.o, rtol=1e-12, atol=1e-12)
+    np.testing.assert_array_equal(cache.peak.numpy(), want.cache_sizes.max(-1).flatten())
+    assert cache.kept_fraction == pytest.approx(want.kept_fraction, rel=1e-15)  # a mean of counts
+    np.testing.assert_array_equal(cache.cache_size.numpy(), want.cache_sizes[..., -1])
+    # the last query's live keys (F2, T2), per query head; stored: their union per kv head
+    depth = fpa.descent_depth(f, lev)[:, :, -1]  # [B, HQ, T]
+    live = depth < theta
+    union = live.reshape(2, 2, 2, -1).any(axis=2)  # [B, H, T]
+    assert union.sum(-1).max() > live.sum(-1).max()  # the union rule is exercised
+    assert cache.capacity == union.sum(-1).max()
+
+
 @pytest.mark.parametrize("theta", [np.inf, 2.5])
 def test_prefill_equals_steps_and_decoding_continues_alike(theta):
     rng = np.random.default_rng(2)

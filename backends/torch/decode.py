@@ -1,11 +1,11 @@
 """Decoding token by token: the FPA KV cache with eviction (F7) and the Interdomain states (H6).
 
-:class:`FPADecodeCache` keeps, per (batch, query head), the entries (k_j, v_j, l_j, m_j) of
-spec/fpa.md F7 with m_j the running minimum of the field since j; a key whose depth
-pi_j = max(0, l_j - m_j) reaches theta is evicted and, by (T2), never needed again. Evicted
-entries are really freed: the cache tensors are compacted to the largest live count over the
-rows. :class:`S4DDecodeState` and :class:`LegSDecodeState` hold the Interdomain recurrent
-state, whose size does not depend on T.
+:class:`FPADecodeCache` is the single-stream face of the paged session of :mod:`.paged`: its
+state, the entries (k_j, v_j, l_j, m_j) of spec/fpa.md F7 with m_j the running minimum of the
+field since j, lives in a :class:`.paged.PagedFPASession`; a key whose depth
+pi_j = max(0, l_j - m_j) reaches theta is evicted and, by (T2), never needed again, and its
+slot is freed once no query head of its kv head attends it. :class:`S4DDecodeState` and
+:class:`LegSDecodeState` hold the Interdomain recurrent state, whose size does not depend on T.
 
 Layout per step: q [B, HQ, K], k [B, H, K], v [B, H, V] (GQA: HQ a multiple of H), per-token
 scalars [B, HQ]; prefills take the sequence layout [B, T, ...] of the parallel ops.
@@ -13,9 +13,7 @@ scalars [B, HQ]; prefills take the sequence layout [B, T, ...] of the parallel o
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
-from dataclasses import astuple, dataclass
 
 import torch
 from torch import Tensor
@@ -26,6 +24,7 @@ from ..tile_sizes import EAGER_QUERY_BLOCK
 from . import checks
 from .eager_fpa import FPAPenalty, Tile, attend, compute_dtype, from_rows, to_rows
 from .ops import interdomain_s4d
+from .paged import PagedFPASession
 
 _INF = float("inf")
 
@@ -36,76 +35,54 @@ def _theta(theta: float) -> float:
     return float(theta)
 
 
-@dataclass
-class CacheEntries:
-    """The entries (k_j, v_j, l_j, m_j) of F7, one row per (batch, query head), S slots a row;
-    rows hold different numbers of live keys, so ``live`` marks the slots in use."""
-
-    keys: Tensor  # [N, S, K] in the dtype of k
-    values: Tensor  # [N, S, V]
-    levels: Tensor  # [N, S] l_j, float32 or wider
-    mins: Tensor  # [N, S] m_j, the running minimum of the field since j
-    live: Tensor  # [N, S] bool
-
-    def depth(self) -> Tensor:
-        return torch.clamp_min(self.levels - self.mins, 0.0)  # (F2)
-
-    def append(self, new: CacheEntries) -> CacheEntries:
-        return CacheEntries(
-            *(torch.cat([a, b], dim=1) for a, b in zip(astuple(self), astuple(new), strict=True))
-        )
-
-    def compact(self) -> CacheEntries:
-        """Evicted entries dropped: live ones move to the front (in order), the slots shrink to
-        the largest live count."""
-        keep = int(self.live.sum(dim=1).max())
-        if keep == self.keys.shape[1]:
-            return self
-        order = torch.argsort((~self.live).to(torch.int8), dim=1, stable=True)[:, :keep]
-        return CacheEntries(
-            torch.gather(self.keys, 1, order[..., None].expand(-1, -1, self.keys.shape[2])),
-            torch.gather(self.values, 1, order[..., None].expand(-1, -1, self.values.shape[2])),
-            *(torch.gather(x, 1, order) for x in (self.levels, self.mins, self.live)),
-        )
-
-
 class FPADecodeCache:
     """(F7) streaming FPA with eviction threshold ``theta`` (inf: no eviction, outputs equal the
-    parallel op). One cache row per (batch, query head); k and v are stored per query head.
+    parallel op): a one-token-per-step view of a :class:`.paged.PagedFPASession` with one row
+    per batch row, k and v stored once per kv head (the union rule of F8 gqa), no rollback.
 
     Attributes:
         steps: tokens consumed.
+        peak: [B * HQ] the largest live count seen per (batch, query head), row-major.
         kept_fraction: the peak live-cache size over the tokens seen, averaged over the rows
             (1.0 without eviction), as the reference's ``fpa_decode`` reports it.
         cache_size: [B, HQ] live entries now.
-        capacity: entries allocated per row now (the largest live count: evicted keys freed).
+        capacity: the largest number of entries stored for a (batch, kv head) now, the union
+            of its query heads' live keys (the largest live count without GQA).
+        session: the session holding the state (None before the first token).
 
-    Time per step O(S (K + V)) for S live entries; memory O(B HQ S_max (K + V)).
+    Time per step O(S (K + V)) for S stored entries; memory O(B H S_max (K + V)), in pages.
     """
 
     def __init__(self, *, theta: float = _INF, scale: float | None = None):
         self.theta = _theta(theta)
         self.scale = scale
         self.steps = 0
-        self.entries: CacheEntries | None = None
+        self.session: PagedFPASession | None = None
         self.peak: Tensor | None = None  # [N] largest live count seen per row
         self.dims: tuple[int, int, int, int, int, torch.dtype, torch.device] | None = None
 
     @property
     def capacity(self) -> int:
-        return 0 if self.entries is None else self.entries.keys.shape[1]
+        return 0 if self.session is None else int(self.session.counts()["stored"].max())
 
     @property
     def cache_size(self) -> Tensor:
-        if self.entries is None or self.dims is None:
+        if self.session is None:
             return torch.zeros(0, dtype=torch.long)
-        return self.entries.live.sum(dim=1).reshape(self.dims[:2])
+        return self.session.counts()["live"]
 
     @property
     def kept_fraction(self) -> float:
         if self.peak is None:
             return 0.0
         return float(self.peak.to(torch.float64).mean()) / max(self.steps, 1)
+
+    def _open(self, dims: tuple[int, int, int, int, int, torch.dtype, torch.device]) -> None:
+        B, HQ, H, K, V, dtype, device = self.dims = dims
+        self.session = PagedFPASession(
+            rows=B, heads=HQ, kv_heads=H, dk=K, dv=V, dtype=dtype, device=device,
+            scale=checks.scale(self.scale, K), theta=self.theta,
+        )  # fmt: skip
 
     def _check_step(
         self, q: Tensor, k: Tensor, v: Tensor, field: Tensor, level: Tensor
@@ -140,45 +117,28 @@ class FPADecodeCache:
         Returns:
             o [B, HQ, V] in q's dtype.
         """
-        self.dims = B, HQ, H, K, V, _, _ = self._check_step(q, k, v, field, level)
-        wide = compute_dtype(q, field)
-        phi = field.reshape(-1, 1).to(wide)  # [N, 1]
-        groups = HQ // H
-        new = CacheEntries(
-            k.repeat_interleave(groups, dim=1).reshape(-1, 1, K),
-            v.repeat_interleave(groups, dim=1).reshape(-1, 1, V),
-            level.reshape(-1, 1).to(wide),
-            torch.full_like(phi, _INF),  # empty segment: pi_tt = 0
-            torch.ones_like(phi, dtype=torch.bool),
-        )
-        entries = self.entries
-        if entries is not None:
-            entries.mins = torch.minimum(entries.mins, phi)  # (F7) m_j <- min(m_j, phi_t)
-            if math.isfinite(self.theta):
-                entries.live = entries.live & ~(entries.depth() >= self.theta)  # (T2): for good
-                entries = entries.compact()
-            new = entries.append(new)
-        self.entries = new
-        self.steps += 1
-        count = new.live.sum(dim=1)
-        self.peak = count if self.peak is None else torch.maximum(self.peak, count)
-        return self._attend(q, new, wide).reshape(B, HQ, V).to(q.dtype)
+        dims = self._check_step(q, k, v, field, level)
+        if self.session is None:
+            self._open(dims)
+        assert self.session is not None
+        wide = compute_dtype(q, field)  # half precision widened, as by the parallel ops
+        inputs = {"q": q, "k": k, "v": v, "field": field.to(wide), "level": level.to(wide)}
+        present = torch.ones(dims[0], 1, dtype=torch.bool, device=q.device)
+        o = self.session.advance({n: x[:, :, None] for n, x in inputs.items()}, present)["o"]
+        self._count(self.session.counts()["live"].flatten())
+        return o[:, :, 0]
 
-    def _attend(self, q: Tensor, entries: CacheEntries, wide: torch.dtype) -> Tensor:
-        scale = checks.scale(self.scale, q.shape[2])
-        content = torch.einsum(
-            "nk,nsk->ns", q.reshape(-1, q.shape[2]).to(wide), entries.keys.to(wide)
-        )
-        logits = (scale * content - entries.depth()).masked_fill(~entries.live, -_INF)  # (F3)
-        p = torch.softmax(logits, dim=1)  # (F4)
-        return torch.einsum("ns,nsv->nv", p, entries.values.to(wide))  # (F5)
+    def _count(self, live: Tensor, tokens: int = 1) -> None:
+        self.steps += tokens
+        self.peak = live if self.peak is None else torch.maximum(self.peak, live)
 
     def prefill(self, q: Tensor, k: Tensor, v: Tensor, field: Tensor, level: Tensor) -> Tensor:
         """Consume a whole prompt at once into an empty cache; equals T calls of :meth:`step`.
 
         By (T2) key j is in the cache at step i iff pi_ij < theta, so the outputs are the
         parallel op with keys at depth >= theta masked, computed by the tiles of
-        :mod:`.eager_fpa`; the peak live count is counted on the same tiles.
+        :mod:`.eager_fpa`, and the peak live count is counted on the same tiles; the session
+        takes the prompt's state by :meth:`.PagedFPASession.prefill_state`.
 
         Args:
             q: [B, T, HQ, K]; k: [B, T, H, K]; v: [B, T, H, V]; field, level: [B, T, HQ].
@@ -206,14 +166,11 @@ class FPADecodeCache:
             evicting,
             EAGER_QUERY_BLOCK,
         )
-        # the cache after the last token: m_j = min field over (j, T), kept if depth < theta
-        after = torch.cat([fs[:, 1:], torch.full_like(fs[:, :1], _INF)], dim=1)
-        mins = torch.cummin(after.flip(1), dim=1).values.flip(1)
-        live = torch.clamp_min(ls - mins, 0.0) < self.theta
-        keys, values = to_rows(k, k.dtype, groups), to_rows(v, v.dtype, groups)
-        self.entries = CacheEntries(keys, values, ls, mins, live).compact()
-        self.dims = (B, HQ, H, K, V, q.dtype, q.device)
-        self.steps, self.peak = T, evicting.counts.max(dim=1).values
+        self._open((B, HQ, H, K, V, q.dtype, q.device))
+        assert self.session is not None
+        heads_second = {"k": k, "v": v, "field": field.to(wide), "level": level.to(wide)}
+        self.session.prefill_state({n: x.transpose(1, 2) for n, x in heads_second.items()})
+        self._count(evicting.counts.max(dim=1).values, T)
         return from_rows(o, B, q.dtype)
 
 
