@@ -15,9 +15,13 @@ For rows B, context T, GQA HQ:H and dtype, one row of the table per (config, var
   layer below decoding with eviction), at E4's theta for that model; beside it ``sdpa`` and
   ``fpa inf`` at its shapes (HQ:H = 2:2, d = 32).
 Columns: tokens/s of decode (B tokens per step, the median step over ``--steps`` after a
-warm-up), bytes of k and v held, and per query head the kept fraction (live / T), per kv head
-the stored fraction (stored / T) and the pages held (pages * page_size / T): the gaps are the
-cost of GQA's union and of paging. The context is built by ``prefill_state`` (not timed).
+warm-up) and its ratio to the peer's: each variant's steps alternate with steps of the peer
+(peer, variant, peer, ...), the ratio is the median over those pairs of the peer's seconds over
+the variant's, so a machine whose speed drifts moves both sides of a pair alike (the peer's own
+row: its median step over all pairs); bytes of k and v held, and per query head the kept
+fraction (live / T), per kv head the stored fraction (stored / T) and the pages held
+(pages * page_size / T): the gaps are the cost of GQA's union and of paging. The context is
+built by ``prefill_state`` (not timed).
 
     python -m bench.decode                 # CPU subset (a few minutes; 2 cores)
     python -m bench.decode --grid full --device cuda --attention triton   # GPU: the full grid
@@ -94,57 +98,87 @@ def _levels(
     return lv if mode == "indep" else lv.repeat_interleave(HQ // H, dim=1)
 
 
-def _time(step: Any, steps: int, device: torch.device) -> float:
-    """Median seconds of one step over ``steps`` runs after one warm-up."""
-    step()
-    times = []
-    for _ in range(steps):
-        _sync(device)
-        t0 = time.perf_counter()
-        step()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def _time_pair(
+    peer: Any, step: Any, steps: int, device: torch.device
+) -> tuple[list[float], list[float]]:
+    """Seconds of ``steps`` steps of the peer and of ``step``, in turn (peer, step, peer, ...)
+    after one warm-up of each, so that a machine whose speed drifts moves both alike."""
+    times: tuple[list[float], list[float]] = ([], [])
+    for i in range(steps + 1):
+        for fn, out in ((peer, times[0]), (step, times[1])):
+            _sync(device)
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            if i:
+                out.append(time.perf_counter() - t0)
+    return times
 
 
-def bench_sdpa(
-    B: int,
-    T: int,
-    HQ: int,
-    H: int,
-    d: int,
-    dtype: torch.dtype,
-    steps: int,
-    device: torch.device,
-    gen: torch.Generator,
-) -> dict[str, Any]:
-    ctx = _tokens(B, HQ, H, T, d, dtype, device, gen)
-    K = torch.zeros(B, H, T + steps + 1, d, dtype=dtype, device=device)
-    Vc = torch.zeros_like(K)
-    K[:, :, :T], Vc[:, :, :T] = ctx["k"], ctx["v"]
-    t = [T]
+class SDPAPeer:
+    """The peer: a preallocated [B, H, T + steps + 1, d] cache, each token written in place and
+    attended by ``scaled_dot_product_attention`` (enable_gqa); :meth:`restart` returns it to
+    the context of T tokens, so each variant is paired with the same steps of it."""
 
-    def step() -> None:
-        x = _tokens(B, HQ, H, 1, d, dtype, device, gen)
-        K[:, :, t[0]], Vc[:, :, t[0]] = x["k"][:, :, 0], x["v"][:, :, 0]
-        t[0] += 1
+    def __init__(
+        self,
+        B: int,
+        T: int,
+        HQ: int,
+        H: int,
+        d: int,
+        dtype: torch.dtype,
+        steps: int,
+        device: torch.device,
+        gen: torch.Generator,
+    ):
+        ctx = _tokens(B, HQ, H, T, d, dtype, device, gen)
+        self.K = torch.zeros(B, H, T + steps + 1, d, dtype=dtype, device=device)
+        self.V = torch.zeros_like(self.K)
+        self.K[:, :, :T], self.V[:, :, :T] = ctx["k"], ctx["v"]
+        self.shape, self.gen, self.T, self.t = (B, HQ, H, d, dtype, device), gen, T, T
+        self.times: list[float] = []  # every paired step's seconds
+
+    def restart(self) -> SDPAPeer:
+        self.t = self.T
+        return self
+
+    def __call__(self) -> None:
+        B, HQ, H, d, dtype, device = self.shape
+        x = _tokens(B, HQ, H, 1, d, dtype, device, self.gen)
+        self.K[:, :, self.t], self.V[:, :, self.t] = x["k"][:, :, 0], x["v"][:, :, 0]
+        self.t += 1
         F.scaled_dot_product_attention(
-            x["q"], K[:, :, : t[0]], Vc[:, :, : t[0]], enable_gqa=HQ != H
+            x["q"], self.K[:, :, : self.t], self.V[:, :, : self.t], enable_gqa=HQ != H
         )
 
-    sec = _time(step, steps, device)
-    held = B * H * t[0] * 2 * d * K.element_size()  # the tokens it holds at the end
-    return {
-        "variant": "sdpa",
-        "tokens_per_s": B / sec,
-        "bytes": held,
-        "kept": 1.0,
-        "stored": 1.0,
-        "paged": 1.0,
-    }
+    def row(self) -> dict[str, Any]:
+        B, _, H, d, _, _ = self.shape
+        held = B * H * self.K.shape[2] * 2 * d * self.K.element_size()  # every token at the end
+        return {
+            "variant": "sdpa",
+            "tokens_per_s": B / statistics.median(self.times),
+            "speed_vs_sdpa": 1.0,
+            "bytes": held,
+            "kept": 1.0,
+            "stored": 1.0,
+            "paged": 1.0,
+        }
+
+
+def _paired(
+    peer: SDPAPeer, step: Any, B: int, steps: int, device: torch.device
+) -> dict[str, float]:
+    """tokens/s of ``step`` (its median step) and its speed relative to the peer: the median
+    over the pairs of (peer's seconds / its seconds)."""
+    theirs, ours = _time_pair(peer.restart(), step, steps, device)
+    peer.times += theirs
+    ratio = statistics.median(a / b for a, b in zip(theirs, ours, strict=True))
+    return {"tokens_per_s": B / statistics.median(ours), "speed_vs_sdpa": ratio}
 
 
 def bench_session(
+    peer: SDPAPeer,
     B: int,
     T: int,
     HQ: int,
@@ -182,9 +216,8 @@ def bench_session(
         lv = _levels(B, HQ, H, 1, mode, gen, device)
         s.advance(x | {"field": torch.zeros(B, HQ, 1, device=device), "level": lv}, present)
 
-    sec = _time(step, steps, device)
     name = "fpa inf" if mode == "inf" else f"fpa kept={KEPT} {mode}"
-    return {"variant": name, "tokens_per_s": B / sec} | _counts(s)
+    return {"variant": name} | _paired(peer, step, B, steps, device) | _counts(s)
 
 
 def _counts(s: Any) -> dict[str, Any]:
@@ -265,6 +298,7 @@ def trained_stream(model: Any, layer: int, B: int, n: int, seed: int) -> dict[st
 
 
 def bench_trained(
+    peer: SDPAPeer,
     B: int,
     T: int,
     dtype: torch.dtype,
@@ -299,9 +333,8 @@ def bench_trained(
         s.advance({name: x[:, :, t[0] : t[0] + 1] for name, x in stream.items()}, present)
         t[0] += 1
 
-    sec = _time(step, steps, device)
     name = f"fpa trained L{layer + 1} theta={TRAINED_THETA:g}"
-    return {"variant": name, "tokens_per_s": B / sec} | _counts(s)
+    return {"variant": name} | _paired(peer, step, B, steps, device) | _counts(s)
 
 
 def _configs(grid: str, variants: str, device: torch.device) -> list[tuple[dict[str, Any], Any]]:
@@ -333,21 +366,19 @@ def run(
         B, T, HQ, H, d = (config[n] for n in ("B", "T", "HQ", "H", "d"))
         dtype = getattr(torch, config["dtype"])
         gen = torch.Generator().manual_seed(0)
-        results = [bench_sdpa(B, T, HQ, H, d, dtype, steps, device, gen)]
+        peer = SDPAPeer(B, T, HQ, H, d, dtype, steps, device, gen)
+        results = []
         for mode in ("inf", "indep", "shared") if model is None else ("inf",):
             if mode == "shared" and HQ == H:
                 continue  # the same as indep
             results.append(
-                bench_session(B, T, HQ, H, d, dtype, steps, device, gen, mode, attention)
+                bench_session(peer, B, T, HQ, H, d, dtype, steps, device, gen, mode, attention)
             )
         for layer in range(len(model.layers()) if model is not None else 0):
-            results.append(bench_trained(B, T, dtype, steps, device, model, layer, attention))
-        peer = results[0]
+            results.append(bench_trained(peer, B, T, dtype, steps, device, model, layer, attention))
+        results.insert(0, peer.row())
         for r in results:
-            r |= config | {
-                "speed_vs_sdpa": r["tokens_per_s"] / peer["tokens_per_s"],
-                "bytes_vs_sdpa": r["bytes"] / peer["bytes"],
-            }
+            r |= config | {"bytes_vs_sdpa": r["bytes"] / results[0]["bytes"]}
             rows.append(r)
             print(_line(r), flush=True)
     return rows

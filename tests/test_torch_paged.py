@@ -213,6 +213,7 @@ PROGRAM = [
     [
         (torch.float64, 1.0, None, 3, 4, 2),
         (torch.float32, math.inf, 6, 2, 2, 2),
+        (torch.float32, math.inf, None, 2, 4, 2),  # nothing evicted: no release pass
         (torch.bfloat16, 0.7, None, 4, 4, 1),
         (torch.float16, 1.2, 9, 3, 2, 1),
     ],
@@ -272,6 +273,62 @@ def test_matches_reference_fpa_decode_per_row_and_head():
     )
     np.testing.assert_allclose(o.numpy(), ref.o, rtol=0, atol=1e-12)
     np.testing.assert_array_equal(s.counts()["live"].numpy(), ref.cache_sizes[:, :, -1])
+
+
+def test_pages_in_place_on_literal_tables():
+    from attnspec.backends.torch.paged import pages_in_place
+
+    def table(rows):
+        return torch.tensor(rows, dtype=torch.int64).view(2, 1, -1)
+
+    assert pages_in_place(table([[4, 5, 6], [9, 10, 11]])) == (3, 4, 5)
+    assert pages_in_place(table([[4, 5, 20], [9, 10, 11]])) == (2, 4, 5)  # shortest run
+    assert pages_in_place(table([[4, 5, 6], [4, 5, 6]])) == (3, 4, 0)  # shared pages
+    assert pages_in_place(table([[9, 10], [4, 5]]))[0] == 0  # spacing < 0
+    assert pages_in_place(table([[-1, 5], [4, 5]]))[0] == 0
+    three = torch.tensor([[0, 1], [2, 3], [5, 6]]).view(3, 1, 2)  # spacing 2, then 3
+    assert pages_in_place(three)[0] == 0
+    assert pages_in_place(torch.zeros(2, 1, 0, dtype=torch.int64))[0] == 0
+
+
+def test_attention_reads_pages_in_place_as_gathered():
+    """After a prefill the pages of every (row, kv head) lie at equal spacing and the eager
+    attention reads them in place: the same state with the pool's pages permuted (so every
+    page is gathered) gives the same outputs, and the next token's output is the reference
+    decoder's."""
+    from attnspec.backends.torch import paged
+
+    rng = np.random.default_rng(6)
+    R, HQ, H, T, dk, dv = 3, 4, 2, 21, 4, 3
+    chunk = make_chunk(rng, R, HQ, H, T + 1, dk, dv)
+    s = PagedFPASession(
+        rows=R, heads=HQ, kv_heads=H, dk=dk, dv=dv, dtype=torch.float64, scale=0.5, page_size=4
+    )
+    s.prefill_state(torch_chunk({x: a[:, :, :T] for x, a in chunk.items()}, torch.float64))
+    last = torch_chunk({x: a[:, :, T:] for x, a in chunk.items()}, torch.float64)
+    NT = s.state.table.shape[2]
+    assert paged.pages_in_place(s.state.table)[0] == NT
+    st = s.state
+    tok = torch.full((R, 1), T, dtype=torch.int64)
+    args = (st.table, st.pos, st.level, st.mins, st.evict, tok, last["field"], 0.5)
+    q = last["q"]
+    in_place = paged.paged_attention_eager(q, s.k_pool, s.v_pool, *args)
+    perm = torch.randperm(s.k_pool.shape[0], generator=torch.Generator().manual_seed(0))
+    moved = st.table.where(st.table < 0, torch.argsort(perm)[st.table.clamp_min(0)])
+    assert paged.pages_in_place(moved)[0] < NT
+    gathered = paged.paged_attention_eager(q, s.k_pool[perm], s.v_pool[perm], moved, *args[1:])
+    torch.testing.assert_close(in_place, gathered, rtol=0, atol=1e-14)
+    G = HQ // H
+    ref = fpa_decode(
+        chunk["q"],
+        np.repeat(chunk["k"], G, axis=1),
+        np.repeat(chunk["v"], G, axis=1),
+        chunk["field"],
+        chunk["level"],
+        scale=0.5,
+    )
+    o = s.advance(last, torch.ones(R, 1, dtype=torch.bool))["o"]  # read in place
+    np.testing.assert_allclose(o[:, :, 0].numpy(), ref.o[:, :, T], rtol=0, atol=1e-12)
 
 
 def state_of(s: PagedFPASession):

@@ -50,6 +50,54 @@ def _int(name: str, value: object, low: int) -> int:
     return value
 
 
+def pages_in_place(table: Tensor) -> tuple[int, int, int]:
+    """(c, b, A): the leading c page-table columns hold, for every (row, kv head) rh, the pages
+    b + rh A + column of the pool (pages allocated together, as a prefill allocates them), so
+    the pool read with strides covers them and they need no gather; c = 0 when none do."""
+    R, H, NT = table.shape
+    if NT == 0:
+        return 0, 0, 0
+    flat = table.reshape(R * H, NT)
+    first = flat[:, 0]
+    b = int(first[0])
+    A = int(first[1]) - b if R * H > 1 else 0
+    if b < 0 or A < 0 or not torch.equal(first, b + A * torch.arange(R * H, device=table.device)):
+        return 0, 0, 0
+    run = flat == first[:, None] + torch.arange(NT, device=table.device)
+    return int(run.cumprod(dim=1).sum(dim=1).min()), b, A
+
+
+def _pages(
+    pool: Tensor,
+    table: Tensor,
+    in_place: tuple[int, int, int],
+    name: str,
+    buffers: dict[str, Tensor] | None,
+) -> list[Tensor]:
+    """The pages of every (row, kv head) in table order as [R, H, slots, D] parts: the columns
+    in place as a strided view of the pool, the rest gathered into ``buffers[name]``."""
+    R, H, NT = table.shape
+    _, P, D = pool.shape
+    c, b, A = in_place
+    pool = pool.contiguous()
+    parts = []
+    if c:
+        strides = (H * A * P * D, A * P * D, D, 1)
+        offset = pool.storage_offset() + b * P * D
+        parts.append(pool.as_strided((R, H, c * P, D), strides, offset))
+    if c < NT or not parts:  # (an empty table: one empty part)
+        pages = table[..., c:].clamp_min(0).flatten()
+        shape = (pages.numel(), P, D)
+        buf = (buffers or {}).get(name)
+        if buf is None or buf.numel() < math.prod(shape) or buf.dtype != pool.dtype:
+            buf = pool.new_empty(math.prod(shape) * 5 // 4)  # room to grow: faults are slow
+            if buffers is not None:
+                buffers[name] = buf
+        out = buf[: math.prod(shape)].view(shape)
+        parts.append(torch.index_select(pool, 0, pages, out=out).view(R, H, -1, D))
+    return parts
+
+
 def paged_attention_eager(
     q: Tensor,
     k_pool: Tensor,
@@ -73,8 +121,9 @@ def paged_attention_eager(
         level, mins, evict: [R, HQ, NT * P] l_j, m_j before the block (wide), eviction step.
         tok: [R, n] int64 the token index of each position (-1: absent); field: [R, HQ, n] wide.
         scale: the softmax scale.
-        buffers: where the pages' k and v are gathered, kept by the caller between calls
-            (a fresh 100 MB tensor costs more in page faults than the copy into it).
+        buffers: where pages not in place (:func:`pages_in_place`) are gathered, kept by the
+            caller between calls and grown by a quarter at a time (a fresh 100 MB tensor costs
+            more in page faults than the copy into it).
 
     Returns:
         o [R, HQ, n, V] in the dtype of ``mins``; 0 at absent positions.
@@ -84,20 +133,18 @@ def paged_attention_eager(
     R, HQ, n, K = q.shape
     H, wide = table.shape[1], mins.dtype
     G, S = HQ // H, pos.shape[2]
-    pages = table.clamp_min(0).flatten()
-    gathered = []
-    for name, pool in (("k", k_pool), ("v", v_pool)):
-        shape = (pages.numel(), *pool.shape[1:])
-        buf = (buffers or {}).get(name)
-        if buf is None or buf.numel() < math.prod(shape) or buf.dtype != pool.dtype:
-            buf = pool.new_empty(math.prod(shape))
-            if buffers is not None:
-                buffers[name] = buf
-        out = buf[: math.prod(shape)].view(shape)
-        gathered.append(torch.index_select(pool, 0, pages, out=out).view(R, H, S, -1).to(wide))
-    keys, values = gathered  # [R, H, S, K], [R, H, S, V]
-    logits = torch.einsum("rhgnk,rhsk->rhgns", q.to(wide).view(R, H, G, n, K), keys)
-    logits.mul_(scale)
+    in_place = pages_in_place(table)
+    keys = _pages(k_pool, table, in_place, "k", buffers)  # [R, H, slots, K] each
+    values = _pages(v_pool, table, in_place, "v", buffers)  # [R, H, slots, V] each
+    rows = q.to(wide).reshape(R, H, G * n, K)
+    logits = rows.new_empty(R, H, G * n, S)
+    start = 0
+    for k in keys:
+        # k q^T: BLAS streams the keys by rows (on a CPU twice as fast as q k^T, a skinny product)
+        kq = k.to(wide) @ rows.transpose(2, 3)  # [R, H, slots, G n]
+        torch.mul(kq.transpose(2, 3), scale, out=logits[..., start : start + k.shape[2]])
+        start += k.shape[2]
+    logits = logits.view(R, H, G, n, S)
     j = pos.view(R, H, 1, S)  # the token of each slot, shared by the G query heads
     running = mins.view(R, H, G, S)
     lv, gone = level.view(R, H, G, S), evict.view(R, H, G, S)
@@ -105,13 +152,17 @@ def paged_attention_eager(
         t = tok[:, p].view(R, 1, 1, 1)
         # (F7) m_j <- min(m_j, phi_t) for the keys before token t
         f = field[:, :, p].view(R, H, G, 1)
-        running = torch.minimum(running, f.where(j < t, math.inf))
-        depth = torch.clamp_min(lv - running, 0.0)  # (F2)
-        drop = (j < 0) | (j > t) | (gone <= t) | (t < 0)
+        running = torch.where(j < t, torch.minimum(running, f), running)
+        depth = torch.sub(lv, running).clamp_min_(0.0)  # (F2)
+        drop = ((j < 0) | (j > t) | (t < 0)) | (gone <= t)
         logits[:, :, :, p].sub_(depth).masked_fill_(drop, -math.inf)  # (F3)
-    weights = torch.softmax(logits, dim=-1)  # (F4); NaN in rows without keys (absent)
-    o = torch.einsum("rhgns,rhsv->rhgnv", weights, values)  # (F5)
-    return o.reshape(R, HQ, n, -1).masked_fill((tok < 0)[:, None, :, None], 0.0)
+    weights = torch.softmax(logits, dim=-1).view(R, H, G * n, S)  # (F4); NaN in absent rows
+    o, start = None, 0
+    for v in values:  # (F5)
+        part = weights[..., start : start + v.shape[2]] @ v.to(wide)
+        o, start = part if o is None else o.add_(part), start + v.shape[2]
+    assert o is not None
+    return o.view(R, HQ, n, -1).masked_fill((tok < 0)[:, None, :, None], 0.0)
 
 
 @dataclass
@@ -180,6 +231,7 @@ class PagedFPASession:
         self.max_pages = None if max_pages is None else _int("max_pages", max_pages, 1)
         self.scale = checks.scale(scale, self.dk)
         self.theta = float(theta)
+        self.evicting = math.isfinite(self.theta) or self.window is not None
         self.HQ, self.H, self.G = HQ, H, HQ // H
         self.dtype, self.device = dtype, torch.device(device)
         self.wide = torch.float64 if dtype == torch.float64 else torch.float32
@@ -350,7 +402,8 @@ class PagedFPASession:
             o[:, :, p0:p1] = self._block(
                 inputs["q"][:, :, p0:p1], tok[:, p0:p1], field[:, :, p0:p1]
             ).to(self.dtype)
-        self._release()
+        if self.evicting:  # else no entry is ever evicted, and none freed
+            self._release()
         return {"o": o}
 
     def _write(
@@ -408,17 +461,20 @@ class PagedFPASession:
     def _block(self, q: Tensor, tok: Tensor, field: Tensor) -> Tensor:
         """At most QUERY_BLOCK positions: evictions (F7, F3w), attention, then the minima, the
         budgets, the base minima and the ring of fields advanced token by token."""
-        st, G = self.state, self.G
-        posq = st.pos.repeat_interleave(G, dim=1)  # [R, HQ, S]
-        first = torch.full_like(st.evict, LIVE)
-        evicting = math.isfinite(self.theta) or self.window is not None
-        for p in reversed(range(tok.shape[1] if evicting else 0)):  # first t > j evicting j
-            t = tok[:, p, None, None]  # [R, 1, 1]
-            hit = (st.level - field[:, :, p, None]) >= self.theta  # (F2): depth >= theta
-            if self.window is not None:
-                hit = hit | (t - posq >= self.window)  # (F3w)
-            first = torch.where(hit & (t > posq) & (posq >= 0), t, first)
-        evict = torch.where(st.evict == LIVE, first, st.evict) if evicting else st.evict
+        st, R, H, G = self.state, self.rows, self.H, self.G
+        S = st.pos.shape[2]
+        j = st.pos.view(R, H, 1, S)  # the token of each slot, shared by the G query heads
+        evict = st.evict
+        if self.evicting:
+            first = torch.full_like(evict, LIVE).view(R, H, G, S)
+            level = st.level.view(R, H, G, S)
+            for p in reversed(range(tok.shape[1])):  # first t > j evicting j
+                t = tok[:, p].view(R, 1, 1, 1)
+                hit = (level - field[:, :, p].view(R, H, G, 1)) >= self.theta  # (F2)
+                if self.window is not None:
+                    hit = hit | (t - j >= self.window)  # (F3w)
+                first = torch.where(hit & (t > j) & (j >= 0), t, first)
+            evict = torch.where(evict == LIVE, first.view_as(evict), evict)
         o = self.attention(
             q,
             self.k_pool,
@@ -433,25 +489,33 @@ class PagedFPASession:
             self.scale,
             buffers=self._buffers,
         )
-        mins, base, ring = st.mins, st.base, st.ring.clone()
-        tokens, budget = st.tokens.clone(), st.budget.clone()
+        mins, base = st.mins.view(R, H, G, S), st.base.view(R, H, G, S)
+        ring, tokens, budget = st.ring.clone(), st.tokens.clone(), st.budget.clone()
         for p in range(tok.shape[1]):
             here = tok[:, p] >= 0  # [R]
-            u = tok[:, p, None, None]
-            f = field[:, :, p, None]  # [R, HQ, 1]
-            mins = torch.minimum(mins, f.where(posq < u, math.inf))  # (F7)
+            u = tok[:, p].view(R, 1, 1, 1)
+            f = field[:, :, p].view(R, H, G, 1)
+            mins = torch.where(j < u, torch.minimum(mins, f), mins)  # (F7)
             if self.W:
                 # (F9) at the cap, the oldest restorable token's field folds into the base
                 full = here & (budget == self.W)
                 slot = (tokens % self.W)[:, None, None].expand(-1, self.HQ, 1)
-                oldest = ring.gather(2, slot)  # field of token t - W
-                fold = full[:, None, None] & (posq < (tokens - self.W)[:, None, None])
+                oldest = ring.gather(2, slot).view(R, H, G, 1)  # field of token t - W
+                fold = full.view(R, 1, 1, 1) & (j < (tokens - self.W).view(R, 1, 1, 1))
                 base = torch.where(fold, torch.minimum(base, oldest), base)
-                ring = torch.where(here[:, None, None], ring.scatter(2, slot, f), ring)
+                ring = torch.where(
+                    here[:, None, None], ring.scatter(2, slot, f.view(R, -1, 1)), ring
+                )
             tokens = tokens + here
             budget = torch.clamp_max(budget + here, self.W)
         self.state = replace(
-            st, evict=evict, mins=mins, base=base, ring=ring, tokens=tokens, budget=budget
+            st,
+            evict=evict,
+            mins=mins.view(R, -1, S),
+            base=base.view(R, -1, S),
+            ring=ring,
+            tokens=tokens,
+            budget=budget,
         )
         return o
 
@@ -460,7 +524,9 @@ class PagedFPASession:
         rule with the F9 delay)."""
         st = self.state
         oldest = (st.tokens - st.budget)[:, None, None]
-        keep = (st.evict >= oldest).view(self.rows, self.H, self.G, -1).any(dim=2)
+        # some head keeps it: the latest eviction step over the G heads (a max, not an any,
+        # which torch reduces slowly over a middle dimension)
+        keep = st.evict.view(self.rows, self.H, self.G, -1).amax(dim=2) >= oldest
         return keep & (st.pos >= 0)
 
     def _release(self) -> None:
