@@ -331,6 +331,27 @@ def test_attention_reads_pages_in_place_as_gathered():
     np.testing.assert_allclose(o[:, :, 0].numpy(), ref.o[:, :, T], rtol=0, atol=1e-12)
 
 
+def test_compaction_keeps_a_prefill_read_in_place():
+    """A prompt whose keys die leaves holes; compaction moves each (row, kv head)'s entries
+    into its own pages in column order, so its leading pages stay where the prefill put them
+    and the attention still reads them in place (the shortest row's pages)."""
+    from attnspec.backends.torch import paged
+
+    rng = np.random.default_rng(7)
+    R, HQ, H, T = 3, 4, 2, 200
+    s = PagedFPASession(
+        rows=R, heads=HQ, kv_heads=H, dk=4, dv=3, dtype=torch.float64, scale=0.5, theta=0.8,
+        page_size=4,
+    )  # fmt: skip
+    s.prefill_state(torch_chunk(make_chunk(rng, R, HQ, H, T, 4, 3), torch.float64))
+    held, stored = s.pages_held(), s.counts()["stored"]
+    assert int(stored.max()) < T // 2  # keys died: the pages were compacted
+    assert torch.equal(held, -(-stored // 4))
+    c, b, A = paged.pages_in_place(s.state.table)
+    assert c == int(held.min()) and A == T // 4
+    check_pages(s)
+
+
 def state_of(s: PagedFPASession):
     return [getattr(s.state, f.name).clone() for f in fields(s.state)] + [
         s.refs.clone(),
