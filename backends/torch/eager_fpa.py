@@ -409,8 +409,9 @@ def fpa_fwd(
     key_block: int | None = None,
     window: int | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """(F1)-(F5) tiled: o [B, T, HQ, V] in q's dtype, lse [B, T, HQ] in field's dtype; with
-    ``window``, the window of (F3w).
+    """(F1)-(F5) tiled: o [B, T, HQ, V] in q's dtype, lse [B, T, HQ] in field's dtype
+    (float32, float64 for float64 inputs), natural-log units; field and level float32 or
+    wider. With ``window``, the window of (F3w).
 
     Time O(T^2 (K + V)) per sequence, memory O(T * block).
     """
@@ -448,7 +449,9 @@ def fpa_bwd(
     key_block: int | None = None,
     window: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(G1)-(G4) tiled: dq, dk, dv, dfield, dlevel shaped and typed like their inputs.
+    """(G1)-(G4) tiled: dq, dk, dv, dfield, dlevel shaped and typed like their inputs (dk, dv
+    reduced over the query heads of each group); ``dlse`` may be None. Conventions of
+    spec/fpa.md section 6.
 
     Time O(T^2 (K + V)) per sequence, memory O(T * block).
     """
@@ -538,7 +541,8 @@ def fox_bwd(
     window: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """FoX backward: dq, dk, dv by (G1), dlog_f as the reverse cumulative sum of
-    dL/dc (row sums minus column sums of G). Time O(T^2 (K + V)), memory O(T * block)."""
+    dL/dc (row sums minus column sums of G), shaped and typed like their inputs; ``dlse`` may
+    be None. Time O(T^2 (K + V)), memory O(T * block)."""
     block, key_block = tile_sizes(block, key_block)
     B, T, HQ, _ = q.shape
     groups = HQ // k.shape[2]

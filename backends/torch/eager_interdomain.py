@@ -347,9 +347,12 @@ def s4d_fwd(
     *,
     chunk: int | None = None,
 ) -> tuple[Any, ...]:
-    """(I11)-(I13) in chunks: o [B, T, H, V] in fq's dtype and the final state [N, H, M, C, 2]
-    (C = R + V, + 1 for "ratio") in the parameters' dtype; with return_saved also ``saved``,
-    empty: the eager backward keeps nothing from the forward."""
+    """(I11)-(I13) in chunks: fq, kt [B, T, H, R], vt [B, T, H, V]; lam, b [H, M, 2] and
+    c [H, M, M, 2] real ((re, im) in the last axis) in float32 or wider; readout "linear" or
+    "ratio"; initial_state [N, H, M, C, 2] (N sequences, C = R + V, + 1 for "ratio") or None.
+    Returns o [B, T, H, V] in fq's dtype and the final state [N, H, M, C, 2] in the
+    parameters' dtype; with return_saved also ``saved``, the tensors an implementation keeps
+    for its backward (empty here: the eager backward keeps nothing from the forward)."""
     B, T, H, R = fq.shape
     V = vt.shape[3]
     dtype, _, model, xs = _s4d_setup(fq, kt, vt, lam, b, c, readout, chunk)
@@ -386,8 +389,10 @@ def s4d_bwd(
 ) -> tuple[Tensor | None, ...]:
     """Cotangents of :func:`s4d_fwd`: dfq, dkt, dvt, dlam, db, dc, dinitial_state (None without
     an initial state), shaped and typed like the inputs; complex ones as (re, im) pairs of
-    (dL/dRe, dL/dIm). ``saved`` is ignored (recomputed from the inputs; a backward that falls
-    back to this one may get another implementation's)."""
+    (dL/dRe, dL/dIm); ``dfinal_state`` may be None. ``saved``: what the forward of the same
+    implementation on the same inputs returned, or None / [] (recompute); an implementation
+    ignores what it does not use, this one all of it (a backward that falls back to this one
+    may get another implementation's)."""
     T, H, R = fq.shape[1:]
     V = vt.shape[3]
     dtype, c_c, model, xs = _s4d_setup(fq, kt, vt, lam, b, c, readout, chunk)
@@ -548,7 +553,8 @@ def legs_fwd(
     *,
     chunk: int | None = None,
 ) -> Tensor:
-    """(I2), (I3), (I5) in chunks: o [B, T, H, V] in fq's dtype."""
+    """(I2), (I3), (I5) in chunks: fq, fk [B, T, H, R], v [B, T, H, V]; o [B, T, H, V] in fq's
+    dtype."""
     model, xs = _legs_setup(fq, fk, v, M, chunk)
     o = torch.empty_like(xs[2])
     for bos, eos in segments(packing, fq.shape[1]):
