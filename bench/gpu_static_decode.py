@@ -4,8 +4,8 @@ flash-linear-attention's ``attn_decoding_one_step`` (fla/ops/attn/decoding.py).
 Both compiled for sm_90 without a GPU (bench/sm90.py). Ours as the launcher launches it: the
 launcher runs on CPU tensors of a session state (R = 1 row, HQ = 32 query heads, H = 8 kv heads
 (GQA 4:1), dk = dv = 128 bf16, an 8K context in pages of 16, one query token) with its launches
-captured instead of run (``gpu_static_interdomain.capture``), so arguments, constexprs, grid and
-alignment are the launcher's. fla's kernel at the same shapes with a gate (``USE_G``, the FoX
+captured instead of run (bench/launches.py), so arguments, constexprs, grid and alignment are
+the launcher's. fla's kernel at the same shapes with a gate (``USE_G``, the FoX
 case) and its Hopper tiles (BS = 64, BK = BV = 128); fla autotunes num_warps in {1, 2, 4} and
 num_stages in {2..5} on the GPU, here 4 warps and 2 stages.
 
@@ -45,7 +45,7 @@ def ours() -> list[Any]:
     import torch
 
     from attnspec.backends.torch.triton_decode import paged_attention_triton
-    from bench.gpu_static_interdomain import capture
+    from bench.launches import capture
 
     NT, S, bf = T // PAGE, T, torch.bfloat16
     table = torch.arange(R * H * NT).view(R, H, NT)
@@ -134,8 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     launches = ours()
     rows = []
     for c in launches:
-        launch = sm90.Launch(c.fn, c.args, c.num_warps, c.num_stages, c.name)
-        rows.append(measure(c.name, launch) | {"impl": "ours", "grid": list(c.grid)})
+        rows.append(measure(c.name, c.launch) | {"impl": "ours", "grid": list(c.grid)})
     if not args.no_fla:
         rows.append(measure("naive_attn_decoding_kernel", fla_launch()) | {"impl": "fla"})
     ours_bytes, fla_bytes = bytes_per_token("ours"), bytes_per_token("fla")
