@@ -142,6 +142,7 @@ def ours(dtype: str, D: int) -> list[Spec]:
             warps, stages = sizes.pop("num_warps"), sizes.pop("num_stages")
             none = {"level": None, "links": None, "mid_sums": None} if fox else {}
             ints = {"N_TOK": n_tok, "NTILES": ntiles, "NT_MAX": T // tiles.own, "G": 1}
+            diagonal = min(tiles.visit, tiles.diagonal)  # as the launcher's BDQ and BDK
             if not backward:
                 kernels = [("fwd", tf._fwd_kernel, {"SKIP": False})]
             else:
@@ -149,9 +150,13 @@ def ours(dtype: str, D: int) -> list[Spec]:
                     (
                         "dq",
                         tf._bwd_dq_kernel,
-                        {"SUM_PRECISION": tf._sum_precision(torch_dtype), "INTERPRET": False},
+                        {
+                            "BDQ": tiles.visit if fox else diagonal,
+                            "SUM_PRECISION": tf._sum_precision(torch_dtype),
+                            "INTERPRET": False,
+                        },
                     ),
-                    ("dkv", tf._bwd_dkv_kernel, {}),
+                    ("dkv", tf._bwd_dkv_kernel, {"BDK": diagonal}),
                 ]
             for role, fn, extra in kernels:
                 over = {k: v for k, v in (sizes | ints | none | extra).items() if k in fn.arg_names}

@@ -5,7 +5,9 @@ Inside ``with capture() as launches:`` the launchers (ours and flash-linear-atte
 CPU tensors and every kernel launch is recorded, not run: the kernel, its arguments by name
 (what the launcher passed, then the kernel's defaults), the grid and the launch options. The
 arguments are the launcher's own tensors, so :attr:`Captured.launch` compiles (bench/sm90.py)
-with the alignment, constexprs and integer specialisation a launch on the GPU gets.
+with the alignment, constexprs and integer specialisation a launch on the GPU gets. A keyword
+that is neither a parameter of the kernel nor a launch option raises the ``KeyError`` that
+Triton raises at a GPU launch (its interpreter accepts such keywords).
 
 fla picks its tiles and autotune lists from the device when its modules load:
 :func:`fla_as_on_hopper` gives it the Hopper answer first. Autotuned kernels take the config
@@ -15,6 +17,7 @@ nearest to :data:`FLA_CONFIG` instead of benchmarking.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -55,24 +58,41 @@ class Captured:
         return sm90.Launch(self.fn, self.args, self.num_warps, self.num_stages, self.name)
 
 
+def launch_options() -> set[str]:
+    """The keywords a launch takes besides the kernel's parameters (Triton's CUDA options)."""
+    import dataclasses
+
+    from triton.backends.nvidia.compiler import CUDAOptions
+
+    return {f.name for f in dataclasses.fields(CUDAOptions)}
+
+
 @contextlib.contextmanager
 def capture() -> Iterator[list[Captured]]:
-    """Record every Triton launch inside the block instead of running it; autotuned kernels
-    take the config nearest to :data:`FLA_CONFIG` (no benchmarking)."""
+    """Record every Triton launch inside the block instead of running it (compiled or
+    interpreted kernels alike); autotuned kernels take the config nearest to
+    :data:`FLA_CONFIG` (no benchmarking)."""
     from triton.runtime.autotuner import Autotuner
+    from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
     launches: list[Captured] = []
+    options = launch_options()
 
     def run(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
+        params = inspect.signature(self.fn).parameters
+        unknown = [k for k in kwargs if k not in params and k not in options]
+        if unknown:  # as JITFunction.run on a GPU
+            raise KeyError(
+                f"{self.__name__}: keyword argument {unknown[0]} was specified but unrecognised"
+            )
         num_warps = kwargs.pop("num_warps", 4)
         num_stages = kwargs.pop("num_stages", 3)
-        for option in ("num_ctas", "maxnreg", "enable_fp_fusion", "launch_cooperative_grid"):
-            kwargs.pop(option, None)
-        bound = dict(zip(self.arg_names, args, strict=False)) | kwargs
-        for p in self.params:
-            if p.name not in bound and p.has_default:
-                bound[p.name] = p.default
+        bound = dict(zip(params, args, strict=False))
+        bound |= {k: v for k, v in kwargs.items() if k in params}
+        for name, p in params.items():
+            if name not in bound and p.default is not inspect.Parameter.empty:
+                bound[name] = p.default
         g = grid(bound) if callable(grid) else grid
         g = tuple(int(x) for x in (g if isinstance(g, tuple | list) else (g,)))
         launches.append(Captured(self, bound, g, num_warps, num_stages))
@@ -85,12 +105,13 @@ def capture() -> Iterator[list[Captured]]:
         config = min(self.configs, key=distance)
         return self.fn.run(*args, **(kwargs | config.all_kwargs()))
 
-    saved = JITFunction.run, Autotuner.run
-    JITFunction.run, Autotuner.run = run, autotuned  # type: ignore[method-assign]
+    saved = JITFunction.run, InterpretedFunction.run, Autotuner.run
+    JITFunction.run = InterpretedFunction.run = run  # type: ignore[method-assign]
+    Autotuner.run = autotuned  # type: ignore[method-assign]
     try:
         yield launches
     finally:
-        JITFunction.run, Autotuner.run = saved  # type: ignore[method-assign]
+        JITFunction.run, InterpretedFunction.run, Autotuner.run = saved  # type: ignore[method-assign]
 
 
 def fla_as_on_hopper() -> None:
