@@ -1,5 +1,5 @@
-"""Triton launches captured instead of run, for the static Hopper gates
-(bench/gpu_static_interdomain.py, bench/gpu_static_decode.py).
+"""Triton launches captured instead of run, for the static Hopper gates (bench/gpu_static.py,
+bench/gpu_static_interdomain.py, bench/gpu_static_decode.py).
 
 Inside ``with capture() as launches:`` the launchers (ours and flash-linear-attention's) run on
 CPU tensors and every kernel launch is recorded, not run: the kernel, its arguments by name
