@@ -2,11 +2,13 @@
 would compile them, without a GPU (bench/sm90.py).
 
 Every Triton kernel of backends/torch/triton_fpa.py (FPA and FoX forward, dq, dk/dv, the per-token
-passes) is compiled with exactly the tiles, warps and stages the launcher picks on Hopper
-(``triton_fpa.tile_choice("hopper", ...)`` and ``triton_fpa.kernel_sizes``), with the arguments
-of a launch at B = 1, T = 8192, HQ = H = 16 (pointers 16-byte aligned, as a launch specialises
-them); flash-linear-attention's ``parallel_attn`` forward, dq and dk/dv kernels (with a gate:
-the FoX case, ``USE_G``) at the same shapes and fla's own Hopper tiles are the peer. One table:
+passes) is compiled as its launch on an H100/H200 compiles it: the FPA and FoX ops run on CPU
+tensors at B = 1, T = 8192, HQ = H = 16 with the tiles the launcher picks on Hopper
+(``triton_fpa.tile_choice("hopper", ...)``, forced) and every launch captured instead of run
+(bench/launches.py), so arguments, constexprs, warps, stages and alignment are the launcher's.
+flash-linear-attention's ``parallel_attn`` forward and backward with a gate (the FoX case,
+``USE_G``), captured the same way at the same shapes and fla's own Hopper tiles, are the peer
+(its forward, dq and dk/dv kernels). One table:
 dynamic shared memory, registers, stack bytes, tensor-core instructions (HGMMA = wgmma, HMMA =
 mma.sync), SASS instructions per iteration of the off-diagonal and diagonal loops, spill
 instructions (STL + LDL) in each loop, and the ratios to fla per visited row (our dq and dk/dv
@@ -27,12 +29,16 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import functools
 import json
 import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from bench.launches import Captured
 
 os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU, before triton is imported
 
@@ -59,27 +65,44 @@ SPILLS_ASSERTED: set[tuple[str, str, str]] = {
     (impl, role, loop) for impl in ("FPA", "FoX") for role in ROLES for loop in LOOPS
 }
 BUDGET_AT = ("bf16", 128)
-PEER = {"fwd": "fla fwd", "dq": "fla dq", "dkv": "fla dkv"}
+
+
+# Our rows in table order: (impl, role, the pass that launches it, kernel, its tensor-core loops
+# in address order). The per-token passes as the backward launches them (at its tiles: the
+# forward's BT is the same or smaller); delta's launch is the same in FPA's and FoX's backward.
+OURS = (
+    ("FPA", "fwd", "FPA fwd", "_fwd_kernel", ("diag", "off")),
+    ("FoX", "fwd", "FoX fwd", "_fwd_kernel", ("diag", "off")),
+    ("FPA", "dq", "FPA bwd", "_bwd_dq_kernel", ("diag", "off")),
+    ("FPA", "dkv", "FPA bwd", "_bwd_dkv_kernel", ("diag", "off")),
+    ("FoX", "dq", "FoX bwd", "_bwd_dq_kernel", ("diag", "off")),
+    ("FoX", "dkv", "FoX bwd", "_bwd_dkv_kernel", ("diag", "off")),
+    ("FPA", "minima", "FPA bwd", "_block_minima_kernel", ()),
+    ("FoX", "sums", "FoX bwd", "_block_sums_kernel", ()),
+    ("both", "delta", "FPA bwd", "_delta_kernel", ()),
+    ("FPA", "dfield", "FPA bwd", "_dfield_kernel", ()),
+    ("FoX", "segsums", "FoX bwd", "_segment_sums_kernel", ()),
+)
+FLA = (
+    ("fla", "fwd", "fla fwd", "parallel_attn_fwd_kernel", ("off", "diag")),
+    ("fla", "dq", "fla bwd", "parallel_attn_bwd_kernel_dq", ("off", "diag")),
+    ("fla", "dkv", "fla bwd", "parallel_attn_bwd_kernel_dkv", ("diag", "off")),
+)
 
 
 @dataclass(frozen=True)
 class Spec:
     """One kernel to compile: ``impl`` FPA, FoX or fla; ``role`` fwd, dq, dkv or a prepass name;
-    ``order`` names the mma loops in address order (``diag``/``off``)."""
+    the launch of ``kernel`` in ``launched_in`` (``"FPA bwd"``); ``order`` names the mma loops
+    in address order (``diag``/``off``)."""
 
     impl: str
     role: str
     dtype: str
     D: int
-    kernel: str  # "module:function"
-    args: dict[str, Any]
-    num_warps: int
-    num_stages: int
+    launched_in: str
+    kernel: str
     order: tuple[str, ...] = ()
-
-    @property
-    def key(self) -> str:
-        return f"{self.impl} {self.role} {self.dtype} D={self.D}"
 
 
 def _torch_dtype(name: str) -> Any:
@@ -88,128 +111,72 @@ def _torch_dtype(name: str) -> Any:
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
 
 
-def _resolve(path: str) -> Any:
-    import importlib
-
-    module, name = path.split(":")
-    return getattr(importlib.import_module(module), name)
-
-
-INPUTS = {"q", "k", "v", "o", "do", "dq", "dk", "dv"}
-INT32 = {"links", "tiles", "tile_start"}
-INT64 = {"cu_seqlens"}
-TF = "attnspec.backends.torch.triton_fpa"
-FLA = "fla.ops.attn.parallel"
-
-
-def _ours_args(fn: Any, dtype: str, overrides: dict[str, Any]) -> dict[str, Any]:
-    """A launch's arguments: pointers by name (inputs in the input dtype, per-token scalars and
-    statistics in float32, index tables in int32/int64), then ``overrides``."""
+@functools.lru_cache(maxsize=1)
+def ours(dtype: str, D: int) -> dict[tuple[str, str], Captured]:
+    """Every launch of the FPA and FoX forward and backward (triton_fpa's ops) at this dtype and
+    head dim, captured at the tiles the launcher picks on Hopper
+    (``triton_fpa.tile_choice("hopper", ...)``), by (pass, kernel): ("FoX bwd", "_delta_kernel")."""
     import torch
 
-    from bench.sm90 import pointer
-
-    wide = torch.float32  # field's dtype for 16-bit and float32 inputs
-    args = {}
-    for name in fn.arg_names:
-        if name in overrides:
-            args[name] = overrides[name]
-        elif name in INPUTS:
-            args[name] = pointer(_torch_dtype(dtype))
-        elif name in INT32:
-            args[name] = pointer(torch.int32)
-        elif name in INT64:
-            args[name] = pointer(torch.int64)
-        else:
-            args[name] = pointer(wide)
-    return args
-
-
-def ours(dtype: str, D: int) -> list[Spec]:
-    """Every Triton kernel of triton_fpa.py at this dtype and head dim, as the launcher on
-    Hopper would launch it."""
     from attnspec.backends.torch import triton_fpa as tf
-
-    torch_dtype = _torch_dtype(dtype)
-    n_tok = B * T
-    specs = []
-    for backward in (False, True):
-        tiles = tf.tile_choice("hopper", backward, D, D, torch_dtype)
-        ntiles = n_tok // tiles.own
-        for fox in (False, True):
-            impl = "FoX" if fox else "FPA"
-            sizes = tf.kernel_sizes(HEADS, D, D, tiles, torch_dtype, fox, interpret=False)
-            warps, stages = sizes.pop("num_warps"), sizes.pop("num_stages")
-            none = {"level": None, "links": None, "mid_sums": None} if fox else {}
-            ints = {"N_TOK": n_tok, "NTILES": ntiles, "NT_MAX": T // tiles.own, "G": 1}
-            if not backward:
-                kernels = [("fwd", tf._fwd_kernel, {"SKIP": False})]
-            else:
-                kernels = [
-                    (
-                        "dq",
-                        tf._bwd_dq_kernel,
-                        {"SUM_PRECISION": tf._sum_precision(torch_dtype), "INTERPRET": False},
-                    ),
-                    ("dkv", tf._bwd_dkv_kernel, {}),
-                ]
-            for role, fn, extra in kernels:
-                over = {k: v for k, v in (sizes | ints | none | extra).items() if k in fn.arg_names}
-                specs.append(
-                    Spec(impl, role, dtype, D, f"{TF}:{fn.__name__}", _ours_args(fn, dtype, over),
-                         warps, stages, ("diag", "off"))
-                )  # fmt: skip
-    # The per-token passes, at the tiles of the backward (the forward's BT is the same or
-    # smaller) and the launcher's warps.
-    bt = tf.tile_choice("hopper", backward=True, K=D, V=D, dtype=torch_dtype).own
-    log_bt = bt.bit_length() - 1
-    common = {"N_TOK": n_tok, "HQ": HEADS, "BT": bt}
-    prepasses = [
-        ("FPA", "minima", tf._block_minima_kernel, {"LOG_BT": log_bt, "WITH_LINKS": True}),
-        ("FoX", "sums", tf._block_sums_kernel, {}),
-        ("both", "delta", tf._delta_kernel,
-         {"V": D, "BLOCK": tf.ROW_BLOCK, "BV": tf._block(D), "HAS_DLSE": False, "dlse": None}),
-        ("FPA", "dfield", tf._dfield_kernel,
-         {"NTILES": n_tok // bt, "NT_MAX": T // bt, "BN": tf.ROW_BLOCK}),
-    ]  # fmt: skip
-    prepasses.append(("FoX", "segsums", tf._segment_sums_kernel, {"BLOCK": tf.SEGMENT_BLOCK}))
-    for impl, role, fn, extra in prepasses:
-        over = {k: v for k, v in (common | extra).items() if k in fn.arg_names}
-        specs.append(
-            Spec(impl, role, dtype, D, f"{TF}:{fn.__name__}", _ours_args(fn, dtype, over),
-                 tf.PREPASS_WARPS, 3)
-        )  # fmt: skip
-    return specs
-
-
-def fla(dtype: str, D: int) -> list[Spec]:
-    """flash-linear-attention's parallel_attn kernels with a gate (FoX), at its Hopper tiles
-    (fla/ops/attn/parallel.py: BT = 128, BS = 64, BK = BV = next power of two, 8 warps)."""
-    import torch
-
-    from bench.sm90 import pointer
+    from bench.launches import capture
 
     x = _torch_dtype(dtype)
-    f32 = torch.float32
-    p = pointer
-    BK = max(16, 1 << (D - 1).bit_length())
-    sizes = dict(T=T, W=None, B=B, H=HEADS, HQ=HEADS, G=1, K=D, V=D, BT=128, BS=64, BK=BK, BV=BK)
-    flags = dict(USE_G=True, USE_WINDOW=False, IS_VARLEN=False)
-    common = dict(cu_seqlens=None, chunk_indices=None, scale=D**-0.5, **sizes, **flags)
-    fwd = dict(q=p(x), k=p(x), v=p(x), o=p(x), g_cumsum=p(f32), sink_bias=None, lse=p(f32))
-    fwd |= dict(USE_SINK_BIAS=False)
-    dq = dict(q=p(x), k=p(x), v=p(x), lse=p(f32), delta=p(f32), do=p(x), dq=p(x))
-    dq |= dict(dg_cumsum=p(f32), g_cumsum=p(f32))
-    dkv = dict(q=p(x), k=p(x), v=p(x), g_cumsum=p(f32), lse=p(f32), delta=p(f32), do=p(x))
-    dkv |= dict(dk=p(x), dv=p(x), dg_cumsum=p(f32))
-    return [
-        Spec("fla", "fwd", dtype, D, f"{FLA}:parallel_attn_fwd_kernel", fwd | common, 8, 3,
-             ("off", "diag")),
-        Spec("fla", "dq", dtype, D, f"{FLA}:parallel_attn_bwd_kernel_dq", dq | common, 8, 3,
-             ("off", "diag")),
-        Spec("fla", "dkv", dtype, D, f"{FLA}:parallel_attn_bwd_kernel_dkv", dkv | common, 8, 3,
-             ("diag", "off")),
-    ]  # fmt: skip
+    hopper = [tf.tile_choice("hopper", backward=b, K=D, V=D, dtype=x) for b in (False, True)]
+    q, k, v, o, do = (torch.empty(B, T, HEADS, D, dtype=x) for _ in range(5))
+    field, level, lse = (torch.empty(B, T, HEADS) for _ in range(3))
+    calls = (
+        ("FPA", tf.fpa_fwd, tf.fpa_bwd, (field, level)),
+        ("FoX", tf.fox_fwd, tf.fox_bwd, (field,)),
+    )
+    out: dict[tuple[str, str], Captured] = {}
+    with tf.forced_tiles(*hopper), capture() as launches:
+        for impl, forward, backward, scalars in calls:
+            n = len(launches)
+            forward(q, k, v, *scalars, None, None)
+            out |= _by_kernel(launches[n:], f"{impl} fwd")
+            n = len(launches)
+            backward(q, k, v, *scalars, o, lse, do, None, None, None)
+            out |= _by_kernel(launches[n:], f"{impl} bwd")
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def fla(dtype: str, D: int) -> dict[tuple[str, str], Captured]:
+    """flash-linear-attention's parallel_attn forward and backward with a gate (FoX), captured
+    as on Hopper (fla/ops/attn/parallel.py: BT = 128, BS = 64, BK = BV = next power of two,
+    8 warps), by (pass, kernel) as :func:`ours`."""
+    import torch
+
+    from bench.launches import capture, fla_as_on_hopper
+
+    fla_as_on_hopper()
+    from fla.ops.attn.parallel import parallel_attn_bwd, parallel_attn_fwd
+
+    x = _torch_dtype(dtype)
+    q, k, v, o, do = (torch.empty(B, T, HEADS, D, dtype=x) for _ in range(5))
+    g_cumsum, lse = (torch.empty(B, T, HEADS) for _ in range(2))
+    out: dict[tuple[str, str], Captured] = {}
+    with capture() as launches:
+        parallel_attn_fwd(q, k, v, g_cumsum, None, D**-0.5)
+        out |= _by_kernel(launches, "fla fwd")
+        n = len(launches)
+        parallel_attn_bwd(q, k, v, o, g_cumsum, lse, do, None, D**-0.5)
+        out |= _by_kernel(launches[n:], "fla bwd")
+    return out
+
+
+def _by_kernel(launches: list[Captured], where: str) -> dict[tuple[str, str], Captured]:
+    """The launches of one pass by (pass, kernel): each kernel once, or which one a row
+    compiles would be ambiguous."""
+    out = {(where, c.name): c for c in launches}
+    assert len(out) == len(launches), [c.name for c in launches]
+    return out
+
+
+def specs_at(dtype: str, D: int, peer: bool) -> list[Spec]:
+    """The rows of one dtype and head dim: ours, then fla's with ``peer``."""
+    return [Spec(impl, role, dtype, D, *rest) for impl, role, *rest in OURS + (FLA if peer else ())]
 
 
 def measure(spec: Spec) -> dict[str, Any]:
@@ -219,18 +186,19 @@ def measure(spec: Spec) -> dict[str, Any]:
     start = time.perf_counter()
     row: dict[str, Any] = {
         "impl": spec.impl, "role": spec.role, "dtype": spec.dtype, "D": spec.D,
-        "kernel": spec.kernel.split(":")[1], "num_warps": spec.num_warps,
-        "num_stages": spec.num_stages,
+        "kernel": spec.kernel,
     }  # fmt: skip
-    for name in ("BT", "BS", "BK", "BV"):
-        if isinstance(spec.args.get(name), int):
-            row[name] = spec.args[name]
-    for name in ("BDQ", "BDK"):  # dq's and dk/dv's diagonal step
-        if isinstance(spec.args.get(name), int):
-            row["BD"] = spec.args[name]
     try:
-        launch = sm90.Launch(_resolve(spec.kernel), spec.args, spec.num_warps, spec.num_stages)
-        report = sm90.build(launch)
+        captured = (fla if spec.impl == "fla" else ours)(spec.dtype, spec.D)
+        launch = captured[spec.launched_in, spec.kernel]
+        row |= {"num_warps": launch.num_warps, "num_stages": launch.num_stages}
+        for name in ("BT", "BS", "BK", "BV"):
+            if isinstance(launch.args.get(name), int):
+                row[name] = launch.args[name]
+        for name in ("BDQ", "BDK"):  # dq's and dk/dv's diagonal step
+            if isinstance(launch.args.get(name), int):
+                row["BD"] = launch.args[name]
+        report = sm90.build(launch.launch)
     except Exception as exc:  # every kernel is reported; the gate then fails
         row["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300]}"
         return row
@@ -288,10 +256,10 @@ def judge(rows: list[dict[str, Any]], assert_budgets: bool = True) -> tuple[list
             continue
         if r["shared"] > SHARED_LIMIT:
             fails.append(f"{key}: {r['shared']:,} B shared memory > {SHARED_LIMIT:,}")
-        if r["dtype"] in ("bf16", "fp16") and r["role"] in PEER and (r["hmma"] or not r["hgmma"]):
+        if r["dtype"] in ("bf16", "fp16") and r["role"] in ROLES and (r["hmma"] or not r["hgmma"]):
             fails.append(f"{key}: dots not on wgmma (HGMMA {r['hgmma']}, HMMA {r['hmma']})")
         peer = peers.get((r["role"], r["dtype"], r["D"]))
-        if r["role"] not in PEER or peer is None or "error" in peer or "off" not in r:
+        if r["role"] not in ROLES or peer is None or "error" in peer or "off" not in r:
             continue
         if (r["dtype"], r["D"]) != BUDGET_AT or "off" not in peer:
             continue
@@ -356,7 +324,7 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
         tiles = "x".join(str(r[n]) for n in ("BT", "BS") if n in r)
         if r.get("BD", r.get("BS")) != r.get("BS"):
             tiles += f"d{r['BD']}"  # the diagonal's rows per step
-        tiles += f"/{r['num_warps']}w"
+        tiles += f"/{r['num_warps']}w" if "num_warps" in r else ""  # none: not captured
         if "error" in r:
             lines.append(f"{name:<17}{r['dtype']:>5}{r['D']:>4}{tiles:>14}  {r['error'][:90]}")
             continue
@@ -413,11 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dtypes or args.dims:
         dtypes = args.dtypes or sorted({t for t, _ in sets})
         sets = [(t, d) for t in dtypes for d in args.dims or sorted({d for _, d in sets})]
-    specs = []
-    for dtype, D in sets:
-        specs += ours(dtype, D)
-        if not args.no_fla:
-            specs += fla(dtype, D)
+    specs = [s for dtype, D in sets for s in specs_at(dtype, D, peer=not args.no_fla)]
     if args.only:
         specs = [s for s in specs if f"{s.impl} {s.role}" in args.only or s.impl == "fla"]
     start = time.perf_counter()

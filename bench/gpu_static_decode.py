@@ -4,10 +4,11 @@ flash-linear-attention's ``attn_decoding_one_step`` (fla/ops/attn/decoding.py).
 Both compiled for sm_90 without a GPU (bench/sm90.py). Ours as the launcher launches it: the
 launcher runs on CPU tensors of a session state (R = 1 row, HQ = 32 query heads, H = 8 kv heads
 (GQA 4:1), dk = dv = 128 bf16, an 8K context in pages of 16, one query token) with its launches
-captured instead of run (``gpu_static_interdomain.capture``), so arguments, constexprs, grid and
-alignment are the launcher's. fla's kernel at the same shapes with a gate (``USE_G``, the FoX
-case) and its Hopper tiles (BS = 64, BK = BV = 128); fla autotunes num_warps in {1, 2, 4} and
-num_stages in {2..5} on the GPU, here 4 warps and 2 stages.
+captured instead of run (bench/launches.py), so arguments, constexprs, grid and alignment are
+the launcher's. fla's ``attn_decoding_one_step`` at the same shapes with a gate (``USE_G``, the
+FoX case), captured the same way at its Hopper tiles (BS = 64, BK = BV = 128); fla autotunes
+num_warps in {1, 2, 4} and num_stages in {2..5} on the GPU, here 4 warps and 2 stages (the
+config nearest to ``launches.FLA_CONFIG``).
 
 Printed per kernel: shared memory, registers, stack, tensor-core instructions (HGMMA = wgmma,
 HMMA = mma.sync), instructions and spills (STL + LDL) in the key loop, and bytes read per token
@@ -37,7 +38,6 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 R, HQ, H, D, T, PAGE = 1, 32, 8, 128, 8192, 16
-FLA_WARPS, FLA_STAGES = 4, 2
 
 
 def ours() -> list[Any]:
@@ -45,7 +45,7 @@ def ours() -> list[Any]:
     import torch
 
     from attnspec.backends.torch.triton_decode import paged_attention_triton
-    from bench.gpu_static_interdomain import capture
+    from bench.launches import capture
 
     NT, S, bf = T // PAGE, T, torch.bfloat16
     table = torch.arange(R * H * NT).view(R, H, NT)
@@ -69,20 +69,26 @@ def ours() -> list[Any]:
 
 
 def fla_launch() -> Any:
+    """The decode launch of fla's ``attn_decoding_one_step`` at the same shapes with a gate,
+    captured as on Hopper."""
     import torch
 
-    from bench import sm90
+    from bench.launches import capture, fla_as_on_hopper
 
-    p = sm90.pointer
-    bf, f32 = torch.bfloat16, torch.float32
-    args = dict(
-        q=p(bf), k=p(bf), v=p(bf), o=p(bf), g_cumsum=p(f32), sink_bias=None, scale=D**-0.5,
-        cu_seqlens=p(torch.int64), T=R * T, B=1, H=H, HQ=HQ, G=HQ // H, K=D, V=D, W=None,
-        BS=64, BK=D, BV=D, USE_G=True, USE_SINK_BIAS=False,
-    )  # fmt: skip
-    from fla.ops.attn.decoding import naive_attn_decoding_kernel
+    fla_as_on_hopper()
+    from fla.ops.attn.decoding import attn_decoding_one_step
 
-    return sm90.Launch(naive_attn_decoding_kernel, args, FLA_WARPS, FLA_STAGES, "fla decode")
+    bf = torch.bfloat16
+    with capture() as launches:
+        attn_decoding_one_step(
+            torch.zeros(1, R, HQ, D, dtype=bf),
+            torch.zeros(1, R * T, H, D, dtype=bf),
+            torch.zeros(1, R * T, H, D, dtype=bf),
+            torch.zeros(1, R * T, HQ),
+            D**-0.5,
+            torch.arange(R + 1) * T,
+        )
+    return next(c for c in launches if c.name == "naive_attn_decoding_kernel")
 
 
 def bytes_per_token(impl: str, G: int = HQ // H, elt: int = 2) -> float:
@@ -134,10 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     launches = ours()
     rows = []
     for c in launches:
-        launch = sm90.Launch(c.fn, c.args, c.num_warps, c.num_stages, c.name)
-        rows.append(measure(c.name, launch) | {"impl": "ours", "grid": list(c.grid)})
+        rows.append(measure(c.name, c.launch) | {"impl": "ours", "grid": list(c.grid)})
     if not args.no_fla:
-        rows.append(measure("naive_attn_decoding_kernel", fla_launch()) | {"impl": "fla"})
+        peer = fla_launch()
+        rows.append(measure(peer.name, peer.launch) | {"impl": "fla"})
     ours_bytes, fla_bytes = bytes_per_token("ours"), bytes_per_token("fla")
     fails = []
     print(f"static sm_90 gate, decode: R={R} HQ={HQ} H={H} D={D} T={T} page {PAGE}, bf16, n=1")

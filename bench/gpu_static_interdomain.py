@@ -16,7 +16,7 @@ ratio readout (:data:`RATIO`; its budgets met are asserted too). The peer is
 fla's chunk_gla forward (chunk_gla_fwd) and backward (chunk_gla_bwd, recomputing the states as
 its autograd Function does) at the same real state size: GLA key dim K = 2M = 128, V = dv, chunk
 64, its launches captured the same way. fla autotunes on the GPU; here each of its autotuned
-kernels takes the config nearest to BK = BV = 64, 4 warps, 2 stages (:data:`FLA_CONFIG`).
+kernels takes the config nearest to BK = BV = 64, 4 warps, 2 stages (``launches.FLA_CONFIG``).
 
 Printed per kernel: dynamic shared memory, registers, stack bytes per thread, spill instructions
 (STL + LDL), tensor-core instruction kinds (wgmma = HGMMA, mma.sync = HMMA, with operand type).
@@ -36,22 +36,23 @@ the gate (exit 1), the others are printed with their measured values.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import re
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from bench.launches import Captured
 
 if __package__ in (None, ""):  # run as a file: make the repository root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 B, T, H = 1, 512, 16  # per-token costs are per chunk: T = 512 (8 chunks) gives them exactly
 M, R, DV = 64, 64, 128
-FLA_CONFIG = {"BK": 64, "BV": 64, "num_warps": 4, "num_stages": 2}
 BUDGET_RATIO = 2.0
 CHUNK_WIDE = "S4D chunk-wide"  # one program per 64-token chunk, diagonal blocks of 16, loop form
 ROWS16 = "S4D 16-row"  # programs of 16 tokens, loop form (the Hopper default before)
@@ -156,69 +157,6 @@ ASSERTED: set[tuple[str, str]] = (
 )
 
 
-@dataclass
-class Captured:
-    """One kernel launch as the launcher made it: every argument by name, the grid and the
-    launch options."""
-
-    fn: Any  # the JITFunction
-    args: dict[str, Any]
-    grid: tuple[int, ...]
-    num_warps: int
-    num_stages: int
-    role: str = ""  # the pass it belongs to: "fwd", "bwd" or "step"
-    impl: str = ""  # "S4D", "LegS", "chunk_gla" or a tiling variant ("S4D chunk-wide")
-
-    @property
-    def name(self) -> str:
-        return str(self.fn.__name__)
-
-    @property
-    def programs(self) -> int:
-        n = 1
-        for g in self.grid:
-            n *= int(g)
-        return n
-
-
-@contextlib.contextmanager
-def capture() -> Iterator[list[Captured]]:
-    """Record every Triton launch inside the block instead of running it; autotuned kernels
-    take the config nearest to :data:`FLA_CONFIG` (no benchmarking)."""
-    from triton.runtime.autotuner import Autotuner
-    from triton.runtime.jit import JITFunction
-
-    launches: list[Captured] = []
-
-    def run(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
-        num_warps = kwargs.pop("num_warps", 4)
-        num_stages = kwargs.pop("num_stages", 3)
-        for option in ("num_ctas", "maxnreg", "enable_fp_fusion", "launch_cooperative_grid"):
-            kwargs.pop(option, None)
-        bound = dict(zip(self.arg_names, args, strict=False)) | kwargs
-        for p in self.params:
-            if p.name not in bound and p.has_default:
-                bound[p.name] = p.default
-        g = grid(bound) if callable(grid) else grid
-        g = tuple(int(x) for x in (g if isinstance(g, tuple | list) else (g,)))
-        launches.append(Captured(self, bound, g, num_warps, num_stages))
-
-    def autotuned(self: Any, *args: Any, **kwargs: Any) -> Any:
-        def distance(c: Any) -> int:
-            got = c.all_kwargs()
-            return sum((1 + (k[0] == "B")) * (got.get(k, v) != v) for k, v in FLA_CONFIG.items())
-
-        config = min(self.configs, key=distance)
-        return self.fn.run(*args, **(kwargs | config.all_kwargs()))
-
-    saved = JITFunction.run, Autotuner.run
-    JITFunction.run, Autotuner.run = run, autotuned  # type: ignore[method-assign]
-    try:
-        yield launches
-    finally:
-        JITFunction.run, Autotuner.run = saved  # type: ignore[method-assign]
-
-
 def _inputs(dtype: Any, widths: tuple[int, ...], seed: int = 0) -> list[Any]:
     import torch
 
@@ -261,6 +199,7 @@ def ours(
     import dataclasses
 
     from attnspec.backends.torch import triton_chunks, triton_legs, triton_s4d, triton_s4d_bwd
+    from bench.launches import capture
 
     hopper = blocks or triton_chunks.DEVICE_BLOCKS["hopper"]
     fq, kt, vt, do, params = _s4d_inputs(dtype)
@@ -296,8 +235,9 @@ def ours(
 
 def fla_chunk_gla() -> list[Captured]:
     """The launches of fla's chunk_gla forward and backward at K = 2M, V = dv, chunk 64."""
+    from bench.launches import capture, fla_as_on_hopper
 
-    _as_on_hopper()
+    fla_as_on_hopper()
     from fla.ops.gla.chunk import chunk_gla_bwd, chunk_gla_fwd
 
     q, k, v, do, g = _gla_inputs()
@@ -320,9 +260,9 @@ def kept_per_token() -> dict[str, float]:
     import dataclasses
 
     from attnspec.backends.torch import triton_chunks, triton_s4d
+    from bench.launches import capture, fla_as_on_hopper
 
-    if not any(m.startswith("fla.ops") for m in sys.modules):
-        _as_on_hopper()
+    fla_as_on_hopper()
     from fla.ops.gla.chunk import chunk_gla_fwd
 
     fq, kt, vt, _, params = _s4d_inputs()
@@ -339,17 +279,6 @@ def kept_per_token() -> dict[str, float]:
         _, A, _, _, _ = chunk_gla_fwd(q, k, v, g, None, (2 * M) ** -0.5, None, False, chunk_size=64)
         out["chunk_gla"] = _size(A) / (B * T * H)
     return out
-
-
-def _as_on_hopper() -> None:
-    """fla picks its autotune lists at import from the device's shared memory: give it the
-    Hopper answer (before fla.ops is imported)."""
-    import fla.utils
-
-    if any(m.startswith("fla.ops") for m in sys.modules):
-        raise RuntimeError("gpu_static_interdomain: fla.ops was imported before the Hopper setup")
-    fla.utils.check_shared_mem = lambda *args, **kwargs: True
-    fla.utils.IS_NVIDIA_HOPPER = True
 
 
 def _with_role(c: Captured, role: str, impl: str = "") -> Captured:
@@ -592,7 +521,7 @@ def compile_rows(launches: list[Captured]) -> list[Row]:
             continue
         t0 = time.perf_counter()
         try:
-            compiled = sm90.compile_launch(sm90.Launch(c.fn, c.args, c.num_warps, c.num_stages))
+            compiled = sm90.compile_launch(c.launch)
             rep = sm90.analyse(compiled, c.name)
         except Exception as exc:  # report every kernel, then fail
             row.error = str(exc).strip().splitlines()[-1][:160]
@@ -693,6 +622,7 @@ def interpreter_counts() -> list[tuple[Captured, float, float]]:
     from triton.runtime import interpreter
 
     from attnspec.backends.torch import triton_chunks, triton_legs, triton_s4d, triton_s4d_bwd
+    from bench.launches import Captured
 
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("interpreter_counts: set TRITON_INTERPRET=1 before triton is imported")

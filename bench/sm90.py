@@ -1,12 +1,12 @@
 """Compile Triton kernels for Hopper (sm_90) on a machine without a GPU and read the binary.
 
-The reusable core of the static GPU gates (bench/gpu_static.py). A kernel is compiled as a launch
-with given arguments would compile it: ``Launch(fn, args, num_warps, num_stages)`` names every
-argument with a value the launch would pass (a tensor for a pointer, an int, a float, None, or the
-value of a constexpr); each value is specialised by Triton's own rule (``native_specialize_impl``:
-pointers and ints that are multiples of 16 get ``tt.divisibility = 16``, ints equal to 1 and
-None become constants, ``do_not_specialize`` respected). :func:`pointer` makes a pointer
-argument of a dtype without memory. Then :func:`compile_launch` builds it for
+The reusable core of the static GPU gates (bench/gpu_static*.py). A kernel is compiled as a
+launch with given arguments would compile it: ``Launch(fn, args, num_warps, num_stages)`` names
+every argument with a value the launch would pass (a tensor for a pointer, an int, a float, None,
+or the value of a constexpr; the gates take them from launches captured by bench/launches.py);
+each value is specialised by Triton's own rule (``native_specialize_impl``: pointers and ints
+that are multiples of 16 get ``tt.divisibility = 16``, ints equal to 1 and None become
+constants, ``do_not_specialize`` respected). Then :func:`compile_launch` builds it for
 ``GPUTarget("cuda", 90, 32)`` and :func:`analyse` reads the cubin with the ``cuobjdump`` of
 Triton's wheel:
 
@@ -46,7 +46,8 @@ TENSOR_CORE = ("HGMMA", "HMMA")
 @dataclass(frozen=True)
 class Launch:
     """One compile request: ``args`` maps every parameter of ``fn`` to the value a launch passes
-    (tensors for pointers; see :func:`pointer`). ``fn`` may be an autotune/heuristics wrapper."""
+    (tensors for pointers, as :class:`bench.launches.Captured` holds them). ``fn`` may be an
+    autotune/heuristics wrapper."""
 
     fn: Any
     args: dict[str, Any]
@@ -97,14 +98,6 @@ class Report:
     def spills(self) -> tuple[int, int]:
         """(STL, LDL) instructions in the whole kernel."""
         return self.opcodes["STL"], self.opcodes["LDL"]
-
-
-def pointer(dtype: Any) -> Any:
-    """A pointer argument of ``dtype`` (a torch dtype): a 16-byte aligned empty tensor, as the
-    allocations a launch passes are."""
-    import torch
-
-    return torch.empty(16, dtype=dtype)
 
 
 def _jit_function(fn: Any) -> Any:

@@ -1111,9 +1111,9 @@ def kernel_sizes(
     interpret: bool,
     window: int | None = None,
 ) -> dict[str, object]:
-    """The compile-time arguments (and launch options) shared by the forward, dq and dk/dv
-    kernels of one call, with the window of (F3w) (WS, WINDOW); the static Hopper gate
-    (bench/gpu_static.py) compiles with them."""
+    """The compile-time arguments (and launch options) that the forward, dq and dk/dv kernels of
+    one call all declare, with the window of (F3w) (WS, WINDOW); dq and dk/dv add their own
+    diagonal steps (BDQ, BDK)."""
     BT = tiles.own
     return dict(
         WS=1 if window is None else window,
@@ -1123,8 +1123,6 @@ def kernel_sizes(
         V=V,
         BT=BT,
         BS=tiles.visit,
-        BDQ=tiles.visit if fox else min(tiles.visit, tiles.diagonal),  # dq's diagonal step
-        BDK=min(tiles.visit, tiles.diagonal),  # dk/dv's
         BK=_block(K),
         BV=_block(V),
         LOG_BT=BT.bit_length() - 1,
@@ -1280,6 +1278,7 @@ def _backward(
     d_level = torch.empty(B, T, HQ, dtype=acc, device=q.device)  # FoX: unused
     mid_sums = None if fox else torch.zeros(HQ, ntiles, nt_max, dtype=acc, device=q.device)
     sizes = kernel_sizes(HQ, shape.K, shape.V, tiles, q.dtype, fox, interpreting(), window)
+    diagonal = min(tiles.visit, tiles.diagonal)  # rows per step over the diagonal tile
     common = (q, k, v, field, level, blocks, links, do, lse, delta)
     _bwd_dq_kernel[(ntiles, HQ)](
         *common,
@@ -1293,12 +1292,24 @@ def _backward(
         ntiles,
         nt_max,
         G=G,
+        BDQ=tiles.visit if fox else diagonal,  # FoX's dq steps a whole visit tile
         SUM_PRECISION=_sum_precision(q.dtype),
         INTERPRET=interpreting(),
         **sizes,
     )
     _bwd_dkv_kernel[(ntiles, HQ)](
-        *common, dk, dv, d_cols, d_level, consts, cu, tile_list, shape.n_tok, G=G, **sizes
+        *common,
+        dk,
+        dv,
+        d_cols,
+        d_level,
+        consts,
+        cu,
+        tile_list,
+        shape.n_tok,
+        G=G,
+        BDK=diagonal,
+        **sizes,
     )
     if G > 1:
         dk = dk.view(B, T, H, G, shape.K).sum(3).to(k.dtype)
