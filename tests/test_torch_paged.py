@@ -138,12 +138,16 @@ def rounded(chunk, dtype):
 
 
 def check_pages(s: PagedFPASession):
-    """Pages held per (row, kv head) within one page of the stored entries; reference counts
-    equal the table's uses; every stored slot on a held page."""
+    """Pages held, and the table columns up to the last held page, per (row, kv head) within
+    one page of the stored entries; reference counts equal the table's uses; every stored slot
+    on a held page."""
     P = s.P
     stored = s.counts()["stored"]
     assert bool((s.pages_held() <= -(-stored // P)).all())
     table = s.state.table
+    held_cols = [[int(c) + 1 for c in torch.nonzero(row >= 0)[-1:]] for row in table.flatten(0, 1)]
+    span = torch.tensor([c[0] if c else 0 for c in held_cols]).view(stored.shape)
+    assert bool((span <= -(-stored // P)).all()), (span, stored)
     uses = torch.bincount(table[table >= 0], minlength=s.refs.numel())
     assert torch.equal(uses, s.refs)
     slots_on = (table >= 0).repeat_interleave(P, dim=2)

@@ -13,14 +13,16 @@ Freeing (the contract's budget rule, docs/decisions.md). An entry evicted at ste
 query head is kept for that head while t_e >= tokens - b (b the row's rollback budget, at most
 ``max_rollback``); a slot is stored while any of the G query heads of its kv head keeps it (the
 union rule of F8 gqa). A slot no head keeps becomes a hole; a page without a stored slot goes
-back to the pool. Compaction: when a (row, kv head) holds a whole page of holes (pages held >
-ceil(stored / page_size)), its stored entries from the first page with a hole on are moved into
-fresh pages in order (the pages before stay, so a beam's shared prefix stays shared). After
-every call the pages held per (row, kv head) are at most ceil(stored / page_size): the bytes held
-are within one page of the stored entries. Cost: a compaction moves the entries after the first
-hole, (dk + dv) elements each; it happens once per page_size holes, so with one eviction per
-step it adds about stored / page_size entry copies per step, 1 / page_size of what attention
-reads.
+back to the pool. Compaction: when a (row, kv head) spans more pages than its stored entries
+need (pages up to its last held one > ceil(stored / page_size): a page's worth of holes, on held
+pages or freed ones before the last), its stored entries from the first page with a hole on move
+down in order, into its own pages when no other row holds them (a run of pages stays a run,
+read in place by the attention), else into fresh pages (a beam's shared pages stay shared); the
+pages before stay. After every call the pages held, and the page-table columns attention scans,
+per (row, kv head) are at most ceil(stored / page_size): the bytes held are within one page of
+the stored entries. Cost: a compaction moves the entries after the first hole, (dk + dv)
+elements each; it happens once per page_size holes, so with one eviction per step it adds about
+stored / page_size entry copies per step, 1 / page_size of what attention reads.
 
 Attention over the pages is :func:`paged_attention_eager` (the twin of the Triton decode kernel
 in :mod:`.triton_decode`), one block of at most ``QUERY_BLOCK`` chunk positions at a time.
@@ -546,7 +548,11 @@ class PagedFPASession:
         count = stored.sum(dim=2)
         empty = ~(pos >= 0).view(*pos.shape[:2], -1, P).any(dim=3) & (st.table >= 0)
         table = st.table.masked_fill(empty, -1)
-        compact = (table >= 0).sum(dim=2) > -(-count // P)  # [R, H]
+        # pages spanned (up to the last held one) beyond those the stored entries need: holes
+        # on held pages, or pages freed before the last held one (attention scans the span)
+        cols = torch.arange(1, table.shape[2] + 1, device=self.device)
+        span = ((table >= 0) * cols).amax(dim=2) if cols.numel() else count * 0
+        compact = span > -(-count // P)  # [R, H]
         # those keep their empty pages for the compaction, which fills its own pages in
         # column order (a run of pages stays a run) and frees the rest
         table = torch.where(compact[..., None], st.table, table)
