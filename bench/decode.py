@@ -136,7 +136,9 @@ class SDPAPeer:
         self.K = torch.zeros(B, H, T + steps + 1, d, dtype=dtype, device=device)
         self.V = torch.zeros_like(self.K)
         self.K[:, :, :T], self.V[:, :, :T] = ctx["k"], ctx["v"]
-        self.shape, self.gen, self.T, self.t = (B, HQ, H, d, dtype, device), gen, T, T
+        self.B, self.T, self.HQ, self.H, self.d = B, T, HQ, H, d
+        self.dtype, self.device, self.gen, self.steps = dtype, device, gen, steps
+        self.t = T
         self.times: list[float] = []  # every paired step's seconds
 
     def restart(self) -> SDPAPeer:
@@ -144,16 +146,15 @@ class SDPAPeer:
         return self
 
     def __call__(self) -> None:
-        B, HQ, H, d, dtype, device = self.shape
-        x = _tokens(B, HQ, H, 1, d, dtype, device, self.gen)
+        x = _tokens(self.B, self.HQ, self.H, 1, self.d, self.dtype, self.device, self.gen)
         self.K[:, :, self.t], self.V[:, :, self.t] = x["k"][:, :, 0], x["v"][:, :, 0]
         self.t += 1
         F.scaled_dot_product_attention(
-            x["q"], self.K[:, :, : self.t], self.V[:, :, : self.t], enable_gqa=HQ != H
+            x["q"], self.K[:, :, : self.t], self.V[:, :, : self.t], enable_gqa=self.HQ != self.H
         )
 
     def row(self) -> dict[str, Any]:
-        B, _, H, d, _, _ = self.shape
+        B, H, d = self.B, self.H, self.d
         held = B * H * self.K.shape[2] * 2 * d * self.K.element_size()  # every token at the end
         return {
             "variant": "sdpa",
@@ -166,33 +167,21 @@ class SDPAPeer:
         }
 
 
-def _paired(
-    peer: SDPAPeer, step: Any, B: int, steps: int, device: torch.device
-) -> dict[str, float]:
+def _paired(peer: SDPAPeer, step: Any) -> dict[str, float]:
     """tokens/s of ``step`` (its median step) and its speed relative to the peer: the median
     over the pairs of (peer's seconds / its seconds)."""
-    theirs, ours = _time_pair(peer.restart(), step, steps, device)
+    theirs, ours = _time_pair(peer.restart(), step, peer.steps, peer.device)
     peer.times += theirs
     ratio = statistics.median(a / b for a, b in zip(theirs, ours, strict=True))
-    return {"tokens_per_s": B / statistics.median(ours), "speed_vs_sdpa": ratio}
+    return {"tokens_per_s": peer.B / statistics.median(ours), "speed_vs_sdpa": ratio}
 
 
-def bench_session(
-    peer: SDPAPeer,
-    B: int,
-    T: int,
-    HQ: int,
-    H: int,
-    d: int,
-    dtype: torch.dtype,
-    steps: int,
-    device: torch.device,
-    gen: torch.Generator,
-    mode: str,
-    attention: Any,
-) -> dict[str, Any]:
+def bench_session(peer: SDPAPeer, mode: str, attention: Any) -> dict[str, Any]:
+    """The session at the peer's shapes on the synthetic field ``mode`` (inf, indep, shared)."""
     from attnspec.backends.torch.paged import PagedFPASession
 
+    B, T, HQ, H, d = peer.B, peer.T, peer.HQ, peer.H, peer.d
+    dtype, device, gen = peer.dtype, peer.device, peer.gen
     theta = math.inf if mode == "inf" else THETA
     s = PagedFPASession(
         rows=B,
@@ -217,7 +206,7 @@ def bench_session(
         s.advance(x | {"field": torch.zeros(B, HQ, 1, device=device), "level": lv}, present)
 
     name = "fpa inf" if mode == "inf" else f"fpa kept={KEPT} {mode}"
-    return {"variant": name} | _paired(peer, step, B, steps, device) | _counts(s)
+    return {"variant": name} | _paired(peer, step) | _counts(s)
 
 
 def _counts(s: Any) -> dict[str, Any]:
@@ -297,19 +286,11 @@ def trained_stream(model: Any, layer: int, B: int, n: int, seed: int) -> dict[st
     return {name: t.transpose(1, 2).contiguous() for name, t in out.items()}
 
 
-def bench_trained(
-    peer: SDPAPeer,
-    B: int,
-    T: int,
-    dtype: torch.dtype,
-    steps: int,
-    device: torch.device,
-    model: Any,
-    layer: int,
-    attention: Any,
-) -> dict[str, Any]:
+def bench_trained(peer: SDPAPeer, model: Any, layer: int, attention: Any) -> dict[str, Any]:
+    """The session on layer ``layer`` of the trained model, at the peer's B, T and dtype."""
     from attnspec.backends.torch.paged import PagedFPASession
 
+    B, T, steps, dtype, device = peer.B, peer.T, peer.steps, peer.dtype, peer.device
     stream = trained_stream(model, layer, B, T + steps + 1, seed=T)
     stream |= {name: stream[name].to(dtype) for name in ("q", "k", "v")}
     _, HQ, _, d = stream["q"].shape
@@ -334,7 +315,7 @@ def bench_trained(
         t[0] += 1
 
     name = f"fpa trained L{layer + 1} theta={TRAINED_THETA:g}"
-    return {"variant": name} | _paired(peer, step, B, steps, device) | _counts(s)
+    return {"variant": name} | _paired(peer, step) | _counts(s)
 
 
 def _configs(grid: str, variants: str, device: torch.device) -> list[tuple[dict[str, Any], Any]]:
@@ -371,11 +352,9 @@ def run(
         for mode in ("inf", "indep", "shared") if model is None else ("inf",):
             if mode == "shared" and HQ == H:
                 continue  # the same as indep
-            results.append(
-                bench_session(peer, B, T, HQ, H, d, dtype, steps, device, gen, mode, attention)
-            )
+            results.append(bench_session(peer, mode, attention))
         for layer in range(len(model.layers()) if model is not None else 0):
-            results.append(bench_trained(peer, B, T, dtype, steps, device, model, layer, attention))
+            results.append(bench_trained(peer, model, layer, attention))
         results.insert(0, peer.row())
         for r in results:
             r |= config | {"bytes_vs_sdpa": r["bytes"] / results[0]["bytes"]}

@@ -239,6 +239,12 @@ def test_session_matches_literal_loops(dtype, theta, window, W, HQ, H):
     )
 
 
+def reference_decode(chunk, G, **kw):
+    """The reference decoder (F7) on a chunk of every row, k and v repeated for GQA."""
+    k, v = (np.repeat(chunk[x], G, axis=1) for x in ("k", "v"))
+    return fpa_decode(chunk["q"], k, v, chunk["field"], chunk["level"], **kw)
+
+
 def test_matches_reference_fpa_decode_per_row_and_head():
     """Full rows, no window, no rollback: reference fpa_decode with k, v repeated for GQA."""
     rng = np.random.default_rng(3)
@@ -265,16 +271,7 @@ def test_matches_reference_fpa_decode_per_row_and_head():
         ],
         dim=2,
     )
-    G = HQ // H
-    ref = fpa_decode(
-        chunk["q"],
-        np.repeat(chunk["k"], G, axis=1),
-        np.repeat(chunk["v"], G, axis=1),
-        chunk["field"],
-        chunk["level"],
-        theta=theta,
-        scale=0.5,
-    )
+    ref = reference_decode(chunk, HQ // H, theta=theta, scale=0.5)
     np.testing.assert_allclose(o.numpy(), ref.o, rtol=0, atol=1e-12)
     np.testing.assert_array_equal(s.counts()["live"].numpy(), ref.cache_sizes[:, :, -1])
 
@@ -322,15 +319,7 @@ def test_attention_reads_pages_in_place_as_gathered():
     assert paged.pages_in_place(moved)[0] < NT
     gathered = paged.paged_attention_eager(q, s.k_pool[perm], s.v_pool[perm], moved, *args[1:])
     torch.testing.assert_close(in_place, gathered, rtol=0, atol=1e-14)
-    G = HQ // H
-    ref = fpa_decode(
-        chunk["q"],
-        np.repeat(chunk["k"], G, axis=1),
-        np.repeat(chunk["v"], G, axis=1),
-        chunk["field"],
-        chunk["level"],
-        scale=0.5,
-    )
+    ref = reference_decode(chunk, HQ // H, scale=0.5)
     o = s.advance(last, torch.ones(R, 1, dtype=torch.bool))["o"]  # read in place
     np.testing.assert_allclose(o[:, :, 0].numpy(), ref.o[:, :, T], rtol=0, atol=1e-12)
 
