@@ -15,6 +15,11 @@ Layer kinds (``layer_pattern``, comma-separated, one per layer, or one kind for 
 - ``FOX``: the Forgetting Transformer's attention (F6), fla's ``ForgettingAttention``;
 - ``ID``: Interdomain attention (spec/interdomain.md (I8)-(I14)).
 
+The names other libraries read (transformers, PEFT, accelerate, serving engines):
+``num_attention_heads`` and ``num_key_value_heads`` are aliases of ``num_heads`` and
+``num_kv_heads`` (``attribute_map``: read, set and given to the constructor under either name,
+stored once), and ``head_dim`` is always set.
+
 Decoding: ``theta`` (the (F7) eviction threshold, inf keeps every key), ``window_size`` ((F3w),
 None for none) and ``max_rollback`` (the W of (F9): how many tokens ``crop`` may undo) set the
 FPA / FoX layers' decode sessions; ``generate(..., theta=...)`` overrides theta per call.
@@ -76,7 +81,7 @@ class AttnSpecConfig(PretrainedConfig):
             configuration class's kind).
         num_heads: query heads; ``num_kv_heads`` key/value heads of the FPA and FoX layers
             (GQA; default num_heads; must divide num_heads). ``head_dim`` default
-            hidden_size // num_heads.
+            hidden_size // num_heads. Aliases: ``num_attention_heads``, ``num_key_value_heads``.
         window_size: (F3w) window of the FPA and FoX layers, None for none.
         theta, max_rollback: the decode sessions' eviction threshold (F7) and rollback depth (F9).
         id_modes, id_readout, id_use_rope, id_gate, id_output_norm: the Interdomain layers'
@@ -90,7 +95,12 @@ class AttnSpecConfig(PretrainedConfig):
 
     model_type = "attnspec"
     default_layer_pattern: ClassVar[str] = "FPA"
-    keys_to_ignore_at_inference: ClassVar[list[str]] = ["past_key_values"]
+    keys_to_ignore_at_inference: ClassVar[list[str]] = ["past_key_values", "cache"]
+    # transformers' names -> ours (fla's), one stored field each
+    attribute_map: ClassVar[dict[str, str]] = {
+        "num_attention_heads": "num_heads",
+        "num_key_value_heads": "num_kv_heads",
+    }
 
     vocab_size: int = 256
     hidden_size: int = 256
@@ -118,6 +128,12 @@ class AttnSpecConfig(PretrainedConfig):
     tie_word_embeddings: bool = False
 
     def __post_init__(self, **kwargs: Any) -> None:
+        for alias, name in self.attribute_map.items():  # before the checks, not after them
+            if alias in kwargs:
+                value, given = kwargs.pop(alias), getattr(self, name)
+                if given not in (type(self).__dataclass_fields__[name].default, value):
+                    raise ValueError(f"{alias}: {value!r}, but {name} (the same field) = {given!r}")
+                setattr(self, name, value)
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_heads", "id_modes"):
             _positive_int(name, getattr(self, name))
         pattern = self.layer_pattern or self.default_layer_pattern

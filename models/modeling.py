@@ -10,6 +10,12 @@ on CUDA, the eager ops elsewhere):
   (spec/fpa.md section 3); the parallel path calls ``fpa_attention`` / ``fox_attention``.
 - ``ID``: :class:`~attnspec.backends.torch.InterdomainAttention` (I8)-(I14).
 
+The cache (:class:`~.cache.AttnSpecCache`) is given as ``cache=`` or ``past_key_values=`` (the
+names of transformers from 5.24 and before it) and returned under the installed transformers'
+name; generate() builds one by default (``_prepare_cache_for_generation``). A forward with the
+cache that raises in a block leaves every layer of the cache as it was, and its ValueError
+names the layer.
+
 Padding: a 2-D ``attention_mask`` (1 = token, 0 = padding, left or right) packs the tokens of
 every row into one sequence with ``cu_seqlens``, so padded positions are not tokens (F8 rows): no
 key, no field update, output 0, exactly what the decode sessions do with absent positions.
@@ -22,7 +28,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from transformers import GenerationMixin, PreTrainedModel
+from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
+from transformers.generation import GenerationMode
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from attnspec.backends.torch import InterdomainAttention, fox_attention, fpa_attention
@@ -36,6 +43,28 @@ from .configuration import (
     InterdomainConfig,
 )
 from .packing import Packing
+
+# transformers 5.24 renamed the cache past_key_values -> cache, in generate()'s model inputs and
+# in its output classes (the old name warns there): the models answer in the installed name.
+CACHE_NAME = (
+    "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+)
+
+
+def one_cache(past_key_values: AttnSpecCache | None, cache: AttnSpecCache | None) -> Any:
+    """The cache given under either name (the same object under both counts once)."""
+    if past_key_values is not None and cache is not None and past_key_values is not cache:
+        raise ValueError("cache: given twice, as cache and as past_key_values; give one")
+    return cache if cache is not None else past_key_values
+
+
+def draft_length(generation_config: GenerationConfig, mode: GenerationMode) -> int:
+    """Positions one verification of speculative decoding may crop from the cache: the
+    prompt-lookup draft, else the assistant's (its own cache too); 0 for other decoding."""
+    if mode != GenerationMode.ASSISTED_GENERATION and not generation_config.is_assistant:
+        return 0
+    lookup = generation_config.prompt_lookup_num_tokens
+    return int(lookup or generation_config.num_assistant_tokens or 0)
 
 
 class ForgetGateAttention(nn.Module):
@@ -161,7 +190,7 @@ class AttnSpecBlock(nn.Module):
             ):
                 h = layer.advance(self.attn, h, packing.present)
             else:  # check_model makes this unreachable
-                raise ValueError(f"past_key_values: layer {self.layer_idx} is of another kind")
+                raise ValueError(f"cache: layer {self.layer_idx} is of another kind")
         x = x + h
         return x + self.mlp(self.mlp_norm(x))
 
@@ -192,7 +221,7 @@ class AttnSpecPreTrainedModel(PreTrainedModel):
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
-        return False  # the model makes its own cache (AttnSpecCache) in forward
+        return False  # the model's own cache (AttnSpecCache), never a DynamicCache
 
 
 class AttnSpecModel(AttnSpecPreTrainedModel):
@@ -223,36 +252,52 @@ class AttnSpecModel(AttnSpecPreTrainedModel):
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
         theta: float | None = None,
+        cache: AttnSpecCache | None = None,
         **kwargs: Any,
     ) -> BaseModelOutputWithPast:
-        """hidden [B, T, d]; a new cache (``use_cache`` without ``past_key_values``) evicts at
-        depth >= ``theta`` (default: the configuration's; generate(..., theta=...) passes it)."""
+        """hidden [B, T, d]; a new cache (``use_cache`` without a cache given) evicts at depth
+        >= ``theta`` (default: the configuration's; generate(..., theta=...) passes it)."""
+        cache = one_cache(past_key_values, cache)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("input_ids: give exactly one of input_ids and inputs_embeds")
         x = self.embeddings(input_ids) if inputs_embeds is None else inputs_embeds
         B, T = x.shape[:2]
         use_cache = self.config.use_cache if use_cache is None else use_cache
         use_cache = use_cache and not self.training
-        if past_key_values is not None and not isinstance(past_key_values, AttnSpecCache):
-            if past_key_values.get_seq_length() > 0:
-                kind = type(past_key_values).__name__
-                raise ValueError(f"past_key_values: expected an AttnSpecCache, got {kind}")
-            past_key_values = None  # an empty cache made by another library: ours instead
-        if use_cache and past_key_values is None:
-            past_key_values = AttnSpecCache(self.config, theta=theta)
-        if past_key_values is not None:
-            past_key_values.check_model(self.config)
+        if cache is not None and not isinstance(cache, AttnSpecCache):
+            if cache.get_seq_length() > 0:
+                raise ValueError(f"cache: expected an AttnSpecCache, got {type(cache).__name__}")
+            cache = None  # an empty cache made by another library: ours instead
+        if use_cache and cache is None:
+            cache = AttnSpecCache(self.config, theta=theta)
+        if cache is not None:
+            cache.check_model(self.config)
         packing = Packing.from_mask(attention_mask, B, T, x.device)
         hidden = [x] if output_hidden_states else None
-        for block in self.layers:
-            x = block(x, packing, past_key_values if use_cache else None)
+        cache = cache if use_cache else None
+        advanced: list[tuple[Any, dict[str, Any]]] = []  # (cache layer, its state before)
+        for i, block in enumerate(self.layers):
+            layer = None if cache is None else cache.sessions[i]
+            # a block advances its layer only when it succeeds: the last needs no snapshot
+            last = i == len(self.layers) - 1
+            before = None if layer is None or last else layer.snapshot(packing.present)
+            try:
+                x = block(x, packing, cache)
+            except BaseException as error:
+                for done, state in advanced:
+                    done.restore(state)
+                if isinstance(error, ValueError):
+                    raise ValueError(f"layer {i} ({block.kind}): {error}") from error
+                raise
+            if before is not None:
+                advanced.append((layer, before))
             if hidden is not None:
                 hidden.append(x)
         x = self.norm(x)
         return BaseModelOutputWithPast(
             last_hidden_state=x,
-            past_key_values=past_key_values if use_cache else None,
             hidden_states=tuple(hidden) if hidden is not None else None,
+            **{CACHE_NAME: cache},
         )
 
 
@@ -291,12 +336,13 @@ class AttnSpecForCausalLM(AttnSpecPreTrainedModel, GenerationMixin):
         return_dict: bool | None = None,
         logits_to_keep: int = 0,
         theta: float | None = None,
+        cache: AttnSpecCache | None = None,
         **kwargs: Any,
     ) -> CausalLMOutputWithPast:
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
-            past_key_values=past_key_values,
+            cache=one_cache(past_key_values, cache),
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             output_hidden_states=output_hidden_states,
@@ -310,9 +356,43 @@ class AttnSpecForCausalLM(AttnSpecPreTrainedModel, GenerationMixin):
         return CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
-            past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states,
+            **{CACHE_NAME: getattr(outputs, CACHE_NAME)},
         )
+
+    def _prepare_cache_for_generation(
+        self,
+        generation_config: GenerationConfig,
+        model_kwargs: dict[str, Any],
+        generation_mode: GenerationMode,
+        batch_size: int,
+        max_cache_length: int,
+    ) -> None:
+        """transformers' hook for the cache generate() decodes with (5.23 to 5.25): a new
+        :class:`AttnSpecCache` (``theta`` from generate's keywords) unless the call gives one
+        (under either name) or turns the cache off; for speculative decoding the cache can
+        undo a whole draft (docs/decisions.md)."""
+        other = "past_key_values" if CACHE_NAME == "cache" else "cache"
+        if other in model_kwargs:
+            model_kwargs[CACHE_NAME] = one_cache(
+                model_kwargs.pop(other), model_kwargs.get(CACHE_NAME)
+            )
+        if model_kwargs.get(CACHE_NAME) is None and generation_config.use_cache is not False:
+            if generation_config.cache_implementation is not None:
+                raise ValueError(
+                    "cache_implementation: the attnspec models decode with their own cache"
+                    f" (AttnSpecCache), got {generation_config.cache_implementation!r}"
+                )
+            theta = model_kwargs.get("theta")
+            model_kwargs[CACHE_NAME] = AttnSpecCache(self.config, theta=theta)
+        else:
+            super()._prepare_cache_for_generation(
+                generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
+            )
+        cache = model_kwargs.get(CACHE_NAME)
+        draft = draft_length(generation_config, generation_mode)
+        if isinstance(cache, AttnSpecCache) and draft:
+            cache.reserve_rollback(draft)
 
 
 class FPAModel(AttnSpecModel):
