@@ -2,9 +2,12 @@
 
 Tests of flash-linear-attention's kind for its Forgetting Transformer: the Auto classes build
 every kind; prefill plus token-by-token decoding, with left padding, equals the forward without
-a cache; at finite theta the decoded outputs equal the reference's (F7) decoder; generate()'s
-greedy, sampling and beam search give what they give without a cache; save / load; Trainer.
-Tiny configurations, float32 (float64 where an exact comparison wants it).
+a cache (given as ``cache=`` or ``past_key_values=``); at finite theta the decoded outputs equal
+the reference's (F7) decoder; generate()'s greedy, sampling and beam search give what they give
+without a cache, assisted and prompt-lookup decoding what greedy gives; crop as transformers
+reads it; a forward that fails in a later layer leaves the cache as it was; the names other
+libraries read; bytes held; save / load; Trainer. Tiny configurations, float32 (float64 where an
+exact comparison wants it).
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import attnspec.models as M  # noqa: E402
+from attnspec.conformance.tolerances import TOLERANCES  # noqa: E402
+from attnspec.models.modeling import CACHE_NAME  # noqa: E402
 from attnspec.reference.fpa import fpa_decode  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -55,6 +60,17 @@ def build(kind: str, dtype=torch.float32, seed: int = 0, **overrides):
     return model.to(dtype).eval()
 
 
+def cache_of(output):
+    """The cache of a forward's or generate()'s output, under the installed transformers' name
+    (``cache`` from 5.24, ``past_key_values`` before)."""
+    return getattr(output, CACHE_NAME)
+
+
+def normwise(got, want) -> float:
+    """The kit's metric: ||got - want|| / ||want||."""
+    return float((got - want).norm() / want.norm())
+
+
 def batch(seed: int = 1, T: int = 9):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 40, (3, T), generator=g)
@@ -89,22 +105,57 @@ def test_padded_rows_equal_their_unpadded_forward(kind):
         assert (unmasked[1, 3:] - padded[1, 3:]).abs().max() > 1e-3
 
 
+def prefill_then_steps(model, ids, mask, cache=None, name=CACHE_NAME, prefill=4, start=0):
+    """The logits of positions [start, T): a chunk up to ``prefill``, then one step per
+    position, the cache passed as ``name``; and the cache."""
+    out = model(ids[:, start:prefill], attention_mask=mask[:, :prefill], **{name: cache})
+    logits, cache = [out.logits], cache_of(out)
+    for t in range(prefill, ids.shape[1]):
+        step = model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], **{name: cache})
+        logits.append(step.logits)
+    return torch.cat(logits, dim=1), cache
+
+
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_prefill_then_steps_equal_the_forward_without_cache(kind):
-    model = build(kind)
+    """In float64. Decoding and the parallel forward sum in different orders (the S4D state's
+    recurrence token by token against its chunked form, matrix-vector against matrix-matrix
+    products), so they differ by rounding: in float32 the Interdomain model's logits differed
+    by 4e-6 to 3e-5 (max abs) depending on which vector kernels the CPU runs (the same code
+    and seeds; the tolerance of 1e-5 failed on some machines), each path within 8e-5 of the
+    float64 logits. To first order both errors are a fixed multiple of the unit roundoff, so in
+    float64 (2^-29 times float32's) they are below 1e-13 normwise: the kit's float64 tolerance
+    of 1e-12 bounds them, and a wrong cache misses it by ten orders of magnitude."""
+    model = build(kind, dtype=torch.float64)
     ids, mask = batch()
     with torch.no_grad():
         full = model(ids, attention_mask=mask, use_cache=False).logits
-        out = model(ids[:, :4], attention_mask=mask[:, :4], use_cache=True)
-        logits = [out.logits]
-        cache = out.past_key_values
-        for t in range(4, ids.shape[1]):
-            step = model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], past_key_values=cache)
-            logits.append(step.logits)
-        decoded = torch.cat(logits, dim=1)
+        decoded, cache = prefill_then_steps(model, ids, mask)
     present = mask.bool()
-    torch.testing.assert_close(decoded[present], full[present], rtol=0, atol=1e-5)
+    assert normwise(decoded[present], full[present]) <= TOLERANCES[("float64", "output")]
     assert cache.get_seq_length() == ids.shape[1]
+
+
+def test_the_cache_reaches_the_model_under_either_name():
+    """transformers from 5.24 gives the cache to the model as ``cache=``, before as
+    ``past_key_values=``: steps alternating the names continue the same cache (a model that
+    read one name only would start a new cache at the others and decode wrong)."""
+    model = build("hybrid", dtype=torch.float64)
+    ids, mask = batch()
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask, use_cache=False).logits
+        out = model(ids[:, :4], attention_mask=mask[:, :4], cache=M.AttnSpecCache(model.config))
+        logits, cache = [out.logits], cache_of(out)
+        for t in range(4, ids.shape[1]):
+            name = ("cache", "past_key_values")[t % 2]
+            step = model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], **{name: cache})
+            assert cache_of(step) is cache
+            logits.append(step.logits)
+    present = mask.bool()
+    got = torch.cat(logits, dim=1)[present]
+    assert normwise(got, full[present]) <= TOLERANCES[("float64", "output")]
+    with pytest.raises(ValueError, match="cache: given twice"):
+        model(ids[:, :1], cache=cache, past_key_values=M.AttnSpecCache(model.config))
 
 
 def _attention_inputs(layer, x):
@@ -128,16 +179,16 @@ def test_eviction_at_finite_theta_equals_the_reference_decoder(kind):
     seen = []
     block.attn.o_proj.register_forward_hook(lambda m, i, o: seen.append(i[0]))
     with torch.no_grad():
-        out = model(ids[:, :10], use_cache=True)
+        cache = cache_of(model(ids[:, :10], use_cache=True))
         for t in range(10, 24):
-            model(ids[:, t : t + 1], past_key_values=out.past_key_values)
+            model(ids[:, t : t + 1], cache=cache)
         x = block.attn_norm(model.model.embeddings(ids))
         want = fpa_decode(*_attention_inputs(block.attn, x), theta=1.0)
     got = torch.cat(seen, dim=1)[0].view(24, 4, 8).transpose(0, 1).numpy()
     np.testing.assert_allclose(got, want.o[0], rtol=0, atol=1e-12)
-    fractions = out.past_key_values.fractions()[0]
+    fractions = cache.fractions()[0]
     assert fractions["live"] < 1.0  # some keys were evicted
-    live = out.past_key_values.layers[0].session.counts()["live"]
+    live = cache.layers[0].session.counts()["live"]
     np.testing.assert_array_equal(live[0].numpy(), want.cache_sizes[0, :, -1])
 
 
@@ -196,7 +247,7 @@ def test_theta_per_generate_call_and_the_fractions_after_it():
             theta=theta,
             return_dict_in_generate=True,
         )
-        fractions[theta] = out.past_key_values.fractions()[0]
+        fractions[theta] = cache_of(out).fractions()[0]
     assert fractions[math.inf] == {"live": 1.0, "stored": 1.0}
     assert fractions[0.5]["live"] < fractions[0.5]["stored"] <= 1.0 or (
         fractions[0.5]["live"] == fractions[0.5]["stored"] < 1.0
@@ -204,18 +255,140 @@ def test_theta_per_generate_call_and_the_fractions_after_it():
 
 
 def test_crop_is_a_rollback_within_max_rollback():
+    """transformers' reading: crop(0) removes nothing (assisted decoding calls it when it
+    rejects no draft), crop(-n) removes n positions; the older crop(m > 0) keeps m."""
     model = build("fpa", max_rollback=3, theta=0.5)
     ids, mask = batch(T=10)
     with torch.no_grad():
-        cache = model(ids[:, :7], attention_mask=mask[:, :7]).past_key_values
-        model(ids[:, 7:9], attention_mask=mask[:, :9], past_key_values=cache)
-        cache.crop(7)  # back to 7 positions
-        again = model(ids[:, 7:10], attention_mask=mask[:, :10], past_key_values=cache).logits
-        fresh = model(ids[:, :7], attention_mask=mask[:, :7]).past_key_values
+        fresh = cache_of(model(ids[:, :7], attention_mask=mask[:, :7]))
         want = model(ids[:, 7:10], attention_mask=mask[:, :10], past_key_values=fresh).logits
-    torch.testing.assert_close(again, want, rtol=0, atol=1e-6)
+        cache = cache_of(model(ids[:, :7], attention_mask=mask[:, :7]))
+        for crop in (lambda: cache.crop(-2), lambda: cache.crop(7)):
+            model(ids[:, 7:9], attention_mask=mask[:, :9], past_key_values=cache)
+            cache.crop(0)
+            assert cache.get_seq_length() == 9
+            crop()  # back to 7 positions
+            assert cache.get_seq_length() == 7
+            again = model(ids[:, 7:10], attention_mask=mask[:, :10], past_key_values=cache)
+            torch.testing.assert_close(again.logits, want, rtol=0, atol=1e-6)
+            cache.crop(-3)
+    with pytest.raises(ValueError, match="max_rollback"):
+        cache.crop(-4)
     with pytest.raises(ValueError, match="max_rollback"):
         cache.crop(cache.get_seq_length() - 4)
+    assert cache.get_seq_length() == 7
+
+
+def test_assisted_and_prompt_lookup_decoding_give_greedy_tokens(monkeypatch):
+    """Speculative decoding with the cache generate() builds (it reserves a draft's rollback):
+    a smaller attnspec model as the assistant, and prompt lookup, give exactly greedy's tokens,
+    as transformers requires of any cache; drafts were rejected (crops removed positions)."""
+    model = build("hybrid")
+    assistant = build("fpa", num_hidden_layers=1, seed=3)
+    ids = torch.tensor([[3, 9, 12, 3, 9, 12, 7, 22, 5, 3, 9]])  # repeats: lookup finds drafts
+    crops = []
+    crop = M.AttnSpecCache.crop
+    monkeypatch.setattr(M.AttnSpecCache, "crop", lambda c, n: (crops.append(n), crop(c, n))[1])
+    options = dict(max_new_tokens=10, do_sample=False, pad_token_id=0)
+    greedy = model.generate(ids, **options)
+    assert not crops
+    for speculative in (dict(prompt_lookup_num_tokens=3), dict(assistant_model=assistant)):
+        crops.clear()
+        got = model.generate(ids, **speculative, **options)
+        torch.testing.assert_close(got, greedy, rtol=0, atol=0, msg=str(speculative))
+        assert min(crops) < 0, crops
+
+
+def test_speculative_decoding_names_max_rollback_when_the_cache_cannot_roll_back():
+    """A cache holding tokens already cannot widen its rollback: prompt lookup over it is a
+    ValueError naming max_rollback before anything is decoded."""
+    model = build("fpa")
+    ids, _ = batch(T=8)
+    cache = cache_of(model(ids[:1, :5]))  # max_rollback = 0
+    with pytest.raises(ValueError, match="max_rollback"):
+        model.generate(
+            ids[:1], cache=cache, prompt_lookup_num_tokens=3, max_new_tokens=4, pad_token_id=0
+        )
+    assert cache.get_seq_length() == 5
+
+
+@pytest.mark.parametrize("prefill, chunk", [(0, 4), (4, 1), (4, 3)])
+def test_a_forward_that_fails_in_a_later_layer_leaves_the_cache_as_it_was(prefill, chunk):
+    """Layers FPA, ID, FPA at theta = 0.5 (keys are evicted); layer 2's field made infinite:
+    the forward raises a ValueError naming layer 2, every layer keeps its positions, and with
+    the weight repaired the cache decodes exactly as one that never saw the call. Undone: a new
+    cache (prefill 0), one decode step (the FPA layers' reserved (F9) rollback) and a chunk of
+    three (a copy)."""
+    model = build("hybrid", num_hidden_layers=3, layer_pattern="FPA,ID,FPA", theta=0.5)
+    ids, mask = batch()
+    bias = model.model.layers[2].attn.f_proj.bias
+    with torch.no_grad():
+        cache, good = M.AttnSpecCache(model.config), bias.clone()
+        if prefill:
+            model(ids[:, :prefill], attention_mask=mask[:, :prefill], cache=cache)
+        bias.fill_(math.inf)
+        end = prefill + chunk
+        with pytest.raises(ValueError, match=r"layer 2 \(FPA\): field"):
+            model(ids[:, prefill:end], attention_mask=mask[:, :end], cache=cache)
+        assert [layer.get_seq_length() for layer in cache.layers] == [prefill] * 3
+        bias.copy_(good)
+        got, _ = prefill_then_steps(model, ids, mask, cache, prefill=prefill + 1, start=prefill)
+        want, _ = prefill_then_steps(model, ids, mask, prefill=max(prefill, 1))
+    torch.testing.assert_close(got, want[:, prefill:], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_configurations_answer_to_the_names_other_libraries_read(kind, tmp_path):
+    """num_attention_heads and num_key_value_heads (transformers, PEFT, accelerate and serving
+    engines read them) are num_heads and num_kv_heads under another name: given to the
+    constructor, read and set, one stored field; head_dim is always set; the modules have those
+    sizes; a save / load keeps them."""
+    cls = KINDS[kind][0]
+    config = cls(
+        vocab_size=40,
+        hidden_size=32,
+        num_hidden_layers=2,
+        layer_pattern=KINDS[kind][1],
+        num_attention_heads=8,
+        num_key_value_heads=2 if "ID" not in KINDS[kind][1] else 8,
+        intermediate_size=48,
+    )
+    assert (config.num_heads, config.num_attention_heads, config.head_dim) == (8, 8, 4)
+    assert config.num_key_value_heads == config.num_kv_heads
+    assert not {"num_attention_heads", "num_key_value_heads"} & set(config.to_dict())
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    attn = model.model.layers[0].attn
+    if isinstance(attn, M.modeling.ForgetGateAttention):
+        assert attn.k_proj.out_features == config.num_key_value_heads * config.head_dim
+    else:
+        assert attn.layer.n_heads == config.num_attention_heads
+    config.save_pretrained(tmp_path)
+    again = transformers.AutoConfig.from_pretrained(tmp_path)
+    assert (again.num_attention_heads, again.num_key_value_heads) == (8, config.num_kv_heads)
+    config.num_key_value_heads = 4
+    assert config.num_kv_heads == 4
+    with pytest.raises(ValueError, match="num_attention_heads: 2, but num_heads"):
+        cls(hidden_size=32, num_heads=8, num_attention_heads=2)
+    with pytest.raises(ValueError, match="num_heads: 3 does not divide"):
+        cls(hidden_size=32, num_attention_heads=3)  # checked as num_heads is
+
+
+def test_the_cache_reports_bytes_held_and_what_a_full_cache_would_hold():
+    """One row of 32 tokens (two pages of 16) at theta = inf: the FPA layer holds what a full
+    cache holds, k and v of every token per kv head (2 kv heads, head dim 8, float32: 32 x 2 x
+    16 x 4 bytes); at theta = 0.5 it holds less. An Interdomain layer's state does not grow
+    with the tokens, and is its full cache."""
+    ids = torch.randint(0, 40, (1, 64), generator=torch.Generator().manual_seed(5))
+    fpa = build("fpa", num_hidden_layers=1)
+    full = cache_of(fpa(ids[:, :32]))
+    assert full.bytes_held() == full.bytes_full() == 32 * 2 * 16 * 4
+    evicting = cache_of(fpa(ids, theta=0.5))
+    assert evicting.bytes_full() == 64 * 2 * 16 * 4
+    assert 0 < evicting.bytes_held() < evicting.bytes_full()
+    assert evicting.fractions()[0]["stored"] < 1
+    interdomain = build("interdomain", num_hidden_layers=1)
+    short, long = (cache_of(interdomain(ids[:, :T])) for T in (8, 64))
+    assert short.bytes_held() == long.bytes_held() == long.bytes_full() > 0
 
 
 def test_save_and_load_give_the_same_logits(tmp_path):
@@ -284,7 +457,7 @@ def test_bad_configurations_name_the_field(fields, name):
 def test_a_cache_from_another_model_is_refused():
     fpa, hybrid = build("fpa"), build("hybrid")
     ids, mask = batch()
-    cache = fpa(ids[:, :4], attention_mask=mask[:, :4]).past_key_values
+    cache = cache_of(fpa(ids[:, :4], attention_mask=mask[:, :4]))
     with pytest.raises(ValueError, match="cache: a cache for layers"):
         hybrid(ids[:, 4:5], attention_mask=mask[:, :5], past_key_values=cache)
 
@@ -316,25 +489,14 @@ def test_bfloat16_decoding_is_within_the_kit_tolerance_of_the_float64_forward(ki
     """Prefill plus steps of a bfloat16 model against the float64 forward without a cache of
     the same (bfloat16-rounded) weights: normwise relative error within the kit's bfloat16
     output tolerance (conformance/tolerances.py)."""
-    from attnspec.conformance.tolerances import TOLERANCES
-
     model = build(kind, dtype=torch.bfloat16)
     wide = build(kind).to(torch.float64).eval()
     wide.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
     ids, mask = batch()
     with torch.no_grad():
         want = wide(ids, attention_mask=mask, use_cache=False).logits
-        out = model(ids[:, :4], attention_mask=mask[:, :4])
-        logits = [out.logits]
-        for t in range(4, ids.shape[1]):
-            step = model(
-                ids[:, t : t + 1],
-                attention_mask=mask[:, : t + 1],
-                past_key_values=out.past_key_values,
-            )
-            logits.append(step.logits)
-    got = torch.cat(logits, dim=1).double()
+        got = prefill_then_steps(model, ids, mask)[0].double()
     present = mask.bool()
-    error = (got[present] - want[present]).norm() / want[present].norm()
+    error = normwise(got[present], want[present])
     assert got.dtype == torch.float64 and torch.isfinite(got).all()
-    assert error <= TOLERANCES[("bfloat16", "output")], float(error)
+    assert error <= TOLERANCES[("bfloat16", "output")], error
