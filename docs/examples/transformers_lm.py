@@ -2,8 +2,8 @@
 
 A tiny hybrid byte-level model (FPA and Interdomain layers) trained for a few steps on the
 project's own FPA spec text with transformers' ``Trainer``, then ``generate()`` with FPA's KV
-eviction (theta) and the live / stored fractions read from the cache, then a save / load round
-trip. Run: ``python docs/examples/transformers_lm.py`` (needs the hf extra: ``pip install
+eviction (theta) and the live / stored fractions and bytes read from the cache, then a save /
+load round trip. Run: ``python docs/examples/transformers_lm.py`` (needs the hf extra: ``pip install
 ".[hf]"``); no hub access (HF_HUB_OFFLINE=1 works).
 """
 
@@ -17,7 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 import attnspec.models  # registers the attnspec kinds with the Auto classes  # noqa: F401
-from attnspec.models import HybridConfig
+from attnspec.models import AttnSpecCache, HybridConfig
 
 TEXT = Path(__file__).resolve().parents[1] / "spec" / "fpa.md"
 
@@ -67,9 +67,12 @@ def train(steps: int = 20, seed: int = 0) -> tuple[AutoModelForCausalLM, list[fl
     return model.eval(), losses
 
 
-def generate(model: AutoModelForCausalLM, theta: float = math.inf) -> tuple[list[bytes], list]:
+def generate(
+    model: AutoModelForCausalLM, theta: float = math.inf
+) -> tuple[list[bytes], list, tuple[int, int]]:
     """Greedy continuations of two prompts of different lengths (left padding), evicting FPA
-    keys at depth >= theta; returns the texts and the cache's per-layer fractions."""
+    keys at depth >= theta; returns the texts, the cache's per-layer fractions and its bytes
+    (held, and what a full cache would hold)."""
     # --8<-- [start:generate]
     prompts = [b"The segment minimum", b"FoX is"]
     width = max(map(len, prompts))
@@ -78,19 +81,20 @@ def generate(model: AutoModelForCausalLM, theta: float = math.inf) -> tuple[list
     for r, p in enumerate(prompts):  # left padding
         ids[r, width - len(p) :] = torch.tensor(list(p))
         mask[r, width - len(p) :] = 1
+    cache = AttnSpecCache(model.config, theta=theta)  # (F7) eviction threshold
     out = model.generate(
         ids,
         attention_mask=mask,
         max_new_tokens=24,
         do_sample=False,
         pad_token_id=0,
-        theta=theta,  # (F7) eviction threshold for this call
-        return_dict_in_generate=True,
+        cache=cache,  # generate() decodes with it (or makes one; theta= also works)
     )
-    fractions = out.past_key_values.fractions()  # per layer: live and stored fractions
+    fractions = cache.fractions()  # per layer: live and stored fractions
+    memory = cache.bytes_held(), cache.bytes_full()  # bytes held, and held without eviction
     # --8<-- [end:generate]
-    texts = [bytes(row[width:].tolist()) for row in out.sequences]
-    return texts, fractions
+    texts = [bytes(row[width:].tolist()) for row in out]
+    return texts, fractions, memory
 
 
 def save_and_load(model: AutoModelForCausalLM) -> AutoModelForCausalLM:
@@ -105,7 +109,10 @@ if __name__ == "__main__":
     model, losses = train()
     print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} in {len(losses)} steps")
     for theta in (math.inf, 2.0):
-        texts, fractions = generate(model, theta)
-        print(f"theta = {theta}: {texts}; FPA layer fractions {fractions[0]}")
+        texts, fractions, (held, full) = generate(model, theta)
+        live, stored = fractions[0]["live"], fractions[0]["stored"]
+        print(f"theta = {theta}: {texts}")
+        print(f"  FPA layer: live {live:.2f}, stored {stored:.2f}")
+        print(f"  cache: {held} bytes held, {full} without eviction (pages round up)")
     loaded = save_and_load(model)
     print("reloaded model generates the same:", generate(loaded)[0] == generate(model)[0])
