@@ -58,7 +58,7 @@ class SessionLayer(CacheLayerMixin):
         raise NotImplementedError("attnspec layers advance their sessions, not key/value states")
 
     @property
-    def is_croppable(self) -> bool:  # type: ignore[override]
+    def is_croppable(self) -> bool:  # type: ignore[override]  # as transformers' linear layers
         """Whether ``crop`` can undo positions (transformers asks before speculative decoding)."""
         return self.max_rollback > 0
 

@@ -23,7 +23,7 @@ key, no field update, output 0, exactly what the decode sessions do with absent 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -294,10 +294,11 @@ class AttnSpecModel(AttnSpecPreTrainedModel):
             if hidden is not None:
                 hidden.append(x)
         x = self.norm(x)
+        named: dict[str, Any] = {CACHE_NAME: cache}
         return BaseModelOutputWithPast(
             last_hidden_state=x,
             hidden_states=tuple(hidden) if hidden is not None else None,
-            **{CACHE_NAME: cache},
+            **named,
         )
 
 
@@ -367,11 +368,11 @@ class AttnSpecForCausalLM(AttnSpecPreTrainedModel, GenerationMixin):
         generation_mode: GenerationMode,
         batch_size: int,
         max_cache_length: int,
-    ) -> None:
+    ) -> bool:
         """transformers' hook for the cache generate() decodes with (5.23 to 5.25): a new
         :class:`AttnSpecCache` (``theta`` from generate's keywords) unless the call gives one
         (under either name) or turns the cache off; for speculative decoding the cache can
-        undo a whole draft (docs/decisions.md)."""
+        undo a whole draft (docs/decisions.md). Returns whether there is a cache."""
         other = "past_key_values" if CACHE_NAME == "cache" else "cache"
         if other in model_kwargs:
             model_kwargs[CACHE_NAME] = one_cache(
@@ -386,13 +387,19 @@ class AttnSpecForCausalLM(AttnSpecPreTrainedModel, GenerationMixin):
             theta = model_kwargs.get("theta")
             model_kwargs[CACHE_NAME] = AttnSpecCache(self.config, theta=theta)
         else:
-            super()._prepare_cache_for_generation(
-                generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
+            GenerationMixin._prepare_cache_for_generation(
+                cast(Any, self),
+                generation_config,
+                model_kwargs,
+                generation_mode,
+                batch_size,
+                max_cache_length,
             )
         cache = model_kwargs.get(CACHE_NAME)
         draft = draft_length(generation_config, generation_mode)
         if isinstance(cache, AttnSpecCache) and draft:
             cache.reserve_rollback(draft)
+        return cache is not None
 
 
 class FPAModel(AttnSpecModel):
