@@ -272,6 +272,11 @@ class AttnSpecModel(AttnSpecPreTrainedModel):
             cache = AttnSpecCache(self.config, theta=theta)
         if cache is not None:
             cache.check_model(self.config)
+            if theta is not None and theta != cache.theta:
+                raise ValueError(
+                    f"theta: {theta!r}, but the cache given evicts at theta = {cache.theta}"
+                    " (set it when making the cache: AttnSpecCache(config, theta=...))"
+                )
         packing = Packing.from_mask(attention_mask, B, T, x.device)
         hidden = [x] if output_hidden_states else None
         cache = cache if use_cache else None

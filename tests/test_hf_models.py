@@ -248,6 +248,9 @@ def test_theta_per_generate_call_and_the_fractions_after_it():
             return_dict_in_generate=True,
         )
         fractions[theta] = cache_of(out).fractions()[0]
+    cache = M.AttnSpecCache(model.config, theta=1.0)
+    with pytest.raises(ValueError, match=r"theta: 0\.5, but the cache given evicts at theta = 1"):
+        model.generate(ids, cache=cache, theta=0.5, max_new_tokens=1, pad_token_id=0)
     assert fractions[math.inf] == {"live": 1.0, "stored": 1.0}
     assert fractions[0.5]["live"] < fractions[0.5]["stored"] <= 1.0 or (
         fractions[0.5]["live"] == fractions[0.5]["stored"] < 1.0
