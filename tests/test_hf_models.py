@@ -125,7 +125,7 @@ def test_prefill_then_steps_equal_the_forward_without_cache(kind):
     and seeds; the tolerance of 1e-5 failed on some machines), each path within 8e-5 of the
     float64 logits. To first order both errors are a fixed multiple of the unit roundoff, so in
     float64 (2^-29 times float32's) they are below 1e-13 normwise: the kit's float64 tolerance
-    of 1e-12 bounds them, and a wrong cache misses it by ten orders of magnitude."""
+    of 1e-12 bounds them; a cache that restarts at every step is off by about 1."""
     model = build(kind, dtype=torch.float64)
     ids, mask = batch()
     with torch.no_grad():
