@@ -96,6 +96,16 @@ KIT_SMOKE = ("attnspec", "verify", "--backend", "jax,pallas,mosaic", "--cases", 
 NNX_FILES = ("tests/test_jax_init.py", "tests/test_jax_nnx.py", "tests/test_nnx_example.py")
 NNX_TESTS = pytest_step(*NNX_FILES)
 REFERENCE_FILES = ("tests/test_fpa.py", "tests/test_interdomain.py", "tests/test_theory.py")
+# The torch backend on the newest torch: ops (FoX against flash-linear-attention's naive
+# reference, so fla-core's range too), custom ops, modules, decode and paged sessions.
+TORCH_FILES = tuple(
+    f"tests/test_{name}.py"
+    for name in (
+        "torch_cpu_ops", "torch_decode", "torch_fpa", "torch_host_reads", "torch_interdomain",
+        "torch_library", "torch_modules", "torch_paged", "torch_state_sessions", "torch_window",
+        "launches", "serving_example",
+    )
+)  # fmt: skip
 
 
 def first_cases() -> tuple[str, ...]:
@@ -170,6 +180,7 @@ LEGS = (
         (
             ("transformers models", pytest_step("tests/test_hf_models.py", stop=False)),
             ("Flax NNX modules and example", pytest_step(*NNX_FILES, stop=False)),
+            ("torch backend tests", pytest_step(*TORCH_FILES, stop=False)),
             ("reference and theory tests", pytest_step(*REFERENCE_FILES, stop=False)),
             (
                 "kit smoke: numpy, torch, jax (first case of every family)",

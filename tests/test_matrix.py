@@ -13,7 +13,14 @@ def test_the_newest_leg_installs_every_user_extra_unpinned():
     (leg,) = [leg for leg in matrix.LEGS if leg.name == "newest"]
     assert leg.pins == () and set(leg.extras.split(",")) >= {"all", "test"}
     ran = " ".join(" ".join(step) for _, step in leg.steps)
-    for target in ("tests/test_hf_models.py", "tests/test_jax_nnx.py", "tests/test_theory.py"):
+    targets = (
+        "test_hf_models",
+        "test_jax_nnx",
+        "test_theory",
+        "test_torch_fpa",
+        "test_torch_library",
+    )
+    for target in (f"tests/{name}.py" for name in targets):
         assert target in ran
     assert "--backend numpy,torch,jax" in ran
 
