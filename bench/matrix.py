@@ -3,7 +3,11 @@ beside ``make test``'s one cell (Python 3.11, CPU torch 2.13, Triton 3.9, JAX 0.
 
 Each leg is a virtual environment under build/matrix/<leg>/ with exact pins from the package
 index, created on first use and reused while its pins are unchanged (the stamp file holds them);
-attnspec is installed into it editable, without dependencies. Then the leg's steps run from the
+attnspec is installed into it editable, without dependencies. The ``newest`` leg is the other
+kind: it pins nothing and is created anew on every run, by ``pip install -e ".[all,bench,test]"``
+alone, without the local pip configuration (constraints, find-links, extra indexes), so it
+resolves what a user's ``pip install ".[all]"`` gets from the index that day; it prints those
+versions and writes them to build/matrix/newest-versions.txt. Then the leg's steps run from the
 repository root; a failing step is reported and the next one still runs. The table (leg, what ran,
 seconds to install and to run) is printed at the end and written to build/matrix/matrix.md; the
 exit status is 1 when any step failed.
@@ -54,9 +58,10 @@ INTERPRETER_SMOKE = (
 GPU_CHECK_DRY_RUN = ("tests/test_gpu_check_dryrun.py", "-k", "not pallas")
 
 
-def pytest_step(*args: str) -> tuple[str, ...]:
-    """A serial, quiet pytest run (legs run one after another on CI's two cores)."""
-    return ("python", "-m", "pytest", "-p", "no:cacheprovider", "-q", "-x", *args)
+def pytest_step(*args: str, stop: bool = True) -> tuple[str, ...]:
+    """A serial, quiet pytest run (legs run one after another on CI's two cores), stopping at
+    the first failure unless ``stop`` is False (the newest leg reports every failure)."""
+    return ("python", "-m", "pytest", "-p", "no:cacheprovider", "-q", *("-x",) * stop, *args)
 
 
 @dataclass(frozen=True)
@@ -70,6 +75,8 @@ class Leg:
     pins: tuple[str, ...]
     steps: tuple[tuple[str, tuple[str, ...]], ...]
     env: tuple[tuple[str, str], ...] = ()
+    # the project's extras resolved fresh from the index on every run (no pins): the newest leg
+    extras: str = ""
 
     @property
     def venv(self) -> Path:
@@ -86,9 +93,19 @@ JAX_TESTS = pytest_step(
 )
 KIT_SMOKE = ("attnspec", "verify", "--backend", "jax,pallas,mosaic", "--cases", "fpa/shapes/0")
 # The Flax NNX modules and their example on current Flax (flax 0.12.10+ needs JAX 0.11.1+).
-NNX_TESTS = pytest_step(
-    "tests/test_jax_init.py", "tests/test_jax_nnx.py", "tests/test_nnx_example.py"
-)
+NNX_FILES = ("tests/test_jax_init.py", "tests/test_jax_nnx.py", "tests/test_nnx_example.py")
+NNX_TESTS = pytest_step(*NNX_FILES)
+REFERENCE_FILES = ("tests/test_fpa.py", "tests/test_interdomain.py", "tests/test_theory.py")
+# The torch backend on the newest torch: ops (FoX against flash-linear-attention's naive
+# reference, so fla-core's range too), custom ops, modules, decode and paged sessions.
+TORCH_FILES = tuple(
+    f"tests/test_{name}.py"
+    for name in (
+        "torch_cpu_ops", "torch_decode", "torch_fpa", "torch_host_reads", "torch_interdomain",
+        "torch_library", "torch_modules", "torch_paged", "torch_state_sessions", "torch_window",
+        "launches", "serving_example",
+    )
+)  # fmt: skip
 
 
 def first_cases() -> tuple[str, ...]:
@@ -99,6 +116,15 @@ def first_cases() -> tuple[str, ...]:
 
     return tuple(i for i in cases.case_ids(sorted(cases.FAMILIES)) if i.endswith("/0"))
 
+
+# What the newest leg installs: every extra a user can want ("all": torch, jax, flax, hf, plots)
+# and the test and benchmark tools (fla-core, the peer of some tests); the docs' are left out.
+NEWEST_EXTRAS = "all,bench,test"
+# The versions printed after the newest leg's install (all of them go to newest-versions.txt).
+NEWEST_SHOWN = (
+    "torch", "triton", "jax", "jaxlib", "flax", "optax", "numpy", "scipy", "transformers",
+    "safetensors", "accelerate", "fla-core", "einops", "matplotlib", "absl-py",
+)  # fmt: skip
 
 LEGS = (
     Leg(
@@ -145,6 +171,25 @@ LEGS = (
         ("numpy==2.5.2", "scipy==1.17.1", *TEST_TOOLS),
         (("reference tests", pytest_step("tests/test_fpa.py", "tests/test_interdomain.py")),),
     ),
+    Leg(
+        # Python 3.13: the newest that pyenv has here; every extra's range resolves on it as
+        # on 3.12, to the same versions (docs/decisions.md, "Supported versions").
+        "newest",
+        "3.13",
+        (),
+        (
+            ("transformers models", pytest_step("tests/test_hf_models.py", stop=False)),
+            ("Flax NNX modules and example", pytest_step(*NNX_FILES, stop=False)),
+            ("torch backend tests", pytest_step(*TORCH_FILES, stop=False)),
+            ("reference and theory tests", pytest_step(*REFERENCE_FILES, stop=False)),
+            (
+                "kit smoke: numpy, torch, jax (first case of every family)",
+                ("attnspec", "verify", "--backend", "numpy,torch,jax", "--cases", *first_cases()),
+            ),
+        ),
+        (("TRITON_INTERPRET", "1"),),
+        extras=NEWEST_EXTRAS,
+    ),
 )
 
 
@@ -163,26 +208,80 @@ def interpreter(version: str) -> list[str]:
     raise SystemExit(f"matrix: no Python {version} (neither pyenv nor python{version} starts)")
 
 
+def index_only_env() -> dict[str, str]:
+    """The environment for an install that sees only the package index, as a user's fresh
+    machine does: no pip configuration file (constraints, find-links, extra indexes) and none of
+    those settings from the environment; the index itself (PIP_INDEX_URL), certificates and
+    timeouts are kept."""
+    env = dict(os.environ, PIP_CONFIG_FILE=os.devnull)
+    for name in ("PIP_CONSTRAINT", "PIP_FIND_LINKS", "PIP_EXTRA_INDEX_URL", "PIP_NO_INDEX"):
+        env.pop(name, None)
+    env.pop("VIRTUAL_ENV", None)
+    return env
+
+
 def prepare(leg: Leg, log: Path) -> bool:
-    """Create the leg's venv (or reuse it while its pins are unchanged); False on failure."""
+    """Create the leg's venv (or reuse it while its pins are unchanged; a leg with extras is
+    created anew every time); False on failure."""
     stamp = leg.venv / ".matrix-pins"
     wanted = "\n".join(leg.pins) + "\n"
-    if stamp.is_file() and stamp.read_text() == wanted:
+    if not leg.extras and stamp.is_file() and stamp.read_text() == wanted:
         return True
     shutil.rmtree(leg.venv, ignore_errors=True)
+    (BASE / f"{leg.name}-versions.txt").unlink(missing_ok=True)
     pip = [str(leg.venv / "bin" / "python"), "-m", "pip", "install", "-q"]
-    for command in (
-        [*interpreter(leg.python), "-m", "venv", str(leg.venv)],
-        [*pip, *leg.pins],
-        [*pip, "--no-deps", "--no-build-isolation", "-e", str(ROOT)],
-    ):
+    venv = [*interpreter(leg.python), "-m", "venv", str(leg.venv)]
+    if leg.extras:
+        commands = [venv, [*pip, "-e", f"{ROOT}[{leg.extras}]"]]
+        env = index_only_env()
+    else:
+        project = [*pip, "--no-deps", "--no-build-isolation", "-e", str(ROOT)]
+        commands, env = [venv, [*pip, *leg.pins], project], None
+    for command in commands:
         with log.open("a") as out:
             out.write("$ " + " ".join(command) + "\n")
             out.flush()
-            if subprocess.run(command, stdout=out, stderr=subprocess.STDOUT).returncode:
+            done = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+            if done.returncode:
                 return False
+    if leg.extras:
+        return record_versions(leg, log)
     stamp.write_text(wanted)
     return True
+
+
+def record_versions(leg: Leg, log: Path) -> bool:
+    """Write every version the leg's install resolved to build/matrix/<leg>-versions.txt and
+    print the main ones; False when pip cannot list them."""
+    python = str(leg.venv / "bin" / "python")
+    listing = subprocess.run(
+        [python, "-m", "pip", "list", "--format=freeze"],
+        capture_output=True, text=True, env=index_only_env(),
+    )  # fmt: skip
+    version = subprocess.run(
+        [python, "-c", "import platform; print(platform.python_version())"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    if listing.returncode or version.returncode:
+        with log.open("a") as out:
+            out.write(listing.stdout + listing.stderr + version.stderr)
+        return False
+    day = time.strftime("%Y-%m-%d")
+    header = f"# Python {version.stdout.strip()}; pip install -e '.[{leg.extras}]', {day}\n"
+    (BASE / f"{leg.name}-versions.txt").write_text(header + listing.stdout)
+    print(f"matrix {leg.name}: {resolved(leg)}", flush=True)
+    return True
+
+
+def resolved(leg: Leg) -> str:
+    """The Python and the main versions that ``leg``'s last install resolved ("" if none)."""
+    path = BASE / f"{leg.name}-versions.txt"
+    if not path.is_file():
+        return ""
+    header, *lines = path.read_text().splitlines()
+    pins = dict(line.split("==", 1) for line in lines if "==" in line)
+    shown = " ".join(f"{name}=={pins[name]}" for name in NEWEST_SHOWN if name in pins)
+    return f"{header.split(';')[0].lstrip('# ')}; resolved {shown}"
 
 
 def run_leg(leg: Leg) -> list[tuple[str, str, float, int]]:
@@ -241,12 +340,14 @@ def main(argv: list[str] | None = None) -> int:
     legs = [leg for leg in LEGS if not names or leg.name in names]
     if args.list:
         for leg in legs:
-            print(f"{leg.name}: Python {leg.python}; " + " ".join(leg.pins))
+            what = " ".join(leg.pins) or f"pip install -e '.[{leg.extras}]' (unpinned)"
+            print(f"{leg.name}: Python {leg.python}; {what}")
             for label, step in leg.steps:
                 print(f"    {label}: {' '.join(step)}")
         return 0
     results = {leg.name: run_leg(leg) for leg in legs}
     lines = table(results)
+    lines += [f"\n{leg.name}: {resolved(leg)}" for leg in legs if leg.extras and resolved(leg)]
     (BASE / "matrix.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     failed = [f"{n}: {s}" for n, rows in results.items() for s, st, _, _ in rows if st != "ok"]

@@ -12,7 +12,7 @@ RoPE), trained here:
 Every model is then decoded with its cache compressed by each method of :mod:`.presses` at
 matched budgets (kept fractions of about 100, 75, 50, 25 and 10%): FPA's own eviction at depth
 >= theta for the models with a field (FPA and FoX; theta swept, the kept fraction measured),
-StreamingLLM's sinks + window, H2O's heavy hitters, kvpress's threshold press over key norms
+StreamingLLM's sinks + window, H2O's heavy hitters, kvpress's DMSPress over key norms
 (thresholds calibrated to the fraction) and SnapKV (a prompt method: the context is prefilled
 with the full cache, then compressed once). Metrics: passkey accuracy at 1x, 2x, 4x, 8x L
 (the budget a fraction of each length); per-byte perplexity of held-out text over [0, L),

@@ -19,7 +19,7 @@ transformers older than the project's):
   generative inference"): half the budget for the most recent keys, half for the keys with the
   largest attention received so far; token by token, the key with the least accumulated
   attention outside the recent half is dropped when the cache exceeds C.
-- :class:`KnormThreshold`: kvpress's ThresholdPress over its KnormPress scorer (Devoto et al.
+- :class:`KnormThreshold`: kvpress's DMSPress over its KnormPress scorer (Devoto et al.
   2024, "A simple and effective L2 norm-based strategy for KV cache compression"): a key that
   leaves a sliding window of ``window`` tokens is dropped when its score -||k_j|| is below a
   per-layer threshold. The thresholds are set on calibration sequences to a target fraction;
@@ -227,7 +227,7 @@ class HeavyHitter(Press):
 
 
 class KnormThreshold(Press):
-    """kvpress's ThresholdPress(KnormPress): keys leaving the last ``window`` tokens are dropped
+    """kvpress's DMSPress(KnormPress): keys leaving the last ``window`` tokens are dropped
     when -||k_j|| < the layer's threshold (``thresholds[layer]``, from :func:`calibrate_knorm`)."""
 
     name = "knorm_threshold"

@@ -162,6 +162,19 @@ def test_labelled_equations_sit_beside_code_that_cites_them(page):
     assert expected <= tagged, f"{page}: not beside code: {sorted(expected - tagged)}"
 
 
+def test_the_all_extra_installs_every_extra_a_user_can_want():
+    """pip install ".[all]" (README's Install section) brings every extra but the developers'
+    (test, docs, bench), hf and flax included; the README names the ones it adds."""
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as fh:
+        extras = tomllib.load(fh)["project"]["optional-dependencies"]
+    (everything,) = extras["all"]
+    named = set(re.fullmatch(r"attnspec\[([a-z,]+)\]", everything)[1].split(","))
+    assert named == set(extras) - {"all", "test", "docs", "bench"}
+    install = read("README.md").split("## Install", 1)[1].split("\n## ", 1)[0]
+    for extra in ("torch", "jax", "flax", "hf", "all"):
+        assert f'pip install ".[{extra}]"' in install, extra
+
+
 def test_readme_example_runs():
     (block,) = python_blocks("README.md", title="")
     namespace = {}

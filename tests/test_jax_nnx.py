@@ -178,6 +178,21 @@ def test_bad_input_is_a_value_error_naming_the_argument(make):
         make(D, H, 4, param_dtype=jnp.int32, rngs=nnx.Rngs(0))
 
 
+@pytest.mark.parametrize("make", [FirstPassageAttention, InterdomainAttention])
+def test_float64_parameters_without_64_bit_mode_say_so(make):
+    with jax.enable_x64(False):
+        with pytest.raises(ValueError, match=r"param_dtype: float64 needs JAX's 64-bit mode"):
+            make(D, H, 4, param_dtype=jnp.float64, rngs=nnx.Rngs(0))
+
+
+def test_a_float64_layer_called_without_64_bit_mode_says_so():
+    layer = FirstPassageAttention(D, H, 4, param_dtype=jnp.float64, rngs=nnx.Rngs(0))
+    x = np.asarray(inputs(jnp.float64))
+    with jax.enable_x64(False):
+        with pytest.raises(ValueError, match=r"x: the layer's param_dtype is float64 and JAX's"):
+            layer(x)
+
+
 def test_load_params_takes_the_reference_dict():
     params = ref_fpa.init_fpa_params(D, H, DK, DV, seed=2)
     layer = FirstPassageAttention(D, H, DK, DV, param_dtype=jnp.float64, rngs=nnx.Rngs(0))

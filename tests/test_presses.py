@@ -5,6 +5,8 @@ method's rule, and the paged decode session's stored counts."""
 from __future__ import annotations
 
 import math
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -127,6 +129,16 @@ def test_knorm_threshold_by_a_loop():
     for i in range(21):
         live = [j for j in range(i + 1) if i - j < 3 or -norms[j] >= -1.5]
         assert keep[1, 0, i].nonzero().flatten().tolist() == live
+
+
+def test_the_knorm_press_is_cited_by_kvpress_current_name():
+    """kvpress 0.5 calls its threshold press over a scorer DMSPress (kvpress/presses/dms_press.py);
+    the experiments and the docs cite that name, not an older one."""
+    root = Path(__file__).resolve().parents[1]
+    assert "kvpress's DMSPress(KnormPress)" in presses.KnormThreshold.__doc__
+    files = [*root.joinpath("experiments").glob("*.py"), *root.joinpath("docs").glob("*.md")]
+    cited = [f.name for f in files if re.search(r"ThresholdPress|threshold press", f.read_text())]
+    assert not cited, cited
 
 
 def test_snapkv_by_a_loop():

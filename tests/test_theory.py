@@ -2,6 +2,7 @@
 
 import json
 import os
+import sys
 from unittest import mock
 
 import numpy as np
@@ -202,6 +203,18 @@ def test_command_prints_table_writes_json_and_plots(tmp_path, capsys):
     for name in pngs:
         with open(tmp_path / "plots" / name, "rb") as fh:
             assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plots_without_matplotlib_say_so_before_the_checks_run(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib: ImportError
+    ran = []
+    monkeypatch.setitem(CHECKS, "H10", lambda: ran.append("H10"))
+    with pytest.raises(SystemExit) as exit_:
+        main(["--only", "H10", "--plots", str(tmp_path / "plots")])
+    assert exit_.value.code == 2 and not ran
+    err = capsys.readouterr().err
+    assert "--plots needs matplotlib" in err and "'.[plots]'" in err
+    assert not (tmp_path / "plots").exists()
 
 
 def test_command_exit_code_on_failure(monkeypatch, capsys):

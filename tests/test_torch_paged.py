@@ -373,6 +373,11 @@ def test_bad_input_names_the_argument_and_changes_nothing():
     bad = [
         (lambda: s.advance({**ok, "q": ok["q"][:1]}, torch.ones(2, 3, dtype=torch.bool)), "q"),
         (lambda: s.advance(ok, torch.ones(2, 4, dtype=torch.bool)), "present"),
+        # q as [R, n, HQ, dk] (the layers' [B, T, N, d] order): q is named, with its layout
+        (
+            lambda: s.advance({**ok, "q": ok["q"].transpose(1, 2)}, torch.ones(2, 3, dtype=bool)),
+            r"^q: expected shape \(2, 2, n, 4\) \(\(rows, heads, n, dim\).*got \(2, 3, 2, 4\)",
+        ),
         (lambda: s.advance(ok, torch.ones(2, 3)), "present"),
         (lambda: s.advance({**ok, "k": ok["k"].double()}, torch.ones(2, 3, dtype=torch.bool)), "k"),
         (lambda: s.advance(big, torch.ones(2, 9, dtype=torch.bool)), "max_pages"),

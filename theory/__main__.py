@@ -18,6 +18,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plots", metavar="DIR", help="write the teaching figures (PNG) here")
     parser.add_argument("--only", nargs="+", metavar="ID", help="run only these checks")
     args = parser.parse_args(argv)
+    if args.plots:
+        from .plots import require_matplotlib
+
+        try:
+            require_matplotlib()
+        except ImportError as exc:
+            parser.error(str(exc))
     try:
         results = run_checks(args.only)
     except ValueError as exc:

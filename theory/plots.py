@@ -21,14 +21,21 @@ if TYPE_CHECKING:  # matplotlib is the optional 'plots' extra
     from matplotlib.figure import Figure
 
 
-def _pyplot() -> ModuleType:
+def require_matplotlib() -> ModuleType:
+    """matplotlib, or an ImportError that says how to install it (the command calls this before
+    it runs the checks, so that a missing extra is not found only after them)."""
     try:
         import matplotlib
-    except ImportError:  # pragma: no cover - exercised only without the extra
+    except ImportError:
         raise ImportError(
             "attnspec theory --plots needs matplotlib: pip install matplotlib, or from the "
             "attnspec checkout pip install '.[plots]'"
         ) from None
+    return matplotlib
+
+
+def _pyplot() -> ModuleType:
+    matplotlib = require_matplotlib()
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

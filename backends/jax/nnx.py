@@ -101,6 +101,11 @@ class _Layer(nnx.Module):
         return {name: getattr(self, name).get_value() for name in self._names}
 
     def _check_x(self, x: object) -> jax.Array:
+        if self.param_dtype == jnp.float64 and _x64_off():
+            raise ValueError(
+                "x: the layer's param_dtype is float64 and JAX's 64-bit mode is off at this "
+                f"call (it was on when the layer was built): {_X64_HOW}"
+            )
         x = check.array("x", x, 3, meaning="[B, T, d_model]")
         if x.shape[-1] != self.d_model:
             raise ValueError(f"x: expected width d_model = {self.d_model}, got shape {x.shape}")
@@ -395,10 +400,24 @@ class InterdomainAttention(_Layer):
         return jnp.dtype(state.conv_q.dtype)
 
 
+# JAX makes float32 arrays when asked for float64 while its 64-bit mode is off
+_X64_HOW = (
+    "turn it on with jax.config.update('jax_enable_x64', True) (or JAX_ENABLE_X64=1, or inside "
+    "`with jax.enable_x64(True):`), or use param_dtype=float32"
+)
+
+
+def _x64_off() -> bool:
+    """JAX's 64-bit mode is off here (process-wide or in the enclosing ``jax.enable_x64``)."""
+    return jax.dtypes.canonicalize_dtype(jnp.float64) != jnp.float64
+
+
 def _param_dtype(dtype: DTypeLike) -> jnp.dtype:
     dtype = jnp.dtype(dtype)
     if dtype not in check.WIDE:
         raise ValueError(f"param_dtype: expected float32 or float64, got {dtype}")
+    if dtype == jnp.float64 and _x64_off():
+        raise ValueError(f"param_dtype: float64 needs JAX's 64-bit mode, which is off: {_X64_HOW}")
     return dtype
 
 

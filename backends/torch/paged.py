@@ -279,10 +279,16 @@ class PagedFPASession:
         missing = {"q", "k", "v", "field", "level"} - set(inputs)
         if missing:
             raise ValueError(f"inputs: missing {sorted(missing)}")
+        # q first: the chunk's n is read from q, so a q in another layout is named as q
+        q = checks.tensor("q", inputs["q"], 4, (self.dtype,), "in the session's layout and dtype")
+        if (q.shape[0], q.shape[1], q.shape[3]) != (R, HQ, self.dk):
+            raise ValueError(
+                f"q: expected shape ({R}, {HQ}, n, {self.dk}) ((rows, heads, n, dim) of the "
+                f"session, n the chunk's length), got {tuple(q.shape)}"
+            )
+        n = q.shape[2]
         checks.tensor("present", present, 2, (torch.bool,), "(R, n) bool")
-        q = inputs["q"]
-        n = q.shape[2] if isinstance(q, Tensor) and q.dim() == 4 else present.shape[1]
-        checks.shape("present", present, (R, n), "(rows, n of the chunk)")
+        checks.shape("present", present, (R, n), "(rows, n of q)")
         expected = {
             "q": (R, HQ, n, self.dk),
             "k": (R, H, n, self.dk),
