@@ -21,6 +21,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+import model_outputs  # noqa: E402
+
 import attnspec.models as M  # noqa: E402
 from attnspec.conformance.tolerances import TOLERANCES  # noqa: E402
 from attnspec.models.modeling import CACHE_NAME  # noqa: E402
@@ -89,6 +91,28 @@ def test_the_auto_classes_build_every_kind(kind):
     model = transformers.AutoModelForCausalLM.from_config(config)
     assert type(model) is M.MODELS[type(config)][1]
     assert type(transformers.AutoModel.from_config(config)) is M.MODELS[type(config)][0]
+
+
+@pytest.mark.parametrize("name", sorted(model_outputs.CASES))
+def test_the_models_reproduce_their_saved_outputs(name):
+    """Weights and outputs saved in tests/data/models (tests/model_outputs.py: FPA with GQA and
+    eviction, FPA_FOX with a window, FoX with GQA and a window, Interdomain, hybrids, float64
+    and bfloat16; the forward, a left-padded batch, prefill then steps, a crop, greedy
+    generation, the cache's bytes and fractions): the checkpoints load with from_pretrained
+    and give the saved outputs bit for bit on the torch and CPU kernels that wrote them (float
+    sums depend on the vector kernels); elsewhere token ids and counts are equal and logits
+    within the kit's output tolerance of their dtype."""
+    want, platform = model_outputs.saved(name)
+    got = model_outputs.outputs(model_outputs.load(name))
+    assert sorted(got) == sorted(want)
+    here = model_outputs.platform()
+    bits = all(platform[k] == here[k] for k in ("torch", "cpu_capability"))
+    for key in sorted(want):
+        if bits or not want[key].is_floating_point() or not want[key].numel():
+            assert torch.equal(got[key], want[key]), key
+        else:
+            tolerance = TOLERANCES[(str(want[key].dtype).removeprefix("torch."), "output")]
+            assert normwise(got[key].double(), want[key].double()) <= tolerance, key
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
