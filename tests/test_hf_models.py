@@ -183,12 +183,17 @@ def test_the_cache_reaches_the_model_under_either_name():
 
 
 def _attention_inputs(layer, x):
-    """q, k, v, field, level of an FPA layer for x [1, T, d], in the reference's layout."""
-    q, k, v = layer.qkv(x)
-    delta, lam = layer.increments(x)
+    """q, k, v, field, level of an FPA or FoX layer for x [1, T, d] from its projections
+    (spec/fpa.md section 3), in the reference's layout."""
+    HQ, H, dk = layer.n_heads, layer.n_kv_heads, layer.head_dim
+    q = layer.q_proj(x).unflatten(-1, (HQ, dk))
+    k, v = (p(x).unflatten(-1, (H, dk)) for p in (layer.k_proj, layer.v_proj))
+    delta = layer.f_proj(x)
+    if layer.kind != "FPA":
+        delta = torch.nn.functional.logsigmoid(delta)
+    lam = layer.lam_proj(x) if layer.kind != "FOX" else torch.zeros_like(delta)
     field = delta.cumsum(dim=1)
-    G = layer.num_heads // layer.num_kv_heads
-    k, v = (t.repeat_interleave(G, dim=2) for t in (k, v))
+    k, v = (t.repeat_interleave(HQ // H, dim=2) for t in (k, v))
     arrays = [t.transpose(1, 2).double().numpy() for t in (q, k, v)]
     return (*arrays, *(t.transpose(1, 2).double().numpy() for t in (field, field + lam)))
 
