@@ -98,10 +98,11 @@ def test_the_models_reproduce_their_saved_outputs(name):
     """Weights and outputs saved in tests/data/models (tests/model_outputs.py: FPA with GQA and
     eviction, FPA_FOX with a window, FoX with GQA and a window, Interdomain, hybrids, float64
     and bfloat16; the forward, a left-padded batch, prefill then steps, a crop, greedy
-    generation, the cache's bytes and fractions): the checkpoints load with from_pretrained
-    and give the saved outputs bit for bit on the torch and CPU kernels that wrote them (float
-    sums depend on the vector kernels); elsewhere token ids and counts are equal and logits
-    within the kit's output tolerance of their dtype."""
+    generation, the cache's bytes and fractions): the checkpoints, written by the models before
+    their FPA and FoX mixers became FirstPassageAttention, load with from_pretrained (the same
+    parameter names and layouts) and give the saved outputs bit for bit on the torch and CPU
+    kernels that wrote them (float sums depend on the vector kernels); elsewhere token ids and
+    counts are equal and logits within the kit's output tolerance of their dtype."""
     want, platform = model_outputs.saved(name)
     got = model_outputs.outputs(model_outputs.load(name))
     assert sorted(got) == sorted(want)
