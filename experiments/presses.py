@@ -89,7 +89,7 @@ def attention_inputs(mixer: torch.nn.Module, h: Tensor) -> AttentionInputs:
     if isinstance(mixer, FirstPassageAttention):
         q, k, v, delta, offset = mixer._projections(h)
         field = torch.cumsum(delta, dim=1).transpose(1, 2)  # [B, H, T]
-        level = field + offset.transpose(1, 2)
+        level = field if offset is None else field + offset.transpose(1, 2)
         depth = descent_depth(field, level)
         s = softmax_scale(mixer.scale, mixer.head_dim)
         bias, wo = -depth, mixer.wo

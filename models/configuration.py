@@ -32,6 +32,8 @@ from typing import Any, ClassVar, NamedTuple
 
 from transformers import PretrainedConfig
 
+from attnspec.reference.validation import nonnegative_int, positive_int, scalar
+
 LAYER_KINDS = ("FPA", "FPA_FOX", "FOX", "ID")
 FORGET_GATE_KINDS = ("FPA", "FPA_FOX", "FOX")
 
@@ -64,12 +66,6 @@ class Sizes(NamedTuple):
     kv_heads: int
     head_dim: int
     mlp: int
-
-
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}: expected a positive integer, got {value!r}")
-    return value
 
 
 class AttnSpecConfig(PretrainedConfig):
@@ -135,11 +131,11 @@ class AttnSpecConfig(PretrainedConfig):
                     raise ValueError(f"{alias}: {value!r}, but {name} (the same field) = {given!r}")
                 setattr(self, name, value)
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_heads", "id_modes"):
-            _positive_int(name, getattr(self, name))
+            positive_int(name, getattr(self, name))
         pattern = self.layer_pattern or self.default_layer_pattern
         parse_layer_pattern(pattern, self.num_hidden_layers)
         self.layer_pattern = pattern
-        self.num_kv_heads = _positive_int("num_kv_heads", self.num_kv_heads or self.num_heads)
+        self.num_kv_heads = positive_int("num_kv_heads", self.num_kv_heads or self.num_heads)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_kv_heads: {self.num_kv_heads} does not divide num_heads = {self.num_heads}"
@@ -149,24 +145,19 @@ class AttnSpecConfig(PretrainedConfig):
                 f"num_heads: {self.num_heads} does not divide hidden_size = {self.hidden_size}"
                 " (or give head_dim)"
             )
-        self.head_dim = _positive_int(
+        self.head_dim = positive_int(
             "head_dim", self.head_dim or self.hidden_size // self.num_heads
         )
         if self.window_size is not None:
-            _positive_int("window_size", self.window_size)
-        theta = self.theta
-        if isinstance(theta, bool) or not isinstance(theta, int | float) or not theta > 0:
-            raise ValueError(f"theta: expected a positive number (or inf), got {theta!r}")
-        self.theta = float(theta)
-        W = self.max_rollback
-        if isinstance(W, bool) or not isinstance(W, int) or W < 0:
-            raise ValueError(f"max_rollback: expected an integer >= 0, got {W!r}")
+            positive_int("window_size", self.window_size)
+        self.theta = scalar("theta", self.theta, positive=True, allow_inf=True)  # inf: none
+        self.max_rollback = nonnegative_int("max_rollback", self.max_rollback)
         if self.id_readout not in ("linear", "ratio"):
             raise ValueError(f"id_readout: expected 'linear' or 'ratio', got {self.id_readout!r}")
         if self.intermediate_size is None:
-            ratio = _positive_int("hidden_ratio", self.hidden_ratio)
+            ratio = positive_int("hidden_ratio", self.hidden_ratio)
             self.intermediate_size = 256 * math.ceil(int(self.hidden_size * ratio * 2 / 3) / 256)
-        _positive_int("intermediate_size", self.intermediate_size)
+        positive_int("intermediate_size", self.intermediate_size)
         super().__post_init__(**kwargs)
 
     @property

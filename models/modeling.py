@@ -2,23 +2,26 @@
 
 A model is embeddings, ``num_hidden_layers`` pre-norm residual blocks (a token mixer of the
 layer's kind, then a SwiGLU MLP), a final RMSNorm and the LM head, as flash-linear-attention's
-Forgetting Transformer. The mixers are built from :mod:`attnspec.backends.torch` (Triton kernels
-on CUDA, the eager ops elsewhere):
+Forgetting Transformer. The mixers are the layers of :mod:`attnspec.backends.torch` (Triton
+kernels on CUDA, the eager ops elsewhere):
 
-- :class:`ForgetGateAttention` for the ``FPA``, ``FPA_FOX`` and ``FOX`` kinds: projections q, k,
-  v (GQA: ``num_kv_heads``), per query head a field increment and, for FPA, a key offset
-  (spec/fpa.md section 3); the parallel path calls ``fpa_attention`` / ``fox_attention``.
+- ``FPA``, ``FPA_FOX``, ``FOX``: :class:`ForgetGateAttention`, the torch backend's
+  :class:`~attnspec.backends.torch.FirstPassageAttention` (GQA: ``num_kv_heads``; the window;
+  FOX without key offsets: (F6)) with its weights under transformers' names (see the class).
 - ``ID``: :class:`~attnspec.backends.torch.InterdomainAttention` (I8)-(I14).
 
 The cache (:class:`~.cache.AttnSpecCache`) is given as ``cache=`` or ``past_key_values=`` (the
 names of transformers from 5.24 and before it) and returned under the installed transformers'
-name; generate() builds one by default (``_prepare_cache_for_generation``). A forward with the
-cache that raises in a block leaves every layer of the cache as it was, and its ValueError
+name; generate() builds one by default (``_prepare_cache_for_generation``). Each block calls its
+cache layer (``advance``, as transformers' attention modules call ``update``), handing it the
+mixer's ``open_session`` for the first chunk; the cache never calls the model. A forward with
+the cache that raises in a block leaves every layer of the cache as it was, and its ValueError
 names the layer.
 
-Padding: a 2-D ``attention_mask`` (1 = token, 0 = padding, left or right) packs the tokens of
-every row into one sequence with ``cu_seqlens``, so padded positions are not tokens (F8 rows): no
-key, no field update, output 0, exactly what the decode sessions do with absent positions.
+Padding: a 2-D ``attention_mask`` (1 = token, 0 = padding, left or right) becomes a
+:class:`~attnspec.backends.torch.padding.Padding`: the layers pack the tokens of every row into
+one sequence with ``cu_seqlens``, so padded positions are not tokens (F8 rows): no key, no field
+update, output 0, exactly what the decode sessions do with absent positions.
 """
 
 from __future__ import annotations
@@ -32,9 +35,12 @@ from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
 from transformers.generation import GenerationMode
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
-from attnspec.backends.torch import InterdomainAttention, fox_attention, fpa_attention
+from attnspec.backends.torch import FirstPassageAttention, InterdomainAttention
+from attnspec.backends.torch.modules import Device, FPALayerSession
+from attnspec.backends.torch.padding import Padding
+from attnspec.backends.torch.state_sessions import InterdomainLayerStep, StateSession
 
-from .cache import AttnSpecCache, ForgetGateSessionLayer, InterdomainSessionLayer
+from .cache import AttnSpecCache
 from .configuration import (
     AttnSpecConfig,
     FoXConfig,
@@ -42,7 +48,6 @@ from .configuration import (
     HybridConfig,
     InterdomainConfig,
 )
-from .packing import Packing
 
 # transformers 5.24 renamed the cache past_key_values -> cache, in generate()'s model inputs and
 # in its output classes (the old name warns there): the models answer in the installed name.
@@ -67,61 +72,64 @@ def draft_length(generation_config: GenerationConfig, mode: GenerationMode) -> i
     return int(lookup or generation_config.num_assistant_tokens or 0)
 
 
-class ForgetGateAttention(nn.Module):
-    """FPA / FoX attention of one layer: x [B, T, d] -> [B, T, d].
+# the reference's weight -> the nn.Linear holding it (transformers' and fla's names)
+LINEAR = {
+    "wq": "q_proj",
+    "wk": "k_proj",
+    "wv": "v_proj",
+    "wo": "o_proj",
+    "w_delta": "f_proj",  # field increments (fla's forget gate), with its bias b_delta
+    "w_lam": "lam_proj",  # key offsets, with b_lam
+}
 
-    Per query head h: field increments delta_t (``FPA``: signed, ``w x_t + b``; ``FPA_FOX`` and
-    ``FOX``: logsigmoid of it, <= 0), phi = cumsum(delta) over the row's tokens in float32 (or
-    wider), and for FPA key levels l_j = phi_j + lam_j with key offsets lam_j = w' x_j + b'
-    (``FPA_FOX`` starts with lam = 0: the FoX-initialised layer). ``FOX`` is (F6): field = level =
-    phi, computed by ``fox_attention``.
+
+class ForgetGateAttention(FirstPassageAttention):
+    """The ``FPA``, ``FPA_FOX`` and ``FOX`` layers: the torch backend's
+    :class:`~attnspec.backends.torch.FirstPassageAttention` (its forward, padding, GQA, window,
+    FoX kind and decode session) with its weights as ``nn.Linear`` modules under the names of
+    transformers and flash-linear-attention (``LINEAR``: q_proj, k_proj, v_proj, o_proj,
+    f_proj and, but for FOX, lam_proj; weights [out, in]): the checkpoints keep those names and
+    the products are ``nn.Linear``'s (x @ W.T of a transposed copy rounds differently, and
+    PEFT's adapters replace the modules). ``FPA``: signed increments; ``FPA_FOX``: logsigmoid
+    increments, key offsets starting at 0; ``FOX``: logsigmoid increments, no key offsets (F6).
     """
 
     def __init__(self, config: AttnSpecConfig, kind: str):
-        super().__init__()
         d, HQ, H, dk, _ = config.sizes
-        self.kind, self.num_heads, self.num_kv_heads, self.head_dim = kind, HQ, H, dk
-        self.window_size = config.window_size
-        self.q_proj = nn.Linear(d, HQ * dk, bias=False)
-        self.k_proj = nn.Linear(d, H * dk, bias=False)
-        self.v_proj = nn.Linear(d, H * dk, bias=False)
-        self.o_proj = nn.Linear(HQ * dk, d, bias=False)
-        self.f_proj = nn.Linear(d, HQ, bias=True)  # field increments (fla's forget gate)
-        self.lam_proj = nn.Linear(d, HQ, bias=True) if kind != "FOX" else None  # key offsets
-
-    def qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """q [B, T, HQ, dk], k and v [B, T, H, dk]."""
-        B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
-        return q, k, v
-
-    def increments(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """(delta, lam) [B, T, HQ] in float32 or wider: field increments and key offsets."""
-        wide = torch.promote_types(x.dtype, torch.float32)
-        delta = self.f_proj(x).to(wide)
-        if self.kind != "FPA":
-            delta = F.logsigmoid(delta)  # FoX's log forget gate, <= 0
-        lam = torch.zeros_like(delta) if self.lam_proj is None else self.lam_proj(x).to(wide)
-        return delta, lam
-
-    def forward(self, x: Tensor, packing: Packing) -> Tensor:
-        """The parallel layer; ``packing`` says which positions are tokens."""
-        q, k, v = self.qkv(x)
-        delta, lam = self.increments(x)
-        window: dict[str, Any] = (
-            {} if self.window_size is None else {"window_size": self.window_size}
+        super().__init__(
+            d,
+            HQ,
+            dk,
+            n_kv_heads=H,
+            increments="signed" if kind == "FPA" else "logsigmoid",
+            key_offsets=kind != "FOX",
+            window=config.window_size,
         )
-        if self.kind == "FOX":
-            q, k, v, log_f = (packing.pack(t) for t in (q, k, v, delta))
-            o = fox_attention(q, k, v, log_f, cu_seqlens=packing.cu_seqlens, **window)
-        else:
-            field = (delta * packing.present[..., None]).cumsum(dim=1)  # phi of each row
-            q, k, v, field, level = (packing.pack(t) for t in (q, k, v, field, field + lam))
-            o = fpa_attention(q, k, v, field, level, cu_seqlens=packing.cu_seqlens, **window)
-        o = packing.unpack(o.flatten(-2))  # zeros at padding
-        return self.o_proj(o)
+        self.kind = kind
+
+    def _make_parameters(self, device: Device, dtype: torch.dtype | None) -> None:
+        for name, shape in self.parameter_shapes().items():
+            if name in LINEAR:  # weight (d_in, d_out); b_delta and b_lam are the biases
+                d_in, d_out = shape
+                bias = name in ("w_delta", "w_lam")
+                linear = nn.Linear(d_in, d_out, bias=bias, device=device, dtype=dtype)
+                self.add_module(LINEAR[name], linear)
+
+    def _product(self, x: Tensor, name: str) -> Tensor:
+        linear = cast(nn.Linear, getattr(self, LINEAR[name]))
+        if x.dtype == linear.weight.dtype:
+            return cast(Tensor, linear(x))
+        bias = None if linear.bias is None else linear.bias.to(x.dtype)
+        return F.linear(x, linear.weight.to(x.dtype), bias)
+
+    def open_session(self, rows: int, **options: Any) -> FPALayerSession:
+        """The layer's decode session (the cache layer opens it at the first chunk) with the
+        field increments in the weights' dtype, as the forward computes them, and the softmax
+        scale head_dim ** -0.5 the models decode with (the ops' 1/sqrt(head_dim) differs from
+        it by an ulp at some head dims; docs/decisions.md)."""
+        session = super().open_session(rows, wide_field=False, **options)
+        session.attention.scale = self.head_dim**-0.5
+        return session
 
 
 class InterdomainMixer(nn.Module):
@@ -140,9 +148,14 @@ class InterdomainMixer(nn.Module):
             output_norm=config.id_output_norm,
         )
 
-    def forward(self, x: Tensor, packing: Packing) -> Tensor:
-        y = self.layer(packing.pack(x), cu_seqlens=packing.cu_seqlens)
-        return packing.unpack(y)
+    def forward(self, x: Tensor, padding: Padding) -> Tensor:
+        y = self.layer(padding.pack(x), cu_seqlens=padding.cu_seqlens)
+        return padding.unpack(y)
+
+    def open_session(self, rows: int, *, max_rollback: int) -> StateSession:
+        """The layer's state session (I15), in the weights' dtype, on their device."""
+        p = self.layer.wq
+        return StateSession(InterdomainLayerStep(self.layer, p.dtype, p.device), rows, max_rollback)
 
 
 class SwiGLU(nn.Module):
@@ -175,22 +188,13 @@ class AttnSpecBlock(nn.Module):
         self.mlp_norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
         self.mlp = SwiGLU(config)
 
-    def forward(self, x: Tensor, packing: Packing, cache: AttnSpecCache | None = None) -> Tensor:
+    def forward(self, x: Tensor, padding: Padding, cache: AttnSpecCache | None = None) -> Tensor:
         h = self.attn_norm(x)
         if cache is None:
-            h = self.attn(h, packing)
-        else:
-            layer = cache.sessions[self.layer_idx]
-            if isinstance(layer, ForgetGateSessionLayer) and isinstance(
-                self.attn, ForgetGateAttention
-            ):
-                h = layer.advance(self.attn, h, packing.present)
-            elif isinstance(layer, InterdomainSessionLayer) and isinstance(
-                self.attn, InterdomainMixer
-            ):
-                h = layer.advance(self.attn, h, packing.present)
-            else:  # check_model makes this unreachable
-                raise ValueError(f"cache: layer {self.layer_idx} is of another kind")
+            h = self.attn(h, padding=padding)
+        else:  # the cache layer's session (opened by the mixer at the first chunk)
+            layer = cache.session_layers[self.layer_idx]
+            h = layer.advance({"x": h}, padding.present, self.attn.open_session)["y"]
         x = x + h
         return x + self.mlp(self.mlp_norm(x))
 
@@ -215,9 +219,9 @@ class AttnSpecPreTrainedModel(PreTrainedModel):
         elif isinstance(module, nn.RMSNorm):
             nn.init.ones_(module.weight)
         if isinstance(module, ForgetGateAttention) and module.kind == "FPA_FOX":
-            assert module.lam_proj is not None
-            nn.init.zeros_(module.lam_proj.weight)  # levels start on the field: FoX
-            nn.init.zeros_(module.lam_proj.bias)
+            lam = cast(nn.Linear, module.lam_proj)
+            nn.init.zeros_(lam.weight)  # levels start on the field: FoX
+            nn.init.zeros_(lam.bias)
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
@@ -277,17 +281,17 @@ class AttnSpecModel(AttnSpecPreTrainedModel):
                     f"theta: {theta!r}, but the cache given evicts at theta = {cache.theta}"
                     " (set it when making the cache: AttnSpecCache(config, theta=...))"
                 )
-        packing = Packing.from_mask(attention_mask, B, T, x.device)
+        padding = Padding.from_mask(attention_mask, B, T, x.device)
         hidden = [x] if output_hidden_states else None
         cache = cache if use_cache else None
         advanced: list[tuple[Any, dict[str, Any]]] = []  # (cache layer, its state before)
         for i, block in enumerate(self.layers):
-            layer = None if cache is None else cache.sessions[i]
+            layer = None if cache is None else cache.session_layers[i]
             # a block advances its layer only when it succeeds: the last needs no snapshot
             last = i == len(self.layers) - 1
-            before = None if layer is None or last else layer.snapshot(packing.present)
+            before = None if layer is None or last else layer.snapshot(padding.present)
             try:
-                x = block(x, packing, cache)
+                x = block(x, padding, cache)
             except BaseException as error:
                 for done, state in advanced:
                     done.restore(state)

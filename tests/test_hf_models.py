@@ -21,6 +21,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+import model_outputs  # noqa: E402
+
 import attnspec.models as M  # noqa: E402
 from attnspec.conformance.tolerances import TOLERANCES  # noqa: E402
 from attnspec.models.modeling import CACHE_NAME  # noqa: E402
@@ -91,6 +93,29 @@ def test_the_auto_classes_build_every_kind(kind):
     assert type(transformers.AutoModel.from_config(config)) is M.MODELS[type(config)][0]
 
 
+@pytest.mark.parametrize("name", sorted(model_outputs.CASES))
+def test_the_models_reproduce_their_saved_outputs(name):
+    """Weights and outputs saved in tests/data/models (tests/model_outputs.py: FPA with GQA and
+    eviction, FPA_FOX with a window, FoX with GQA and a window, Interdomain, hybrids, float64
+    and bfloat16; the forward, a left-padded batch, prefill then steps, a crop, greedy
+    generation, the cache's bytes and fractions): the checkpoints, written by the models before
+    their FPA and FoX mixers became FirstPassageAttention, load with from_pretrained (the same
+    parameter names and layouts) and give the saved outputs bit for bit on the torch and CPU
+    kernels that wrote them (float sums depend on the vector kernels); elsewhere token ids and
+    counts are equal and logits within the kit's output tolerance of their dtype."""
+    want, platform = model_outputs.saved(name)
+    got = model_outputs.outputs(model_outputs.load(name))
+    assert sorted(got) == sorted(want)
+    here = model_outputs.platform()
+    bits = all(platform[k] == here[k] for k in ("torch", "cpu_capability"))
+    for key in sorted(want):
+        if bits or not want[key].is_floating_point() or not want[key].numel():
+            assert torch.equal(got[key], want[key]), key
+        else:
+            tolerance = TOLERANCES[(str(want[key].dtype).removeprefix("torch."), "output")]
+            assert normwise(got[key].double(), want[key].double()) <= tolerance, key
+
+
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_padded_rows_equal_their_unpadded_forward(kind):
     model = build(kind)
@@ -159,12 +184,17 @@ def test_the_cache_reaches_the_model_under_either_name():
 
 
 def _attention_inputs(layer, x):
-    """q, k, v, field, level of an FPA layer for x [1, T, d], in the reference's layout."""
-    q, k, v = layer.qkv(x)
-    delta, lam = layer.increments(x)
+    """q, k, v, field, level of an FPA or FoX layer for x [1, T, d] from its projections
+    (spec/fpa.md section 3), in the reference's layout."""
+    HQ, H, dk = layer.n_heads, layer.n_kv_heads, layer.head_dim
+    q = layer.q_proj(x).unflatten(-1, (HQ, dk))
+    k, v = (p(x).unflatten(-1, (H, dk)) for p in (layer.k_proj, layer.v_proj))
+    delta = layer.f_proj(x)
+    if layer.kind != "FPA":
+        delta = torch.nn.functional.logsigmoid(delta)
+    lam = layer.lam_proj(x) if layer.kind != "FOX" else torch.zeros_like(delta)
     field = delta.cumsum(dim=1)
-    G = layer.num_heads // layer.num_kv_heads
-    k, v = (t.repeat_interleave(G, dim=2) for t in (k, v))
+    k, v = (t.repeat_interleave(HQ // H, dim=2) for t in (k, v))
     arrays = [t.transpose(1, 2).double().numpy() for t in (q, k, v)]
     return (*arrays, *(t.transpose(1, 2).double().numpy() for t in (field, field + lam)))
 

@@ -154,3 +154,100 @@ def test_zero_order_hold_keeps_float32_precision_for_small_steps():
     got = torch.view_as_complex(b.contiguous()).numpy()
     assert b.dtype == torch.float32
     assert np.max(np.abs(got - want) / np.abs(want)) < 1e-6
+
+
+def reference_layer(x, P, *, kv, increments, key_offsets, window):
+    """The layer of spec/fpa.md section 3 in NumPy with GQA (query head h reads key/value head
+    h // (H / kv)), levels on the field without key offsets, the window of (F3w); FoX (F6) by
+    the reference's direct form (logits plus summed log forget gates)."""
+    H = P["b_delta"].shape[0]
+    dk, dv = P["wq"].shape[1] // H, P["wv"].shape[1] // kv
+
+    def heads(y, n, width):  # (T, n width) -> (H, T, width), kv heads repeated per group
+        return np.repeat(np.swapaxes(y.reshape(-1, n, width), 0, 1), H // n, axis=0)
+
+    q, k, v = heads(x @ P["wq"], H, dk), heads(x @ P["wk"], kv, dk), heads(x @ P["wv"], kv, dv)
+    delta = (x @ P["w_delta"] + P["b_delta"]).T  # (H, T)
+    if increments == "logsigmoid":
+        delta = -np.logaddexp(0.0, -delta)
+    if increments == "logsigmoid" and not key_offsets:
+        o = fpa.fox_attention_direct(q, k, v, delta, window=window)
+    else:
+        field = np.cumsum(delta, axis=-1)
+        level = field + (x @ P["w_lam"] + P["b_lam"]).T if key_offsets else field
+        o = fpa.fpa_attention(q, k, v, field, level, window=window)
+    return np.swapaxes(o, 0, 1).reshape(x.shape[0], H * dv) @ P["wo"]
+
+
+FPA_KINDS = {  # name -> (kv heads, increments, key offsets, window)
+    "gqa": (2, "signed", True, None),
+    "fox": (4, "logsigmoid", False, None),
+    "fox_gqa_window": (2, "logsigmoid", False, 3),
+    "mqa_window": (1, "logsigmoid", True, 4),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(FPA_KINDS))
+def test_fpa_layer_with_kv_heads_fox_and_a_window_against_the_reference(kind):
+    """Key/value heads (GQA, MQA), FoX (no key offsets, logsigmoid increments: the reference's
+    direct FoX) and the (F3w) window, in float64: the forward on a batch with left and right
+    padding (``padding``), and the decode session (prefill, ragged steps) row by row, against
+    the NumPy layer on each row's tokens alone."""
+    from attnspec.backends.torch.padding import Padding
+
+    kv, increments, key_offsets, window = FPA_KINDS[kind]
+    params = fpa.init_fpa_params(16, 4, 4, 3, seed=2)
+    params["b_delta"] = params["b_delta"] - 0.4  # a falling field: descents penalise keys
+    rng = np.random.default_rng(3)
+    params["wk"], params["wv"] = (rng.standard_normal((16, kv * n)) / 4 for n in (4, 3))
+    if not key_offsets:
+        del params["w_lam"], params["b_lam"]
+    layer = FirstPassageAttention.from_reference_params(
+        params, n_kv_heads=kv, increments=increments, key_offsets=key_offsets, window=window
+    )
+    assert (layer.n_kv_heads, layer.fox) == (kv, increments == "logsigmoid" and not key_offsets)
+    mask = torch.ones(3, 11, dtype=torch.bool)
+    mask[1, :4] = False  # left padding
+    mask[2, 8:] = False  # right padding
+    x = torch.from_numpy(rng.standard_normal((3, 11, 16)))
+    want = [reference_layer(x[r][mask[r]].numpy(), params, kv=kv, increments=increments,
+                            key_offsets=key_offsets, window=window) for r in range(3)]  # fmt: skip
+    with torch.no_grad():
+        y = layer(x, padding=Padding(mask))
+        session = layer.open_session(3, max_rollback=1, page_size=4)
+        decoded = [session.advance({"x": x[:, :6]}, mask[:, :6])["y"]]
+        decoded += [session.advance({"x": x[:, t : t + 1]}, mask[:, t : t + 1])["y"]
+                    for t in range(6, 11)]  # fmt: skip
+    decoded = torch.cat(decoded, dim=1)
+    for r in range(3):
+        np.testing.assert_allclose(y[r][mask[r]].numpy(), want[r], rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(decoded[r][mask[r]].numpy(), want[r], rtol=0, atol=1e-10)
+    assert not y[~mask].any() and not decoded[~mask].any()
+    assert session.counts()["stored"].shape == (3, kv)  # k and v once per kv head (F8 gqa)
+
+
+def test_fpa_layer_kinds_refuse_bad_arguments():
+    from attnspec.backends.torch.padding import Padding
+
+    with pytest.raises(ValueError, match="n_kv_heads: expected a divisor of n_heads = 4"):
+        FirstPassageAttention(16, 4, 4, n_kv_heads=3)
+    with pytest.raises(ValueError, match="window: expected an integer >= 1"):
+        FirstPassageAttention(16, 4, 4, window=0)
+    with pytest.raises(ValueError, match="key_offsets: expected True or False"):
+        FirstPassageAttention(16, 4, 4, key_offsets=None)
+    fox = FirstPassageAttention(16, 4, 4, increments="logsigmoid", key_offsets=False, window=3)
+    assert {n for n, _ in fox.named_parameters()} == {"wq", "wk", "wv", "wo", "w_delta", "b_delta"}
+    with pytest.raises(ValueError, match=r"window: the single-stream cache has no \(F3w\)"):
+        fox.new_cache()
+    x = torch.zeros(2, 5, 16)
+    with pytest.raises(ValueError, match=r"padding: give padding .* or cu_seqlens"):
+        fox(
+            x[:1],
+            padding=Padding(torch.ones(1, 5, dtype=torch.bool)),
+            cu_seqlens=torch.tensor([0, 5]),
+        )
+    with pytest.raises(ValueError, match=r"padding: expected a Padding of x's \[B, T\] = \(2, 5\)"):
+        fox(x, padding=Padding(torch.ones(2, 4, dtype=torch.bool)))
+    params = fpa.init_fpa_params(16, 4, 4, 4)
+    with pytest.raises(ValueError, match=r"params\['wk'\]: expected shape \(16, 8\)"):
+        FirstPassageAttention.from_reference_params(params, n_kv_heads=2)

@@ -566,6 +566,35 @@ def test_layer_session_ragged_and_padded(theta):
         torch.testing.assert_close(y["y"][1], want, rtol=0, atol=1e-10)
 
 
+def test_a_copied_layer_session_continues_as_the_original_and_shares_the_layer():
+    """copy.deepcopy of FirstPassageAttention's session (the models' cache undoes a failed chunk
+    from one): the copy holds the decode state, not the weights; both continue alike, and
+    advancing one leaves the other as it was."""
+    import copy
+
+    from attnspec.backends.torch.modules import FirstPassageAttention
+
+    torch.manual_seed(4)
+    layer = FirstPassageAttention(8, 4, 4, n_kv_heads=2, dtype=torch.float64)
+    with torch.no_grad():
+        layer.b_delta.fill_(-0.3)  # a falling field: keys die at theta = 0.7
+    s = layer.open_session(2, theta=0.7, max_rollback=1, page_size=4)
+    x = torch.randn(2, 9, 8, dtype=torch.float64)
+    present = torch.ones(2, 9, dtype=torch.bool)
+    present[1, :2] = False
+    with torch.no_grad():
+        s.advance({"x": x[:, :6]}, present[:, :6])
+        c = copy.deepcopy(s)
+        assert c.layer is layer and c.attention is not s.attention
+        counts = {k: v.clone() for k, v in s.counts().items()}
+        a = c.advance({"x": x[:, 6:]}, present[:, 6:])["y"]
+        assert all(torch.equal(s.counts()[k], v) for k, v in counts.items())
+        b = s.advance({"x": x[:, 6:]}, present[:, 6:])["y"]
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    counts = s.counts()
+    assert (counts["live"] < counts["tokens"][:, None]).any()  # keys were evicted
+
+
 def test_kit_fpa_layer_session_against_the_reference_layer():
     from attnspec.conformance.registry import get_backend
     from attnspec.reference.fpa import fpa_layer, init_fpa_params

@@ -5,14 +5,17 @@ and :class:`InterdomainAttention` is ``attnspec.reference.interdomain.interdomai
 ((I8)-(I14)). ``from_reference_params`` takes the reference's parameter dicts
 (``init_fpa_params``, ``init_interdomain_params``); weights multiply from the right
 (``x @ wq``), as there. Both take ``cu_seqlens`` for packed sequences (B = 1) and decode one
-token at a time with a cache (``new_cache``, ``step``, ``prefill``).
+token at a time with a cache (``new_cache``, ``step``, ``prefill``); the FPA layer also takes
+padded rows (``padding``, :class:`.padding.Padding`) and opens batched decode sessions (F8, F9).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from copy import deepcopy
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -26,7 +29,8 @@ from attnspec.reference.interdomain import interdomain_parameter_shapes
 
 from . import checks
 from .decode import FPADecodeCache, S4DDecodeState
-from .ops import fpa_attention, s4d_pairs
+from .ops import fox_attention, fpa_attention, s4d_pairs
+from .padding import Padding
 from .paged import Attention, PagedFPASession, paged_attention_eager
 
 Device = torch.device | str | None
@@ -81,7 +85,7 @@ def _check_x(
         raise ValueError(f"x: expected d_model = {d} features, got shape {tuple(x.shape)}")
     if ndim == 3 and x.shape[1] < 1:
         raise ValueError(f"x: expected T >= 1, got shape {tuple(x.shape)}")
-    dtype = layer.wq.dtype
+    dtype = next(layer.parameters()).dtype
     if x.dtype != dtype and not _autocast_casts(x, dtype):
         raise ValueError(
             f"x: expected the layer's dtype {dtype}, got {x.dtype} (cast x or the layer)"
@@ -109,6 +113,19 @@ def _check_sizes(**sizes: int | None) -> None:
             raise ValueError(f"{name}: expected an integer >= 1, got {value!r}")
 
 
+def _check_padding(padding: Padding | None, cu_seqlens: Tensor | None, x: Tensor) -> None:
+    """``padding`` (a :class:`.padding.Padding` of x's rows and positions) or ``cu_seqlens``."""
+    if padding is None:
+        return
+    if cu_seqlens is not None:
+        raise ValueError("padding: give padding (padded rows) or cu_seqlens (packed), not both")
+    if not isinstance(padding, Padding) or tuple(padding.present.shape) != tuple(x.shape[:2]):
+        got = tuple(padding.present.shape) if isinstance(padding, Padding) else type(padding)
+        raise ValueError(
+            f"padding: expected a Padding of x's [B, T] = {tuple(x.shape[:2])}, got {got}"
+        )
+
+
 def _check_batch(x: Tensor, cached: Tensor | None) -> None:
     """A decode step's x [B, d] against the batch its cache or state holds."""
     if cached is not None and cached.shape[0] != x.shape[0]:
@@ -132,14 +149,21 @@ class FPALayerCache:
 class FirstPassageAttention(nn.Module):
     """Multi-head FPA layer, spec/fpa.md section 3: x [B, T, d] -> y [B, T, d].
 
-    Per head: field increments delta_t = x_t w_delta + b_delta (``increments="logsigmoid"``
-    gives the FoX-initialised layer), phi = cumsum(delta) in float32 (float64 for float64
-    weights), levels l_j = phi_j + x_j w_lam + b_lam, then (F1)-(F5) and the output projection.
+    Per query head: field increments delta_t = x_t w_delta + b_delta (``increments=
+    "logsigmoid"``: logsigmoid of that, <= 0), phi = cumsum(delta) in float32 (float64 for
+    float64 weights), levels l_j = phi_j + x_j w_lam + b_lam (``key_offsets=False``: l = phi,
+    no w_lam and b_lam), then (F1)-(F5) within the (F3w) window and the output projection.
+    Logsigmoid increments with key offsets at 0 are the FoX-initialised layer; without key
+    offsets the layer is the Forgetting Transformer's (F6), computed by ``fox_attention``.
 
     Args:
-        d_model, n_heads, head_dim: width d, heads H, query/key dim dk.
+        d_model, n_heads, head_dim: width d, query heads HQ, query/key dim dk.
         value_dim: dv (default head_dim).
+        n_kv_heads: key/value heads H, a divisor of n_heads (GQA: wk, wv are (d, H dk) and
+            (d, H dv); default n_heads).
         increments: "signed" or "logsigmoid".
+        key_offsets: whether levels have learned offsets (w_lam, b_lam) from the field.
+        window: (F3w) each query sees its last ``window`` tokens (None: all).
         scale: softmax scale (default 1/sqrt(dk)).
     """
 
@@ -150,7 +174,7 @@ class FirstPassageAttention(nn.Module):
     wo: nn.Parameter
     w_delta: nn.Parameter
     b_delta: nn.Parameter
-    w_lam: nn.Parameter
+    w_lam: nn.Parameter  # with key offsets
     b_lam: nn.Parameter
 
     def __init__(
@@ -160,7 +184,10 @@ class FirstPassageAttention(nn.Module):
         head_dim: int,
         value_dim: int | None = None,
         *,
+        n_kv_heads: int | None = None,
         increments: str = "signed",
+        key_offsets: bool = True,
+        window: int | None = None,
         scale: float | None = None,
         device: Device = None,
         dtype: torch.dtype | None = None,
@@ -168,92 +195,173 @@ class FirstPassageAttention(nn.Module):
         super().__init__()
         if increments not in ("signed", "logsigmoid"):
             raise ValueError(f"increments: expected 'signed' or 'logsigmoid', got {increments!r}")
-        _check_sizes(d_model=d_model, n_heads=n_heads, head_dim=head_dim, value_dim=value_dim)
-        d, H, dk = d_model, n_heads, head_dim
+        if not isinstance(key_offsets, bool):
+            raise ValueError(f"key_offsets: expected True or False, got {key_offsets!r}")
+        _check_sizes(
+            d_model=d_model,
+            n_heads=n_heads,
+            head_dim=head_dim,
+            value_dim=value_dim,
+            n_kv_heads=n_kv_heads,
+            window=window,
+        )
+        H = n_heads if n_kv_heads is None else n_kv_heads
+        if n_heads % H:
+            raise ValueError(f"n_kv_heads: expected a divisor of n_heads = {n_heads}, got {H}")
         dv = head_dim if value_dim is None else value_dim
-        self.d_model, self.n_heads, self.head_dim, self.value_dim = d, H, dk, dv
-        self.increments, self.scale = increments, scale
-        shapes = self.parameter_shapes()
-        fan_in = {"wo": H * dv}
-        for name, shape in shapes.items():
+        self.d_model, self.n_heads, self.head_dim, self.value_dim = d_model, n_heads, head_dim, dv
+        self.n_kv_heads, self.window = H, window
+        self.increments, self.key_offsets, self.scale = increments, key_offsets, scale
+        self._make_parameters(device, dtype)
+
+    def _make_parameters(self, device: Device, dtype: torch.dtype | None) -> None:
+        """The parameters of :meth:`parameter_shapes`: normal / sqrt(fan-in), as
+        init_fpa_params, and zero biases."""
+        fan_in = {"wo": self.n_heads * self.value_dim}
+        for name, shape in self.parameter_shapes().items():
             if name.startswith("b_"):
                 init = torch.zeros(shape)
-            else:  # normal / sqrt(fan-in), as init_fpa_params
-                init = torch.randn(shape) / math.sqrt(fan_in.get(name, d))
+            else:
+                init = torch.randn(shape) / math.sqrt(fan_in.get(name, self.d_model))
             self.register_parameter(name, nn.Parameter(init.to(device=device, dtype=dtype)))
 
     def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
-        """The reference's shapes (``fpa_parameter_shapes``) for this layer's sizes."""
-        return fpa_parameter_shapes(self.d_model, self.n_heads, self.head_dim, self.value_dim)
+        """The reference's shapes (``fpa_parameter_shapes``) for this layer's sizes, wk and wv
+        with n_kv_heads heads, no w_lam and b_lam without key offsets."""
+        d, H, dk, dv = self.d_model, self.n_kv_heads, self.head_dim, self.value_dim
+        shapes = fpa_parameter_shapes(d, self.n_heads, dk, dv) | {
+            "wk": (d, H * dk),
+            "wv": (d, H * dv),
+        }
+        if not self.key_offsets:
+            del shapes["w_lam"], shapes["b_lam"]
+        return shapes
 
     @classmethod
     def from_reference_params(
         cls,
         params: Mapping[str, object],
         *,
+        n_kv_heads: int | None = None,
         increments: str = "signed",
+        key_offsets: bool = True,
+        window: int | None = None,
         device: Device = None,
         dtype: torch.dtype | None = None,
     ) -> FirstPassageAttention:
-        """A layer holding ``params`` (the dict of ``init_fpa_params``: NumPy arrays or tensors)."""
-        missing = sorted(set(FPA_PARAMETER_SCHEMA) - set(params))
+        """A layer holding ``params`` (the dict of ``init_fpa_params``: NumPy arrays or tensors;
+        w_lam and b_lam only with key offsets, wk and wv of n_kv_heads heads)."""
+        names = [n for n in FPA_PARAMETER_SCHEMA if key_offsets or n not in ("w_lam", "b_lam")]
+        missing = sorted(set(names) - set(params))
         if missing:
             raise ValueError(f"params: missing {missing}; see FPA_PARAMETER_SCHEMA")
-        tensors = _tensors(params, FPA_PARAMETER_SCHEMA)
+        tensors = _tensors(params, names)
         H = tensors["b_delta"].shape[0]
         d, width = tensors["wq"].shape
-        dv = tensors["wv"].shape[1] // H
-        layer = cls(d, H, width // H, dv, increments=increments, device="meta")
+        dv = tensors["wv"].shape[1] // (H if n_kv_heads is None else max(n_kv_heads, 1))
+        layer = cls(
+            d,
+            H,
+            width // H,
+            dv,
+            n_kv_heads=n_kv_heads,
+            increments=increments,
+            key_offsets=key_offsets,
+            window=window,
+            device="meta",
+        )
         _load(layer, tensors, layer.parameter_shapes(), device, dtype)
         return layer
 
+    @property
+    def fox(self) -> bool:
+        """Whether the layer is FoX (F6): logsigmoid increments, levels on the field."""
+        return self.increments == "logsigmoid" and not self.key_offsets
+
+    def _product(self, x: Tensor, name: str) -> Tensor:
+        """x times the projection ``name`` of FPA_PARAMETER_SCHEMA (wq, wk, wv, wo; w_delta and
+        w_lam plus their biases), in x's dtype: the one place the weights are multiplied."""
+        if name in ("w_delta", "w_lam"):
+            bias = getattr(self, "b" + name[1:])
+            return x @ getattr(self, name).to(x.dtype) + bias.to(x.dtype)
+        return x @ getattr(self, name)
+
     def _projections(
         self, x: Tensor, wide_field: bool = False
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-        """q, k, v in x's dtype; the field increments and key offsets in float32 (float64 for
-        float64 x), from x's dtype or (``wide_field``: decode sessions, whose evictions the kit
-        counts exactly) from x and the weights widened first."""
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+        """q [B, T, HQ, dk], k and v [B, T, H, .] in x's dtype; the field increments and key
+        offsets [B, T, HQ] (None without key offsets) in float32 (float64 for float64 x), from
+        x's dtype or (``wide_field``: the kit's decode sessions, whose evictions it counts
+        exactly) from x and the weights widened first."""
         B, T, _ = x.shape
-        H, dk, dv = self.n_heads, self.head_dim, self.value_dim
-        q = (x @ self.wq).view(B, T, H, dk)
-        k = (x @ self.wk).view(B, T, H, dk)
-        v = (x @ self.wv).view(B, T, H, dv)
+        HQ, H, dk, dv = self.n_heads, self.n_kv_heads, self.head_dim, self.value_dim
+        q = self._product(x, "wq").view(B, T, HQ, dk)
+        k = self._product(x, "wk").view(B, T, H, dk)
+        v = self._product(x, "wv").view(B, T, H, dv)
         wide = torch.float64 if x.dtype == torch.float64 else torch.float32
         xf = x.to(wide) if wide_field else x
-
-        def project(w: Tensor, b: Tensor) -> Tensor:
-            return (xf @ w.to(xf.dtype) + b.to(xf.dtype)).to(wide)  # [B, T, H]
-
-        delta = project(self.w_delta, self.b_delta)
+        delta = self._product(xf, "w_delta").to(wide)
         if self.increments == "logsigmoid":
             delta = F.logsigmoid(delta)
-        offset = project(self.w_lam, self.b_lam)  # lam_j: levels relative to the field
+        # lam_j: levels relative to the field
+        offset = self._product(xf, "w_lam").to(wide) if self.key_offsets else None
         return q, k, v, delta, offset
 
     def forward(
-        self, x: Tensor, *, cu_seqlens: Tensor | None = None, impl: str | None = None
+        self,
+        x: Tensor,
+        *,
+        cu_seqlens: Tensor | None = None,
+        padding: Padding | None = None,
+        impl: str | None = None,
     ) -> Tensor:
-        """x [B, T, d] -> y [B, T, d]; packed sequences by ``cu_seqlens`` (B = 1).
+        """x [B, T, d] -> y [B, T, d]; packed sequences by ``cu_seqlens`` (B = 1), or padded
+        rows by ``padding`` (the positions it marks absent are not tokens: no key, no field
+        increment, output 0).
 
         Time O(B H T^2 (dk + dv) + B T d H (dk + dv)); memory O(T * block) in the attention.
         """
         x = _check_x(x, self)
+        _check_padding(padding, cu_seqlens, x)
         q, k, v, delta, offset = self._projections(x)
-        field = torch.cumsum(delta, dim=1)  # phi
-        if cu_seqlens is not None:  # each sequence's field starts afresh (precision only: (F2)
-            # is invariant to shifting field and level together)
-            start = torch.arange(x.shape[1], device=x.device) - _positions(
-                cu_seqlens, x.shape[1], x.device
-            )
-            before = torch.cat([torch.zeros_like(field[:, :1]), field[:, :-1]], dim=1)
-            field = field - before[:, start]
-        o = fpa_attention(
-            q, k, v, field, field + offset, scale=self.scale, cu_seqlens=cu_seqlens, impl=impl
-        )
-        return o.reshape(*x.shape[:2], self.n_heads * self.value_dim) @ self.wo
+        if padding is not None:  # padding does not move the field
+            delta = delta * padding.present[..., None]
+            cu_seqlens = padding.cu_seqlens
+            pack = padding.pack
+        else:
+            pack = _same
+        if self.fox:  # (F6), the field from segment-local sums
+            q, k, v, log_f = (pack(t) for t in (q, k, v, delta))
+            o = fox_attention(
+                q, k, v, log_f, self.scale, cu_seqlens=cu_seqlens, window_size=self.window,
+                impl=impl,
+            )  # fmt: skip
+        else:
+            field = torch.cumsum(delta, dim=1)  # phi
+            if cu_seqlens is not None and padding is None:  # each sequence's field starts
+                # afresh (precision only: (F2) is invariant to shifting field and level together)
+                start = torch.arange(x.shape[1], device=x.device) - _positions(
+                    cu_seqlens, x.shape[1], x.device
+                )
+                before = torch.cat([torch.zeros_like(field[:, :1]), field[:, :-1]], dim=1)
+                field = field - before[:, start]
+            level = field if offset is None else field + offset
+            q, k, v, field, level = (pack(t) for t in (q, k, v, field, level))
+            o = fpa_attention(
+                q, k, v, field, level, self.scale, cu_seqlens=cu_seqlens,
+                window_size=self.window, impl=impl,
+            )  # fmt: skip
+        o = o.flatten(-2)
+        return self._product(o if padding is None else padding.unpack(o), "wo")
 
     def new_cache(self, *, theta: float = float("inf")) -> FPALayerCache:
-        """An empty decode cache evicting keys at depth >= theta (spec/fpa.md F7, T3)."""
+        """An empty decode cache evicting keys at depth >= theta (spec/fpa.md F7, T3); a layer
+        with a window decodes with :meth:`open_session`."""
+        if self.window is not None:
+            raise ValueError(
+                f"window: the single-stream cache has no (F3w) window, the layer's is"
+                f" {self.window}; decode with open_session(rows)"
+            )
         return FPALayerCache(FPADecodeCache(theta=theta, scale=self.scale))
 
     def open_session(
@@ -266,17 +374,22 @@ class FirstPassageAttention(nn.Module):
         page_size: int = 16,
         max_pages: int | None = None,
         attention: Attention = paged_attention_eager,
+        wide_field: bool = True,
     ) -> FPALayerSession:
         """A batched decode session (spec/fpa.md F8, F9): ragged and padded rows, select and
-        rollback, over the paged cache of :mod:`.paged` (one kv head per head)."""
-        p = self.wq
+        rollback, over the paged cache of :mod:`.paged` (k and v once per kv head, F8 gqa).
+        ``window``: (F3w), None for the layer's. ``wide_field``: the field increments from x
+        and the weights widened to float32 first (the kit counts evictions exactly against the
+        reference), or (False) in the weights' dtype, as the parallel forward computes them."""
+        p = next(self.parameters())
         session = PagedFPASession(
-            rows=rows, heads=self.n_heads, kv_heads=self.n_heads, dk=self.head_dim,
+            rows=rows, heads=self.n_heads, kv_heads=self.n_kv_heads, dk=self.head_dim,
             dv=self.value_dim, dtype=p.dtype, scale=checks.scale(self.scale, self.head_dim),
-            theta=theta, window=window, max_rollback=max_rollback, page_size=page_size,
-            max_pages=max_pages, device=p.device, attention=attention,
+            theta=theta, window=self.window if window is None else window,
+            max_rollback=max_rollback, page_size=page_size, max_pages=max_pages,
+            device=p.device, attention=attention,
         )  # fmt: skip
-        return FPALayerSession(self, session)
+        return FPALayerSession(self, session, wide_field=wide_field)
 
     def step(self, x: Tensor, cache: FPALayerCache) -> Tensor:
         """One token: x [B, d] -> y [B, d], updating ``cache``."""
@@ -285,30 +398,46 @@ class FirstPassageAttention(nn.Module):
         q, k, v, delta, offset = self._projections(x[:, None])
         phi = delta[:, 0] if cache.field is None else cache.field + delta[:, 0]
         cache.field = phi
-        o = cache.attention.step(q[:, 0], k[:, 0], v[:, 0], phi, phi + offset[:, 0])
-        return o.reshape(x.shape[0], self.n_heads * self.value_dim) @ self.wo
+        level = phi if offset is None else phi + offset[:, 0]
+        o = cache.attention.step(q[:, 0], k[:, 0], v[:, 0], phi, level)
+        return self._product(o.reshape(x.shape[0], self.n_heads * self.value_dim), "wo")
 
     def prefill(self, x: Tensor, cache: FPALayerCache) -> Tensor:
         """A whole prompt x [B, T, d] into an empty ``cache``; equals T calls of :meth:`step`."""
         x = _check_x(x, self)
         q, k, v, delta, offset = self._projections(x)
         field = torch.cumsum(delta, dim=1)
-        o = cache.attention.prefill(q, k, v, field, field + offset)
+        o = cache.attention.prefill(q, k, v, field, field if offset is None else field + offset)
         cache.field = field[:, -1]
-        return o.reshape(*x.shape[:2], self.n_heads * self.value_dim) @ self.wo
+        return self._product(o.reshape(*x.shape[:2], self.n_heads * self.value_dim), "wo")
+
+
+def _same(x: Tensor) -> Tensor:
+    return x
 
 
 class FPALayerSession:
     """The decode session of :class:`FirstPassageAttention` (contract: advance / select /
     rollback / counts with x (R, n, d) -> y (R, n, d)): the paged attention session plus each
-    row's running field phi and the fields of its last W tokens (to restore phi on rollback)."""
+    row's running field phi and the fields of its last W tokens (to restore phi on rollback).
+    ``wide_field``: as :meth:`FirstPassageAttention.open_session`. A deep copy copies the
+    decode state and keeps the layer (its weights are the layer's, not the session's)."""
 
-    def __init__(self, layer: FirstPassageAttention, attention: PagedFPASession):
-        self.layer, self.attention = layer, attention
+    def __init__(
+        self, layer: FirstPassageAttention, attention: PagedFPASession, *, wide_field: bool = True
+    ):
+        self.layer, self.attention, self.wide_field = layer, attention, wide_field
         R, H, W = attention.rows, layer.n_heads, attention.W
-        wide = torch.float64 if layer.wq.dtype == torch.float64 else torch.float32
+        p = next(layer.parameters())
+        wide = torch.float64 if p.dtype == torch.float64 else torch.float32
         # phi after token u of each row at u % (W + 1), for the last W + 1 tokens
-        self.fields = torch.zeros(R, W + 1, H, dtype=wide, device=layer.wq.device)
+        self.fields = torch.zeros(R, W + 1, H, dtype=wide, device=p.device)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> FPALayerSession:
+        memo[id(self.layer)] = self.layer
+        copied = object.__new__(FPALayerSession)
+        copied.__dict__.update(deepcopy(self.__dict__, memo))
+        return copied
 
     def _last_field(self) -> Tensor:
         tokens = self.attention.state.tokens
@@ -327,12 +456,13 @@ class FPALayerSession:
         checks.shape("x", x, (R, x.shape[1], layer.d_model), "(rows, n, d_model)")
         checks.tensor("present", present, 2, (torch.bool,), "(R, n) bool")
         checks.shape("present", present, tuple(x.shape[:2]), "(rows, n of x)")
-        q, k, v, delta, offset = layer._projections(x, wide_field=True)
+        q, k, v, delta, offset = layer._projections(x, wide_field=self.wide_field)
         delta = delta.masked_fill(~present[..., None], 0.0)
         field = self._last_field()[:, None] + torch.cumsum(delta, dim=1)  # [R, n, H]
+        level = field if offset is None else field + offset
         chunk = {
             "q": q.transpose(1, 2), "k": k.transpose(1, 2), "v": v.transpose(1, 2),
-            "field": field.transpose(1, 2), "level": (field + offset).transpose(1, 2),
+            "field": field.transpose(1, 2), "level": level.transpose(1, 2),
         }  # fmt: skip
         tokens = self.attention.state.tokens.clone()
         o = self.attention.advance(chunk, present)["o"]  # [R, H, n, dv]
@@ -340,7 +470,7 @@ class FPALayerSession:
         at = (tokens[:, None] + rank) % self.fields.shape[1]
         r, p = torch.nonzero(present, as_tuple=True)
         self.fields[r, at[r, p]] = field[r, p]
-        y = o.transpose(1, 2).reshape(R, -1, layer.n_heads * layer.value_dim) @ layer.wo
+        y = layer._product(o.transpose(1, 2).reshape(R, -1, layer.n_heads * layer.value_dim), "wo")
         return {"y": y.masked_fill(~present[..., None], 0.0)}
 
     def select(self, rows: Sequence[int]) -> None:

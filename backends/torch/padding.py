@@ -1,8 +1,10 @@
 """Padded batches as packed sequences: the tokens of every row, one after the other.
 
-A 2-D attention mask [B, T] (1 = token, 0 = padding, on either side) becomes ``cu_seqlens``
-offsets of B packed sequences (B = 1, FlashAttention's convention), so padded positions are not
-tokens for the parallel ops, as absent positions are not for the decode sessions (F8 rows).
+A 2-D attention mask [B, T] (1 = token, 0 = padding, on either side: transformers' form)
+becomes ``cu_seqlens`` offsets of B packed sequences (B = 1, FlashAttention's convention), so
+padded positions are not tokens for the parallel ops, as absent positions are not for the
+decode sessions (F8 rows). The layers take it as ``padding=`` (:mod:`.modules`); made once per
+forward, it reads the mask back to the host once, not once per layer.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import torch
 from torch import Tensor
 
 
-class Packing:
+class Padding:
     """The tokens of a padded batch, ``present`` [B, T] bool.
 
     Without padding nothing is packed (``cu_seqlens`` None, pack and unpack are the identity).
@@ -31,7 +33,7 @@ class Packing:
             self.cu_seqlens = None
 
     @classmethod
-    def from_mask(cls, mask: Tensor | None, B: int, T: int, device: torch.device) -> Packing:
+    def from_mask(cls, mask: Tensor | None, B: int, T: int, device: torch.device) -> Padding:
         """The tokens of a chunk of T positions: the last T columns of a 2-D mask
         ([B, T_total] of 0 / 1, generate()'s form), or all positions without one (then
         nothing is read back to the host: the forward compiles without graph breaks)."""
