@@ -285,7 +285,10 @@ def decode_peers(device: torch.device, dry: bool) -> tuple[dict[str, Any], dict[
     found, missing = {}, {}
     try:
         decoding = _fla_decoding(dry)
-        found["fla one-step"] = lambda peer: FlaDecodePeer(peer, decoding)
+        if device.type == "cuda" or dry:
+            found["fla one-step"] = lambda peer: FlaDecodePeer(peer, decoding)
+        else:  # (a Triton kernel: a GPU, or the dry run's interpreter)
+            missing["fla one-step"] = f"a Triton GPU kernel, not run on {device}"
     except ImportError as exc:
         missing["fla one-step"] = f"flash-linear-attention not installed ({exc})"
     try:
@@ -374,7 +377,7 @@ def bench_compiled(peer: SDPAPeer, attention: Any, dry: bool) -> dict[str, Any]:
         x = _tokens(B, HQ, H, 1, d, dtype, device, gen)
         return x | {"field": torch.zeros(B, HQ, 1, device=device), "level": x["q"][..., 0] * 0}
 
-    with value_checks(False):
+    with value_checks(enabled=False):
         x = token() | {"level": torch.zeros(B, HQ, 1, device=device)}
         side = torch.cuda.Stream() if device.type == "cuda" else None
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():

@@ -1,7 +1,7 @@
 """Host reads (device syncs) per pass of the torch ops: the value checks and the packing plan are
 read in one device-to-host copy by the custom op, and the kernels read no offsets again; with the
-value checks off (``value_checks(False)``) or while a CUDA graph captures, a forward without
-cu_seqlens reads nothing, and the paged session's decode step reads nothing at all.
+value checks off (``value_checks(enabled=False)``) or while a CUDA graph captures, a forward
+without cu_seqlens reads nothing, and the paged session's decode step reads nothing at all.
 
 A host read is counted where the data leaves the tensor: ``tolist``, ``item``, ``bool``,
 ``int``, ``float``, ``numpy``. On a GPU each is a sync of the stream; on CPU the same calls run,
@@ -83,7 +83,7 @@ def test_one_host_read_per_pass(monkeypatch, impl, op, packed, checked):
     q, k, v, field, level, log_f = _fpa_inputs(T)
     cu = torch.tensor([0, 7, 7, T]) if packed else None  # a zero-length sequence among them
     reads = HostReads(monkeypatch)
-    with value_checks(checked):
+    with value_checks(enabled=checked):
         if op == "fpa":
             counts = _step(
                 reads, lambda: fpa_attention(q, k, v, field, level, cu_seqlens=cu, impl=impl)
@@ -112,16 +112,16 @@ def test_while_capturing_a_forward_reads_nothing_and_packed_calls_are_refused(mo
 
 
 def test_value_checks_off_and_on_again():
-    """value_checks(False) lets bad values through (as SDPA does) and restores the switch."""
+    """value_checks(enabled=False) lets bad values through (as SDPA does), then restores."""
     q, k, v, field, level, _ = _fpa_inputs(8)
     bad = level.detach().clone()
     bad[0, 3, 1] = math.nan
-    with value_checks(False):
+    with value_checks(enabled=False):
         assert torch.isnan(fpa_attention(q, k, v, field, bad)).any()
     with pytest.raises(ValueError, match="level: contains NaN"):
         fpa_attention(q, k, v, field, bad)
     with pytest.raises(ValueError, match="enabled: expected True or False, got 1"):
-        checks.set_value_checks(1)
+        checks.set_value_checks(enabled=1)
 
 
 def _session_and_tokens(steps: int):
@@ -160,7 +160,7 @@ def test_the_paged_decode_step_reads_nothing(monkeypatch):
     reserve = reads.counts.pop("decode") - 1
     assert reserve > 0
     s.decode(steps[5])
-    with value_checks(False):
+    with value_checks(enabled=False):
         s.decode(steps[6])
     assert dict(reads.counts) == {"decode": 1}
     reads.counts.clear()

@@ -9,7 +9,7 @@ read the data and run inside the custom op, where they also hold in compiled cod
 A value check reads its verdict back to the host, which a CUDA graph cannot hold: the NaN/Inf,
 gate and decay checks run where a host read is allowed (:func:`values_checked`), and are skipped
 while a CUDA stream is capturing, while ``torch.compile`` traces, and inside
-``value_checks(False)`` (docs/decisions.md, "Value checks and CUDA graphs"). The offsets of
+``value_checks(enabled=False)`` (docs/decisions.md, issue 55). The offsets of
 packed sequences are always read: the kernels' plan is made from them on the host.
 
 These are the only checks of user input on the torch path: the kernels behind the custom ops
@@ -200,7 +200,7 @@ def cu_seqlens(x: Tensor | None, B: int, q: Tensor) -> Tensor | None:
 _VALUE_CHECKS = [True]  # the process-wide switch of value_checks / set_value_checks
 
 
-def set_value_checks(enabled: bool) -> None:
+def set_value_checks(*, enabled: bool) -> None:
     """Turn the NaN/Inf, gate and decay checks of every torch op, layer and session on or off
     for the process (on by default). Off, bad values are not refused but computed with, as
     SDPA and FlashAttention compute with them; the metadata checks and the offsets' check stay."""
@@ -210,10 +210,10 @@ def set_value_checks(enabled: bool) -> None:
 
 
 @contextlib.contextmanager
-def value_checks(enabled: bool) -> Iterator[None]:
+def value_checks(*, enabled: bool) -> Iterator[None]:
     """:func:`set_value_checks` for the block, restored after it."""
     before = _VALUE_CHECKS[0]
-    set_value_checks(enabled)
+    set_value_checks(enabled=enabled)
     try:
         yield
     finally:
