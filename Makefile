@@ -53,9 +53,10 @@ test: lint typecheck
 	$(PY) -m pytest -n auto --dist load --maxschedchunk 1
 
 # The version matrix (bench/matrix.py): Python 3.12 with JAX 0.12 and 0.11, Triton 3.6 and 3.7.1,
-# Python 3.13, each in its own venv under build/matrix/ (reused while its pins are unchanged), and
-# newest: every extra's range resolved from the package index on each run, without pins or the
-# local pip configuration (its versions in build/matrix/newest-versions.txt).
+# the GPU machine's image (gpu-image: the GPU check's dry run), Python 3.13, each in its own venv
+# under build/matrix/ (reused while its pins are unchanged), and newest: every extra's range
+# resolved from the package index on each run, without pins or the local pip configuration (its
+# versions in build/matrix/newest-versions.txt).
 # A subset: make matrix LEGS=triton-3.6,jax-0.12 (python -m bench.matrix --list names them).
 LEGS ?=
 matrix: $(STAMP)

@@ -35,7 +35,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
+import textwrap
 import time
 
 GPU_SHAPES = {"B": 1, "H": 16, "Ts": (2048, 8192, 16384), "Ds": (128, 64)}  # goals' D first
@@ -469,7 +471,7 @@ def precompile(workers: int | None = None) -> list[dict]:
     return failures
 
 
-def timings(dry: bool, out: str | None) -> int:
+def timings(dry: bool, out: str | None, budget: float = TIME_BUDGET_S) -> int:
     torch = _torch(dry)
     from attnspec.backends.torch import triton_fpa as tf
 
@@ -527,7 +529,7 @@ def timings(dry: bool, out: str | None) -> int:
             shown = []
             for (impl, mode), (fn, leaves) in calls.items():
                 where = {"D": D, "T": T, "impl": impl, "mode": mode}
-                if not dry and time.perf_counter() - start > TIME_BUDGET_S:
+                if not dry and time.perf_counter() - start > budget:
                     report["skipped"].append(where)
                     continue
                 try:
@@ -573,14 +575,18 @@ def save(report: dict, out: str | None) -> None:
 # summary
 
 
-def fpa_table(report: dict) -> list[str]:
-    """The FPA/FoX lines of the short table: ms, TFLOP/s, ratios to fla, goals."""
+def fpa_table(report: dict, compact: bool = False) -> list[str]:
+    """The FPA/FoX lines of the short table: ms, TFLOP/s, ratios to fla, goals (``compact``:
+    the FPA ms alone beside the ratios, for the summary)."""
     rows = report["rows"]
     by = {(r["D"], r["T"], r["impl"], r["mode"]): r for r in rows}
+    shown = IMPLS[:1] if compact else IMPLS
+    width = 9 if compact else 17
     lines = [
         f"FPA / FoX timings: {report['dtype']}, B = {report['B']}, H = {report['H']}; "
-        f"ms (TFLOP/s); peer {report['peer']}; matmul peak {report['matmul_peak_tflops']:.3g}",
-        f"{'D':>4} {'T':>6} {'mode':<8}" + "".join(f"{i:>17}" for i in IMPLS)
+        f"ms{'' if compact else ' (TFLOP/s)'}; peer {report['peer']}; "
+        f"matmul peak {report['matmul_peak_tflops']:.3g}",
+        f"{'D':>4} {'T':>6} {'mode':<8}" + "".join(f"{i:>{width}}" for i in shown)
         + f"{'FPA/fla':>9}{'FoX/fla':>9}{'FPA/FoX':>9}",
     ]  # fmt: skip
     misses, worst = [], {}
@@ -589,7 +595,12 @@ def fpa_table(report: dict) -> list[str]:
         for impl in IMPLS:
             r = by.get((D, T, impl, mode))
             ms[impl] = r and r["ms"]
-            cells += f"{'-':>17}" if r is None else f"{r['ms']:>9.3f} ({r['tflops']:>4.0f})"
+            if impl not in shown:
+                continue
+            if r is None:
+                cells += f"{'-':>{width}}"
+            else:
+                cells += f"{r['ms']:>9.3f}" + ("" if compact else f" ({r['tflops']:>4.0f})")
         ratios = ""
         for a, b in (("FPA", "fla"), ("FoX", "fla"), ("FPA", "FoX")):
             ratio = ms[a] / ms[b] if ms[a] and ms[b] else None
@@ -601,9 +612,12 @@ def fpa_table(report: dict) -> list[str]:
                 if ratio > goal:
                     misses.append(f"{a} {mode} D={D} T={T}: {ratio:.2f} > {goal}")
         lines.append(f"{D:>4} {T:>6} {mode:<8}{cells}{ratios}")
-    for f in report.get("failures", []):
+    failures = report.get("failures", [])
+    for f in failures[:3] if compact else failures:
         lines.append(f"  FAILED {f.get('impl')} {f.get('mode', '')} D={f.get('D')} "
-                     f"T={f.get('T')}: {f['error'][:160]}")  # fmt: skip
+                     f"T={f.get('T')}: {f['error'][:100 if compact else 160]}")  # fmt: skip
+    if compact and len(failures) > 3:
+        lines.append(f"  ... {len(failures) - 3} more failures in fpa.json")
     for f in report.get("compile_failures", []):
         lines.append(f"  compile FAILED {f['variant']} (exit {f['exit']})")
     if report.get("skipped"):
@@ -640,48 +654,158 @@ def fpa_table(report: dict) -> list[str]:
     return lines
 
 
-def _kit_lines(path: str) -> list[str]:
-    with open(path) as fh:
-        kit = json.load(fh)
-    lines = [f"kit on {kit['backend']} ({kit['device']}), {kit['seconds']:.0f} s:"]
+def _kit_lines(kit: dict) -> list[str]:
+    """The kit's totals in one line, then the (op, dtype) pairs with failures."""
     totals: dict[tuple, list[int]] = {}
     for row in kit["summary"]:
         t = totals.setdefault((row["op"], row["dtype"]), [0, 0, 0])
         t[0] += row["passed"]
         t[1] += row["failed"]
         t[2] += row["not implemented"]
-    for (op, dtype), (p, f, n) in sorted(totals.items()):
-        lines.append(f"  {op:<18} {dtype:<9} {p:>4} passed {f:>3} failed {n:>3} not implemented")
+    p, f, n = (sum(t[i] for t in totals.values()) for i in range(3))
+    lines = [
+        f"kit on {kit['backend']} ({kit['device']}), {kit['seconds']:.0f} s: {p} passed, "
+        f"{f} failed, {n} not implemented"
+    ]
+    failed = [f"{op} {dtype} ({t[1]})" for (op, dtype), t in sorted(totals.items()) if t[1]]
+    if failed:
+        lines.append(textwrap.shorten("  failed: " + ", ".join(failed), 200, placeholder=" ..."))
     return lines
 
 
+DECODE_PEERS = ("sdpa", "fla one-step", "flash_attn kvcache")
+SUMMARY_CHARS = 3900  # the summary printed last: a run's output cut to its tail keeps it
+
+
+def decode_lines(report: dict) -> list[str]:
+    """The decode section: per configuration, tokens/s of the session (theta = inf) over each
+    peer's, of the compiled step over SDPA's and of theta = 1 keeping a quarter over SDPA's;
+    the trained layers' median over SDPA's."""
+    speed: dict[tuple, dict[str, float]] = {}
+    for r in report["rows"]:
+        key = (r["B"], r["T"], r["HQ"], r["H"], r["dtype"])
+        speed.setdefault(key, {})[r["variant"]] = r["speed_vs_sdpa"]
+    lines = [
+        f"decode ({report['attention']} kernel, {report['device']}): tokens/s of FPA theta=inf "
+        "over each peer's; compiled step, kept 0.25 (theta=1) and trained layers over SDPA's",
+        f"{'B':>3} {'T':>6} {'HQ:H':>6} {'dtype':<5}{'sdpa':>7}{'fla':>7}{'fa':>7}"
+        f"{'compiled':>9}{'kept':>7}",
+    ]
+    trained: dict[str, list[float]] = {}
+    for (B, T, HQ, H, dtype), v in speed.items():
+        for name, x in v.items():
+            if name.startswith("fpa trained"):
+                trained.setdefault(name, []).append(x)
+        if "fpa kept=0.25 indep" not in v:
+            continue  # a trained layer's group
+        fpa = v.get("fpa inf")
+        cells = [fpa / v[p] if fpa and v.get(p) else None for p in DECODE_PEERS]
+        cells += [v.get("fpa inf compiled"), v.get("fpa kept=0.25 indep")]
+        text = "".join(
+            f"{'-' if c is None else f'{c:.2f}':>{w}}"
+            for c, w in zip(cells, (7, 7, 7, 9, 7), strict=True)
+        )
+        short = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}.get(dtype, dtype)
+        lines.append(f"{B:>3} {T:>6} {f'{HQ}:{H}':>6} {short:<5}{text}")
+    if trained:
+        lines.append("  " + "; ".join(
+            f"{n.removeprefix('fpa trained ')} {statistics.median(x):.2f}"
+            for n, x in trained.items()
+        ))  # fmt: skip
+    for name, why in report.get("peers_skipped", {}).items():
+        lines.append(f"  peer {name}: skipped, {why}"[:160])
+    failures = report.get("failures", [])
+    for f in failures[:3]:
+        lines.append(f"  FAILED {f['variant']} B={f['B']} T={f['T']}: {f['error'][:100]}")
+    if len(failures) > 3:
+        lines.append(f"  ... {len(failures) - 3} more failures in decode.json")
+    if report.get("skipped"):
+        lines.append(f"  skipped after the time budget: {len(report['skipped'])} configurations")
+    return lines
+
+
+def ratios(data: dict) -> list[dict]:
+    """Every ratio to a peer the check measured, one record each: FPA and FoX time over fla's
+    parallel_forgetting_attn (fwd, fwd+bwd); the decode session's tokens/s over SDPA's, fla's
+    one-step decode's and FlashAttention's kvcache decode's (and the compiled step's over
+    SDPA's); S4D time over fla's chunk_gla."""
+    out: list[dict] = []
+    fpa = data.get("fpa", {}).get("rows", [])
+    ms = {(r["D"], r["T"], r["impl"], r["mode"]): r["ms"] for r in fpa}
+    for (D, T, impl, mode), t in ms.items():
+        peer = ms.get((D, T, "fla", mode))
+        if impl in ("FPA", "FoX") and peer:
+            out.append({"section": "fpa", "ours": impl, "peer": "fla parallel", "mode": mode,
+                        "D": D, "T": T, "time_ratio": t / peer})  # fmt: skip
+    speed: dict[tuple, dict[str, float]] = {}
+    for r in data.get("decode", {}).get("rows", []):
+        key = (r["B"], r["T"], r["HQ"], r["H"], r["dtype"])
+        speed.setdefault(key, {})[r["variant"]] = r["speed_vs_sdpa"]
+    for (B, T, HQ, H, dtype), v in speed.items():
+        where = {"B": B, "T": T, "HQ": HQ, "H": H, "dtype": dtype}
+        for ours in ("fpa inf", "fpa inf compiled"):
+            for peer in DECODE_PEERS if ours == "fpa inf" else DECODE_PEERS[:1]:
+                if v.get(ours) and v.get(peer):
+                    out.append({"section": "decode", "ours": ours, "peer": peer, **where,
+                                "speed_ratio": v[ours] / v[peer]})  # fmt: skip
+    for r in data.get("s4d", {}).get("rows", []):
+        if r["peer_ms"] == r["peer_ms"]:  # not NaN: a peer ran
+            where = {"mode": r["mode"], "dv": r["dv"], "T": r["T"]}
+            out.append({"section": "s4d", "ours": "S4D", "peer": "chunk_gla", **where,
+                        "time_ratio": r["ms"] / r["peer_ms"]})  # fmt: skip
+    return out
+
+
+def _pallas_lines(pallas: dict) -> list[str]:
+    checks = pallas.get("checks", [])
+    passed = sum(bool(c.get("passed")) for c in checks)
+    return [f"pallas: {passed} of {len(checks)} checks passed, "
+            f"{len(pallas.get('timings', []))} timing rows (pallas.json)"]  # fmt: skip
+
+
 def summary(folder: str) -> int:
-    """Print the short table of the check from ``folder``; write gpu_check.json and .md there."""
-    lines, data, status = ["GPU check summary"], {}, 0
+    """Print the summary of the check from the files of ``folder`` (under 4,000 characters);
+    write it there as gpu_check.json (with every ratio, :func:`ratios`) and gpu_check.md."""
+    data: dict = {}
+    for name in ("kit", "fpa", "s4d", "decode", "pallas"):
+        path = os.path.join(folder, f"{name}.json")
+        if os.path.exists(path):
+            with open(path) as fh:
+                data[name] = json.load(fh)
+    lines, status = ["GPU check summary"], 0
     sections = os.path.join(folder, "sections.txt")
     if os.path.exists(sections):
         with open(sections) as fh:
             entries = [line.split() for line in fh if line.strip()]
         data["sections"] = [{"name": n, "exit": int(e), "seconds": int(s)} for n, e, s in entries]
-        lines.append(f"{'section':<11} {'exit':>4} {'seconds':>8}")
-        for entry in data["sections"]:
-            lines.append(f"{entry['name']:<11} {entry['exit']:>4} {entry['seconds']:>8}")
-            status = status or entry["exit"]
-    kit = os.path.join(folder, "kit.json")
-    if os.path.exists(kit):
-        lines += _kit_lines(kit)
-    fpa = os.path.join(folder, "fpa.json")
-    if os.path.exists(fpa):
-        with open(fpa) as fh:
-            data["fpa"] = json.load(fh)
+        lines.append("sections (exit, seconds): " + ", ".join(
+            f"{e['name']} {e['exit']} {e['seconds']} s" for e in data["sections"]
+        ))  # fmt: skip
+        status = next((e["exit"] for e in data["sections"] if e["exit"]), 0)
+    if "fpa" in data:
         report = data["fpa"]
         lines.append(
             f"device: {report['device']}; "
             + ", ".join(f"{k} {v}" for k, v in report["versions"].items())
         )
+    if "kit" in data:
+        lines += _kit_lines(data["kit"])
+    if "fpa" in data:
         verdict = "pass" if report["long_check_passed"] else "FAIL"
         lines.append(f"long check at T = {CHECK_T[report['dry_run']]}: {verdict}")
-        lines += fpa_table(report)
+        lines += fpa_table(report, compact=True)
+    if "s4d" in data:
+        s4d = data["s4d"]
+        lines += s4d["summary"] or [f"S4D: check {'pass' if s4d['check_passed'] else 'FAILED'}"]
+    if "pallas" in data:
+        lines += _pallas_lines(data["pallas"])
+    if "decode" in data:
+        lines += decode_lines(data["decode"])
+    data["ratios"] = ratios(data)
+    last = f"{len(data['ratios'])} ratios to peers in gpu_check.json, results in {folder}"
+    while len("\n".join([*lines, last])) > SUMMARY_CHARS:  # (a run with many failures)
+        lines[-2:] = ["  ... (cut: the sections' files hold the rest)"]
+    lines.append(last)
     print("\n".join(lines))
     with open(os.path.join(folder, "gpu_check.json"), "w") as fh:
         json.dump(data | {"summary": lines}, fh, indent=1)
@@ -699,6 +823,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", help="kit, timings: write the JSON report to this file")
     parser.add_argument("--workers", type=int, help="kit: processes (default: cores, <= 16)")
+    parser.add_argument(
+        "--budget", type=float, default=TIME_BUDGET_S, help="timings: seconds of timing rows"
+    )
     parser.add_argument("--results", help="summary: the folder of the check's result files")
     args = parser.parse_args(argv)
     if args.step == "kit":
@@ -707,7 +834,7 @@ def main(argv: list[str] | None = None) -> int:
         compile_variant(tuple(json.loads(args.variant)))
         return 0
     if args.step == "timings":
-        return timings(args.dry_run, args.out)
+        return timings(args.dry_run, args.out, args.budget)
     if not args.results:
         parser.error("summary needs --results FOLDER")
     return summary(args.results)

@@ -17,13 +17,16 @@ naive recurrent GLA standing in for chunk_gla (which needs a GPU) and wall-clock
 ``--compile-only`` needs no GPU either: it runs the static Hopper gate of the Interdomain
 kernels, ``python -m bench.gpu_static_interdomain`` (every kernel compiled for sm_90 at the
 Hopper tiles beside fla's chunk_gla; registers, spills, shared memory, tensor-core kind).
-Exit status 1 when the reference check or a compilation fails.
+Exit status 1 when the reference check or a compilation fails. ``--out FILE``: the check, the
+rows (ms, peer ms, ratio) and the summary as JSON, written as the run goes (bench/gpu_check.sh
+writes ``s4d.json``).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import os
 import sys
@@ -208,14 +211,14 @@ def timings(torch, ti, device, shapes, dry: bool) -> list[dict]:
     return rows
 
 
-def summary(rows: list[dict], Ts, label: str) -> None:
+def summary(rows: list[dict], Ts, label: str) -> list[str]:
     """The short table: ratio to the peer and time(T_max)/time(T_prev) per (dv, mode)."""
     big, prev = Ts[-1], Ts[-2]
-    print(f"\nS4D summary ({label}): ratio = ours / peer; linearity = t({big}) / t({prev})")
-    print(
+    lines = [
+        f"S4D vs chunk_gla ({label}): ratio = ours / peer; linearity = t({big}) / t({prev})",
         f"{'dv':>4} {'mode':<8} {'ratio@' + str(big):>12} {'linearity':>10} {'peer lin.':>10}"
-        f" {'16-row ratio':>13}"
-    )
+        f" {'16-row ratio':>13}",
+    ]
     for dv in sorted({r["dv"] for r in rows}):
         for mode in ("fwd", "fwd+bwd"):
             sel = {r["T"]: r for r in rows if r["dv"] == dv and r["mode"] == mode}
@@ -223,10 +226,19 @@ def summary(rows: list[dict], Ts, label: str) -> None:
             peer_lin = sel[big]["peer_ms"] / sel[prev]["peer_ms"]
             ratio = sel[big]["ms"] / sel[big]["peer_ms"]
             rows16 = sel[big]["rows16_ms"] / sel[big]["peer_ms"]
-            print(
+            lines.append(
                 f"{dv:>4} {mode:<8} {ratio:>12.2f} {lin:>10.2f} {peer_lin:>10.2f} {rows16:>13.2f}"
             )
-    print("goals: fwd+bwd ratio <= 2.0; linearity <= 4.4 for T 8K -> 32K")
+    lines.append("goals: fwd+bwd ratio <= 2.0; linearity <= 4.4 for T 8K -> 32K")
+    return lines
+
+
+def save(report: dict, out: str | None) -> None:
+    """Write the report (again) now: a crash later loses nothing measured."""
+    if out:
+        with open(out + ".tmp", "w") as fh:
+            json.dump(report, fh, indent=1)
+        os.replace(out + ".tmp", out)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -237,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--compile-only", action="store_true", help="compile for sm_90 on this machine (no GPU)"
     )
+    parser.add_argument("--out", help="JSON file of the check, the rows and the summary")
     args = parser.parse_args(argv)
     if args.compile_only:
         from bench import gpu_static_interdomain
@@ -265,13 +278,20 @@ def main(argv: list[str] | None = None) -> int:
         f"== S4D section: {name}; torch {torch.__version__}, triton {triton.__version__}, "
         f"CUDA {torch.version.cuda}"
     )
+    report = {"section": "s4d", "device": name, "dry_run": dry, "rows": [], "summary": []}
+    report["versions"] = {"torch": torch.__version__, "triton": triton.__version__}
     print("reference check (float64 reference, kit tolerances):")
-    if not reference_check(torch, ti, device, T=40 if dry else 300):
+    report["check_passed"] = reference_check(torch, ti, device, T=40 if dry else 300)
+    save(report, args.out)
+    if not report["check_passed"]:
         print("S4D: reference check FAILED; timings skipped")
         return 1
     shapes = DRY_SHAPES if dry else GPU_SHAPES
-    rows = timings(torch, ti, device, shapes, dry)
-    summary(rows, shapes["Ts"], "float32, interpreter: not a speed measure" if dry else "bf16")
+    report["rows"] = timings(torch, ti, device, shapes, dry)
+    label = "float32, interpreter: not a speed measure" if dry else "bf16"
+    report["summary"] = summary(report["rows"], shapes["Ts"], label)
+    save(report, args.out)
+    print("\n" + "\n".join(report["summary"]))
     return 0
 
 

@@ -55,7 +55,17 @@ INTERPRETER_SMOKE = (
     "-k",
     "dtypes or eager_twin or decode_steps",
 )
-GPU_CHECK_DRY_RUN = ("tests/test_gpu_check_dryrun.py", "-k", "not pallas")
+# The lent GPU machine's image (Python 3.12; no attnspec, no fla, no network: what the check
+# needs beyond it comes as wheels from `make wheels`). torch 2.11 is the index's CUDA build
+# (about 2.6 GB with its libraries), run on CPU; jax the CPU build of the same version.
+GPU_IMAGE = (
+    "torch==2.11.0",
+    "triton==3.6.0",
+    "jax[cpu]==0.11.2",
+    "transformers==5.17.0",
+    "safetensors==0.8.0",
+    "numpy==2.5.2",
+)
 
 
 def pytest_step(*args: str, stop: bool = True) -> tuple[str, ...]:
@@ -67,14 +77,16 @@ def pytest_step(*args: str, stop: bool = True) -> tuple[str, ...]:
 @dataclass(frozen=True)
 class Leg:
     """One cell of the matrix: a Python version, exact pins and the steps run in its venv
-    (argument tuples: "python" is the leg's interpreter, "attnspec" its command; a step ending
-    in "--json" gets a file under build/matrix/<leg>/)."""
+    (argument tuples: "python" is the leg's interpreter, "attnspec" its command, "host-python"
+    the interpreter running the matrix (the project's venv), anything else a command on PATH; a
+    step ending in "--json" gets a file under build/matrix/<leg>/)."""
 
     name: str
     python: str
     pins: tuple[str, ...]
     steps: tuple[tuple[str, tuple[str, ...]], ...]
-    env: tuple[tuple[str, str], ...] = ()
+    env: tuple[tuple[str, str], ...] = ()  # "{venv}" in a value: the leg's venv
+    attnspec: bool = True  # installed into the venv (editable, no dependencies)
     # the project's extras resolved fresh from the index on every run (no pins): the newest leg
     extras: str = ""
 
@@ -154,7 +166,6 @@ LEGS = (
         (
             *STATIC,
             ("interpreter smoke", pytest_step(*INTERPRETER_SMOKE)),
-            ("gpu_check.sh --dry-run", pytest_step(*GPU_CHECK_DRY_RUN)),
         ),
         (("TRITON_INTERPRET", "1"),),
     ),
@@ -164,6 +175,20 @@ LEGS = (
         (*TORCH_CPU, "triton==3.7.1", "numpy==2.4.6", *TEST_TOOLS),
         (*STATIC, ("interpreter smoke", pytest_step(*INTERPRETER_SMOKE))),
         (("TRITON_INTERPRET", "1"),),
+    ),
+    Leg(
+        "gpu-image",  # bench/gpu_check.sh --dry-run as the GPU machine runs it (issue 55)
+        "3.12",
+        GPU_IMAGE,
+        (
+            ("make wheels", ("make", "wheels")),
+            (
+                "gpu_check.sh --dry-run with the image's Python",
+                ("host-python", *pytest_step("tests/test_gpu_check_dryrun.py", "-k", "image")[1:]),
+            ),
+        ),
+        (("GPU_IMAGE_PYTHON", "{venv}/bin/python"),),
+        attnspec=False,
     ),
     Leg(
         "python-3.13",
@@ -235,8 +260,9 @@ def prepare(leg: Leg, log: Path) -> bool:
         commands = [venv, [*pip, "-e", f"{ROOT}[{leg.extras}]"]]
         env = index_only_env()
     else:
-        project = [*pip, "--no-deps", "--no-build-isolation", "-e", str(ROOT)]
-        commands, env = [venv, [*pip, *leg.pins], project], None
+        commands, env = [venv, [*pip, *leg.pins]], None
+        if leg.attnspec:
+            commands.append([*pip, "--no-deps", "--no-build-isolation", "-e", str(ROOT)])
     for command in commands:
         with log.open("a") as out:
             out.write("$ " + " ".join(command) + "\n")
@@ -294,14 +320,17 @@ def run_leg(leg: Leg) -> list[tuple[str, str, float, int]]:
     rows = [("install", "ok" if ok else "FAILED", time.perf_counter() - start, 0 if ok else 1)]
     if not ok:
         return rows
-    env = dict(os.environ) | dict(leg.env)
+    env = dict(os.environ) | {name: value.format(venv=leg.venv) for name, value in leg.env}
     env["PATH"] = f"{leg.venv / 'bin'}{os.pathsep}{env['PATH']}"
     env.pop("VIRTUAL_ENV", None)
     env.setdefault("OMP_NUM_THREADS", "1")
     if "TRITON_INTERPRET" not in dict(leg.env):
         env.pop("TRITON_INTERPRET", None)
     for label, argv in leg.steps:
-        command = [str(leg.venv / "bin" / argv[0]), *argv[1:]]
+        if argv[0] in ("python", "attnspec"):
+            command = [str(leg.venv / "bin" / argv[0]), *argv[1:]]
+        else:
+            command = [sys.executable if argv[0] == "host-python" else argv[0], *argv[1:]]
         if command[-1] == "--json":
             command.append(str(leg.venv / (re.sub(r"\W+", "-", label).strip("-") + ".json")))
         start = time.perf_counter()

@@ -171,9 +171,18 @@ def run_program(program, *, R, HQ, H, dk, dv, dtype, theta, window, W, P, seed, 
         page_size=P,
         **({} if attention is None else {"attention": attention}),
     )
+    s.decode_reserve = 3  # decode calls cross reservations
     lit = LiteralSession(R, HQ, H, scale, theta, window, W)
     for call in program:
-        if call[0] == "advance":
+        if call[0] == "decode":  # tokens one at a time in every row; then what reserve(0) frees
+            for _ in range(call[1]):
+                chunk = make_chunk(rng, s.rows, HQ, H, 1, dk, dv)
+                got = s.decode(torch_chunk(chunk, dtype))["o"]
+                want = lit.advance(rounded(chunk, dtype), np.ones((s.rows, 1), dtype=bool))
+                err = np.abs(got.to(torch.float64).numpy() - want).max(initial=0.0)
+                assert err <= TOL[dtype], (call, err)
+            s.reserve(0)
+        elif call[0] == "advance":
             n = call[1]
             R = s.rows
             chunk = make_chunk(rng, R, HQ, H, n, dk, dv)
@@ -237,6 +246,85 @@ def test_session_matches_literal_loops(dtype, theta, window, W, HQ, H):
         P=4,
         seed=1,
     )
+
+
+DECODE_PROGRAM = [
+    ("advance", 7, 1.0),
+    ("decode", 4),
+    ("select", [1, 0, 0]),
+    ("decode", 5),  # shared pages copied by the reservation
+    ("rollback", 1, 2),
+    ("advance", 3, 0.6),
+    ("decode", 2),
+]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "theta", "window", "W"),
+    [(torch.float64, 1.0, None, 3), (torch.float32, math.inf, 5, 2)],
+)
+def test_decode_matches_literal_loops(dtype, theta, window, W):
+    """decode (reservations on the host, the step on the device) gives advance's outputs, and
+    after reserve(0) its counts and pages."""
+    run_program(
+        DECODE_PROGRAM, R=2, HQ=4, H=2, dk=4, dv=3, dtype=dtype, theta=theta, window=window,
+        W=W, P=4, seed=4,
+    )  # fmt: skip
+
+
+def test_decode_step_compiles_whole_and_agrees():
+    """torch.compile(decode_step, fullgraph=True) traces the step with no graph break (no host
+    read, no data-dependent branch; the "eager" backend: the tracing is what is checked) and
+    decodes as the eager step does."""
+    rng = np.random.default_rng(6)
+    sessions = [
+        PagedFPASession(rows=2, heads=4, kv_heads=2, dk=4, dv=3, dtype=torch.float32, scale=0.5,
+                        theta=1.0, window=6, max_rollback=2, page_size=4)
+        for _ in range(2)
+    ]  # fmt: skip
+    prompt = torch_chunk(make_chunk(rng, 2, 4, 2, 9, 4, 3), torch.float32)
+    for s in sessions:
+        s.prefill_state(prompt)
+    sessions[1].decode_step = torch.compile(
+        sessions[1].decode_step, fullgraph=True, backend="eager"
+    )
+    for _ in range(3):
+        chunk = torch_chunk(make_chunk(rng, 2, 4, 2, 1, 4, 3), torch.float32)
+        eager, compiled = (s.decode(chunk)["o"] for s in sessions)
+        torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+
+
+def test_decode_refuses_chunks_and_an_overfull_pool():
+    s = PagedFPASession(
+        rows=1, heads=2, kv_heads=2, dk=4, dv=3, dtype=torch.float32, scale=0.5, page_size=4,
+        max_pages=4,
+    )  # fmt: skip
+    rng = np.random.default_rng(7)
+    with pytest.raises(ValueError, match=r"q: expected one token a row, .*\(advance takes"):
+        s.decode(torch_chunk(make_chunk(rng, 1, 2, 2, 2, 4, 3), torch.float32))
+    with pytest.raises(ValueError, match="max_pages: the pool of 4 pages has 4 free, reserving"):
+        s.reserve(9)  # 3 pages for each of 2 kv heads
+    with pytest.raises(ValueError, match="steps: expected an integer >= 0, got -1"):
+        s.reserve(-1)
+
+
+@pytest.mark.parametrize("impl", ["eager", "triton"])
+def test_paged_attention_custom_op_passes_opcheck(monkeypatch, impl):
+    """The op a compiled decode step calls for the Triton kernel (schema, fake tensor, AOT)."""
+    if impl == "triton":
+        pytest.importorskip("triton")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    rng = np.random.default_rng(8)
+    s = PagedFPASession(
+        rows=2, heads=4, kv_heads=2, dk=4, dv=3, dtype=torch.float32, scale=0.5, page_size=4
+    )
+    s.prefill_state(torch_chunk(make_chunk(rng, 2, 4, 2, 6, 4, 3), torch.float32))
+    st = s.state
+    x = torch_chunk(make_chunk(rng, 2, 4, 2, 1, 4, 3), torch.float32)
+    tok = st.tokens[:, None].clone()
+    args = (x["q"], s.k_pool, s.v_pool, st.table, st.pos, st.level, st.mins, st.evict, tok,
+            x["field"].float(), 0.5, impl)  # fmt: skip
+    torch.library.opcheck(torch.ops.attnspec.paged_attention.default, args)
 
 
 def reference_decode(chunk, G, **kw):

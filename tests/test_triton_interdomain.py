@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import os
 import re
 
@@ -373,10 +374,10 @@ def test_s4d_decode_steps_equal_the_chunked_kernel(readout):
 
 
 def test_s4d_is_registered_under_the_dispatch_names():
-    assert dispatch.lookup("s4d_fwd", "triton") is s4d.s4d_fwd
-    assert dispatch.lookup("s4d_bwd", "triton") is s4d_grad.s4d_bwd
-    assert dispatch.lookup("legs_fwd", "triton") is legs.legs_fwd
-    assert dispatch.lookup("legs_bwd", "triton") is legs.legs_bwd
+    assert dispatch.lookup("s4d_fwd", "triton").__wrapped__ is s4d.s4d_fwd
+    assert dispatch.lookup("s4d_bwd", "triton").__wrapped__ is s4d_grad.s4d_bwd
+    assert dispatch.lookup("legs_fwd", "triton").__wrapped__ is legs.legs_fwd
+    assert dispatch.lookup("legs_bwd", "triton").__wrapped__ is legs.legs_bwd
 
 
 def s4d_args(T=5, H=2, M=3, R=4, V=3):
@@ -648,16 +649,17 @@ def test_legs_matches_the_eager_twin():
 # The GPU check's S4D section, dry run
 
 
-def test_gpu_s4d_dry_run():
-    """``python -m bench.gpu_s4d --dry-run``: the reference check passes and the table prints
-    (CPU, interpreter, tiny shapes; the GPU check runs the same code at full size)."""
+def test_gpu_s4d_dry_run(tmp_path):
+    """``python -m bench.gpu_s4d --dry-run``: the reference check passes, the table prints and
+    the rows and the ratios are in its file (CPU, interpreter, tiny shapes; the GPU check runs
+    the same code at full size)."""
     import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, TRITON_INTERPRET="1")
     run = subprocess.run(
-        [sys.executable, "-m", "bench.gpu_s4d", "--dry-run"],
+        [sys.executable, "-m", "bench.gpu_s4d", "--dry-run", "--out", str(tmp_path / "s4d.json")],
         cwd=root,
         env=env,
         capture_output=True,
@@ -666,4 +668,8 @@ def test_gpu_s4d_dry_run():
     )
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.count(": pass (") == 4 and "FAIL" not in run.stdout
-    assert "S4D summary" in run.stdout and "fwd+bwd" in run.stdout
+    assert "S4D vs chunk_gla" in run.stdout and "fwd+bwd" in run.stdout
+    report = json.loads((tmp_path / "s4d.json").read_text())
+    assert report["check_passed"] and report["summary"][0].startswith("S4D vs chunk_gla")
+    assert {(r["dv"], r["mode"]) for r in report["rows"]} == {(16, "fwd"), (16, "fwd+bwd")}
+    assert all(r["ms"] > 0 and r["peer_ms"] > 0 for r in report["rows"])

@@ -6,6 +6,12 @@ between devices or promoted silently. Shape, dtype and device checks read only m
 run while ``torch.compile`` traces; value checks (NaN/Inf, positive gates, cu_seqlens offsets)
 read the data and run inside the custom op, where they also hold in compiled code.
 
+A value check reads its verdict back to the host, which a CUDA graph cannot hold: the NaN/Inf,
+gate and decay checks run where a host read is allowed (:func:`values_checked`), and are skipped
+while a CUDA stream is capturing, while ``torch.compile`` traces, and inside
+``value_checks(enabled=False)`` (docs/decisions.md, issue 55). The offsets of
+packed sequences are always read: the kernels' plan is made from them on the host.
+
 These are the only checks of user input on the torch path: the kernels behind the custom ops
 (the eager twins, the Triton launchers) assert the invariants they rely on and raise nothing of
 their own, except where a kernel has a limit of its own (:func:`head_dims`) or a result is
@@ -14,8 +20,9 @@ undefined (the ratio readout's zero denominator).
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import torch
@@ -190,22 +197,67 @@ def cu_seqlens(x: Tensor | None, B: int, q: Tensor) -> Tensor | None:
     return x.to(torch.int64)
 
 
-# A value check run on the device: (a 0-d bool, True when every value passes; the check that
-# raises naming the argument, run on the host only when the flag is False).
-ValueCheck = tuple[Tensor, Callable[[], None]]
+_VALUE_CHECKS = [True]  # the process-wide switch of value_checks / set_value_checks
+
+
+def set_value_checks(*, enabled: bool) -> None:
+    """Turn the NaN/Inf, gate and decay checks of every torch op, layer and session on or off
+    for the process (on by default). Off, bad values are not refused but computed with, as
+    SDPA and FlashAttention compute with them; the metadata checks and the offsets' check stay."""
+    if not isinstance(enabled, bool):
+        raise ValueError(f"enabled: expected True or False, got {enabled!r}")
+    _VALUE_CHECKS[0] = enabled
+
+
+@contextlib.contextmanager
+def value_checks(*, enabled: bool) -> Iterator[None]:
+    """:func:`set_value_checks` for the block, restored after it."""
+    before = _VALUE_CHECKS[0]
+    set_value_checks(enabled=enabled)
+    try:
+        yield
+    finally:
+        _VALUE_CHECKS[0] = before
+
+
+def capturing() -> bool:
+    """True while the current CUDA stream captures a graph (a host read would end the capture
+    with an error). False in a process that never initialised CUDA."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
+def values_checked() -> bool:
+    """Whether the value checks run now: switched on (:func:`value_checks`), no CUDA graph
+    capturing, and not traced by ``torch.compile`` (the custom ops run them when the compiled
+    code runs; a check in traced code would be a graph break)."""
+    return _VALUE_CHECKS[0] and not capturing() and not torch.compiler.is_compiling()
+
+
+# A value check: (a thunk giving a 0-d bool on the device, True when every value passes; the
+# check that raises naming the argument, run on the host only when that flag is False). The
+# flag is computed only when the checks run (:func:`values_checked`).
+ValueCheck = tuple[Callable[[], Tensor], Callable[[], None]]
 
 
 def read_values(T: int, cu_seqlens: Tensor | None, *values: ValueCheck) -> Packing | None:
     """Everything an op checks on the host, read in one device-to-host copy (one sync per call):
     the flags of ``values`` (:func:`finite_check`, :func:`gates_check`, :func:`decays_check`)
-    and the offsets' values, checked by the one rule of :mod:`attnspec.reference.packing` (start
-    at 0, end at T, never decrease; a zero-length sequence contributes nothing, as in
-    FlashAttention's varlen functions [decision]).
+    when :func:`values_checked`, and the offsets' values, checked by the one rule of
+    :mod:`attnspec.reference.packing` (start at 0, end at T, never decrease; a zero-length
+    sequence contributes nothing, as in FlashAttention's varlen functions [decision]). Without
+    offsets and with the value checks off it reads nothing: the call can be captured in a CUDA
+    graph.
 
     Returns:
         The offsets' :class:`Packing`, or None without offsets.
     """
-    parts = [torch.stack([ok for ok, _ in values]).to(torch.int64)] if values else []
+    if cu_seqlens is not None and capturing():
+        raise ValueError(
+            "cu_seqlens: packed sequences are planned from their offsets on the host, which a "
+            "CUDA graph capture does not allow; capture calls without cu_seqlens (pad instead)"
+        )
+    values = values if values_checked() else ()
+    parts = [torch.stack([flag() for flag, _ in values]).to(torch.int64)] if values else []
     if cu_seqlens is not None:
         parts.append(cu_seqlens.to(torch.int64))
     host = torch.cat(parts).tolist() if parts else []
@@ -217,17 +269,17 @@ def read_values(T: int, cu_seqlens: Tensor | None, *values: ValueCheck) -> Packi
 
 def finite_check(name: str, x: Tensor) -> ValueCheck:
     """:func:`finite` as a :data:`ValueCheck`."""
-    return torch.isfinite(x).all(), lambda: finite(name, x)
+    return lambda: torch.isfinite(x).all(), lambda: finite(name, x)
 
 
 def gates_check(x: Tensor) -> ValueCheck:
     """:func:`log_gates` as a :data:`ValueCheck`."""
-    return (torch.isfinite(x) & (x <= 0)).all(), lambda: log_gates(x)
+    return lambda: (torch.isfinite(x) & (x <= 0)).all(), lambda: log_gates(x)
 
 
 def decays_check(lam: Tensor) -> ValueCheck:
     """:func:`decays` as a :data:`ValueCheck`."""
-    return (~(torch.linalg.vector_norm(lam, dim=-1) > 1)).all(), lambda: decays(lam)
+    return lambda: (~(torch.linalg.vector_norm(lam, dim=-1) > 1)).all(), lambda: decays(lam)
 
 
 def finite(name: str, x: Tensor) -> None:

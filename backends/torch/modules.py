@@ -91,8 +91,9 @@ def _check_x(
             f"x: expected the layer's dtype {dtype}, got {x.dtype} (cast x or the layer)"
         )
     # meta tensors carry no values; under torch.compile the check would be a graph break (a
-    # host read of the values), so compiled code skips it as it skips the ops' value checks
-    if x.device.type != "meta" and not torch.compiler.is_compiling():
+    # host read of the values), so compiled code skips it, as a CUDA graph capture does
+    # (checks.values_checked)
+    if x.device.type != "meta" and checks.values_checked():
         checks.finite("x", x)
     return x
 

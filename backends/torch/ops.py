@@ -8,7 +8,9 @@ implementation and a registered autograd formula whose backward is a second cust
 beside this one when they are imported. ``impl=None`` picks "triton" for CUDA tensors when a
 Triton kernel is registered, else "eager"; a backward with no Triton kernel runs the eager twin.
 Value checks (NaN/Inf, gates, |Lambda|, offsets) read the data, so they run inside the custom
-op, where compiled code runs them too.
+op, where compiled code runs them too; while a CUDA graph captures, only the offsets are read
+(:func:`.checks.values_checked`), so a call without cu_seqlens can be captured. Every custom op
+carries the tags of :data:`.dispatch.OP_TAGS`.
 
 Layout (flash-attn / flash-linear-attention): q, k ``[B, T, H, K]``, v ``[B, T, H, V]``,
 per-token scalars ``[B, T, H]``, output ``[B, T, H, V]``.
@@ -140,6 +142,7 @@ def _window_kwarg(window: int | None) -> dict[str, int]:
 @torch.library.custom_op(
     "attnspec::fpa_fwd",
     mutates_args=(),
+    tags=dispatch.OP_TAGS,
     schema="(Tensor q, Tensor k, Tensor v, Tensor field, Tensor level, float scale, "
     "Tensor? cu_seqlens, str impl, int? window=None) -> (Tensor, Tensor)",
 )
@@ -184,6 +187,7 @@ def _(
 @torch.library.custom_op(
     "attnspec::fpa_bwd",
     mutates_args=(),
+    tags=dispatch.OP_TAGS,
     schema="(Tensor q, Tensor k, Tensor v, Tensor field, Tensor level, Tensor o, Tensor lse, "
     "Tensor do, Tensor? dlse, float scale, Tensor? cu_seqlens, str impl, int? window=None) "
     "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
@@ -368,6 +372,7 @@ def fpa_attention(
 @torch.library.custom_op(
     "attnspec::fox_fwd",
     mutates_args=(),
+    tags=dispatch.OP_TAGS,
     schema="(Tensor q, Tensor k, Tensor v, Tensor log_f, float scale, Tensor? cu_seqlens, "
     "str impl, int? window=None) -> (Tensor, Tensor)",
 )
@@ -405,6 +410,7 @@ def _(
 @torch.library.custom_op(
     "attnspec::fox_bwd",
     mutates_args=(),
+    tags=dispatch.OP_TAGS,
     schema="(Tensor q, Tensor k, Tensor v, Tensor log_f, Tensor o, Tensor lse, Tensor do, "
     "Tensor? dlse, float scale, Tensor? cu_seqlens, str impl, int? window=None) "
     "-> (Tensor, Tensor, Tensor, Tensor)",
@@ -542,6 +548,7 @@ def _s4d_state_channels(R: int, V: int, readout: str) -> int:
 @torch.library.custom_op(
     "attnspec::s4d_fwd",
     mutates_args=(),
+    tags=dispatch.OP_TAGS,
     schema="(Tensor fq, Tensor kt, Tensor vt, Tensor lam, Tensor b, Tensor c, str readout, "
     "Tensor? cu_seqlens, Tensor? initial_state, str impl) -> (Tensor, Tensor, Tensor[])",
 )
@@ -605,6 +612,7 @@ def _(
 @torch.library.custom_op(
     "attnspec::s4d_bwd",
     mutates_args=(),
+    tags=dispatch.OP_TAGS,
     schema="(Tensor fq, Tensor kt, Tensor vt, Tensor lam, Tensor b, Tensor c, str readout, "
     "Tensor? cu_seqlens, Tensor? initial_state, Tensor do, Tensor? dfinal_state, "
     "Tensor[] saved, str impl) "
@@ -851,6 +859,7 @@ def interdomain_s4d(
 @torch.library.custom_op(
     "attnspec::legs_fwd",
     mutates_args=(),
+    tags=dispatch.OP_TAGS,
     schema="(Tensor fq, Tensor fk, Tensor v, int M, Tensor? cu_seqlens, str impl) -> Tensor",
 )
 def _legs_fwd(
@@ -869,6 +878,7 @@ def _(fq: Tensor, fk: Tensor, v: Tensor, M: int, cu_seqlens: Tensor | None, impl
 @torch.library.custom_op(
     "attnspec::legs_bwd",
     mutates_args=(),
+    tags=dispatch.OP_TAGS,
     schema="(Tensor fq, Tensor fk, Tensor v, int M, Tensor? cu_seqlens, Tensor do, str impl) "
     "-> (Tensor, Tensor, Tensor)",
 )

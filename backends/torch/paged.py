@@ -26,22 +26,35 @@ stored / page_size entry copies per step, 1 / page_size of what attention reads.
 
 Attention over the pages is :func:`paged_attention_eager` (the twin of the Triton decode kernel
 in :mod:`.triton_decode`), one block of at most ``QUERY_BLOCK`` chunk positions at a time.
+
+Decoding without a host read (serving under CUDA graphs). :meth:`PagedFPASession.advance` plans
+on the host every call (pages to allocate, entries to free). :meth:`PagedFPASession.decode`
+splits that: :meth:`~PagedFPASession.reserve` (host side, once per ``decode_reserve`` tokens)
+frees what no head keeps, compacts, and allocates the pages of the next tokens of every row;
+:meth:`~PagedFPASession.decode_step` (device side) writes one token per row into its reserved
+slot, evicts, attends and advances the minima, in place, with no host read and no allocation of
+pages, so ``torch.compile(session.decode_step, fullgraph=True)`` compiles it whole and a CUDA
+graph captures it. Between reservations the pages of evicted entries stay held: the bytes held
+are within one page, plus the pages reserved, of the stored entries.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from . import checks
+from . import checks, devices, dispatch
 
 LIVE = torch.iinfo(torch.int64).max // 2  # the eviction step of an entry still attended
 QUERY_BLOCK = 16  # chunk positions per attention block (the decode kernel's query chunk)
 PAGE_SIZE = 16
+DECODE_RESERVE = 64  # tokens per row that PagedFPASession.decode reserves at a time
 
 Attention = Callable[..., Tensor]
 
@@ -85,16 +98,17 @@ def _pages(
     parts = []
     if c:
         strides = (H * A * P * D, A * P * D, D, 1)
-        offset = pool.storage_offset() + b * P * D
-        parts.append(pool.as_strided((R, H, c * P, D), strides, offset))
+        parts.append(pool[b:].as_strided((R, H, c * P, D), strides))  # (from page b on)
     if c < NT or not parts:  # (an empty table: one empty part)
         pages = table[..., c:].clamp_min(0).flatten()
+        if buffers is None:  # (compiled code: the gather is the compiler's to place)
+            parts.append(pool.index_select(0, pages).view(R, H, -1, D))
+            return parts
         shape = (pages.numel(), P, D)
-        buf = (buffers or {}).get(name)
+        buf = buffers.get(name)
         if buf is None or buf.numel() < math.prod(shape) or buf.dtype != pool.dtype:
             buf = pool.new_empty(math.prod(shape) * 5 // 4)  # room to grow: faults are slow
-            if buffers is not None:
-                buffers[name] = buf
+            buffers[name] = buf
         out = buf[: math.prod(shape)].view(shape)
         parts.append(torch.index_select(pool, 0, pages, out=out).view(R, H, -1, D))
     return parts
@@ -119,6 +133,8 @@ def paged_attention_eager(
     field: Tensor,
     scale: float,
     buffers: dict[str, Tensor] | None = None,
+    *,
+    in_place: tuple[int, int, int] | None = None,
 ) -> Tensor:
     """(F3)-(F5) for a block of chunk positions over the row's pages, GQA by kv head.
 
@@ -131,7 +147,9 @@ def paged_attention_eager(
         scale: the softmax scale.
         buffers: where pages not in place (:func:`pages_in_place`) are gathered, kept by the
             caller between calls and grown by a quarter at a time (a fresh 100 MB tensor costs
-            more in page faults than the copy into it).
+            more in page faults than the copy into it); None: a fresh gather.
+        in_place: :func:`pages_in_place` of ``table`` when the caller knows it (None: read from
+            the table, three host reads); with it given the function reads nothing back.
 
     Returns:
         o [R, HQ, n, V] in the dtype of ``mins``; 0 at absent positions.
@@ -141,7 +159,7 @@ def paged_attention_eager(
     R, HQ, n, K = q.shape
     H, wide = table.shape[1], mins.dtype
     G, S = HQ // H, pos.shape[2]
-    in_place = pages_in_place(table)
+    in_place = pages_in_place(table) if in_place is None else in_place
     keys = _pages(k_pool, table, in_place, "k", buffers)  # [R, H, slots, K] each
     values = _pages(v_pool, table, in_place, "v", buffers)  # [R, H, slots, V] each
     rows = q.to(wide).reshape(R, H, G * n, K)
@@ -150,7 +168,11 @@ def paged_attention_eager(
     for k in keys:
         # k q^T: BLAS streams the keys by rows (on a CPU twice as fast as q k^T, a skinny product)
         kq = k.to(wide) @ rows.transpose(2, 3)  # [R, H, slots, G n]
-        torch.mul(kq.transpose(2, 3), scale, out=logits[..., start : start + k.shape[2]])
+        part = logits[..., start : start + k.shape[2]]
+        if torch.compiler.is_compiling():  # (out= into a strided slice does not trace)
+            part.copy_(kq.transpose(2, 3) * scale)
+        else:
+            torch.mul(kq.transpose(2, 3), scale, out=part)
         start += k.shape[2]
     logits = logits.view(R, H, G, n, S)
     j = pos.view(R, H, 1, S)  # the token of each slot, shared by the G query heads
@@ -171,6 +193,57 @@ def paged_attention_eager(
         o, start = part if o is None else o.add_(part), start + v.shape[2]
     assert o is not None
     return o.view(R, HQ, n, -1).masked_fill((tok < 0)[:, None, :, None], 0.0)
+
+
+@torch.library.custom_op(
+    "attnspec::paged_attention",
+    mutates_args=(),
+    schema="(Tensor q, Tensor k_pool, Tensor v_pool, Tensor table, Tensor pos, Tensor level, "
+    "Tensor mins, Tensor evict, Tensor tok, Tensor field, float scale, str impl) -> Tensor",
+    tags=dispatch.OP_TAGS,
+)
+def _paged_attention(
+    q: Tensor,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    table: Tensor,
+    pos: Tensor,
+    level: Tensor,
+    mins: Tensor,
+    evict: Tensor,
+    tok: Tensor,
+    field: Tensor,
+    scale: float,
+    impl: str,
+) -> Tensor:
+    """The attention over pages as one node of a compiled graph: the Triton decode kernel
+    (``impl="triton"``), whose launcher torch.compile does not trace, or the eager twin."""
+    args = (q, k_pool, v_pool, table, pos, level, mins, evict, tok, field, scale)
+    if impl == "triton":
+        from .triton_decode import paged_attention_triton
+
+        with devices.guard(q.device):
+            return paged_attention_triton(*args)
+    return paged_attention_eager(*args)
+
+
+@_paged_attention.register_fake
+def _(
+    q: Tensor,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    table: Tensor,
+    pos: Tensor,
+    level: Tensor,
+    mins: Tensor,
+    evict: Tensor,
+    tok: Tensor,
+    field: Tensor,
+    scale: float,
+    impl: str,
+) -> Tensor:
+    R, HQ, n, _ = q.shape
+    return q.new_empty(R, HQ, n, v_pool.shape[2], dtype=mins.dtype)
 
 
 @dataclass
@@ -245,6 +318,9 @@ class PagedFPASession:
         self.wide = torch.float64 if dtype == torch.float64 else torch.float32
         self.attention = attention
         self._buffers: dict[str, Tensor] = {}  # the attention's scratch, kept between calls
+        self.decode_reserve = DECODE_RESERVE
+        self._reserved = 0  # decode steps left in the reservation (0: none)
+        self._in_place = (0, 0, 0)  # pages_in_place of the reserved table
         NP = self.max_pages or 4
         self.k_pool = torch.zeros(NP, self.P, self.dk, dtype=dtype, device=self.device)
         self.v_pool = torch.zeros(NP, self.P, self.dv, dtype=dtype, device=self.device)
@@ -305,8 +381,11 @@ class PagedFPASession:
                 raise ValueError(f"{name}: expected device {self.device}, got {x.device}")
         if present.device != self.device:
             raise ValueError(f"present: expected device {self.device}, got {present.device}")
-        checks.finite("field", inputs["field"])
-        checks.finite("level", inputs["level"])
+        if checks.values_checked():  # one host read for both
+            field, level = inputs["field"], inputs["level"]
+            if not bool(torch.isfinite(field).all() & torch.isfinite(level).all()):
+                checks.finite("field", field)
+                checks.finite("level", level)
         return n
 
     # pages
@@ -385,6 +464,7 @@ class PagedFPASession:
             {"o": [R, HQ, n, dv]} in the session's dtype, 0 at absent positions.
         """
         n = self._check_chunk(inputs, present)
+        self._reserved = 0  # (its pages are freed by the release below, or by the next one)
         R, HQ = self.rows, self.HQ
         count = present.sum(dim=1)  # [R]
         fresh, shared = self._pages_needed(count)
@@ -397,12 +477,7 @@ class PagedFPASession:
         o = torch.zeros(R, HQ, n, self.dv, dtype=self.dtype, device=self.device)
         if n == 0:
             return {"o": o}
-        if inputs["field"].dtype == torch.float64 and self.wide != torch.float64:
-            self.wide = torch.float64
-            self.state = replace(
-                self.state,
-                **{f: getattr(self.state, f).double() for f in ("level", "mins", "base", "ring")},
-            )
+        self._widen_dtype(inputs["field"])
         wide = self.wide
         field = inputs["field"].to(wide).masked_fill(~present[:, None, :], math.inf)
         level = inputs["level"].to(wide)
@@ -413,12 +488,140 @@ class PagedFPASession:
         self._write(inputs["k"], inputs["v"], level, present, rank, fresh, shared)
         for p0 in range(0, n, QUERY_BLOCK):
             p1 = min(p0 + QUERY_BLOCK, n)
-            o[:, :, p0:p1] = self._block(
-                inputs["q"][:, :, p0:p1], tok[:, p0:p1], field[:, :, p0:p1]
-            ).to(self.dtype)
+            q = inputs["q"][:, :, p0:p1]
+            with devices.guard(q.device):
+                block, updates = self._block(q, tok[:, p0:p1], field[:, :, p0:p1], self._attend)
+            o[:, :, p0:p1] = block.to(self.dtype)
+            self.state = replace(self.state, **updates)
         if self.evicting:  # else no entry is ever evicted, and none freed
             self._release()
         return {"o": o}
+
+    def _widen_dtype(self, field: Tensor) -> None:
+        """A float64 field makes the per-entry state float64 (from then on)."""
+        if field.dtype == torch.float64 and self.wide != torch.float64:
+            self.wide = torch.float64
+            self.state = replace(
+                self.state,
+                **{f: getattr(self.state, f).double() for f in ("level", "mins", "base", "ring")},
+            )
+
+    def _attend(self, *args: Any) -> Tensor:
+        """The session's attention, with the scratch buffers kept between calls."""
+        return self.attention(*args, buffers=self._buffers)
+
+    def _attend_in_graph(self, *args: Any) -> Tensor:
+        """The attention of :meth:`decode_step`: reads nothing back. The eager twin with the
+        reserved table's layout known (torch.compile traces and fuses it); the Triton kernel
+        as one custom op (its launcher is not traced); any other attention as it is."""
+        if self.attention is paged_attention_eager:
+            return paged_attention_eager(*args, in_place=self._in_place)
+        kernel = sys.modules.get(f"{__package__}.triton_decode")  # loaded if it is the kernel
+        if kernel is not None and self.attention is kernel.paged_attention_triton:
+            return _paged_attention(*args, impl="triton")
+        return self.attention(*args)
+
+    # decoding without a host read
+
+    def reserve(self, steps: int) -> None:
+        """The host side of :meth:`decode`: slots with no head keeping their entry freed (and
+        the pages no row needs compacted or given back), then, for every row, the slots and
+        pages of its next ``steps`` tokens (its own pages: a page shared with another row is
+        copied first), so that ``steps`` calls of :meth:`decode_step` need no host read and no
+        allocation. ``reserve(0)`` gives back the pages reserved and not used. Reads the state
+        on the host; a later :meth:`advance`, :meth:`select`, :meth:`rollback` or
+        :meth:`prefill_state` ends the reservation.
+        """
+        steps = _int("steps", steps, 0)
+        self._reserved = 0
+        self._release()
+        fresh, shared = self._pages_needed(torch.full((self.rows,), steps, device=self.device))
+        need = int(fresh.sum() + shared.sum())
+        if self.max_pages is not None and need > self.free_pages():
+            raise ValueError(
+                f"max_pages: the pool of {self.max_pages} pages has {self.free_pages()} free, "
+                f"reserving {steps} tokens a row needs {need}"
+            )
+        if steps:
+            self._widen(int(self.state.fill.max()) + steps)
+            NT = self.state.table.shape[2]
+            table = self._own_pages(fresh[..., :NT], shared[..., :NT])
+            self.state = replace(self.state, table=table)
+        self._in_place = pages_in_place(self.state.table)
+        self._reserved = steps
+
+    def decode(self, inputs: dict[str, Tensor]) -> dict[str, Tensor]:
+        """(F8 rows) one token in every row: q [R, HQ, 1, dk], k [R, H, 1, dk], v [R, H, 1, dv],
+        field, level [R, HQ, 1]. The outputs and the state of :meth:`advance` with every row
+        present, but the freeing of :meth:`advance` happens at the reservations: every
+        ``decode_reserve`` tokens (64) :meth:`reserve` runs on the host; between them
+        :meth:`decode_step` runs on the device alone (replace it by its compiled form:
+        ``session.decode_step = torch.compile(session.decode_step, fullgraph=True)``).
+        Host reads per call: none in the step; the value checks of field and level in one
+        read while they run (:func:`.checks.values_checked`).
+
+        Returns:
+            {"o": [R, HQ, 1, dv]} in the session's dtype.
+        """
+        R = self.rows
+        q = inputs.get("q") if isinstance(inputs, dict) else None
+        if isinstance(q, Tensor) and q.dim() == 4 and q.shape[2] != 1:
+            raise ValueError(
+                f"q: expected one token a row, shape {(R, self.HQ, 1, self.dk)}, got "
+                f"{tuple(q.shape)} (advance takes chunks)"
+            )
+        self._check_chunk(inputs, torch.ones(R, 1, dtype=torch.bool, device=self.device))
+        self._widen_dtype(inputs["field"])
+        if self._reserved == 0:
+            self.reserve(self.decode_reserve)
+        self._reserved -= 1
+        o = self.decode_step(
+            inputs["q"], inputs["k"], inputs["v"], inputs["field"], inputs["level"]
+        )
+        return {"o": o}
+
+    def decode_step(self, q: Tensor, k: Tensor, v: Tensor, field: Tensor, level: Tensor) -> Tensor:
+        """The device part of :meth:`decode` (its inputs as there, checked): the token of every
+        row written into its reserved slot, evictions, attention, minima, all in place on the
+        session's tensors. No host read, no allocation of pages, so torch.compile compiles it
+        whole (``fullgraph=True``) and a CUDA graph captures it (its tensors stay the same
+        until the next :meth:`reserve`). Call it only within a reservation (:meth:`decode`
+        keeps the count).
+
+        Returns:
+            o [R, HQ, 1, dv] in the session's dtype.
+        """
+        st, P, G, R, H = self.state, self.P, self.G, self.rows, self.H
+        wide = st.mins.dtype
+        slot = st.fill  # [R, H] the next slot of every (row, kv head), on a reserved page
+        page = st.table.gather(2, torch.div(slot, P, rounding_mode="floor")[..., None])[..., 0]
+        self.k_pool.index_put_((page, slot % P), k[:, :, 0])
+        self.v_pool.index_put_((page, slot % P), v[:, :, 0])
+        st.pos.scatter_(2, slot[..., None], st.tokens[:, None, None].expand(R, H, 1))
+        slotq = slot.repeat_interleave(G, dim=1)[..., None]  # [R, HQ, 1]
+        st.level.scatter_(2, slotq, level.to(wide))
+        st.mins.scatter_(2, slotq, math.inf)  # empty segment: pi_tt = 0
+        st.base.scatter_(2, slotq, math.inf)
+        st.evict.scatter_(2, slotq, LIVE)
+        st.fill.add_(1)
+        o, updates = self._block(q, st.tokens[:, None], field.to(wide), self._attend_in_graph)
+        for name, value in updates.items():
+            getattr(st, name).copy_(value)
+        return o.to(self.dtype)
+
+    def _own_pages(self, fresh: Tensor, shared: Tensor) -> Tensor:
+        """The page table with the cells ``fresh`` given new pages and the cells ``shared``
+        given copies of their pages (copy on write)."""
+        table = self.state.table.clone()
+        if bool(shared.any()):
+            old = table[shared]
+            new = self._allocate(old.numel())
+            self.k_pool[new], self.v_pool[new] = self.k_pool[old], self.v_pool[old]
+            self.refs.index_add_(0, old, torch.full_like(old, -1))
+            table[shared] = new
+        if bool(fresh.any()):
+            table[fresh] = self._allocate(int(fresh.sum()))
+        return table
 
     def _write(
         self,
@@ -434,16 +637,7 @@ class PagedFPASession:
         per-entry state written into the slots fill + rank."""
         st, P, G = self.state, self.P, self.G
         NT = st.table.shape[2]
-        fresh, shared = fresh[..., :NT], shared[..., :NT]
-        table = st.table.clone()
-        if bool(shared.any()):
-            old = table[shared]
-            new = self._allocate(old.numel())
-            self.k_pool[new], self.v_pool[new] = self.k_pool[old], self.v_pool[old]
-            self.refs.index_add_(0, old, torch.full_like(old, -1))
-            table[shared] = new
-        if bool(fresh.any()):
-            table[fresh] = self._allocate(int(fresh.sum()))
+        table = self._own_pages(fresh[..., :NT], shared[..., :NT])
         r, p = torch.nonzero(present, as_tuple=True)  # entries in token order per row
         slot = st.fill[r] + rank[r, p, None]  # [E, H]
         h = torch.arange(self.H, device=self.device).expand_as(slot)
@@ -472,9 +666,16 @@ class PagedFPASession:
             fill=st.fill + present.sum(dim=1)[:, None],
         )
 
-    def _block(self, q: Tensor, tok: Tensor, field: Tensor) -> Tensor:
+    def _block(
+        self, q: Tensor, tok: Tensor, field: Tensor, attention: Callable[..., Tensor]
+    ) -> tuple[Tensor, dict[str, Tensor]]:
         """At most QUERY_BLOCK positions: evictions (F7, F3w), attention, then the minima, the
-        budgets, the base minima and the ring of fields advanced token by token."""
+        budgets, the base minima and the ring of fields advanced token by token.
+
+        Returns:
+            The outputs (in the wide dtype) and the new evict, mins, base, ring, tokens and
+            budget of the state (the caller stores them).
+        """
         st, R, H, G = self.state, self.rows, self.H, self.G
         S = st.pos.shape[2]
         j = st.pos.view(R, H, 1, S)  # the token of each slot, shared by the G query heads
@@ -491,7 +692,7 @@ class PagedFPASession:
                 # steps it holds are LIVE or earlier tokens). Arithmetic, not torch.where,
                 # which branches per element: ten times slower on the masks eviction makes.
                 evict = torch.minimum(evict, (LIVE - hit * (LIVE - t)).view_as(evict))
-        o = self.attention(
+        o = attention(
             q,
             self.k_pool,
             self.v_pool,
@@ -503,7 +704,6 @@ class PagedFPASession:
             tok,
             field,
             self.scale,
-            buffers=self._buffers,
         )
         mins, base = st.mins.view(R, H, G, S), st.base.view(R, H, G, S)
         ring, tokens, budget = st.ring.clone(), st.tokens.clone(), st.budget.clone()
@@ -524,16 +724,14 @@ class PagedFPASession:
                 )
             tokens = tokens + here
             budget = torch.clamp_max(budget + here, self.W)
-        self.state = replace(
-            st,
-            evict=evict,
-            mins=mins.view(R, -1, S),
-            base=base.view(R, -1, S),
-            ring=ring,
-            tokens=tokens,
-            budget=budget,
-        )
-        return o
+        return o, {
+            "evict": evict,
+            "mins": mins.view(R, -1, S),
+            "base": base.view(R, -1, S),
+            "ring": ring,
+            "tokens": tokens,
+            "budget": budget,
+        }
 
     def _stored(self) -> Tensor:
         """[R, H, S] slots holding an entry some query head of the kv head keeps (the union
@@ -647,6 +845,7 @@ class PagedFPASession:
         """
         if int(self.state.tokens.max()) > 0:
             raise ValueError("inputs: prefill_state expects an empty session")
+        self._reserved = 0
         R, T = self.rows, inputs["k"].shape[2] if "k" in inputs else 0
         self._check_chunk(
             {"q": torch.zeros(R, self.HQ, T, self.dk, dtype=self.dtype, device=self.device)}
@@ -736,6 +935,7 @@ class PagedFPASession:
         bad = [i for i in index if not 0 <= i < self.rows]
         if bad or any(i != x for i, x in zip(index, rows, strict=True)):
             raise ValueError(f"rows: expected indices in [0, {self.rows}), got {list(rows)!r}")
+        self._reserved = 0  # (a shared reserved page would be written by two rows)
         self.state = self.state.index(torch.tensor(index, device=self.device))
         self._recount()
 
@@ -753,6 +953,7 @@ class PagedFPASession:
             raise ValueError(f"n: row {row} can undo at most {b} tokens now, asked for {n}")
         if n == 0:
             return
+        self._reserved = 0
         t = int(st.tokens[row])
         kept = t - n
         pos, evict = st.pos.clone(), st.evict.clone()
