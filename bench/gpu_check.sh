@@ -108,7 +108,7 @@ fi
 if [[ -n "$DRY" ]]; then
     export TRITON_INTERPRET=1  # before any import of triton
     # Triton 3.6's interpreter with numpy >= 2.4 (the GPU machine's pair; bench/dry_run/)
-    export PYTHONPATH="$PWD/bench/dry_run:$PYTHONPATH"
+    export PYTHONPATH="$PWD/bench/dry_run${PYTHONPATH:+:$PYTHONPATH}"
 fi
 
 STATUS=0
