@@ -156,7 +156,36 @@ def conformance_parser(prog: str = "attnspec conformance") -> argparse.ArgumentP
         version=f"attnspec {version()}",
         help="print attnspec's version and exit",
     )
-    p.add_argument("--backend", required=True, metavar="BACKEND", help=BACKEND_HELP)
+    subject = p.add_mutually_exclusive_group(required=True)
+    subject.add_argument("--backend", metavar="BACKEND", help=BACKEND_HELP)
+    subject.add_argument(
+        "--model",
+        metavar="MODEL",
+        help="instead of a backend, judge a transformers causal LM's\ncache: "
+        "decoding with it must give the logits of the\nforward of the same tokens without it "
+        "(docs/conformance.md)",
+    )
+    p.add_argument(
+        "--model-config",
+        nargs="+",
+        metavar="KEY=VALUE",
+        default=[],
+        help="with --model: the configuration's keyword arguments\n(Python literals; "
+        "e.g. hidden_size=32 num_hidden_layers=2)",
+    )
+    p.add_argument(
+        "--model-seed",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --model: torch.manual_seed before the weights\nare drawn (default 0)",
+    )
+    p.add_argument(
+        "--cache",
+        metavar="FACTORY",
+        help="with --model: module:attribute called with the model's\nconfiguration, giving "
+        "the cache of each program\n(default: the cache the model makes itself)",
+    )
     p.add_argument("--device", default="cpu", help="device string passed to the backend")
     p.add_argument(
         "--ops",
@@ -287,6 +316,13 @@ def conformance_main(argv: list[str] | None = None, prog: str = "attnspec confor
     from .skips import SkipList, XfailList
 
     args = conformance_parser(prog).parse_args(argv)
+    if args.model is not None:
+        from .model_runner import model_command
+
+        return model_command(args, prog, _progress(sys.stderr))
+    if args.model_config or args.model_seed or args.cache:
+        print(f"{prog}: --model-config, --model-seed and --cache need --model", file=sys.stderr)
+        return 2
     try:
         cases = generate_cases(args.ops, args.cases)
     except ValueError as exc:

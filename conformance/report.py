@@ -9,7 +9,8 @@ from collections import defaultdict
 from .runner import RunReport
 from .tolerances import format_table as tolerance_table
 
-VERDICTS = ("passed", "failed", "not implemented", "skipped", "xfailed")
+VERDICTS = ("passed", "failed", "not implemented", "skipped", "xfailed", "not applicable")
+NOT_RUN = ("skipped", "not implemented", "not applicable")  # JUnit's skipped
 
 
 def summary_rows(report: RunReport) -> list[dict]:
@@ -44,8 +45,9 @@ def summary_rows(report: RunReport) -> list[dict]:
 
 
 def format_report(report: RunReport, *, max_failures: int = 30) -> str:
+    subject = report.backend if report.backend.startswith("model ") else f"backend {report.backend}"
     lines = [
-        f"attnspec conformance: backend {report.backend} on {report.device} "
+        f"attnspec conformance: {subject} on {report.device} "
         f"({', '.join(f'{k} {v}' for k, v in report.versions.items())})",
         "",
     ]
@@ -66,6 +68,8 @@ def format_report(report: RunReport, *, max_failures: int = 30) -> str:
             verdict = "FAILED" + (f" ({row['raised']} raised)" if row["raised"] else "")
         elif row["passed"]:
             verdict = "passed"
+        elif row["not applicable"]:
+            verdict = "not applicable"
         else:
             verdict = "not implemented" if row["not implemented"] else "skipped"
         lines.append(
@@ -94,6 +98,7 @@ def format_report(report: RunReport, *, max_failures: int = 30) -> str:
         f"{counts['passed']} passed, {counts['failed']} failed, "
         f"{counts['not implemented']} not implemented, {counts['skipped']} skipped"
         + (f", {counts['xfailed']} xfailed" if counts["xfailed"] else "")
+        + (f", {counts['not applicable']} not applicable" if counts["not applicable"] else "")
         + f" in {report.seconds:.1f} s"
     )
     return "\n".join(lines)
@@ -127,7 +132,7 @@ def write_junit(report: RunReport, path: str) -> None:
         tests=str(len(report.results)),
         time=f"{report.seconds:.3f}",
         failures=str(sum(r.verdict == "failed" for r in report.results)),
-        skipped=str(sum(r.verdict in ("skipped", "not implemented") for r in report.results)),
+        skipped=str(sum(r.verdict in NOT_RUN for r in report.results)),
     )
     for r in report.results:
         case = ET.SubElement(
@@ -139,6 +144,6 @@ def write_junit(report: RunReport, path: str) -> None:
         if r.verdict == "failed":
             failure = ET.SubElement(case, "failure", message=r.message[:500])
             failure.text = f"{r.message}\nrepro: {r.repro}"
-        elif r.verdict in ("skipped", "not implemented"):
+        elif r.verdict in NOT_RUN:
             ET.SubElement(case, "skipped", message=f"{r.verdict}: {r.message}")
     ET.ElementTree(suite).write(path, encoding="utf-8", xml_declaration=True)
