@@ -85,17 +85,17 @@ class AttnSpecDroppedBetweenSteps(AttnSpecCache):
 
     def __init__(self, config: Any):
         super().__init__(config)
-        for layer in self.sessions:
+        for layer in self.session_layers:
             layer.advance = _dropping(layer)  # type: ignore[method-assign]
 
 
 def _dropping(layer: Any) -> Any:
     advance = layer.advance
 
-    def dropped(mixer: Any, x: Tensor, present: Tensor) -> Tensor:
+    def dropped(inputs: dict[str, Tensor], present: Tensor, open_session: Any) -> Any:
         if layer.positions:
             layer.reset()
-        return advance(mixer, x, present)
+        return advance(inputs, present, open_session)
 
     return dropped
 
@@ -115,15 +115,15 @@ class AttnSpecPaddingCountedAsTokens(AttnSpecCache):
 
     def __init__(self, config: Any):
         super().__init__(config)
-        for layer in self.sessions:
+        for layer in self.session_layers:
             layer.advance = _padding_as_tokens(layer)  # type: ignore[method-assign]
 
 
 def _padding_as_tokens(layer: Any) -> Any:
     advance = layer.advance
 
-    def counted(mixer: Any, x: Tensor, present: Tensor) -> Tensor:
-        return advance(mixer, x, torch.ones_like(present))
+    def counted(inputs: dict[str, Tensor], present: Tensor, open_session: Any) -> Any:
+        return advance(inputs, torch.ones_like(present), open_session)
 
     return counted
 
