@@ -203,7 +203,12 @@ LEGS = (
         "3.13",
         (),
         (
-            ("transformers models", pytest_step("tests/test_hf_models.py", stop=False)),
+            (
+                "transformers models and the verdict on their caches",
+                pytest_step(
+                    "tests/test_hf_models.py", "tests/test_model_conformance.py", stop=False
+                ),
+            ),
             ("Flax NNX modules and example", pytest_step(*NNX_FILES, stop=False)),
             ("torch backend tests", pytest_step(*TORCH_FILES, stop=False)),
             ("reference and theory tests", pytest_step(*REFERENCE_FILES, stop=False)),
