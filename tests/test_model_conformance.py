@@ -1,7 +1,7 @@
 """``attnspec conformance --model``: the verdict on a transformers causal LM's cache.
 
 The control is transformers' own Llama with its DynamicCache: it must pass every program. Each
-shipped wrong cache (conformance/model_mutants.py) must fail the family written for it while the
+shipped wrong cache (models/mutants.py) must fail the family written for it while the
 correct cache it wraps passes that family. Our four model types pass the programs (the full run
 under every transformers the range admits is the version matrix's); a finite theta is not
 applicable, a window is judged against the windowed forward. Tiny models, float32.
@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 
 import attnspec.models as M  # noqa: E402
 from attnspec.cli import main  # noqa: E402
-from attnspec.conformance import model_mutants, model_runner  # noqa: E402
+from attnspec.conformance import model_runner  # noqa: E402
 from attnspec.conformance.model_loading import (  # noqa: E402
     format_overrides,
     load_model,
@@ -33,6 +33,7 @@ from attnspec.conformance.model_programs import (  # noqa: E402
     model_case_ids,
 )
 from attnspec.conformance.model_runner import run_model, run_program  # noqa: E402
+from attnspec.models import mutants as model_mutants  # noqa: E402
 from attnspec.models.cache import FPASessionLayer  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -204,7 +205,7 @@ def test_a_crop_the_cache_declines_is_not_implemented():
 
 def test_the_repro_line_reruns_exactly_the_failing_program(tmp_path, capsys):
     config = format_overrides(LLAMA_CONFIG)
-    cache = "attnspec.conformance.model_mutants:DynamicCropOffByOne"
+    cache = "attnspec.models.mutants:DynamicCropOffByOne"
     args = ["conformance", "--model", LLAMA, "--model-config", *config, "--cache", cache]
     report, junit = tmp_path / "r.json", tmp_path / "r.xml"
     files = ["--json", str(report), "--junit", str(junit)]

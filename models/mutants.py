@@ -7,7 +7,7 @@ transformers' ``DynamicCache`` (for transformers' own models: Llama) or of the a
 cache passes it. A mutant is made from the model's configuration, as the kit's ``--cache``
 factories are:
 ``attnspec conformance --model transformers:LlamaConfig ... --cache
-attnspec.conformance.model_mutants:DynamicCropOffByOne``.
+attnspec.models.mutants:DynamicCropOffByOne``.
 
 - ``*DroppedBetweenSteps``: every forward starts from an empty cache (what a model that does not
   read the keyword its transformers passes the cache under does);
@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 
-from attnspec.models import AttnSpecCache
+from .cache import AttnSpecCache
 
 
 class _CropOffByOne:
