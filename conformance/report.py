@@ -90,12 +90,12 @@ def format_report(report: RunReport, *, max_failures: int = 30) -> str:
             lines.append(f"    repro: {r.repro}")
         if len(failures) > max_failures:
             lines.append(f"  ... and {len(failures) - max_failures} more (see --json)")
-    lines += unclaimed_lines(report)
     for warning in report.unmatched_skips:
         entry = warning if warning.startswith("xfail entry ") else f"skip entry {warning}"
         lines.append(f"warning: {entry}")
     for note in report.notes:
         lines.append(f"note: {note}")
+    lines += unclaimed_lines(report)
     lines += ["", "tolerances (normwise relative error):", tolerance_table(), ""]
     counts = {v: sum(r.verdict == v for r in report.results) for v in VERDICTS}
     lines.append(
@@ -115,24 +115,26 @@ def format_report(report: RunReport, *, max_failures: int = 30) -> str:
 
 
 def unclaimed_lines(report: RunReport) -> list[str]:
-    """The items outside the backend's claims, by (op, what is not claimed, kind): passes or
-    fails, with the first failure's message (they do not count in the verdict)."""
+    """The items outside the backend's claims, by (op, what is not claimed, kind): how many
+    pass and fail, with the first failure's message (they do not count in the verdict)."""
     groups: dict[tuple[str, str, str], list[CaseResult]] = defaultdict(list)
     for r in report.unclaimed:
         what = r.message.partition(";")[0].removeprefix("not claimed: ")
         groups[(r.op, what, r.kind)].append(r)
     if not groups:
         return []
+    width = max(len(what) for _, what, _ in groups)
     lines = ["", "outside the claims (the first case of each family; not counted in the verdict):"]
     for (op, what, kind), results in groups.items():
         fails = [r for r in results if r.verdict == FAILS]
-        first = _clip(fails[0].message.partition("; ")[2]) if fails else ""
-        verdict = (
-            f"{FAILS} ({len(fails)} of {len(results)}: {first})"
-            if fails
-            else f"{PASSES} ({len(results)})"
+        passes = len(results) - len(fails)
+        counts = ", ".join(
+            f"{n} {verdict.removeprefix('unclaimed: ')}"
+            for n, verdict in ((passes, PASSES), (len(fails), FAILS))
+            if n
         )
-        lines.append(f"  {op:<18} {what:<26} {kind:<9} {verdict}")
+        first = f": {_clip(fails[0].message.partition('; ')[2], 60)}" if fails else ""
+        lines.append(f"  {op:<18} {what:<{width}} {kind:<9} unclaimed: {counts}{first}")
     return lines
 
 

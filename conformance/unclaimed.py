@@ -90,10 +90,14 @@ def _family(case: Case) -> str:
 
 
 def _callable(backend: Backend, case: Case, kind: str) -> bool:
-    """Whether the backend has what the item calls: the op (or open_session) and vjp."""
+    """Whether the backend has what the item calls: the op (or open_session), vjp, and for a
+    case in a strided layout asarray_strided (without it the case is not implemented in every
+    dtype, claimed or not)."""
     needs = ["open_session" if "session" in case.params else case.op]
     if kind == "gradient":
         needs.append("vjp")
+    if case.layout:
+        needs.append("asarray_strided")
     return all(callable(getattr(backend, name, None)) for name in needs)
 
 
