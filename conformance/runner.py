@@ -686,9 +686,11 @@ def run(
     seconds = time.perf_counter() - start
     from .unclaimed import backend_claims  # (it imports this module)
 
-    return RunReport(
-        name, device, results, unmatched, versions, seconds, notes, backend_claims(backend)
-    )
+    try:
+        claims = backend_claims(backend)
+    except Exception:  # capabilities() raised: every item says so already
+        claims = None
+    return RunReport(name, device, results, unmatched, versions, seconds, notes, claims)
 
 
 def probe_dtypes(backend: Backend) -> list[str]:

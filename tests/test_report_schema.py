@@ -8,6 +8,8 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
+import types
 import xml.etree.ElementTree as ET
 from datetime import UTC, datetime
 from pathlib import Path
@@ -100,6 +102,24 @@ def test_the_commit_is_the_checkouts_and_none_elsewhere(numpy_report, tmp_path):
     subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
     # a checkout of something else that holds a conformance folder, with no commit yet
     assert provenance.kit_commit(str(tmp_path / "conformance")) is None
+
+
+def test_the_gpu_is_named_by_the_loaded_framework_for_a_gpu_device_only(monkeypatch):
+    class Cuda:
+        @staticmethod
+        def is_available():
+            return True
+
+        @staticmethod
+        def get_device_name(device):
+            return f"Some GPU ({device})"
+
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=Cuda))
+    assert provenance.machine("cuda:1")["gpu"] == "Some GPU (cuda:1)"
+    assert provenance.machine("cpu")["gpu"] is None
+    monkeypatch.delitem(sys.modules, "torch")
+    monkeypatch.delitem(sys.modules, "jax", raising=False)
+    assert provenance.machine("cuda")["gpu"] is None  # nothing loaded to ask: no import
 
 
 def test_no_git_gives_no_commit_and_no_error(monkeypatch):
