@@ -68,8 +68,10 @@ def claiming(backend: Backend, dtype: str, capabilities: Iterable[str]) -> Backe
     if "capabilities" in own or not isinstance(inspect.getattr_static(cls, "dtypes", ()), tuple):
         return Claiming(backend, dtype, extra)  # claims held per object, or computed
 
+    claimed = backend.capabilities  # the original's, however it is defined
+
     def capabilities_(self: Any) -> set[str]:
-        return set(cls.capabilities(self)) | extra
+        return set(claimed()) | extra
 
     names = {"__qualname__": cls.__qualname__, "__module__": cls.__module__}
     try:

@@ -248,3 +248,28 @@ def test_wrong_values_in_an_unclaimed_dtype_are_reported_and_not_counted(tmp_pat
     assert not math.isnan(wrong["error"]) and wrong["error"] > wrong["tolerance"]
     assert items[("fox/shapes/0", "float32", "output")]["verdict"] == "unclaimed: passes"
     assert "unclaimed: 1 fails: o: rel" in capsys.readouterr().out
+
+
+def test_an_item_outside_the_claims_runs_on_a_copy_that_claims_it():
+    from attnspec.conformance.numpy_backend import NumpyBackend
+
+    class PerObject(NumpyBackend):  # dtypes set per object, as the Triton backend does
+        def __init__(self):
+            super().__init__()
+            self.dtypes = ("float64",)
+
+    class Computed(NumpyBackend):  # dtypes a property: a proxy claims for it
+        @property
+        def dtypes(self):
+            return ("float64",)
+
+    for backend in (PerObject(), Computed()):
+        copy_ = unclaimed.claiming(backend, "float32", {"fox_attention.extra"})
+        assert copy_.dtypes == ("float64", "float32")
+        assert "fox_attention.extra" in copy_.capabilities()
+        assert (
+            backend.dtypes == ("float64",) and "fox_attention.extra" not in backend.capabilities()
+        )
+        assert copy_.fox_attention.__func__ is NumpyBackend.fox_attention
+    assert type(unclaimed.claiming(PerObject(), "float32", ())).__qualname__.endswith("PerObject")
+    assert isinstance(unclaimed.claiming(Computed(), "float32", ()), unclaimed.Claiming)
