@@ -228,6 +228,15 @@ def conformance_parser(prog: str = "attnspec conformance") -> argparse.ArgumentP
         action="store_true",
         help=f"the smoke subset: {SMOKE_TEXT}\n(--dtypes, when given, replaces the two dtypes)",
     )
+    p.add_argument(
+        "--unclaimed",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also run the first case of every family outside the\nbackend's claims: in each "
+        "dtype it does not declare\n(unless --dtypes is given) and with each capability it\n"
+        "does not claim; reported as 'unclaimed: passes' or\n'unclaimed: fails', never counted "
+        "(default: on)",
+    )
     p.add_argument("--no-gradients", action="store_true", help="outputs only")
     p.add_argument(
         "--finite-differences",
@@ -314,6 +323,7 @@ def conformance_main(argv: list[str] | None = None, prog: str = "attnspec confor
     from .report import format_report, write_json, write_junit
     from .runner import probe_dtypes, run
     from .skips import SkipList, XfailList
+    from .unclaimed import run_unclaimed, unclaimed_items
 
     args = conformance_parser(prog).parse_args(argv)
     if args.model is not None:
@@ -374,6 +384,7 @@ def conformance_main(argv: list[str] | None = None, prog: str = "attnspec confor
         fd = args.finite_differences == "on" or (
             args.finite_differences == "auto" and backend.name == "numpy"
         )
+        probes = [] if args.dtypes else probe_dtypes(backend)
         report = run(
             backend,
             cases,
@@ -385,8 +396,25 @@ def conformance_main(argv: list[str] | None = None, prog: str = "attnspec confor
             skips=skips,
             xfails=xfails,
             progress=_progress(sys.stderr),
-            probes=[] if args.dtypes else probe_dtypes(backend),
+            probes=probes,
         )
+        if args.unclaimed:
+            start = time.perf_counter()
+            items = unclaimed_items(
+                backend,
+                cases,
+                [*dtypes, *probes],
+                other_dtypes=not args.dtypes,
+                gradients=not args.no_gradients,
+            )
+            report.unclaimed = run_unclaimed(
+                backend,
+                items,
+                backend_name=name,
+                device=args.device,
+                progress=_progress(sys.stderr),
+            )
+            report.seconds += time.perf_counter() - start
         if args.smoke:
             report.notes.append(
                 f"smoke subset: {len(cases)} of {every} cases (the first of every "
@@ -489,7 +517,10 @@ def verify_jobs(
             if full:
                 jobs.append(_Job(label, "full kit, interpreted", command, own))
             else:
-                jobs.append(_Job(label, "smoke subset, interpreted", [*command, "--smoke"], own))
+                # no items outside the claims: each is another interpreted kernel run (Pallas
+                # on 2 cores: 208 items, 58 CPU-s); the GPU check runs them natively
+                smoke = [*command, "--smoke", "--no-unclaimed"]
+                jobs.append(_Job(label, "smoke subset, interpreted", smoke, own))
                 partial.append(name)
         elif name == "jax" and device == "cpu" and not full:
             jobs.append(_Job(label, "full kit in float32", [*command, *JAX_FULL], own))

@@ -401,6 +401,15 @@ def run_model(
         versions(),
         time.perf_counter() - start,
         report_notes(model, spec, cache_spec),
+        model={
+            "spec": spec or type(model).__name__,
+            "class": f"{type(model).__module__}.{type(model).__qualname__}",
+            "config": format_overrides(overrides or {}),
+            "seed": seed,
+            "cache": cache_spec,
+            "dtypes": dtypes,
+            "parameters": sum(p.numel() for p in model.parameters()),
+        },
     )
 
 

@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 import xml.etree.ElementTree as ET
 from collections import defaultdict
+from typing import Any
 
-from .runner import RunReport
+from .provenance import header
+from .runner import CaseResult, RunReport
 from .tolerances import format_table as tolerance_table
+from .unclaimed import FAILS, PASSES
 
 VERDICTS = ("passed", "failed", "not implemented", "skipped", "xfailed", "not applicable")
 NOT_RUN = ("skipped", "not implemented", "not applicable")  # JUnit's skipped
@@ -92,6 +95,7 @@ def format_report(report: RunReport, *, max_failures: int = 30) -> str:
         lines.append(f"warning: {entry}")
     for note in report.notes:
         lines.append(f"note: {note}")
+    lines += unclaimed_lines(report)
     lines += ["", "tolerances (normwise relative error):", tolerance_table(), ""]
     counts = {v: sum(r.verdict == v for r in report.results) for v in VERDICTS}
     lines.append(
@@ -99,9 +103,39 @@ def format_report(report: RunReport, *, max_failures: int = 30) -> str:
         f"{counts['not implemented']} not implemented, {counts['skipped']} skipped"
         + (f", {counts['xfailed']} xfailed" if counts["xfailed"] else "")
         + (f", {counts['not applicable']} not applicable" if counts["not applicable"] else "")
+        + (
+            f", {len(report.unclaimed)} outside the claims "
+            f"({sum(r.verdict == PASSES for r in report.unclaimed)} pass)"
+            if report.unclaimed
+            else ""
+        )
         + f" in {report.seconds:.1f} s"
     )
     return "\n".join(lines)
+
+
+def unclaimed_lines(report: RunReport) -> list[str]:
+    """The items outside the backend's claims, by (op, what is not claimed, kind): how many
+    pass and fail, with the first failure's message (they do not count in the verdict)."""
+    groups: dict[tuple[str, str, str], list[CaseResult]] = defaultdict(list)
+    for r in report.unclaimed:
+        what = r.message.partition(";")[0].removeprefix("not claimed: ")
+        groups[(r.op, what, r.kind)].append(r)
+    if not groups:
+        return []
+    width = max(len(what) for _, what, _ in groups)
+    lines = ["", "outside the claims (the first case of each family; not counted in the verdict):"]
+    for (op, what, kind), results in groups.items():
+        fails = [r for r in results if r.verdict == FAILS]
+        passes = len(results) - len(fails)
+        counts = ", ".join(
+            f"{n} {verdict.removeprefix('unclaimed: ')}"
+            for n, verdict in ((passes, PASSES), (len(fails), FAILS))
+            if n
+        )
+        first = f": {_clip(fails[0].message.partition('; ')[2], 60)}" if fails else ""
+        lines.append(f"  {op:<18} {what:<{width}} {kind:<9} unclaimed: {counts}{first}")
+    return lines
 
 
 def _clip(text: str, width: int = 70) -> str:
@@ -109,8 +143,11 @@ def _clip(text: str, width: int = 70) -> str:
     return line if len(line) <= width else line[: width - 3] + "..."
 
 
-def write_json(report: RunReport, path: str) -> None:
-    data = {
+def report_data(report: RunReport) -> dict[str, Any]:
+    """The JSON report as a dict: the header of :func:`provenance.header`, what was judged
+    (the backend's claims, or the model), then the results (docs/report-schema.md)."""
+    return {
+        **header(report.device),
         "backend": report.backend,
         "device": report.device,
         "versions": report.versions,
@@ -119,9 +156,15 @@ def write_json(report: RunReport, path: str) -> None:
         "unmatched_skips": report.unmatched_skips,
         "notes": report.notes,
         "cases": [r.as_dict() for r in report.results],
+        "claims": report.claims,
+        "model": report.model,
+        "unclaimed": [r.as_dict() for r in report.unclaimed],
     }
+
+
+def write_json(report: RunReport, path: str) -> None:
     with open(path, "w") as fh:
-        json.dump(data, fh, indent=1, default=float)
+        json.dump(report_data(report), fh, indent=1, default=float)
 
 
 def write_junit(report: RunReport, path: str) -> None:
@@ -129,10 +172,10 @@ def write_junit(report: RunReport, path: str) -> None:
     suite = ET.Element(
         "testsuite",
         name=f"attnspec-conformance-{report.backend}",
-        tests=str(len(report.results)),
+        tests=str(len(report.results) + len(report.unclaimed)),
         time=f"{report.seconds:.3f}",
         failures=str(sum(r.verdict == "failed" for r in report.results)),
-        skipped=str(sum(r.verdict in NOT_RUN for r in report.results)),
+        skipped=str(sum(r.verdict in NOT_RUN for r in report.results) + len(report.unclaimed)),
     )
     for r in report.results:
         case = ET.SubElement(
@@ -146,4 +189,12 @@ def write_junit(report: RunReport, path: str) -> None:
             failure.text = f"{r.message}\nrepro: {r.repro}"
         elif r.verdict in NOT_RUN:
             ET.SubElement(case, "skipped", message=f"{r.verdict}: {r.message}")
+    for r in report.unclaimed:  # never counted against the verdict: skipped, with the outcome
+        case = ET.SubElement(
+            suite,
+            "testcase",
+            classname=f"{report.backend}.{r.op}",
+            name=f"{r.case_id}[{r.dtype}-{r.kind}-unclaimed]",
+        )
+        ET.SubElement(case, "skipped", message=f"{r.verdict} ({r.message})"[:500])
     ET.ElementTree(suite).write(path, encoding="utf-8", xml_declaration=True)

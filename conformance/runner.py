@@ -421,6 +421,17 @@ def unsupported_reason(backend: Backend, case: Case) -> str | None:
     return None if reason is None else str(reason)
 
 
+def required_capabilities(case: Case, kind: str) -> tuple[str, ...]:
+    """The capabilities an item needs: its op (a session case: ``<op>.session``, among its
+    requirements), ``<op>.vjp`` for gradients, and the case's requirements."""
+    needed = {
+        "output": () if "session" in case.params else (case.op,),
+        "gradient": (f"{case.op}.vjp",),
+        "call_order": (case.op, f"{case.op}.vjp"),
+    }.get(kind, ())
+    return (*needed, *case.requires)
+
+
 def run_case(
     backend: Backend,
     case: Case,
@@ -451,13 +462,8 @@ def run_case(
     try:
         result.repro = repro_line(name, case.id, dtype, device, backend_environment(backend))
         caps = set(backend.capabilities())
-        needed = {
-            "output": () if "session" in case.params else (case.op,),  # requires: <op>.session
-            "gradient": (f"{case.op}.vjp",),
-            "call_order": (case.op, f"{case.op}.vjp"),
-        }.get(kind, ())
         if kind != "finite_difference":
-            missing = [c for c in (*needed, *case.requires) if c not in caps]
+            missing = [c for c in required_capabilities(case, kind) if c not in caps]
             if missing:
                 result.verdict = "not implemented"
                 result.message = f"{', '.join(missing)} not in the backend's capabilities()"
@@ -589,6 +595,11 @@ class RunReport:
     versions: dict[str, str]
     seconds: float
     notes: list[str] = field(default_factory=list)
+    # what the backend claims (dtypes, capabilities) and its items outside them (unclaimed.py);
+    # for a model, what was judged (model_runner.py)
+    claims: dict[str, Any] | None = None
+    unclaimed: list[CaseResult] = field(default_factory=list)
+    model: dict[str, Any] | None = None
 
     @property
     def ok(self) -> bool:
@@ -672,7 +683,14 @@ def run(
             "refuses them is reported as not implemented there"
         )
     unmatched = skips.unmatched() + ([] if xfails is None else xfails.unmatched())
-    return RunReport(name, device, results, unmatched, versions, time.perf_counter() - start, notes)
+    seconds = time.perf_counter() - start
+    from .unclaimed import backend_claims  # (it imports this module)
+
+    try:
+        claims = backend_claims(backend)
+    except Exception:  # capabilities() raised: every item says so already
+        claims = None
+    return RunReport(name, device, results, unmatched, versions, seconds, notes, claims)
 
 
 def probe_dtypes(backend: Backend) -> list[str]:

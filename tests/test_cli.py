@@ -216,11 +216,11 @@ def test_verify_gives_interpreted_kernels_the_smoke_subset(monkeypatch):
         ("theory", "every check", ""),
         ("numpy on cpu", "full kit", ""),
         ("torch on cpu", "full kit", ""),
-        ("triton on cpu", "smoke subset, interpreted", " --smoke"),
+        ("triton on cpu", "smoke subset, interpreted", " --smoke --no-unclaimed"),
         ("jax on cpu", "full kit in float32", " --dtypes float32"),
         ("jax on cpu", "smoke, float64 bfloat16", " --smoke --dtypes float64 bfloat16"),
-        ("pallas on cpu", "smoke subset, interpreted", " --smoke"),
-        ("mosaic on cpu", "smoke subset, interpreted", " --smoke"),
+        ("pallas on cpu", "smoke subset, interpreted", " --smoke --no-unclaimed"),
+        ("mosaic on cpu", "smoke subset, interpreted", " --smoke --no-unclaimed"),
     ]
     assert {job.env.get("XLA_FLAGS") for job in jobs} == {None, cli.QUICK_XLA}
     jobs, partial = cli.verify_jobs(names, full=True, cases=None, env={})

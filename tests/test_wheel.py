@@ -175,6 +175,7 @@ def test_wheel_ships_py_typed_and_package_data(wheel: Path) -> None:
         assert f"{folder}/__init__.py" in names, package
         assert f"{folder}/py.typed" in names, f"{package} ships no py.typed"
     assert "attnspec/conformance/skips/numpy.txt" in names
+    assert "attnspec/conformance/report-schema.json" in names  # docs/report-schema.md
     assert "attnspec/cli.py" in names and "attnspec/__main__.py" in names
 
 
