@@ -317,8 +317,9 @@ def _legs_state_pass(
     PREC: tl.constexpr,
 ) -> None:
     """(I5) chunk by chunk: store the state before each chunk, then
-    c_e = Phi_e c_{t0-1} + sum_u K(e, u) f_u. Grid (channel blocks, N * H)."""
-    i_c, i_nh = tl.program_id(0), tl.program_id(1)
+    c_e = Phi_e c_{t0-1} + sum_u K(e, u) f_u. Grid (N * H, channel blocks): N * H on axis x,
+    whose limit is 2^31 - 1 (y and z: 65,535)."""
+    i_nh, i_c = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos = tl.load(cu + i_n), tl.load(cu + i_n + 1)
     g0 = tl.load(chunk_offsets + i_n)
@@ -369,7 +370,7 @@ def _legs_reverse_state_pass(
     """The adjoint state, chunk by chunk from the last: store D_k (the adjoint entering c_e
     from later tokens), then D_{k-1} = Phi_e^T D_k + sum_s (Phi_s^T q_s) zq_s^T with
     (q, zq) = (g(p), fq) on key channels and (p, dnum) on value channels."""
-    i_c, i_nh = tl.program_id(0), tl.program_id(1)
+    i_nh, i_c = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos = tl.load(cu + i_n), tl.load(cu + i_n + 1)
     g0 = tl.load(chunk_offsets + i_n)
@@ -451,7 +452,7 @@ def _legs_plan(
         R=R,
         V=V,
         NKB=NKB,
-        grid_states=(NKB + triton.cdiv(V, BC), lay.N * H),
+        grid_states=(lay.N * H, NKB + triton.cdiv(V, BC)),
         grid_chunks=(lay.n_chunks, H),
         grid_positions=(triton.cdiv(lay.max_len, blocks.chunk), blocks.chunk, triton.cdiv(NH, BH)),
         phi=phi,

@@ -106,11 +106,12 @@ def _s4d_state_pass(
     ROUND_BF16: tl.constexpr,
 ) -> None:
     """(I11) chunk by chunk: store the state before each chunk, then
-    x_e = Lambda^L x_{t0-1} + sum_u b Lambda^(e-u) z_u [S1]. Grid (channel blocks, N * H);
+    x_e = Lambda^L x_{t0-1} + sum_u b Lambda^(e-u) z_u [S1]. Grid (N * H, channel blocks), N * H
+    on axis x (limit 2^31 - 1; y and z: 65,535);
     blocks < NKB hold key channels, the rest value channels. The ratio readout's ones channel
     takes no product: x^1_e = Lambda^L x^1_{t0-1} + b sum_{j<L} Lambda^j from the table gs,
     carried by the first value block [S3]."""
-    i_c, i_nh = tl.program_id(0), tl.program_id(1)
+    i_nh, i_c = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos = tl.load(cu + i_n), tl.load(cu + i_n + 1)
     g0 = tl.load(chunk_offsets + i_n)
@@ -415,7 +416,7 @@ def s4d_plan(
         sizes=dict(H=H, R=R, V=V, M=M, C=C),
         CV=CV,
         NKB=NKB,
-        grid_states=(NKB + triton.cdiv(V, BC), lay.N * H),
+        grid_states=(lay.N * H, NKB + triton.cdiv(V, BC)),
         grid_sub=(lay.n_sub, H),
         tables=power_tables(lam, blocks.chunk, BM, acc),
         b=b.to(acc).contiguous(),

@@ -483,7 +483,7 @@ def _s4d_reverse_state_pass(
     (qe, [dnum, dden]) on value channels; D_{-1} is the gradient of the initial state.
     Grid as the forward state pass; the ratio readout's ones channel (zq = dden) takes no
     product: its column D^1 is a [BT, BM] weighted sum, carried by the first value block."""
-    i_c, i_nh = tl.program_id(0), tl.program_id(1)
+    i_nh, i_c = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos = tl.load(cu + i_n), tl.load(cu + i_n + 1)
     g0 = tl.load(chunk_offsets + i_n)
@@ -828,7 +828,7 @@ def s4d_bwd(
         **sizes,
         **plan.state_tiles,
     )
-    blocks = plan.grid_states[0]
+    blocks = plan.grid_states[1]
     glam2 = torch.empty(lay.n_chunks, blocks, H, 2, BM, dtype=acc, device=dev)
     gb2 = torch.empty_like(glam2)
     _s4d_chunk_grads[(lay.n_chunks, blocks, H)](
