@@ -144,6 +144,7 @@ def _block_minima_kernel(
     """
     tile = tl.program_id(0)
     hq = tl.program_id(1)
+    n_tok = N_TOK.to(tl.int64)  # a plane's offset (plane x HQ + head) x N_TOK: 64-bit
     seq = tl.load(tiles + 2 * tile)
     start = tl.load(tiles + 2 * tile + 1) * BT
     bos = tl.load(cu_seqlens + seq)
@@ -163,11 +164,11 @@ def _block_minima_kernel(
         pre = tl.where(bit == 1, tl.minimum(pre, left), pre)  # right half: prefix + left block
         suf = tl.where(bit == 0, tl.minimum(suf, right), suf)  # left half: suffix + right block
         block = tl.minimum(left, right)
-        tl.store(minima + (b * HQ + hq) * N_TOK + tok, tl.reshape(pre, [BT]), mask=ok)
-        tl.store(minima + ((LOG_BT + b) * HQ + hq) * N_TOK + tok, tl.reshape(suf, [BT]), mask=ok)
+        tl.store(minima + (b * HQ + hq) * n_tok + tok, tl.reshape(pre, [BT]), mask=ok)
+        tl.store(minima + ((LOG_BT + b) * HQ + hq) * n_tok + tok, tl.reshape(suf, [BT]), mask=ok)
     lev = tl.load(level + tok * HQ + hq, mask=ok, other=0.0)
     excess = tl.maximum(lev - tl.reshape(suf, [BT]), 0.0)
-    tl.store(minima + (2 * LOG_BT * HQ + hq) * N_TOK + tok, excess, mask=ok)
+    tl.store(minima + (2 * LOG_BT * HQ + hq) * n_tok + tok, excess, mask=ok)
 
     if WITH_LINKS:
         t = r[:, None]
@@ -176,8 +177,8 @@ def _block_minima_kernel(
         lower_or_equal = phi[None, :] <= phi[:, None]
         before = tl.max(tl.where((u < t) & lower, u, -1), axis=1)
         after = tl.min(tl.where((u > t) & lower_or_equal, u, BT), axis=1)
-        tl.store(links + hq * N_TOK + tok, before, mask=ok)
-        tl.store(links + (HQ + hq) * N_TOK + tok, after, mask=ok)
+        tl.store(links + hq * n_tok + tok, before, mask=ok)
+        tl.store(links + (HQ + hq) * n_tok + tok, after, mask=ok)
 
 
 @triton.jit(do_not_specialize=["N_TOK"])
@@ -195,6 +196,7 @@ def _block_sums_kernel(
     plus a carried gap sum (float32 stays exact enough at any T)."""
     tile = tl.program_id(0)
     hq = tl.program_id(1)
+    n_tok = N_TOK.to(tl.int64)  # a plane's offset (plane x HQ + head) x N_TOK: 64-bit
     seq = tl.load(tiles + 2 * tile)
     start = tl.load(tiles + 2 * tile + 1) * BT
     bos = tl.load(cu_seqlens + seq)
@@ -204,8 +206,8 @@ def _block_sums_kernel(
     tok = bos + start + r
     g = tl.load(log_f + tok * HQ + hq, mask=ok, other=0.0)
     prefix = tl.cumsum(g, 0)
-    tl.store(sums + hq * N_TOK + tok, prefix, mask=ok)
-    tl.store(sums + (HQ + hq) * N_TOK + tok, tl.sum(g, 0) - prefix, mask=ok)
+    tl.store(sums + hq * n_tok + tok, prefix, mask=ok)
+    tl.store(sums + (HQ + hq) * n_tok + tok, tl.sum(g, 0) - prefix, mask=ok)
 
 
 @triton.jit
@@ -324,6 +326,7 @@ def _fwd_kernel(
     H = HQ // G
     tile = NTILES - 1 - tl.program_id(0)  # the longest query tiles start first
     hq = tl.program_id(1)
+    n_tok = N_TOK.to(tl.int64)  # a plane's offset (plane x HQ + head) x N_TOK: 64-bit
     h = hq // G
     seq = tl.load(tiles + 2 * tile)
     qs = tl.load(tiles + 2 * tile + 1) * BT
@@ -341,10 +344,10 @@ def _fwd_kernel(
     b_q = tl.load(q + q_rows * K + dk[None, :], mask=q_ok[:, None] & (dk < K)[None, :], other=0.0)
     b_q = b_q.to(DOT)
     if FOX:
-        c_q = tl.load(blocks + hq * N_TOK + bos + iq, mask=q_ok, other=0.0)  # log f over [qs, i]
+        c_q = tl.load(blocks + hq * n_tok + bos + iq, mask=q_ok, other=0.0)  # log f over [qs, i]
     else:
         b_min = tl.load(  # B_i = Pre at the top level
-            blocks + ((LOG_BT - 1) * HQ + hq) * N_TOK + bos + iq, mask=q_ok, other=float("inf")
+            blocks + ((LOG_BT - 1) * HQ + hq) * n_tok + bos + iq, mask=q_ok, other=float("inf")
         )
     m_i = tl.full([BT], float("-inf"), scale.dtype)
     l_i = tl.zeros([BT], scale.dtype)
@@ -363,11 +366,11 @@ def _fwd_kernel(
         )
         b_s = tl.dot(b_q, b_k.to(DOT), input_precision=PRECISION).to(scale.dtype) * scale
         if FOX:
-            c_k = tl.load(blocks + hq * N_TOK + bos + ik, mask=k_ok, other=0.0)  # over [qs, j]
+            c_k = tl.load(blocks + hq * n_tok + bos + ik, mask=k_ok, other=0.0)  # over [qs, j]
             b_s += c_q[:, None] - c_k[None, :]  # (F6) sum of log f over (j, i]
         else:
             m = _in_tile_segment_min(
-                field, blocks, bos + iq, r, q_ok, bos + ik, ik - qs, k_ok, hq, N_TOK, HQ, LOG_BT, 0
+                field, blocks, bos + iq, r, q_ok, bos + ik, ik - qs, k_ok, hq, n_tok, HQ, LOG_BT, 0
             )
             lev = tl.load(level + (bos + ik) * HQ + hq, mask=k_ok, other=0.0)
             b_s -= tl.maximum(lev[None, :] - m, 0.0)  # (F2)-(F3)
@@ -400,15 +403,15 @@ def _fwd_kernel(
         last = bos + s + BS - 1  # that BT tile's last token
         if FOX:
             gap = tl.where(enter, gap + total, gap)
-            total = tl.where(enter, tl.load(blocks + hq * N_TOK + last, mask=enter), total)
-            after = tl.load(blocks + (HQ + hq) * N_TOK + bos + ik) + gap  # log f over (j, qs)
+            total = tl.where(enter, tl.load(blocks + hq * n_tok + last, mask=enter), total)
+            after = tl.load(blocks + (HQ + hq) * n_tok + bos + ik) + gap  # log f over (j, qs)
             live = True
         else:
             mid = tl.where(enter, tl.minimum(mid, pending), mid)
-            top = blocks + ((LOG_BT - 1) * HQ + hq) * N_TOK  # Pre at the top level
+            top = blocks + ((LOG_BT - 1) * HQ + hq) * n_tok  # Pre at the top level
             pending = tl.where(enter, tl.load(top + last, mask=enter), pending)
             lev = tl.load(level + (bos + ik) * HQ + hq)
-            excess = tl.load(blocks + (2 * LOG_BT * HQ + hq) * N_TOK + bos + ik)
+            excess = tl.load(blocks + (2 * LOG_BT * HQ + hq) * n_tok + bos + ik)
             theta_q = tl.minimum(b_min, mid)
             live = True
             if SKIP:  # section 7: every pi_ij of the tile is >= theta, for this and later queries
@@ -456,7 +459,7 @@ def _delta_kernel(
     HAS_DLSE: tl.constexpr,
 ) -> None:
     """delta_i = <dO_i, o_i> - dLSE_i, so that G_ij = p_ij (<dO_i, v_j> - delta_i) holds (G4)."""
-    tok = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tok = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # x HQ x V: 64-bit
     hq = tl.program_id(1)
     ok = tok < N_TOK
     dv = tl.arange(0, BV)
@@ -517,6 +520,7 @@ def _bwd_dq_kernel(
     H = HQ // G
     tile = NTILES - 1 - tl.program_id(0)
     hq = tl.program_id(1)
+    n_tok = N_TOK.to(tl.int64)  # a plane's offset (plane x HQ + head) x N_TOK: 64-bit
     h = hq // G
     seq = tl.load(tiles + 2 * tile)
     qs = tl.load(tiles + 2 * tile + 1) * BT
@@ -544,13 +548,13 @@ def _bwd_dq_kernel(
         dq_acc = tl.zeros([BT, BK], tl.float32)
     d_row = tl.zeros([BT], scale.dtype)
     if FOX:
-        c_q = tl.load(blocks + hq * N_TOK + tok_q, mask=q_ok, other=0.0)
+        c_q = tl.load(blocks + hq * n_tok + tok_q, mask=q_ok, other=0.0)
     else:
         b_min = tl.load(
-            blocks + ((LOG_BT - 1) * HQ + hq) * N_TOK + tok_q, mask=q_ok, other=float("inf")
+            blocks + ((LOG_BT - 1) * HQ + hq) * n_tok + tok_q, mask=q_ok, other=float("inf")
         )
-        before = tl.load(links + hq * N_TOK + tok_q, mask=q_ok, other=-1)
-        after = tl.load(links + (HQ + hq) * N_TOK + tok_q, mask=q_ok, other=0)
+        before = tl.load(links + hq * n_tok + tok_q, mask=q_ok, other=-1)
+        after = tl.load(links + (HQ + hq) * n_tok + tok_q, mask=q_ok, other=0)
         to_prefix = tl.zeros([BT], scale.dtype)  # G of pairs whose argmin lies in B
         in_gap = tl.zeros([BT], scale.dtype)  # G of pairs whose argmin lies in the gap, by row
 
@@ -567,11 +571,11 @@ def _bwd_dq_kernel(
         )
         b_s = tl.dot(b_q, b_k, input_precision=PRECISION).to(scale.dtype) * scale
         if FOX:
-            c_k = tl.load(blocks + hq * N_TOK + bos + ik, mask=k_ok, other=0.0)
+            c_k = tl.load(blocks + hq * n_tok + bos + ik, mask=k_ok, other=0.0)
             b_s += c_q[:, None] - c_k[None, :]
         else:
             m = _in_tile_segment_min(
-                field, blocks, tok_q, r, q_ok, bos + ik, ik - qs, k_ok, hq, N_TOK, HQ, LOG_BT, 0
+                field, blocks, tok_q, r, q_ok, bos + ik, ik - qs, k_ok, hq, n_tok, HQ, LOG_BT, 0
             )
             lev = tl.load(level + (bos + ik) * HQ + hq, mask=k_ok, other=0.0)
             b_s -= tl.maximum(lev[None, :] - m, 0.0)
@@ -630,23 +634,23 @@ def _bwd_dq_kernel(
         last = bos + s + BS - 1
         if FOX:
             gap = tl.where(enter, gap + total, gap)
-            total = tl.where(enter, tl.load(blocks + hq * N_TOK + last, mask=enter), total)
-            after_j = tl.load(blocks + (HQ + hq) * N_TOK + bos + ik) + gap
+            total = tl.where(enter, tl.load(blocks + hq * n_tok + last, mask=enter), total)
+            after_j = tl.load(blocks + (HQ + hq) * n_tok + bos + ik) + gap
         else:
             if enter & (pending < mid):  # strict: on ties the later tile keeps the argmin
                 # the rows' gap sums belong to the holder that ends here
                 tl.store(
-                    mid_sums + (hq * NTILES + tile) * NT_MAX + holder,
+                    mid_sums + (hq.to(tl.int64) * NTILES + tile) * NT_MAX + holder,
                     tl.sum(in_gap, 0),
                     mask=holder >= 0,
                 )
                 in_gap = tl.zeros([BT], scale.dtype)
                 holder = (s + BS) // BT
             mid = tl.where(enter, tl.minimum(mid, pending), mid)
-            top = blocks + ((LOG_BT - 1) * HQ + hq) * N_TOK
+            top = blocks + ((LOG_BT - 1) * HQ + hq) * n_tok
             pending = tl.where(enter, tl.load(top + last, mask=enter), pending)
             lev = tl.load(level + (bos + ik) * HQ + hq)
-            a_min = tl.load(blocks + ((2 * LOG_BT - 1) * HQ + hq) * N_TOK + bos + ik)  # A_j
+            a_min = tl.load(blocks + ((2 * LOG_BT - 1) * HQ + hq) * n_tok + bos + ik)  # A_j
             floor = tl.minimum(a_min, lev)  # pairs with m_ij = min(B_i, mid) that are active
             theta = tl.minimum(b_min, mid)
         k_rows = (bos + ik) * H + h
@@ -677,7 +681,9 @@ def _bwd_dq_kernel(
 
     if not FOX:
         tl.store(
-            mid_sums + (hq * NTILES + tile) * NT_MAX + holder, tl.sum(in_gap, 0), mask=holder >= 0
+            mid_sums + (hq.to(tl.int64) * NTILES + tile) * NT_MAX + holder,
+            tl.sum(in_gap, 0),
+            mask=holder >= 0,
         )
     dq_ptr = dq + q_rows * K + dk[None, :]
     dq_acc *= scale
@@ -734,6 +740,7 @@ def _bwd_dkv_kernel(
     H = HQ // G
     tile = tl.program_id(0)  # the first key tiles have the most query tiles: they start first
     hq = tl.program_id(1)
+    n_tok = N_TOK.to(tl.int64)  # a plane's offset (plane x HQ + head) x N_TOK: 64-bit
     h = hq // G
     seq = tl.load(tiles + 2 * tile)
     ks = tl.load(tiles + 2 * tile + 1) * BT
@@ -763,13 +770,13 @@ def _bwd_dkv_kernel(
         dv_acc = tl.zeros([BT, BV], tl.float32)
     d_col = tl.zeros([BT], scale.dtype)
     if FOX:
-        c_k = tl.load(blocks + hq * N_TOK + tok_k, mask=k_ok, other=0.0)  # log f over [ks, j]
+        c_k = tl.load(blocks + hq * n_tok + tok_k, mask=k_ok, other=0.0)  # log f over [ks, j]
         last = bos + tl.minimum(ks + BT, T) - 1
-        after_k = tl.load(blocks + hq * N_TOK + last) - c_k  # over (j, end of the key tile]
+        after_k = tl.load(blocks + hq * n_tok + last) - c_k  # over (j, end of the key tile]
     else:
         lev = tl.load(level + tok_k * HQ + hq, mask=k_ok, other=0.0)
         a_min = tl.load(
-            blocks + ((2 * LOG_BT - 1) * HQ + hq) * N_TOK + tok_k, mask=k_ok, other=float("inf")
+            blocks + ((2 * LOG_BT - 1) * HQ + hq) * n_tok + tok_k, mask=k_ok, other=float("inf")
         )
         to_suffix = tl.zeros([BT], scale.dtype)  # G of pairs whose argmin lies in A
 
@@ -789,11 +796,11 @@ def _bwd_dkv_kernel(
         b_delta = tl.load(delta + (bos + iq) * HQ + hq, mask=q_ok, other=0.0)
         b_s = tl.dot(b_k, tl.trans(b_q), input_precision=PRECISION).to(scale.dtype) * scale
         if FOX:
-            c_q = tl.load(blocks + hq * N_TOK + bos + iq, mask=q_ok, other=0.0)  # over [ks, i]
+            c_q = tl.load(blocks + hq * n_tok + bos + iq, mask=q_ok, other=0.0)  # over [ks, i]
             b_s += c_q[None, :] - c_k[:, None]
         else:
             m = _in_tile_segment_min(
-                field, blocks, bos + iq, iq - ks, q_ok, tok_k, r, k_ok, hq, N_TOK, HQ, LOG_BT, 1
+                field, blocks, bos + iq, iq - ks, q_ok, tok_k, r, k_ok, hq, n_tok, HQ, LOG_BT, 1
             )
             b_s -= tl.maximum(lev[:, None] - m, 0.0)
         causal = (ik[:, None] <= iq[None, :]) & q_ok[None, :]
@@ -816,7 +823,7 @@ def _bwd_dkv_kernel(
     mid = tl.full([], float("inf"), scale.dtype)
     pending = tl.full([], float("inf"), scale.dtype)
     gap = tl.zeros([], scale.dtype)
-    top = blocks + ((LOG_BT - 1) * HQ + hq) * N_TOK  # Pre at the top level
+    top = blocks + ((LOG_BT - 1) * HQ + hq) * n_tok  # Pre at the top level
     stop = T
     if WINDOW:  # (F3w) the query tiles [s, s + BS) with s - (ks + BT - 1) < WS
         stop = tl.minimum(T, ks + BT - 1 + WS)
@@ -825,8 +832,8 @@ def _bwd_dkv_kernel(
         q_ok = iq < T
         if FOX:
             boundary = (s % BT == 0) & (s > ks + BT)  # a whole query tile joins the gap
-            gap += tl.load(blocks + hq * N_TOK + bos + s - 1, mask=boundary, other=0.0)
-            c_q = tl.load(blocks + hq * N_TOK + bos + iq, mask=q_ok, other=0.0)
+            gap += tl.load(blocks + hq * n_tok + bos + s - 1, mask=boundary, other=0.0)
+            c_q = tl.load(blocks + hq * n_tok + bos + iq, mask=q_ok, other=0.0)
             bias = (after_k + gap)[:, None] + c_q[None, :]  # log f over (j, i]
         else:
             enter = s % BT == 0  # the first BS tile of a farther BT query tile
@@ -900,8 +907,8 @@ def _bwd_dkv_kernel(
         tl.store(d_level + tok_k * HQ + hq, -d_col, mask=k_ok)  # (G2)
         # A's latest argmin after j is t when nothing after t in the tile is lower or equal and
         # before(t) <= j < t.
-        before = tl.load(links + hq * N_TOK + tok_k, mask=k_ok, other=-1)
-        after = tl.load(links + (HQ + hq) * N_TOK + tok_k, mask=k_ok, other=0)
+        before = tl.load(links + hq * n_tok + tok_k, mask=k_ok, other=-1)
+        after = tl.load(links + (HQ + hq) * n_tok + tok_k, mask=k_ok, other=0)
         owns = (tl.maximum(before, 0)[:, None] <= r[None, :]) & (r[None, :] < r[:, None])
         owns = owns & (after == BT)[:, None]
         tl.store(
@@ -946,7 +953,9 @@ def _dfield_kernel(
     for c in range(it + 1, count, BN):
         rows = c + tl.arange(0, BN)
         sums = tl.load(
-            mid_sums + (hq * NTILES + first + rows) * NT_MAX + it, mask=rows < count, other=0.0
+            mid_sums + (hq.to(tl.int64) * NTILES + first + rows) * NT_MAX + it,
+            mask=rows < count,
+            other=0.0,
         )
         total += tl.sum(tl.where(rows < count, sums, 0.0), 0)
     d += tl.where(r == latest, total, 0.0)

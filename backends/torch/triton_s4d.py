@@ -133,7 +133,7 @@ def _s4d_state_pass(
     for k in range(0, tl.cdiv(eos - bos, BT)):
         t0 = bos + k * BT
         L = tl.minimum(BT, eos - t0)
-        p_st = states + ((g0 + k) * H + i_h).to(tl.int64) * M * C * 2
+        p_st = states + ((g0 + k).to(tl.int64) * H + i_h) * M * C * 2
         store_state(p_st, (s_re, s_im), (s1_re, s1_im), p_hm, m_hm, one, RATIO)
         if RATIO:
             g = pow_at(gs + i_h * 2 * TAB, L, o_m, TAB, BM)  # sum_{j<L} Lambda^j
@@ -202,7 +202,7 @@ def _s4d_query(
     tok, m_t, _ = rows_of(sc, BS)
     o_m = tl.arange(0, BM)
     pw_h = pw + i_h * 2 * TAB
-    s0 = states + (g * H + i_h).to(tl.int64) * M * C * 2
+    s0 = states + (g.to(tl.int64) * H + i_h) * M * C * 2
     if COLS:
         _query_cols(
             fq, kt, s0, pw_h, b, gmat, qe_buf, sc, R, C, M, BS, BR, BM, TAB, COLS, ACC, OP, RB, PREC
@@ -328,7 +328,7 @@ def _s4d_output(
     tok, m_t, _ = rows_of(sc, BS)
     b_c = b_modes(b, i_h, M, BM, ACC)
     pw_h = pw + i_h * 2 * TAB
-    s0 = states + (g * H + i_h).to(tl.int64) * M * C * 2
+    s0 = states + (g.to(tl.int64) * H + i_h) * M * C * 2
     if COLS:
         readout_cols(
             qe_buf, vt, V, R, o, s0, (pw_h, gs + i_h * 2 * TAB), b_c, sc, C, M,
