@@ -76,6 +76,7 @@ class Corner:
 # the FPA backward's per-token passes: cheap to compile, and _delta_kernel reads o and dO,
 # which pass 2^31 elements (defect 4)
 PREPASSES = ("_delta_kernel", "_block_minima_kernel", "_dfield_kernel")
+PAGED = ("_paged_decode_kernel",)
 CORNERS = (
     # FPA / FoX: 16-bit q with float32 scalars at the Hopper tiles (D = 128), GQA 4:1
     Corner("fpa_bf16_d128_gqa4", "fpa", "bf16", HQ=32, H=8, ci=PREPASSES, defect=4),
@@ -84,9 +85,9 @@ CORNERS = (
     Corner("fpa_bf16_d256", "fpa", "bf16", D=256),
     Corner("fpa_fp32_d128", "fpa", "fp32"),
     # float64 on CUDA (defect 2) and a float64 field with narrower q (defect 3)
-    Corner("fpa_fp64_d64", "fpa", "fp64", "fp64", D=64, ci=(), defect=2),
+    Corner("fpa_fp64_d64", "fpa", "fp64", "fp64", D=64, ci=("_bwd_dq_kernel",), defect=2),
     Corner("fox_fp64_d32", "fox", "fp64", "fp64", D=32, defect=2),
-    Corner("fpa_bf16_fp64field", "fpa", "bf16", "fp64", ci=(), defect=3),
+    Corner("fpa_bf16_fp64field", "fpa", "bf16", "fp64", ci=("_fwd_kernel",), defect=3),
     Corner("fpa_fp16_fp64field", "fpa", "fp16", "fp64", D=64, defect=3),
     Corner("fpa_fp32_fp64field", "fpa", "fp32", "fp64", D=64, defect=3),
     Corner("fox_bf16_fp64field", "fox", "bf16", "fp64", defect=3),
@@ -100,14 +101,14 @@ CORNERS = (
         HQ=16,
         H=1,
         n=16,
-        ci=("_paged_decode_kernel",),
+        ci=PAGED,
         defect=5,
     ),
-    Corner("paged_mqa32_d128_n16", "paged", "bf16", HQ=32, H=1, n=16, defect=5),
+    Corner("paged_mqa32_d128_n16", "paged", "bf16", HQ=32, H=1, n=16, ci=PAGED, defect=5),
     Corner("paged_g8_d256_fp32_n16", "paged", "fp32", "fp32", D=256, HQ=8, H=1, n=16, defect=5),
     # Interdomain: 4,097 packed sequences x 16 heads (defect 6)
     Corner("s4d_bf16_4097seq", "s4d", "bf16", D=64, sequences=4097, ci=(), defect=6),
-    Corner("legs_bf16_4097seq", "legs", "bf16", D=64, sequences=4097, defect=6),
+    Corner("legs_bf16_4097seq", "legs", "bf16", D=64, sequences=4097, ci=(), defect=6),
     Corner("s4d_fp32", "s4d", "fp32", D=64),
     # float64 beyond FPA/FoX
     Corner("paged_fp64_d128_n1", "paged", "fp64", "fp64", HQ=32, H=8),
