@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from .devices import interpreting
-from .triton_fpa import _bf16_nearest, _dot_dtype, _precision
+from .triton_helpers import bf16_nearest, dot_dtype, precision
 
 PAGES_PER_SPLIT = 16  # pages a program visits (256 tokens at 16 per page)
 MAX_ROWS = 64  # query rows (heads x chunk positions) per program at most, when G * NB is more
@@ -135,7 +135,7 @@ def _paged_decode_kernel(
         alpha = tl.exp(m_i - m_safe)
         w = tl.exp(s - m_safe[:, None])  # (F4), online
         l_i = l_i * alpha + tl.sum(w, 1)
-        w_op = _bf16_nearest(w.to(tl.float32)) if ROUND_BF16 else w
+        w_op = bf16_nearest(w.to(tl.float32)) if ROUND_BF16 else w
         pv = tl.dot(w_op.to(DOT), b_v, input_precision=PRECISION)  # (F5)
         acc = acc * alpha[:, None] + pv.to(wide)
         m_i = m_new
@@ -268,8 +268,8 @@ def paged_attention_triton(
         BLOCK_K=_pow2(K),
         BLOCK_V=BLOCK_V,
         PAGES_PER_SPLIT=pages_per_split,
-        DOT=_dot_dtype(q.dtype, interpret),
-        PRECISION=_precision(q.dtype),
+        DOT=dot_dtype(q.dtype, interpret),
+        PRECISION=precision(q.dtype),
         ROUND_BF16=interpret and q.dtype == torch.bfloat16,
     )
     _combine_kernel[(programs,)](

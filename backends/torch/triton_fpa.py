@@ -60,6 +60,7 @@ from attnspec.reference.packing import Packing
 from ..tile_sizes import HOPPER_WIDE, TILE_TABLE, Tiles
 from . import checks, dispatch
 from .devices import device_class, interpreting
+from .triton_helpers import WIDE, bf16_nearest, dot_dtype, precision
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -252,18 +253,6 @@ def _in_tile_segment_min(
 
 
 @triton.jit
-def _bf16_nearest(x: tl.tensor) -> tl.tensor:
-    """float32 x rounded to the nearest bfloat16 (ties to even), kept in float32: what a GPU
-    makes of a bfloat16 tl.dot operand. Used only under the interpreter, whose bfloat16
-    arithmetic is wrong (so its dots run in float32) and whose conversion truncates. The sum is
-    formed in 64 bits: the interpreter checks every narrower integer sum for overflow, which
-    made this rounding the costliest step of the bf16 kernels there (3.7x slower)."""
-    bits = x.to(tl.uint32, bitcast=True).to(tl.int64)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return bits.to(tl.uint32).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _softmax_step(
     s: tl.tensor,
     v: tl.tensor,
@@ -282,7 +271,7 @@ def _softmax_step(
     alpha = tl.exp2((m_i - m_safe) * log2e)
     p = tl.exp2(s * log2e - (m_safe * log2e)[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    p_op = _bf16_nearest(p) if ROUND_BF16 else p
+    p_op = bf16_nearest(p) if ROUND_BF16 else p
     acc = tl.dot(p_op.to(DOT), v, acc * alpha[:, None], input_precision=PRECISION)
     return m_new, l_i, acc
 
@@ -439,7 +428,7 @@ def _fwd_kernel(
     out = acc / l_safe[:, None]
     o_ptr = o + ((bos + iq) * HQ + hq)[:, None] * V + dv[None, :]
     if ROUND_BF16:  # the interpreter's conversion truncates; a GPU's rounds to nearest
-        out = _bf16_nearest(out)
+        out = bf16_nearest(out)
     tl.store(o_ptr, out.to(o.dtype.element_ty), mask=q_ok[:, None] & (dv < V)[None, :])
     ln2 = tl.load(consts + 1)
     tl.store(lse + (bos + iq) * HQ + hq, m_i + tl.log2(l_safe) * ln2, mask=q_ok)
@@ -586,7 +575,7 @@ def _bwd_dq_kernel(
         p = tl.exp2(tl.where(causal, b_s, float("-inf")) * log2e - lse2[:, None])
         dp = tl.dot(b_do, b_v.to(DOT), input_precision=PRECISION).to(scale.dtype)
         ds = p * (dp - b_delta[:, None])  # G_ij
-        ds_op = _bf16_nearest(ds) if ROUND_BF16 else ds
+        ds_op = bf16_nearest(ds) if ROUND_BF16 else ds
         dq_acc = tl.dot(ds_op.to(DOT), tl.trans(b_k), dq_acc, input_precision=PRECISION)
         if FOX:
             d_row += tl.sum(ds, 1)
@@ -599,8 +588,8 @@ def _bwd_dq_kernel(
                 # exact 0/1 matrix in bfloat16: float32-like sums at a quarter of the shared
                 # memory of a float32 product (which does not fit a Hopper block at D = 128)
                 if INTERPRET:  # float32 products of bfloat16-rounded operands
-                    hi = _bf16_nearest(w)
-                    lo = _bf16_nearest(w - hi)
+                    hi = bf16_nearest(w)
+                    lo = bf16_nearest(w - hi)
                     ones = reach.to(tl.float32)
                     per_t = tl.dot(ones, hi, input_precision="ieee")
                     per_t = tl.dot(ones, lo, per_t, input_precision="ieee")
@@ -668,7 +657,7 @@ def _bwd_dq_kernel(
         p = tl.exp2(b_s * log2e - lse2[:, None])
         dp = tl.dot(b_do, b_v, input_precision=PRECISION).to(scale.dtype)
         ds = p * (dp - b_delta[:, None])
-        ds_op = _bf16_nearest(ds) if ROUND_BF16 else ds
+        ds_op = bf16_nearest(ds) if ROUND_BF16 else ds
         dq_acc = tl.dot(ds_op.to(DOT), tl.trans(b_k), dq_acc, input_precision=PRECISION)
         if FOX:
             d_row += tl.sum(ds, 1)
@@ -688,7 +677,7 @@ def _bwd_dq_kernel(
     dq_ptr = dq + q_rows * K + dk[None, :]
     dq_acc *= scale
     if ROUND_BF16 and dq.dtype.element_ty == tl.bfloat16:  # as the forward's store of o
-        dq_acc = _bf16_nearest(dq_acc)
+        dq_acc = bf16_nearest(dq_acc)
     tl.store(dq_ptr, dq_acc.to(dq.dtype.element_ty), mask=q_ok[:, None] & (dk < K)[None, :])
     if not FOX:
         # B's latest argmin up to i is t when nothing in [qs, t) is lower and t <= i < after(t).
@@ -807,11 +796,11 @@ def _bwd_dkv_kernel(
         if WINDOW:  # (F3w)
             causal = causal & (iq[None, :] - ik[:, None] < WS)
         p = tl.exp2(tl.where(causal, b_s, float("-inf")) * log2e - lse2[None, :])
-        p_op = _bf16_nearest(p) if ROUND_BF16 else p
+        p_op = bf16_nearest(p) if ROUND_BF16 else p
         dv_acc = tl.dot(p_op.to(DOT), b_do, dv_acc, input_precision=PRECISION)
         dp = tl.dot(b_v, tl.trans(b_do), input_precision=PRECISION).to(scale.dtype)
         ds = p * (dp - b_delta[None, :])
-        ds_op = _bf16_nearest(ds) if ROUND_BF16 else ds
+        ds_op = bf16_nearest(ds) if ROUND_BF16 else ds
         dk_acc = tl.dot(ds_op.to(DOT), b_q, dk_acc, input_precision=PRECISION)
         if FOX:
             d_col += tl.sum(ds, 1)
@@ -872,11 +861,11 @@ def _bwd_dkv_kernel(
         if WINDOW:  # (F3w)
             b_s = tl.where(iq[None, :] - ik[:, None] < WS, b_s, float("-inf"))
         p = tl.exp2(b_s * log2e - lse2[None, :])
-        p_op = _bf16_nearest(p) if ROUND_BF16 else p
+        p_op = bf16_nearest(p) if ROUND_BF16 else p
         dv_acc = tl.dot(p_op.to(DOT), b_do, dv_acc, input_precision=PRECISION)
         dp = tl.dot(b_v, tl.trans(b_do), input_precision=PRECISION).to(scale.dtype)
         ds = p * (dp - b_delta[None, :])
-        ds_op = _bf16_nearest(ds) if ROUND_BF16 else ds
+        ds_op = bf16_nearest(ds) if ROUND_BF16 else ds
         dk_acc = tl.dot(ds_op.to(DOT), b_q, dk_acc, input_precision=PRECISION)
         if FOX:
             d_col += tl.sum(ds, 1)
@@ -889,8 +878,8 @@ def _bwd_dkv_kernel(
     out_rows = (tok_k * HQ + hq)[:, None]  # dk, dv per query head (reduced over G outside)
     dk_acc *= scale
     if ROUND_BF16 and dk.dtype.element_ty == tl.bfloat16:  # as the forward's store of o
-        dk_acc = _bf16_nearest(dk_acc)
-        dv_acc = _bf16_nearest(dv_acc)
+        dk_acc = bf16_nearest(dk_acc)
+        dv_acc = bf16_nearest(dv_acc)
     tl.store(
         dk + out_rows * K + dd[None, :],
         dk_acc.to(dk.dtype.element_ty),
@@ -994,7 +983,6 @@ def _segment_sums_kernel(
 # launchers
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
-_WIDE = (torch.float32, torch.float64)
 
 
 @dataclass(frozen=True)
@@ -1037,7 +1025,7 @@ def _layout(
     assert (tuple(k.shape), tuple(v.shape)) == ((B, T, H, K), (B, T, H, V)), (k.shape, v.shape)
     assert q.dtype in _DTYPES and q.dtype == k.dtype == v.dtype, (q.dtype, k.dtype, v.dtype)
     dtypes = {x.dtype for x in wide.values()}
-    assert len(dtypes) == 1 and dtypes <= set(_WIDE), dtypes
+    assert len(dtypes) == 1 and dtypes <= set(WIDE), dtypes
     assert q.dtype != torch.float64 or dtypes == {torch.float64}, dtypes
     for name, x in {"q": q, "k": k, "v": v, **wide}.items():
         assert x.device == q.device and x.is_contiguous(), name
@@ -1075,21 +1063,6 @@ def _constants(
     """[log2(e), ln 2, theta, scale] in the dtype of the penalty arithmetic."""
     values = [LOG2E, LN2, theta, scale]
     return torch.tensor(values, dtype=dtype, device=device)
-
-
-def _dot_dtype(dtype: torch.dtype, interpret: bool) -> tl.dtype:
-    """Operand dtype of tl.dot: the input's, but float32 for bfloat16 under the interpreter,
-    which stores bfloat16 as raw integers (arithmetic on them is wrong); computed operands are
-    then rounded to bfloat16 first (ROUND_BF16), so the interpreter sees a GPU's rounding."""
-    if dtype == torch.bfloat16:
-        return tl.float32 if interpret else tl.bfloat16
-    return {torch.float16: tl.float16, torch.float32: tl.float32, torch.float64: tl.float64}[dtype]
-
-
-def _precision(dtype: torch.dtype) -> str:
-    """tl.dot input precision: "ieee" for float32 and float64 operands, whose tolerances TF32
-    (10-bit mantissa) would break; 16-bit operands ignore it."""
-    return "ieee" if dtype in _WIDE else "tf32"
 
 
 def _sum_precision(dtype: torch.dtype) -> str:
@@ -1136,8 +1109,8 @@ def kernel_sizes(
         BV=_block(V),
         LOG_BT=BT.bit_length() - 1,
         FOX=fox,
-        DOT=_dot_dtype(dtype, interpret),
-        PRECISION=_precision(dtype),
+        DOT=dot_dtype(dtype, interpret),
+        PRECISION=precision(dtype),
         ROUND_BF16=interpret and dtype == torch.bfloat16,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
@@ -1160,9 +1133,19 @@ def _block_minima(
     )
     links = torch.empty(2, shape.HQ, shape.n_tok, dtype=torch.int32, device=field.device)
     _block_minima_kernel[(tiles.shape[0], shape.HQ)](
-        field, level, minima, links, cu, tiles, shape.n_tok, shape.HQ, BT, log_bt, with_links,
+        field=field,
+        level=level,
+        minima=minima,
+        links=links,
+        cu_seqlens=cu,
+        tiles=tiles,
+        N_TOK=shape.n_tok,
+        HQ=shape.HQ,
+        BT=BT,
+        LOG_BT=log_bt,
+        WITH_LINKS=with_links,
         num_warps=PREPASS_WARPS,
-    )  # fmt: skip
+    )
     return minima, links
 
 
@@ -1172,7 +1155,14 @@ def _block_sums(
     """FoX: cumulative sums of log f local to each BT tile, see _block_sums_kernel."""
     sums = torch.empty(2, shape.HQ, shape.n_tok, dtype=log_f.dtype, device=log_f.device)
     _block_sums_kernel[(tiles.shape[0], shape.HQ)](
-        log_f, sums, cu, tiles, shape.n_tok, shape.HQ, BT, num_warps=PREPASS_WARPS
+        log_f=log_f,
+        sums=sums,
+        cu_seqlens=cu,
+        tiles=tiles,
+        N_TOK=shape.n_tok,
+        HQ=shape.HQ,
+        BT=BT,
+        num_warps=PREPASS_WARPS,
     )
     return sums
 
@@ -1215,19 +1205,19 @@ def _forward(
         blocks = _block_minima(field, wide["level"], cu, tile_list, shape, BT, with_links=False)[0]
     sizes = kernel_sizes(shape.HQ, shape.K, shape.V, tiles, q.dtype, fox, interpreting(), window)
     _fwd_kernel[(tile_list.shape[0], shape.HQ)](
-        q,
-        k,
-        v,
-        field,
-        level,
-        blocks,
-        o,
-        lse,
-        consts,
-        cu,
-        tile_list,
-        shape.n_tok,
-        tile_list.shape[0],
+        q=q,
+        k=k,
+        v=v,
+        field=field,
+        level=level,
+        blocks=blocks,
+        o=o,
+        lse=lse,
+        consts=consts,
+        cu_seqlens=cu,
+        tiles=tile_list,
+        N_TOK=shape.n_tok,
+        NTILES=tile_list.shape[0],
         G=shape.G,
         SKIP=theta is not None,
         **sizes,
@@ -1269,9 +1259,18 @@ def _backward(
     consts = _constants(scale, math.inf, field.dtype, q.device)
     delta = torch.empty(B, T, HQ, dtype=acc, device=q.device)
     _delta_kernel[(triton.cdiv(shape.n_tok, ROW_BLOCK), HQ)](
-        o, do, dlse, delta, shape.n_tok, HQ, shape.V, ROW_BLOCK, _block(shape.V), dlse is not None,
+        o=o,
+        do=do,
+        dlse=dlse,
+        delta=delta,
+        N_TOK=shape.n_tok,
+        HQ=HQ,
+        V=shape.V,
+        BLOCK=ROW_BLOCK,
+        BV=_block(shape.V),
+        HAS_DLSE=dlse is not None,
         num_warps=PREPASS_WARPS,
-    )  # fmt: skip
+    )
     if fox:
         blocks, links = _block_sums(field, cu, tile_list, shape, BT), None
     else:
@@ -1288,35 +1287,41 @@ def _backward(
     mid_sums = None if fox else torch.zeros(HQ, ntiles, nt_max, dtype=acc, device=q.device)
     sizes = kernel_sizes(HQ, shape.K, shape.V, tiles, q.dtype, fox, interpreting(), window)
     diagonal = min(tiles.visit, tiles.diagonal)  # rows per step over the diagonal tile
-    common = (q, k, v, field, level, blocks, links, do, lse, delta)
-    _bwd_dq_kernel[(ntiles, HQ)](
-        *common,
-        dq,
-        d_rows,
-        mid_sums,
-        consts,
-        cu,
-        tile_list,
-        shape.n_tok,
-        ntiles,
-        nt_max,
+    common = dict(
+        q=q,
+        k=k,
+        v=v,
+        field=field,
+        level=level,
+        blocks=blocks,
+        links=links,
+        do=do,
+        lse=lse,
+        delta=delta,
+        consts=consts,
+        cu_seqlens=cu,
+        tiles=tile_list,
+        N_TOK=shape.n_tok,
         G=G,
+    )
+    _bwd_dq_kernel[(ntiles, HQ)](
+        **common,
+        dq=dq,
+        d_rows=d_rows,
+        mid_sums=mid_sums,
+        NTILES=ntiles,
+        NT_MAX=nt_max,
         BDQ=tiles.visit if fox else diagonal,  # FoX's dq steps a whole visit tile
         SUM_PRECISION=_sum_precision(q.dtype),
         INTERPRET=interpreting(),
         **sizes,
     )
     _bwd_dkv_kernel[(ntiles, HQ)](
-        *common,
-        dk,
-        dv,
-        d_cols,
-        d_level,
-        consts,
-        cu,
-        tile_list,
-        shape.n_tok,
-        G=G,
+        **common,
+        dk=dk,
+        dv=dv,
+        d_cols=d_cols,
+        d_level=d_level,
         BDK=diagonal,
         **sizes,
     )
@@ -1326,13 +1331,33 @@ def _backward(
     if fox:
         dlog_f = torch.empty(B, T, HQ, dtype=acc, device=q.device)
         _segment_sums_kernel[(len(shape.lengths), HQ)](
-            d_rows, d_cols, dlog_f, cu, shape.n_tok, HQ, SEGMENT_BLOCK, num_warps=PREPASS_WARPS
+            d_rows=d_rows,
+            d_cols=d_cols,
+            out=dlog_f,
+            cu_seqlens=cu,
+            N_TOK=shape.n_tok,
+            HQ=HQ,
+            BLOCK=SEGMENT_BLOCK,
+            num_warps=PREPASS_WARPS,
         )
         return dq, dk, dv, dlog_f
     _dfield_kernel[(ntiles, HQ)](
-        field, d_rows, d_cols, mid_sums, d_rows, cu, tile_list, tile_start,
-        shape.n_tok, ntiles, nt_max, HQ, BT, ROW_BLOCK, num_warps=PREPASS_WARPS,
-    )  # fmt: skip
+        field=field,
+        d_rows=d_rows,
+        d_cols=d_cols,
+        mid_sums=mid_sums,
+        dfield=d_rows,
+        cu_seqlens=cu,
+        tiles=tile_list,
+        tile_start=tile_start,
+        N_TOK=shape.n_tok,
+        NTILES=ntiles,
+        NT_MAX=nt_max,
+        HQ=HQ,
+        BT=BT,
+        BN=ROW_BLOCK,
+        num_warps=PREPASS_WARPS,
+    )
     return dq, dk, dv, d_rows, d_level
 
 

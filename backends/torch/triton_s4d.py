@@ -41,7 +41,7 @@ from .triton_chunks import (
     stored_type,
     sub_chunk,
 )
-from .triton_fpa import _bf16_nearest
+from .triton_helpers import bf16_nearest
 from .triton_s4d_tiles import (
     Tables,
     _s4d_chunk_sum,
@@ -151,7 +151,7 @@ def _s4d_state_pass(
         d_re, d_im = pow_at(pw_h, L, o_m, TAB, BM)  # Lambda^L
         s_re, s_im = cmul((d_re[:, None], d_im[:, None]), (s_re, s_im))
         if ROUND_BF16:  # interpreter: a bf16 product as float32 on bf16-rounded operands
-            wb_re, wb_im = _bf16_nearest(wb_re), _bf16_nearest(wb_im)
+            wb_re, wb_im = bf16_nearest(wb_re), bf16_nearest(wb_im)
         z = z.to(OP)  # exact: 16-bit inputs give 16-bit products, float32 accumulation
         s_re += tl.dot(wb_re.to(OP), z, input_precision=PREC)
         s_im += tl.dot(wb_im.to(OP), z, input_precision=PREC)
