@@ -40,7 +40,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU, before triton is imported
+if __name__ == "__main__":  # compile for the GPU: before triton is imported (not on import)
+    os.environ.pop("TRITON_INTERPRET", None)
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
