@@ -316,10 +316,10 @@ def _ours_costs(name: str, a: dict[str, Any], grid: tuple[int, ...], n: int) -> 
     if name in ("_legs_front", "_legs_positions", "_legs_back", "_legs_bwd_inputs"):
         return _legs_costs(name, a, n)
     BT, BM = a["BT"], a["BM"]
-    if "BS" not in a:  # state passes: grid (channel blocks, N * H), or (chunks, blocks, H)
+    if "BS" not in a:  # state passes: grid (N * H, channel blocks), or (chunks, blocks, H)
         BC = a["BC"]
         st = a["states"] if a.get("states") is not None else a["dstates"]  # [chunks, H, ...]
-        blocks = n if len(grid) == 3 else st.shape[0] * grid[0] * st.shape[1]  # chunk x block
+        blocks = n if len(grid) == 3 else st.shape[0] * grid[1] * st.shape[1]  # chunk x block
         step = 4 * BM * BT * BC  # two [BM, BT] x [BT, BC] products (re, im)
         if name == "_s4d_state_pass":
             return blocks * step, _size(a["states"])

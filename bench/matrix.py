@@ -46,6 +46,9 @@ STATIC = (
     ("static FPA/FoX (sm_90)", ("python", "-m", "bench.gpu_static", "--report-budgets", "--json")),
     ("static Interdomain (sm_90)", ("python", "-m", "bench.gpu_static_interdomain",
                                     "--report-budgets", "--json")),
+    # every corner of backends/envelope.py (make test compiles a representative set)
+    ("static envelope (sm_90)", ("python", "-m", "bench.gpu_static_envelope", "--full",
+                                 "--json")),
 )  # fmt: skip
 # The interpreted kernels in float32, float16 and bfloat16 (FPA, FoX, S4D, LegS, their decode
 # steps) against the reference and their eager twins.

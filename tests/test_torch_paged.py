@@ -507,15 +507,19 @@ def test_select_shares_pages_and_copies_on_write():
 
 
 @pytest.mark.parametrize(
-    ("dtype", "P", "split"),
-    [(torch.float32, 4, 2), (torch.bfloat16, 16, 1)],
+    ("dtype", "P", "split", "rows"),
+    [(torch.float32, 4, 2, None), (torch.bfloat16, 16, 1, None), (torch.float32, 4, 2, 1)],
 )
-def test_triton_kernel_under_the_interpreter(monkeypatch, dtype, P, split):
+def test_triton_kernel_under_the_interpreter(monkeypatch, dtype, P, split, rows):
     """The decode kernel in the session against the literal loops, and against its eager twin
-    on the same state (several page splits: the combine pass)."""
+    on the same state (several page splits: the combine pass; ``rows``: at most that many query
+    rows per program, so that each query head of a GQA group takes its own programs)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     from attnspec.backends.torch import triton_decode
     from attnspec.backends.torch.paged import paged_attention_eager
+
+    if rows is not None:
+        monkeypatch.setattr(triton_decode, "MAX_ROWS", rows)
 
     calls = []
 

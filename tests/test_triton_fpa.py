@@ -27,6 +27,7 @@ import drawers  # noqa: E402
 
 from attnspec.backends.torch import dispatch, fox_attention, fpa_attention  # noqa: E402
 from attnspec.backends.torch import triton_fpa as tf  # noqa: E402
+from attnspec.backends.torch.triton_helpers import bf16_nearest  # noqa: E402
 from attnspec.conformance.metrics import compare  # noqa: E402
 from attnspec.conformance.tolerances import round_to, tolerance  # noqa: E402
 from attnspec.reference import fpa as ref  # noqa: E402
@@ -277,7 +278,7 @@ def test_random_shapes_tiles_fields(T, tiles, heads, kinds, seed):
 @triton.jit
 def _round_trip(x, y, N: tl.constexpr):
     r = tl.arange(0, N)
-    tl.store(y + r, tf._bf16_nearest(tl.load(x + r)))
+    tl.store(y + r, bf16_nearest(tl.load(x + r)))
 
 
 def test_interpreter_rounds_bf16_operands_like_a_gpu():
@@ -296,7 +297,7 @@ def _rounded_sum(x, y, N: tl.constexpr, STEPS: tl.constexpr):
     r = tl.arange(0, N)
     acc = tl.zeros([N], tl.float32)
     for _ in tl.static_range(STEPS):
-        acc += tf._bf16_nearest(tl.load(x + r))  # a helper call per step
+        acc += bf16_nearest(tl.load(x + r))  # a helper call per step
     tl.store(y + r, acc)
 
 

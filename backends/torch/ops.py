@@ -26,6 +26,7 @@ from typing import Any, Literal, overload
 import torch
 from torch import Tensor
 
+from attnspec.backends import envelope
 from attnspec.reference.packing import Packing
 
 from . import checks, dispatch
@@ -83,6 +84,36 @@ def resolve_impl(kernel: str, impl: str | None, device: torch.device) -> str:
         load_triton_kernels()
     dispatch.lookup(kernel, impl)
     return impl
+
+
+def _served(
+    family: str,
+    requested: str | None,
+    impl: str,
+    x: Tensor,
+    scalars: torch.dtype,
+    *,
+    head_dim: int = 0,
+    cu_seqlens: Tensor | None = None,
+    heads: int = 1,
+) -> str:
+    """``impl``, or "eager" where the envelope (backends/envelope.py) says no Triton kernel
+    serves this call on CUDA; an explicit ``impl="triton"`` there is a ValueError. Reads
+    dtypes and shapes only (no data): the same answer under torch.compile."""
+    if impl != "triton" or x.device.type != "cuda":
+        return impl
+    sequences = 1 if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    served, reason = envelope.route(
+        family, str(x.dtype), str(scalars), head_dim=head_dim, sequences=sequences, heads=heads
+    )
+    if served == "triton":
+        return impl
+    if requested == "triton":
+        raise ValueError(
+            f"impl: no Triton kernel serves this call on CUDA ({reason}); impl='eager' or None "
+            "runs the eager twin"
+        )
+    return "eager"
 
 
 def _backward_impl(kernel: str, impl: str) -> str:
@@ -344,10 +375,12 @@ def fpa_attention(
     s = checks.scale(scale, dims.K)
     window = checks.window(window, window_size)
     cu_seqlens = checks.cu_seqlens(cu_seqlens, dims.B, q)
-    impl = resolve_impl("fpa_fwd", impl, q.device)
+    requested, impl = impl, resolve_impl("fpa_fwd", impl, q.device)
     q, k, v = _autocast(q, k, v)
     if q.dtype == torch.float64:
         field, level = field.to(torch.float64), level.to(torch.float64)
+    width = max(dims.K, dims.V)
+    impl = _served("fpa", requested, impl, q, field.dtype, head_dim=width, cu_seqlens=cu_seqlens)
     if dims.B == 0:
         o = _empty_batch((0, dims.T, dims.HQ, dims.V), q.dtype, q, k, v, field, level)
         lse = _empty_batch((0, dims.T, dims.HQ), field.dtype, field, level)
@@ -519,10 +552,12 @@ def fox_attention(
     s = checks.scale(scale, dims.K)
     window = checks.window(window, window_size)
     cu_seqlens = checks.cu_seqlens(cu_seqlens, dims.B, q)
-    impl = resolve_impl("fox_fwd", impl, q.device)
+    requested, impl = impl, resolve_impl("fox_fwd", impl, q.device)
     q, k, v = _autocast(q, k, v)
     if q.dtype == torch.float64:
         log_f = log_f.to(torch.float64)
+    width = max(dims.K, dims.V)
+    impl = _served("fox", requested, impl, q, log_f.dtype, head_dim=width, cu_seqlens=cu_seqlens)
     if dims.B == 0:
         return _empty_batch((0, dims.T, dims.HQ, dims.V), q.dtype, q, k, v, log_f)
     o, _ = _fox_fwd(
@@ -734,12 +769,13 @@ def s4d_pairs(
         dims = (N, H, M, _s4d_state_channels(R, V, readout))
         initial_state = checks.s4d_state(initial_state, dims, pairs=True, lam=lam)
         checks.same_device(("fq", "initial_state"), (fq, initial_state))
-    impl = resolve_impl("s4d_fwd", impl, fq.device)
+    requested, impl = impl, resolve_impl("s4d_fwd", impl, fq.device)
     fq, kt, vt = _autocast(fq, kt, vt)
     if fq.dtype == torch.float64:
         lam, b, c = lam.to(torch.float64), b.to(torch.float64), c.to(torch.float64)
         if initial_state is not None:
             initial_state = initial_state.to(torch.float64)
+    impl = _served("s4d", requested, impl, fq, lam.dtype, cu_seqlens=cu_seqlens, heads=H)
     if B == 0:
         params = (lam, b, c) if initial_state is None else (lam, b, c, initial_state)
         o = _empty_batch((0, *fq.shape[1:3], V), fq.dtype, fq, kt, vt, *params)
@@ -939,8 +975,9 @@ def interdomain_legs(
     if isinstance(M, bool) or not isinstance(M, int) or M < 1:
         raise ValueError(f"M: expected an integer >= 1, got {M!r}")
     cu_seqlens = checks.cu_seqlens(cu_seqlens, dims.B, fq)
-    impl = resolve_impl("legs_fwd", impl, fq.device)
+    requested, impl = impl, resolve_impl("legs_fwd", impl, fq.device)
     fq, fk, v = _autocast(fq, fk, v)
+    impl = _served("legs", requested, impl, fq, fq.dtype, cu_seqlens=cu_seqlens, heads=dims.H)
     if dims.B == 0:
         return _empty_batch(tuple(v.shape), v.dtype, fq, fk, v)
     return _legs_fwd(fq.contiguous(), fk.contiguous(), v.contiguous(), M, cu_seqlens, impl)

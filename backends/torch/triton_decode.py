@@ -1,15 +1,19 @@
 """Triton decode kernel for the paged FPA session (spec/fpa.md F7, F8 gqa; backends/torch/paged.py).
 
 ``paged_attention_triton`` has the signature of :func:`.paged.paged_attention_eager`, its twin.
-A program owns one (row, kv head) and a split of its pages (flash-decoding): its query tile
-holds the G query heads of the kv head times the chunk's n <= 16 positions (row m = g * NB + p),
-so each page of k and v is read once for the G heads. Per page it loads the slots' token
-positions, and per query head the levels, the minima m_j before the chunk and the eviction
-steps; the chunk's running minimum (F7), the depth (F2) and the mask (theta and window, through
-the eviction steps; causality inside the chunk) are formed in registers, then the logits (F3)
-and one step of the online softmax. A second pass combines the splits by their log-sum-exp.
+A program owns one (row, kv head, group block) and a split of its pages (flash-decoding): its
+query tile holds GB of the G query heads of the kv head times the chunk's n <= 16 positions (row
+m = g * NB + p, NB = pow2(n)), so each page of k and v is read once for GB heads. GB is G, or
+for wide GQA groups and chunks as many heads as fit in :data:`MAX_ROWS` rows (the tile's rows
+set its shared memory: G = 16 heads x 16 positions at D = 256 asked 311,552 B, over a Hopper
+block's 232,448 B); the G heads then take ceil(G / GB) programs, each reading the pages. Per
+page it loads the slots' token positions, and per query head the levels, the minima m_j before
+the chunk and the eviction steps; the chunk's running minimum (F7), the depth (F2) and the mask
+(theta and window, through the eviction steps; causality inside the chunk) are formed in
+registers, then the logits (F3) and one step of the online softmax. A second pass combines the
+splits by their log-sum-exp.
 
-Tensor cores. The tile has G * NB rows padded to at least 16: tl.dot lowers to mma.sync
+Tensor cores. The tile has GB * NB rows padded to at least 16: tl.dot lowers to mma.sync
 (m16n8k16) on sm_90, not to wgmma, whose smallest tile is 64 rows per warpgroup. A one-token
 query (n = 1, G <= 4) is a matrix-vector product, bound by the bytes of k and v read, so the
 padded rows cost arithmetic that is idle anyway; what matters is that k and v are read once per
@@ -25,9 +29,10 @@ import triton
 import triton.language as tl
 
 from .devices import interpreting
-from .triton_fpa import _bf16_nearest, _dot_dtype, _precision
+from .triton_helpers import bf16_nearest, dot_dtype, precision
 
 PAGES_PER_SPLIT = 16  # pages a program visits (256 tokens at 16 per page)
+MAX_ROWS = 64  # query rows (heads x chunk positions) per program at most, when G * NB is more
 
 
 @triton.jit
@@ -55,6 +60,7 @@ def _paged_decode_kernel(
     V: tl.constexpr,
     P: tl.constexpr,
     NB: tl.constexpr,
+    GB: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -64,15 +70,16 @@ def _paged_decode_kernel(
     PRECISION: tl.constexpr,
     ROUND_BF16: tl.constexpr,
 ) -> None:
-    rh = tl.program_id(0)
+    rhg = tl.program_id(0)  # (row, kv head, group block)
     split = tl.program_id(1)
     nsplit = tl.num_programs(1)
+    rh = rhg // ((G + GB - 1) // GB)
     r = rh // H
     h = rh % H
     rows = tl.arange(0, BLOCK_M)
-    g = rows // NB
+    g = (rhg % ((G + GB - 1) // GB)) * GB + rows // NB
     p = rows % NB
-    row_ok = (g < G) & (p < n)
+    row_ok = (rows // NB < GB) & (g < G) & (p < n)
     hq = h * G + g
     offs_k = tl.arange(0, BLOCK_K)
     offs_v = tl.arange(0, BLOCK_V)
@@ -128,11 +135,11 @@ def _paged_decode_kernel(
         alpha = tl.exp(m_i - m_safe)
         w = tl.exp(s - m_safe[:, None])  # (F4), online
         l_i = l_i * alpha + tl.sum(w, 1)
-        w_op = _bf16_nearest(w.to(tl.float32)) if ROUND_BF16 else w
+        w_op = bf16_nearest(w.to(tl.float32)) if ROUND_BF16 else w
         pv = tl.dot(w_op.to(DOT), b_v, input_precision=PRECISION)  # (F5)
         acc = acc * alpha[:, None] + pv.to(wide)
         m_i = m_new
-    out = (rh * nsplit + split).to(tl.int64) * BLOCK_M + rows
+    out = (rhg * nsplit + split).to(tl.int64) * BLOCK_M + rows
     tl.store(m_out + out, m_i)
     tl.store(l_out + out, l_i)
     tl.store(acc_out + out[:, None] * BLOCK_V + offs_v[None, :], acc)
@@ -150,24 +157,27 @@ def _combine_kernel(
     G: tl.constexpr,
     V: tl.constexpr,
     NB: tl.constexpr,
+    GB: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ) -> None:
-    """o = sum_s e^{m_s - M} acc_s / sum_s e^{m_s - M} l_s over the splits s of a (row, kv head)."""
-    rh = tl.program_id(0)
+    """o = sum_s e^{m_s - M} acc_s / sum_s e^{m_s - M} l_s over the splits s of a (row, kv head,
+    group block)."""
+    rhg = tl.program_id(0)
+    rh = rhg // ((G + GB - 1) // GB)
     r = rh // H
     h = rh % H
     rows = tl.arange(0, BLOCK_M)
     offs_v = tl.arange(0, BLOCK_V)
-    g = rows // NB
+    g = (rhg % ((G + GB - 1) // GB)) * GB + rows // NB
     p = rows % NB
-    row_ok = (g < G) & (p < n)
+    row_ok = (rows // NB < GB) & (g < G) & (p < n)
     wide = l_in.dtype.element_ty
     m_all = tl.full([BLOCK_M], float("-inf"), wide)
     l_all = tl.zeros([BLOCK_M], wide)
     acc = tl.zeros([BLOCK_M, BLOCK_V], wide)
     for split in range(nsplit):
-        at = (rh * nsplit + split).to(tl.int64) * BLOCK_M + rows
+        at = (rhg * nsplit + split).to(tl.int64) * BLOCK_M + rows
         m_s = tl.load(m_in + at)
         l_s = tl.load(l_in + at)
         a_s = tl.load(acc_in + at[:, None] * BLOCK_V + offs_v[None, :])
@@ -219,14 +229,16 @@ def paged_attention_triton(
     if n == 0 or NT == 0:
         return o
     NB = triton.next_power_of_2(n)
-    BLOCK_M, BLOCK_V = _pow2(G * NB), _pow2(V)
+    GB = min(G, max(1, MAX_ROWS // NB))  # query heads per program
+    programs = R * H * math.ceil(G / GB)  # (row, kv head, group block)
+    BLOCK_M, BLOCK_V = _pow2(GB * NB), _pow2(V)
     nsplit = max(1, math.ceil(NT / pages_per_split))
-    acc = torch.empty(R * H * nsplit * BLOCK_M * BLOCK_V, dtype=wide, device=q.device)
-    m = torch.empty(R * H * nsplit * BLOCK_M, dtype=wide, device=q.device)
+    acc = torch.empty(programs * nsplit * BLOCK_M * BLOCK_V, dtype=wide, device=q.device)
+    m = torch.empty(programs * nsplit * BLOCK_M, dtype=wide, device=q.device)
     lsum = torch.empty_like(m)
     interpret = interpreting()
     c = lambda x: x.contiguous()  # noqa: E731
-    _paged_decode_kernel[(R * H, nsplit)](
+    _paged_decode_kernel[(programs, nsplit)](
         c(q),
         c(k_pool),
         c(v_pool),
@@ -250,16 +262,17 @@ def paged_attention_triton(
         V=V,
         P=P,
         NB=NB,
+        GB=GB,
         BLOCK_M=BLOCK_M,
         BLOCK_P=_pow2(P),
         BLOCK_K=_pow2(K),
         BLOCK_V=BLOCK_V,
         PAGES_PER_SPLIT=pages_per_split,
-        DOT=_dot_dtype(q.dtype, interpret),
-        PRECISION=_precision(q.dtype),
+        DOT=dot_dtype(q.dtype, interpret),
+        PRECISION=precision(q.dtype),
         ROUND_BF16=interpret and q.dtype == torch.bfloat16,
     )
-    _combine_kernel[(R * H,)](
-        acc, m, lsum, o, n, nsplit, H=H, G=G, V=V, NB=NB, BLOCK_M=BLOCK_M, BLOCK_V=BLOCK_V
+    _combine_kernel[(programs,)](
+        acc, m, lsum, o, n, nsplit, H=H, G=G, V=V, NB=NB, GB=GB, BLOCK_M=BLOCK_M, BLOCK_V=BLOCK_V
     )
     return o

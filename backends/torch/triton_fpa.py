@@ -60,6 +60,7 @@ from attnspec.reference.packing import Packing
 from ..tile_sizes import HOPPER_WIDE, TILE_TABLE, Tiles
 from . import checks, dispatch
 from .devices import device_class, interpreting
+from .triton_helpers import WIDE, bf16_nearest, dot_dtype, precision
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -144,6 +145,7 @@ def _block_minima_kernel(
     """
     tile = tl.program_id(0)
     hq = tl.program_id(1)
+    n_tok = N_TOK.to(tl.int64)  # a plane's offset (plane x HQ + head) x N_TOK: 64-bit
     seq = tl.load(tiles + 2 * tile)
     start = tl.load(tiles + 2 * tile + 1) * BT
     bos = tl.load(cu_seqlens + seq)
@@ -163,11 +165,11 @@ def _block_minima_kernel(
         pre = tl.where(bit == 1, tl.minimum(pre, left), pre)  # right half: prefix + left block
         suf = tl.where(bit == 0, tl.minimum(suf, right), suf)  # left half: suffix + right block
         block = tl.minimum(left, right)
-        tl.store(minima + (b * HQ + hq) * N_TOK + tok, tl.reshape(pre, [BT]), mask=ok)
-        tl.store(minima + ((LOG_BT + b) * HQ + hq) * N_TOK + tok, tl.reshape(suf, [BT]), mask=ok)
+        tl.store(minima + (b * HQ + hq) * n_tok + tok, tl.reshape(pre, [BT]), mask=ok)
+        tl.store(minima + ((LOG_BT + b) * HQ + hq) * n_tok + tok, tl.reshape(suf, [BT]), mask=ok)
     lev = tl.load(level + tok * HQ + hq, mask=ok, other=0.0)
     excess = tl.maximum(lev - tl.reshape(suf, [BT]), 0.0)
-    tl.store(minima + (2 * LOG_BT * HQ + hq) * N_TOK + tok, excess, mask=ok)
+    tl.store(minima + (2 * LOG_BT * HQ + hq) * n_tok + tok, excess, mask=ok)
 
     if WITH_LINKS:
         t = r[:, None]
@@ -176,8 +178,8 @@ def _block_minima_kernel(
         lower_or_equal = phi[None, :] <= phi[:, None]
         before = tl.max(tl.where((u < t) & lower, u, -1), axis=1)
         after = tl.min(tl.where((u > t) & lower_or_equal, u, BT), axis=1)
-        tl.store(links + hq * N_TOK + tok, before, mask=ok)
-        tl.store(links + (HQ + hq) * N_TOK + tok, after, mask=ok)
+        tl.store(links + hq * n_tok + tok, before, mask=ok)
+        tl.store(links + (HQ + hq) * n_tok + tok, after, mask=ok)
 
 
 @triton.jit(do_not_specialize=["N_TOK"])
@@ -195,6 +197,7 @@ def _block_sums_kernel(
     plus a carried gap sum (float32 stays exact enough at any T)."""
     tile = tl.program_id(0)
     hq = tl.program_id(1)
+    n_tok = N_TOK.to(tl.int64)  # a plane's offset (plane x HQ + head) x N_TOK: 64-bit
     seq = tl.load(tiles + 2 * tile)
     start = tl.load(tiles + 2 * tile + 1) * BT
     bos = tl.load(cu_seqlens + seq)
@@ -204,8 +207,8 @@ def _block_sums_kernel(
     tok = bos + start + r
     g = tl.load(log_f + tok * HQ + hq, mask=ok, other=0.0)
     prefix = tl.cumsum(g, 0)
-    tl.store(sums + hq * N_TOK + tok, prefix, mask=ok)
-    tl.store(sums + (HQ + hq) * N_TOK + tok, tl.sum(g, 0) - prefix, mask=ok)
+    tl.store(sums + hq * n_tok + tok, prefix, mask=ok)
+    tl.store(sums + (HQ + hq) * n_tok + tok, tl.sum(g, 0) - prefix, mask=ok)
 
 
 @triton.jit
@@ -250,18 +253,6 @@ def _in_tile_segment_min(
 
 
 @triton.jit
-def _bf16_nearest(x: tl.tensor) -> tl.tensor:
-    """float32 x rounded to the nearest bfloat16 (ties to even), kept in float32: what a GPU
-    makes of a bfloat16 tl.dot operand. Used only under the interpreter, whose bfloat16
-    arithmetic is wrong (so its dots run in float32) and whose conversion truncates. The sum is
-    formed in 64 bits: the interpreter checks every narrower integer sum for overflow, which
-    made this rounding the costliest step of the bf16 kernels there (3.7x slower)."""
-    bits = x.to(tl.uint32, bitcast=True).to(tl.int64)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return bits.to(tl.uint32).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _softmax_step(
     s: tl.tensor,
     v: tl.tensor,
@@ -280,7 +271,7 @@ def _softmax_step(
     alpha = tl.exp2((m_i - m_safe) * log2e)
     p = tl.exp2(s * log2e - (m_safe * log2e)[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    p_op = _bf16_nearest(p) if ROUND_BF16 else p
+    p_op = bf16_nearest(p) if ROUND_BF16 else p
     acc = tl.dot(p_op.to(DOT), v, acc * alpha[:, None], input_precision=PRECISION)
     return m_new, l_i, acc
 
@@ -324,6 +315,7 @@ def _fwd_kernel(
     H = HQ // G
     tile = NTILES - 1 - tl.program_id(0)  # the longest query tiles start first
     hq = tl.program_id(1)
+    n_tok = N_TOK.to(tl.int64)  # a plane's offset (plane x HQ + head) x N_TOK: 64-bit
     h = hq // G
     seq = tl.load(tiles + 2 * tile)
     qs = tl.load(tiles + 2 * tile + 1) * BT
@@ -341,10 +333,10 @@ def _fwd_kernel(
     b_q = tl.load(q + q_rows * K + dk[None, :], mask=q_ok[:, None] & (dk < K)[None, :], other=0.0)
     b_q = b_q.to(DOT)
     if FOX:
-        c_q = tl.load(blocks + hq * N_TOK + bos + iq, mask=q_ok, other=0.0)  # log f over [qs, i]
+        c_q = tl.load(blocks + hq * n_tok + bos + iq, mask=q_ok, other=0.0)  # log f over [qs, i]
     else:
         b_min = tl.load(  # B_i = Pre at the top level
-            blocks + ((LOG_BT - 1) * HQ + hq) * N_TOK + bos + iq, mask=q_ok, other=float("inf")
+            blocks + ((LOG_BT - 1) * HQ + hq) * n_tok + bos + iq, mask=q_ok, other=float("inf")
         )
     m_i = tl.full([BT], float("-inf"), scale.dtype)
     l_i = tl.zeros([BT], scale.dtype)
@@ -363,11 +355,11 @@ def _fwd_kernel(
         )
         b_s = tl.dot(b_q, b_k.to(DOT), input_precision=PRECISION).to(scale.dtype) * scale
         if FOX:
-            c_k = tl.load(blocks + hq * N_TOK + bos + ik, mask=k_ok, other=0.0)  # over [qs, j]
+            c_k = tl.load(blocks + hq * n_tok + bos + ik, mask=k_ok, other=0.0)  # over [qs, j]
             b_s += c_q[:, None] - c_k[None, :]  # (F6) sum of log f over (j, i]
         else:
             m = _in_tile_segment_min(
-                field, blocks, bos + iq, r, q_ok, bos + ik, ik - qs, k_ok, hq, N_TOK, HQ, LOG_BT, 0
+                field, blocks, bos + iq, r, q_ok, bos + ik, ik - qs, k_ok, hq, n_tok, HQ, LOG_BT, 0
             )
             lev = tl.load(level + (bos + ik) * HQ + hq, mask=k_ok, other=0.0)
             b_s -= tl.maximum(lev[None, :] - m, 0.0)  # (F2)-(F3)
@@ -400,15 +392,15 @@ def _fwd_kernel(
         last = bos + s + BS - 1  # that BT tile's last token
         if FOX:
             gap = tl.where(enter, gap + total, gap)
-            total = tl.where(enter, tl.load(blocks + hq * N_TOK + last, mask=enter), total)
-            after = tl.load(blocks + (HQ + hq) * N_TOK + bos + ik) + gap  # log f over (j, qs)
+            total = tl.where(enter, tl.load(blocks + hq * n_tok + last, mask=enter), total)
+            after = tl.load(blocks + (HQ + hq) * n_tok + bos + ik) + gap  # log f over (j, qs)
             live = True
         else:
             mid = tl.where(enter, tl.minimum(mid, pending), mid)
-            top = blocks + ((LOG_BT - 1) * HQ + hq) * N_TOK  # Pre at the top level
+            top = blocks + ((LOG_BT - 1) * HQ + hq) * n_tok  # Pre at the top level
             pending = tl.where(enter, tl.load(top + last, mask=enter), pending)
             lev = tl.load(level + (bos + ik) * HQ + hq)
-            excess = tl.load(blocks + (2 * LOG_BT * HQ + hq) * N_TOK + bos + ik)
+            excess = tl.load(blocks + (2 * LOG_BT * HQ + hq) * n_tok + bos + ik)
             theta_q = tl.minimum(b_min, mid)
             live = True
             if SKIP:  # section 7: every pi_ij of the tile is >= theta, for this and later queries
@@ -436,7 +428,7 @@ def _fwd_kernel(
     out = acc / l_safe[:, None]
     o_ptr = o + ((bos + iq) * HQ + hq)[:, None] * V + dv[None, :]
     if ROUND_BF16:  # the interpreter's conversion truncates; a GPU's rounds to nearest
-        out = _bf16_nearest(out)
+        out = bf16_nearest(out)
     tl.store(o_ptr, out.to(o.dtype.element_ty), mask=q_ok[:, None] & (dv < V)[None, :])
     ln2 = tl.load(consts + 1)
     tl.store(lse + (bos + iq) * HQ + hq, m_i + tl.log2(l_safe) * ln2, mask=q_ok)
@@ -456,7 +448,7 @@ def _delta_kernel(
     HAS_DLSE: tl.constexpr,
 ) -> None:
     """delta_i = <dO_i, o_i> - dLSE_i, so that G_ij = p_ij (<dO_i, v_j> - delta_i) holds (G4)."""
-    tok = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tok = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # x HQ x V: 64-bit
     hq = tl.program_id(1)
     ok = tok < N_TOK
     dv = tl.arange(0, BV)
@@ -517,6 +509,7 @@ def _bwd_dq_kernel(
     H = HQ // G
     tile = NTILES - 1 - tl.program_id(0)
     hq = tl.program_id(1)
+    n_tok = N_TOK.to(tl.int64)  # a plane's offset (plane x HQ + head) x N_TOK: 64-bit
     h = hq // G
     seq = tl.load(tiles + 2 * tile)
     qs = tl.load(tiles + 2 * tile + 1) * BT
@@ -544,13 +537,13 @@ def _bwd_dq_kernel(
         dq_acc = tl.zeros([BT, BK], tl.float32)
     d_row = tl.zeros([BT], scale.dtype)
     if FOX:
-        c_q = tl.load(blocks + hq * N_TOK + tok_q, mask=q_ok, other=0.0)
+        c_q = tl.load(blocks + hq * n_tok + tok_q, mask=q_ok, other=0.0)
     else:
         b_min = tl.load(
-            blocks + ((LOG_BT - 1) * HQ + hq) * N_TOK + tok_q, mask=q_ok, other=float("inf")
+            blocks + ((LOG_BT - 1) * HQ + hq) * n_tok + tok_q, mask=q_ok, other=float("inf")
         )
-        before = tl.load(links + hq * N_TOK + tok_q, mask=q_ok, other=-1)
-        after = tl.load(links + (HQ + hq) * N_TOK + tok_q, mask=q_ok, other=0)
+        before = tl.load(links + hq * n_tok + tok_q, mask=q_ok, other=-1)
+        after = tl.load(links + (HQ + hq) * n_tok + tok_q, mask=q_ok, other=0)
         to_prefix = tl.zeros([BT], scale.dtype)  # G of pairs whose argmin lies in B
         in_gap = tl.zeros([BT], scale.dtype)  # G of pairs whose argmin lies in the gap, by row
 
@@ -567,11 +560,11 @@ def _bwd_dq_kernel(
         )
         b_s = tl.dot(b_q, b_k, input_precision=PRECISION).to(scale.dtype) * scale
         if FOX:
-            c_k = tl.load(blocks + hq * N_TOK + bos + ik, mask=k_ok, other=0.0)
+            c_k = tl.load(blocks + hq * n_tok + bos + ik, mask=k_ok, other=0.0)
             b_s += c_q[:, None] - c_k[None, :]
         else:
             m = _in_tile_segment_min(
-                field, blocks, tok_q, r, q_ok, bos + ik, ik - qs, k_ok, hq, N_TOK, HQ, LOG_BT, 0
+                field, blocks, tok_q, r, q_ok, bos + ik, ik - qs, k_ok, hq, n_tok, HQ, LOG_BT, 0
             )
             lev = tl.load(level + (bos + ik) * HQ + hq, mask=k_ok, other=0.0)
             b_s -= tl.maximum(lev[None, :] - m, 0.0)
@@ -582,7 +575,7 @@ def _bwd_dq_kernel(
         p = tl.exp2(tl.where(causal, b_s, float("-inf")) * log2e - lse2[:, None])
         dp = tl.dot(b_do, b_v.to(DOT), input_precision=PRECISION).to(scale.dtype)
         ds = p * (dp - b_delta[:, None])  # G_ij
-        ds_op = _bf16_nearest(ds) if ROUND_BF16 else ds
+        ds_op = bf16_nearest(ds) if ROUND_BF16 else ds
         dq_acc = tl.dot(ds_op.to(DOT), tl.trans(b_k), dq_acc, input_precision=PRECISION)
         if FOX:
             d_row += tl.sum(ds, 1)
@@ -595,8 +588,8 @@ def _bwd_dq_kernel(
                 # exact 0/1 matrix in bfloat16: float32-like sums at a quarter of the shared
                 # memory of a float32 product (which does not fit a Hopper block at D = 128)
                 if INTERPRET:  # float32 products of bfloat16-rounded operands
-                    hi = _bf16_nearest(w)
-                    lo = _bf16_nearest(w - hi)
+                    hi = bf16_nearest(w)
+                    lo = bf16_nearest(w - hi)
                     ones = reach.to(tl.float32)
                     per_t = tl.dot(ones, hi, input_precision="ieee")
                     per_t = tl.dot(ones, lo, per_t, input_precision="ieee")
@@ -630,23 +623,23 @@ def _bwd_dq_kernel(
         last = bos + s + BS - 1
         if FOX:
             gap = tl.where(enter, gap + total, gap)
-            total = tl.where(enter, tl.load(blocks + hq * N_TOK + last, mask=enter), total)
-            after_j = tl.load(blocks + (HQ + hq) * N_TOK + bos + ik) + gap
+            total = tl.where(enter, tl.load(blocks + hq * n_tok + last, mask=enter), total)
+            after_j = tl.load(blocks + (HQ + hq) * n_tok + bos + ik) + gap
         else:
             if enter & (pending < mid):  # strict: on ties the later tile keeps the argmin
                 # the rows' gap sums belong to the holder that ends here
                 tl.store(
-                    mid_sums + (hq * NTILES + tile) * NT_MAX + holder,
+                    mid_sums + (hq.to(tl.int64) * NTILES + tile) * NT_MAX + holder,
                     tl.sum(in_gap, 0),
                     mask=holder >= 0,
                 )
                 in_gap = tl.zeros([BT], scale.dtype)
                 holder = (s + BS) // BT
             mid = tl.where(enter, tl.minimum(mid, pending), mid)
-            top = blocks + ((LOG_BT - 1) * HQ + hq) * N_TOK
+            top = blocks + ((LOG_BT - 1) * HQ + hq) * n_tok
             pending = tl.where(enter, tl.load(top + last, mask=enter), pending)
             lev = tl.load(level + (bos + ik) * HQ + hq)
-            a_min = tl.load(blocks + ((2 * LOG_BT - 1) * HQ + hq) * N_TOK + bos + ik)  # A_j
+            a_min = tl.load(blocks + ((2 * LOG_BT - 1) * HQ + hq) * n_tok + bos + ik)  # A_j
             floor = tl.minimum(a_min, lev)  # pairs with m_ij = min(B_i, mid) that are active
             theta = tl.minimum(b_min, mid)
         k_rows = (bos + ik) * H + h
@@ -664,7 +657,7 @@ def _bwd_dq_kernel(
         p = tl.exp2(b_s * log2e - lse2[:, None])
         dp = tl.dot(b_do, b_v, input_precision=PRECISION).to(scale.dtype)
         ds = p * (dp - b_delta[:, None])
-        ds_op = _bf16_nearest(ds) if ROUND_BF16 else ds
+        ds_op = bf16_nearest(ds) if ROUND_BF16 else ds
         dq_acc = tl.dot(ds_op.to(DOT), tl.trans(b_k), dq_acc, input_precision=PRECISION)
         if FOX:
             d_row += tl.sum(ds, 1)
@@ -677,12 +670,14 @@ def _bwd_dq_kernel(
 
     if not FOX:
         tl.store(
-            mid_sums + (hq * NTILES + tile) * NT_MAX + holder, tl.sum(in_gap, 0), mask=holder >= 0
+            mid_sums + (hq.to(tl.int64) * NTILES + tile) * NT_MAX + holder,
+            tl.sum(in_gap, 0),
+            mask=holder >= 0,
         )
     dq_ptr = dq + q_rows * K + dk[None, :]
     dq_acc *= scale
     if ROUND_BF16 and dq.dtype.element_ty == tl.bfloat16:  # as the forward's store of o
-        dq_acc = _bf16_nearest(dq_acc)
+        dq_acc = bf16_nearest(dq_acc)
     tl.store(dq_ptr, dq_acc.to(dq.dtype.element_ty), mask=q_ok[:, None] & (dk < K)[None, :])
     if not FOX:
         # B's latest argmin up to i is t when nothing in [qs, t) is lower and t <= i < after(t).
@@ -734,6 +729,7 @@ def _bwd_dkv_kernel(
     H = HQ // G
     tile = tl.program_id(0)  # the first key tiles have the most query tiles: they start first
     hq = tl.program_id(1)
+    n_tok = N_TOK.to(tl.int64)  # a plane's offset (plane x HQ + head) x N_TOK: 64-bit
     h = hq // G
     seq = tl.load(tiles + 2 * tile)
     ks = tl.load(tiles + 2 * tile + 1) * BT
@@ -763,13 +759,13 @@ def _bwd_dkv_kernel(
         dv_acc = tl.zeros([BT, BV], tl.float32)
     d_col = tl.zeros([BT], scale.dtype)
     if FOX:
-        c_k = tl.load(blocks + hq * N_TOK + tok_k, mask=k_ok, other=0.0)  # log f over [ks, j]
+        c_k = tl.load(blocks + hq * n_tok + tok_k, mask=k_ok, other=0.0)  # log f over [ks, j]
         last = bos + tl.minimum(ks + BT, T) - 1
-        after_k = tl.load(blocks + hq * N_TOK + last) - c_k  # over (j, end of the key tile]
+        after_k = tl.load(blocks + hq * n_tok + last) - c_k  # over (j, end of the key tile]
     else:
         lev = tl.load(level + tok_k * HQ + hq, mask=k_ok, other=0.0)
         a_min = tl.load(
-            blocks + ((2 * LOG_BT - 1) * HQ + hq) * N_TOK + tok_k, mask=k_ok, other=float("inf")
+            blocks + ((2 * LOG_BT - 1) * HQ + hq) * n_tok + tok_k, mask=k_ok, other=float("inf")
         )
         to_suffix = tl.zeros([BT], scale.dtype)  # G of pairs whose argmin lies in A
 
@@ -789,22 +785,22 @@ def _bwd_dkv_kernel(
         b_delta = tl.load(delta + (bos + iq) * HQ + hq, mask=q_ok, other=0.0)
         b_s = tl.dot(b_k, tl.trans(b_q), input_precision=PRECISION).to(scale.dtype) * scale
         if FOX:
-            c_q = tl.load(blocks + hq * N_TOK + bos + iq, mask=q_ok, other=0.0)  # over [ks, i]
+            c_q = tl.load(blocks + hq * n_tok + bos + iq, mask=q_ok, other=0.0)  # over [ks, i]
             b_s += c_q[None, :] - c_k[:, None]
         else:
             m = _in_tile_segment_min(
-                field, blocks, bos + iq, iq - ks, q_ok, tok_k, r, k_ok, hq, N_TOK, HQ, LOG_BT, 1
+                field, blocks, bos + iq, iq - ks, q_ok, tok_k, r, k_ok, hq, n_tok, HQ, LOG_BT, 1
             )
             b_s -= tl.maximum(lev[:, None] - m, 0.0)
         causal = (ik[:, None] <= iq[None, :]) & q_ok[None, :]
         if WINDOW:  # (F3w)
             causal = causal & (iq[None, :] - ik[:, None] < WS)
         p = tl.exp2(tl.where(causal, b_s, float("-inf")) * log2e - lse2[None, :])
-        p_op = _bf16_nearest(p) if ROUND_BF16 else p
+        p_op = bf16_nearest(p) if ROUND_BF16 else p
         dv_acc = tl.dot(p_op.to(DOT), b_do, dv_acc, input_precision=PRECISION)
         dp = tl.dot(b_v, tl.trans(b_do), input_precision=PRECISION).to(scale.dtype)
         ds = p * (dp - b_delta[None, :])
-        ds_op = _bf16_nearest(ds) if ROUND_BF16 else ds
+        ds_op = bf16_nearest(ds) if ROUND_BF16 else ds
         dk_acc = tl.dot(ds_op.to(DOT), b_q, dk_acc, input_precision=PRECISION)
         if FOX:
             d_col += tl.sum(ds, 1)
@@ -816,7 +812,7 @@ def _bwd_dkv_kernel(
     mid = tl.full([], float("inf"), scale.dtype)
     pending = tl.full([], float("inf"), scale.dtype)
     gap = tl.zeros([], scale.dtype)
-    top = blocks + ((LOG_BT - 1) * HQ + hq) * N_TOK  # Pre at the top level
+    top = blocks + ((LOG_BT - 1) * HQ + hq) * n_tok  # Pre at the top level
     stop = T
     if WINDOW:  # (F3w) the query tiles [s, s + BS) with s - (ks + BT - 1) < WS
         stop = tl.minimum(T, ks + BT - 1 + WS)
@@ -825,8 +821,8 @@ def _bwd_dkv_kernel(
         q_ok = iq < T
         if FOX:
             boundary = (s % BT == 0) & (s > ks + BT)  # a whole query tile joins the gap
-            gap += tl.load(blocks + hq * N_TOK + bos + s - 1, mask=boundary, other=0.0)
-            c_q = tl.load(blocks + hq * N_TOK + bos + iq, mask=q_ok, other=0.0)
+            gap += tl.load(blocks + hq * n_tok + bos + s - 1, mask=boundary, other=0.0)
+            c_q = tl.load(blocks + hq * n_tok + bos + iq, mask=q_ok, other=0.0)
             bias = (after_k + gap)[:, None] + c_q[None, :]  # log f over (j, i]
         else:
             enter = s % BT == 0  # the first BS tile of a farther BT query tile
@@ -865,11 +861,11 @@ def _bwd_dkv_kernel(
         if WINDOW:  # (F3w)
             b_s = tl.where(iq[None, :] - ik[:, None] < WS, b_s, float("-inf"))
         p = tl.exp2(b_s * log2e - lse2[None, :])
-        p_op = _bf16_nearest(p) if ROUND_BF16 else p
+        p_op = bf16_nearest(p) if ROUND_BF16 else p
         dv_acc = tl.dot(p_op.to(DOT), b_do, dv_acc, input_precision=PRECISION)
         dp = tl.dot(b_v, tl.trans(b_do), input_precision=PRECISION).to(scale.dtype)
         ds = p * (dp - b_delta[None, :])
-        ds_op = _bf16_nearest(ds) if ROUND_BF16 else ds
+        ds_op = bf16_nearest(ds) if ROUND_BF16 else ds
         dk_acc = tl.dot(ds_op.to(DOT), b_q, dk_acc, input_precision=PRECISION)
         if FOX:
             d_col += tl.sum(ds, 1)
@@ -882,8 +878,8 @@ def _bwd_dkv_kernel(
     out_rows = (tok_k * HQ + hq)[:, None]  # dk, dv per query head (reduced over G outside)
     dk_acc *= scale
     if ROUND_BF16 and dk.dtype.element_ty == tl.bfloat16:  # as the forward's store of o
-        dk_acc = _bf16_nearest(dk_acc)
-        dv_acc = _bf16_nearest(dv_acc)
+        dk_acc = bf16_nearest(dk_acc)
+        dv_acc = bf16_nearest(dv_acc)
     tl.store(
         dk + out_rows * K + dd[None, :],
         dk_acc.to(dk.dtype.element_ty),
@@ -900,8 +896,8 @@ def _bwd_dkv_kernel(
         tl.store(d_level + tok_k * HQ + hq, -d_col, mask=k_ok)  # (G2)
         # A's latest argmin after j is t when nothing after t in the tile is lower or equal and
         # before(t) <= j < t.
-        before = tl.load(links + hq * N_TOK + tok_k, mask=k_ok, other=-1)
-        after = tl.load(links + (HQ + hq) * N_TOK + tok_k, mask=k_ok, other=0)
+        before = tl.load(links + hq * n_tok + tok_k, mask=k_ok, other=-1)
+        after = tl.load(links + (HQ + hq) * n_tok + tok_k, mask=k_ok, other=0)
         owns = (tl.maximum(before, 0)[:, None] <= r[None, :]) & (r[None, :] < r[:, None])
         owns = owns & (after == BT)[:, None]
         tl.store(
@@ -946,7 +942,9 @@ def _dfield_kernel(
     for c in range(it + 1, count, BN):
         rows = c + tl.arange(0, BN)
         sums = tl.load(
-            mid_sums + (hq * NTILES + first + rows) * NT_MAX + it, mask=rows < count, other=0.0
+            mid_sums + (hq.to(tl.int64) * NTILES + first + rows) * NT_MAX + it,
+            mask=rows < count,
+            other=0.0,
         )
         total += tl.sum(tl.where(rows < count, sums, 0.0), 0)
     d += tl.where(r == latest, total, 0.0)
@@ -985,7 +983,6 @@ def _segment_sums_kernel(
 # launchers
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
-_WIDE = (torch.float32, torch.float64)
 
 
 @dataclass(frozen=True)
@@ -1028,7 +1025,7 @@ def _layout(
     assert (tuple(k.shape), tuple(v.shape)) == ((B, T, H, K), (B, T, H, V)), (k.shape, v.shape)
     assert q.dtype in _DTYPES and q.dtype == k.dtype == v.dtype, (q.dtype, k.dtype, v.dtype)
     dtypes = {x.dtype for x in wide.values()}
-    assert len(dtypes) == 1 and dtypes <= set(_WIDE), dtypes
+    assert len(dtypes) == 1 and dtypes <= set(WIDE), dtypes
     assert q.dtype != torch.float64 or dtypes == {torch.float64}, dtypes
     for name, x in {"q": q, "k": k, "v": v, **wide}.items():
         assert x.device == q.device and x.is_contiguous(), name
@@ -1066,21 +1063,6 @@ def _constants(
     """[log2(e), ln 2, theta, scale] in the dtype of the penalty arithmetic."""
     values = [LOG2E, LN2, theta, scale]
     return torch.tensor(values, dtype=dtype, device=device)
-
-
-def _dot_dtype(dtype: torch.dtype, interpret: bool) -> tl.dtype:
-    """Operand dtype of tl.dot: the input's, but float32 for bfloat16 under the interpreter,
-    which stores bfloat16 as raw integers (arithmetic on them is wrong); computed operands are
-    then rounded to bfloat16 first (ROUND_BF16), so the interpreter sees a GPU's rounding."""
-    if dtype == torch.bfloat16:
-        return tl.float32 if interpret else tl.bfloat16
-    return {torch.float16: tl.float16, torch.float32: tl.float32, torch.float64: tl.float64}[dtype]
-
-
-def _precision(dtype: torch.dtype) -> str:
-    """tl.dot input precision: "ieee" for float32 and float64 operands, whose tolerances TF32
-    (10-bit mantissa) would break; 16-bit operands ignore it."""
-    return "ieee" if dtype in _WIDE else "tf32"
 
 
 def _sum_precision(dtype: torch.dtype) -> str:
@@ -1127,8 +1109,8 @@ def kernel_sizes(
         BV=_block(V),
         LOG_BT=BT.bit_length() - 1,
         FOX=fox,
-        DOT=_dot_dtype(dtype, interpret),
-        PRECISION=_precision(dtype),
+        DOT=dot_dtype(dtype, interpret),
+        PRECISION=precision(dtype),
         ROUND_BF16=interpret and dtype == torch.bfloat16,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
@@ -1151,9 +1133,19 @@ def _block_minima(
     )
     links = torch.empty(2, shape.HQ, shape.n_tok, dtype=torch.int32, device=field.device)
     _block_minima_kernel[(tiles.shape[0], shape.HQ)](
-        field, level, minima, links, cu, tiles, shape.n_tok, shape.HQ, BT, log_bt, with_links,
+        field=field,
+        level=level,
+        minima=minima,
+        links=links,
+        cu_seqlens=cu,
+        tiles=tiles,
+        N_TOK=shape.n_tok,
+        HQ=shape.HQ,
+        BT=BT,
+        LOG_BT=log_bt,
+        WITH_LINKS=with_links,
         num_warps=PREPASS_WARPS,
-    )  # fmt: skip
+    )
     return minima, links
 
 
@@ -1163,7 +1155,14 @@ def _block_sums(
     """FoX: cumulative sums of log f local to each BT tile, see _block_sums_kernel."""
     sums = torch.empty(2, shape.HQ, shape.n_tok, dtype=log_f.dtype, device=log_f.device)
     _block_sums_kernel[(tiles.shape[0], shape.HQ)](
-        log_f, sums, cu, tiles, shape.n_tok, shape.HQ, BT, num_warps=PREPASS_WARPS
+        log_f=log_f,
+        sums=sums,
+        cu_seqlens=cu,
+        tiles=tiles,
+        N_TOK=shape.n_tok,
+        HQ=shape.HQ,
+        BT=BT,
+        num_warps=PREPASS_WARPS,
     )
     return sums
 
@@ -1206,19 +1205,19 @@ def _forward(
         blocks = _block_minima(field, wide["level"], cu, tile_list, shape, BT, with_links=False)[0]
     sizes = kernel_sizes(shape.HQ, shape.K, shape.V, tiles, q.dtype, fox, interpreting(), window)
     _fwd_kernel[(tile_list.shape[0], shape.HQ)](
-        q,
-        k,
-        v,
-        field,
-        level,
-        blocks,
-        o,
-        lse,
-        consts,
-        cu,
-        tile_list,
-        shape.n_tok,
-        tile_list.shape[0],
+        q=q,
+        k=k,
+        v=v,
+        field=field,
+        level=level,
+        blocks=blocks,
+        o=o,
+        lse=lse,
+        consts=consts,
+        cu_seqlens=cu,
+        tiles=tile_list,
+        N_TOK=shape.n_tok,
+        NTILES=tile_list.shape[0],
         G=shape.G,
         SKIP=theta is not None,
         **sizes,
@@ -1260,9 +1259,18 @@ def _backward(
     consts = _constants(scale, math.inf, field.dtype, q.device)
     delta = torch.empty(B, T, HQ, dtype=acc, device=q.device)
     _delta_kernel[(triton.cdiv(shape.n_tok, ROW_BLOCK), HQ)](
-        o, do, dlse, delta, shape.n_tok, HQ, shape.V, ROW_BLOCK, _block(shape.V), dlse is not None,
+        o=o,
+        do=do,
+        dlse=dlse,
+        delta=delta,
+        N_TOK=shape.n_tok,
+        HQ=HQ,
+        V=shape.V,
+        BLOCK=ROW_BLOCK,
+        BV=_block(shape.V),
+        HAS_DLSE=dlse is not None,
         num_warps=PREPASS_WARPS,
-    )  # fmt: skip
+    )
     if fox:
         blocks, links = _block_sums(field, cu, tile_list, shape, BT), None
     else:
@@ -1279,35 +1287,41 @@ def _backward(
     mid_sums = None if fox else torch.zeros(HQ, ntiles, nt_max, dtype=acc, device=q.device)
     sizes = kernel_sizes(HQ, shape.K, shape.V, tiles, q.dtype, fox, interpreting(), window)
     diagonal = min(tiles.visit, tiles.diagonal)  # rows per step over the diagonal tile
-    common = (q, k, v, field, level, blocks, links, do, lse, delta)
-    _bwd_dq_kernel[(ntiles, HQ)](
-        *common,
-        dq,
-        d_rows,
-        mid_sums,
-        consts,
-        cu,
-        tile_list,
-        shape.n_tok,
-        ntiles,
-        nt_max,
+    common = dict(
+        q=q,
+        k=k,
+        v=v,
+        field=field,
+        level=level,
+        blocks=blocks,
+        links=links,
+        do=do,
+        lse=lse,
+        delta=delta,
+        consts=consts,
+        cu_seqlens=cu,
+        tiles=tile_list,
+        N_TOK=shape.n_tok,
         G=G,
+    )
+    _bwd_dq_kernel[(ntiles, HQ)](
+        **common,
+        dq=dq,
+        d_rows=d_rows,
+        mid_sums=mid_sums,
+        NTILES=ntiles,
+        NT_MAX=nt_max,
         BDQ=tiles.visit if fox else diagonal,  # FoX's dq steps a whole visit tile
         SUM_PRECISION=_sum_precision(q.dtype),
         INTERPRET=interpreting(),
         **sizes,
     )
     _bwd_dkv_kernel[(ntiles, HQ)](
-        *common,
-        dk,
-        dv,
-        d_cols,
-        d_level,
-        consts,
-        cu,
-        tile_list,
-        shape.n_tok,
-        G=G,
+        **common,
+        dk=dk,
+        dv=dv,
+        d_cols=d_cols,
+        d_level=d_level,
         BDK=diagonal,
         **sizes,
     )
@@ -1317,13 +1331,33 @@ def _backward(
     if fox:
         dlog_f = torch.empty(B, T, HQ, dtype=acc, device=q.device)
         _segment_sums_kernel[(len(shape.lengths), HQ)](
-            d_rows, d_cols, dlog_f, cu, shape.n_tok, HQ, SEGMENT_BLOCK, num_warps=PREPASS_WARPS
+            d_rows=d_rows,
+            d_cols=d_cols,
+            out=dlog_f,
+            cu_seqlens=cu,
+            N_TOK=shape.n_tok,
+            HQ=HQ,
+            BLOCK=SEGMENT_BLOCK,
+            num_warps=PREPASS_WARPS,
         )
         return dq, dk, dv, dlog_f
     _dfield_kernel[(ntiles, HQ)](
-        field, d_rows, d_cols, mid_sums, d_rows, cu, tile_list, tile_start,
-        shape.n_tok, ntiles, nt_max, HQ, BT, ROW_BLOCK, num_warps=PREPASS_WARPS,
-    )  # fmt: skip
+        field=field,
+        d_rows=d_rows,
+        d_cols=d_cols,
+        mid_sums=mid_sums,
+        dfield=d_rows,
+        cu_seqlens=cu,
+        tiles=tile_list,
+        tile_start=tile_start,
+        N_TOK=shape.n_tok,
+        NTILES=ntiles,
+        NT_MAX=nt_max,
+        HQ=HQ,
+        BT=BT,
+        BN=ROW_BLOCK,
+        num_warps=PREPASS_WARPS,
+    )
     return dq, dk, dv, d_rows, d_level
 
 

@@ -117,7 +117,7 @@ def _legs_front(
     tok = t0 + o_t
     m_t = tok < t1
     b_x = load_rows(x, tok, i_h, H, W, o_d, m_t, ACC)
-    s0 = states + (g * H + i_h).to(tl.int64) * M * C
+    s0 = states + (g.to(tl.int64) * H + i_h) * M * C
     p_s = s0 + o_m[None, :] * C + c_off + o_d[:, None]  # S0^T [BD, BM]
     s_t = tl.load(p_s, mask=(o_d < W)[:, None] & (o_m < M)[None, :], other=0.0).to(ACC)
     row = tok.to(tl.int64)[:, None] * H + i_h
@@ -168,8 +168,10 @@ def _legs_positions(
     m_hu = m_h[None, :] & (o_u < BT)[:, None]  # [BT, BH]
     y = tl.load(y_buf + row[None, :] * BM + o_m[:, None], mask=m_hm, other=0.0)
     a = tl.load(a_buf + row[None, :] * BT + o_u[:, None], mask=m_hu, other=0.0)
-    ph = tl.load(phi + (pos * BM + o_m[:, None]) * BM + o_m[None, :])  # Phi_t [BM, BM]
-    kt = tl.load(ktab + (pos * BT + o_u[None, :]) * BM + o_m[:, None])  # K(t, u) [BM, BT]
+    ph = tl.load(phi + (pos.to(tl.int64) * BM + o_m[:, None]) * BM + o_m[None, :])  # Phi_t [BM, BM]
+    kt = tl.load(
+        ktab + (pos.to(tl.int64) * BT + o_u[None, :]) * BM + o_m[:, None]
+    )  # K(t, u) [BM, BT]
     p = tl.dot(ph, y, input_precision=PREC) + tl.dot(kt, a, input_precision=PREC)
     if ADD0:
         e0 = tl.load(add0 + row, mask=m_h, other=0.0)
@@ -217,7 +219,7 @@ def _legs_back(
     m_t = tok < t1
     row = tok.to(tl.int64)[:, None] * H + i_h
     hat = tl.load(hat_buf + row * BM + o_m[None, :], mask=m_t[:, None], other=0.0)
-    s0 = states + (g * H + i_h).to(tl.int64) * M * C
+    s0 = states + (g.to(tl.int64) * H + i_h) * M * C
     p_s = s0 + o_m[:, None] * C + c_off + o_d[None, :]
     s_blk = tl.load(p_s, mask=(o_m < M)[:, None] & (o_d < W)[None, :], other=0.0).to(ACC)
     r = tl.dot(hat, s_blk, input_precision=PREC)
@@ -271,8 +273,10 @@ def _legs_bwd_inputs(
     m_t = tok < t1
     row = tok.to(tl.int64)[:, None] * H + i_h
     p_e = pos0 + t1 - 1 - t0
-    k_e = tl.load(ktab + (p_e * BT + o_t[:, None]) * BM + o_m[None, :])  # K(e, t) [BT, BM]
-    d_st = dstates + (g * H + i_h).to(tl.int64) * M * C
+    k_e = tl.load(
+        ktab + (p_e.to(tl.int64) * BT + o_t[:, None]) * BM + o_m[None, :]
+    )  # K(e, t) [BT, BM]
+    d_st = dstates + (g.to(tl.int64) * H + i_h) * M * C
     o_r = tl.arange(0, BR)
     d_k = tl.load(
         d_st + o_m[:, None] * C + o_r[None, :],
@@ -317,8 +321,9 @@ def _legs_state_pass(
     PREC: tl.constexpr,
 ) -> None:
     """(I5) chunk by chunk: store the state before each chunk, then
-    c_e = Phi_e c_{t0-1} + sum_u K(e, u) f_u. Grid (channel blocks, N * H)."""
-    i_c, i_nh = tl.program_id(0), tl.program_id(1)
+    c_e = Phi_e c_{t0-1} + sum_u K(e, u) f_u. Grid (N * H, channel blocks): N * H on axis x,
+    whose limit is 2^31 - 1 (y and z: 65,535)."""
+    i_nh, i_c = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos = tl.load(cu + i_n), tl.load(cu + i_n + 1)
     g0 = tl.load(chunk_offsets + i_n)
@@ -331,7 +336,7 @@ def _legs_state_pass(
     for k in range(0, tl.cdiv(eos - bos, BT)):
         t0 = bos + k * BT
         L = tl.minimum(BT, eos - t0)
-        p_s = states + ((g0 + k) * H + i_h).to(tl.int64) * M * C + p_hm
+        p_s = states + ((g0 + k).to(tl.int64) * H + i_h) * M * C + p_hm
         tl.store(p_s, s.to(states.dtype.element_ty), mask=m_hm)
         tok = t0 + o_t
         if i_c < NKB:
@@ -339,8 +344,10 @@ def _legs_state_pass(
         else:
             z = load_rows(v, tok, i_h, H, V, c_loc, o_t < L, ACC)
         p_e = k * BT + L - 1
-        ph = tl.load(phi + (p_e * BM + o_m[:, None]) * BM + o_m[None, :])  # [BM, BM]
-        kw = tl.load(ktab + (p_e * BT + o_t[None, :]) * BM + o_m[:, None])  # K(e, u) [BM, BT]
+        ph = tl.load(phi + (p_e.to(tl.int64) * BM + o_m[:, None]) * BM + o_m[None, :])  # [BM, BM]
+        kw = tl.load(
+            ktab + (p_e.to(tl.int64) * BT + o_t[None, :]) * BM + o_m[:, None]
+        )  # K(e, u) [BM, BT]
         s = tl.dot(ph, s, input_precision=PREC) + tl.dot(kw, z, input_precision=PREC)
 
 
@@ -369,7 +376,7 @@ def _legs_reverse_state_pass(
     """The adjoint state, chunk by chunk from the last: store D_k (the adjoint entering c_e
     from later tokens), then D_{k-1} = Phi_e^T D_k + sum_s (Phi_s^T q_s) zq_s^T with
     (q, zq) = (g(p), fq) on key channels and (p, dnum) on value channels."""
-    i_c, i_nh = tl.program_id(0), tl.program_id(1)
+    i_nh, i_c = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos = tl.load(cu + i_n), tl.load(cu + i_n + 1)
     g0 = tl.load(chunk_offsets + i_n)
@@ -384,7 +391,7 @@ def _legs_reverse_state_pass(
         k = NT - 1 - kk
         t0 = bos + k * BT
         L = tl.minimum(BT, eos - t0)
-        p_d = dstates + ((g0 + k) * H + i_h).to(tl.int64) * M * C + p_hm
+        p_d = dstates + ((g0 + k).to(tl.int64) * H + i_h) * M * C + p_hm
         tl.store(p_d, d.to(dstates.dtype.element_ty), mask=m_hm)
         tok = t0 + o_t
         m_t = o_t < L
@@ -396,7 +403,7 @@ def _legs_reverse_state_pass(
             p_q = phat_buf + (tok.to(tl.int64)[None, :] * H + i_h) * BM + o_m[:, None]
         q_hat = tl.load(p_q, mask=m_t[None, :], other=0.0)  # (Phi_s^T q_s)^T [BM, BT]
         p_e = k * BT + L - 1
-        ph_t = tl.load(phi + (p_e * BM + o_m[None, :]) * BM + o_m[:, None])  # Phi_e^T
+        ph_t = tl.load(phi + (p_e.to(tl.int64) * BM + o_m[None, :]) * BM + o_m[:, None])  # Phi_e^T
         d = tl.dot(ph_t, d, input_precision=PREC) + tl.dot(q_hat, zq, input_precision=PREC)
 
 
@@ -451,7 +458,7 @@ def _legs_plan(
         R=R,
         V=V,
         NKB=NKB,
-        grid_states=(NKB + triton.cdiv(V, BC), lay.N * H),
+        grid_states=(lay.N * H, NKB + triton.cdiv(V, BC)),
         grid_chunks=(lay.n_chunks, H),
         grid_positions=(triton.cdiv(lay.max_len, blocks.chunk), blocks.chunk, triton.cdiv(NH, BH)),
         phi=phi,

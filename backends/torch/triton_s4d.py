@@ -41,7 +41,7 @@ from .triton_chunks import (
     stored_type,
     sub_chunk,
 )
-from .triton_fpa import _bf16_nearest
+from .triton_helpers import bf16_nearest
 from .triton_s4d_tiles import (
     Tables,
     _s4d_chunk_sum,
@@ -106,11 +106,12 @@ def _s4d_state_pass(
     ROUND_BF16: tl.constexpr,
 ) -> None:
     """(I11) chunk by chunk: store the state before each chunk, then
-    x_e = Lambda^L x_{t0-1} + sum_u b Lambda^(e-u) z_u [S1]. Grid (channel blocks, N * H);
+    x_e = Lambda^L x_{t0-1} + sum_u b Lambda^(e-u) z_u [S1]. Grid (N * H, channel blocks), N * H
+    on axis x (limit 2^31 - 1; y and z: 65,535);
     blocks < NKB hold key channels, the rest value channels. The ratio readout's ones channel
     takes no product: x^1_e = Lambda^L x^1_{t0-1} + b sum_{j<L} Lambda^j from the table gs,
     carried by the first value block [S3]."""
-    i_c, i_nh = tl.program_id(0), tl.program_id(1)
+    i_nh, i_c = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos = tl.load(cu + i_n), tl.load(cu + i_n + 1)
     g0 = tl.load(chunk_offsets + i_n)
@@ -132,7 +133,7 @@ def _s4d_state_pass(
     for k in range(0, tl.cdiv(eos - bos, BT)):
         t0 = bos + k * BT
         L = tl.minimum(BT, eos - t0)
-        p_st = states + ((g0 + k) * H + i_h).to(tl.int64) * M * C * 2
+        p_st = states + ((g0 + k).to(tl.int64) * H + i_h) * M * C * 2
         store_state(p_st, (s_re, s_im), (s1_re, s1_im), p_hm, m_hm, one, RATIO)
         if RATIO:
             g = pow_at(gs + i_h * 2 * TAB, L, o_m, TAB, BM)  # sum_{j<L} Lambda^j
@@ -150,7 +151,7 @@ def _s4d_state_pass(
         d_re, d_im = pow_at(pw_h, L, o_m, TAB, BM)  # Lambda^L
         s_re, s_im = cmul((d_re[:, None], d_im[:, None]), (s_re, s_im))
         if ROUND_BF16:  # interpreter: a bf16 product as float32 on bf16-rounded operands
-            wb_re, wb_im = _bf16_nearest(wb_re), _bf16_nearest(wb_im)
+            wb_re, wb_im = bf16_nearest(wb_re), bf16_nearest(wb_im)
         z = z.to(OP)  # exact: 16-bit inputs give 16-bit products, float32 accumulation
         s_re += tl.dot(wb_re.to(OP), z, input_precision=PREC)
         s_im += tl.dot(wb_im.to(OP), z, input_precision=PREC)
@@ -201,7 +202,7 @@ def _s4d_query(
     tok, m_t, _ = rows_of(sc, BS)
     o_m = tl.arange(0, BM)
     pw_h = pw + i_h * 2 * TAB
-    s0 = states + (g * H + i_h).to(tl.int64) * M * C * 2
+    s0 = states + (g.to(tl.int64) * H + i_h) * M * C * 2
     if COLS:
         _query_cols(
             fq, kt, s0, pw_h, b, gmat, qe_buf, sc, R, C, M, BS, BR, BM, TAB, COLS, ACC, OP, RB, PREC
@@ -327,7 +328,7 @@ def _s4d_output(
     tok, m_t, _ = rows_of(sc, BS)
     b_c = b_modes(b, i_h, M, BM, ACC)
     pw_h = pw + i_h * 2 * TAB
-    s0 = states + (g * H + i_h).to(tl.int64) * M * C * 2
+    s0 = states + (g.to(tl.int64) * H + i_h) * M * C * 2
     if COLS:
         readout_cols(
             qe_buf, vt, V, R, o, s0, (pw_h, gs + i_h * 2 * TAB), b_c, sc, C, M,
@@ -415,7 +416,7 @@ def s4d_plan(
         sizes=dict(H=H, R=R, V=V, M=M, C=C),
         CV=CV,
         NKB=NKB,
-        grid_states=(NKB + triton.cdiv(V, BC), lay.N * H),
+        grid_states=(lay.N * H, NKB + triton.cdiv(V, BC)),
         grid_sub=(lay.n_sub, H),
         tables=power_tables(lam, blocks.chunk, BM, acc),
         b=b.to(acc).contiguous(),

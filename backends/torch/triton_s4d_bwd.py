@@ -255,7 +255,7 @@ def _s4d_bwd_query(
     b_c = b_modes(b, i_h, M, BM, ACC)
     pw_h = pw + i_h * 2 * TAB
     dpw_h = dpw + i_h * 2 * TAB
-    s0 = states + (g * H + i_h).to(tl.int64) * M * C * 2
+    s0 = states + (g.to(tl.int64) * H + i_h) * M * C * 2
     k_i = (tok - t0 + 1)[:, None]
     b_q = load_rows(fq, tok, i_h, H, R, tl.arange(0, BR), m_t, OP)
     s_re, s_im = state_pairs(s0, 0, R, C, M, BR, BM, True)
@@ -331,7 +331,7 @@ def _s4d_bwd_values(
     b_c = b_modes(b, i_h, M, BM, ACC)
     pw_h = pw + i_h * 2 * TAB
     dpw_h = dpw + i_h * 2 * TAB
-    s0 = states + (g * H + i_h).to(tl.int64) * M * C * 2
+    s0 = states + (g.to(tl.int64) * H + i_h) * M * C * 2
     k_i = (tok - t0 + 1)[:, None]
     s_re, s_im = state_pairs(s0, R, V, C, M, BV, BM, True)
     dn = load_rows(do, tok, i_h, H, V, tl.arange(0, BV), m_t, OP)
@@ -360,7 +360,7 @@ def _s4d_bwd_values(
     gq = store_reload(gq_buf, gq, tok, i_h, H, m_t, BM)  # off the chain to G g(qe)
     gp = s4d_mix(gq, gmat, i_h, BM, PREC)  # G^H = G
     store_modes(gp_buf, gp[0], gp[1], tok, i_h, H, m_t, BM)
-    p_part = (i_p * H + i_h).to(tl.int64) * 2 * BM + o_m
+    p_part = (i_p.to(tl.int64) * H + i_h) * 2 * BM + o_m
     tl.store(glam_part + p_part, gl_re)
     tl.store(glam_part + p_part + BM, gl_im)
     tl.store(gb_part + p_part, gb_re)
@@ -421,9 +421,9 @@ def _s4d_bwd_readout(
     gp = load_modes(gp_buf, tok, i_h, H, m_t, BM)
     gl_re, gl_im = _row_sum_conj(gp, load_modes(pd_buf, tok, i_h, H, m_t, BM))
     gb_re, gb_im = _row_sum_conj(gp, load_modes(pt_buf, tok, i_h, H, m_t, BM))
-    s0 = states + (g * H + i_h).to(tl.int64) * M * C * 2
+    s0 = states + (g.to(tl.int64) * H + i_h) * M * C * 2
     pw_h, b_c = pw + i_h * 2 * TAB, b_modes(b, i_h, M, BM, ACC)
-    p_part = ((tl.num_programs(0) + i_p) * H + i_h).to(tl.int64) * 2 * BM + o_m
+    p_part = ((tl.num_programs(0) + i_p).to(tl.int64) * H + i_h) * 2 * BM + o_m
     tl.store(glam_part + p_part, gl_re)
     tl.store(glam_part + p_part + BM, gl_im)
     tl.store(gb_part + p_part, gb_re)
@@ -441,7 +441,7 @@ def _s4d_bwd_readout(
         tabs = (dpw + i_h * 2 * TAB, dgs + i_h * 2 * TAB)
         dx1, _ = ones_readout(s0, R + V, tabs, b_c, sc, C, M, BS, BM, TAB)
         gl_re, gl_im = _row_sum_conj(qe, (dd * dx1[0], dd * dx1[1]))
-        p_part = ((2 * tl.num_programs(0) + i_p) * H + i_h).to(tl.int64) * 2 * BM + o_m
+        p_part = ((2 * tl.num_programs(0) + i_p).to(tl.int64) * H + i_h) * 2 * BM + o_m
         tl.store(glam_part + p_part, gl_re)
         tl.store(glam_part + p_part + BM, gl_im)
         tl.store(gb_part + p_part, gb_re)
@@ -483,7 +483,7 @@ def _s4d_reverse_state_pass(
     (qe, [dnum, dden]) on value channels; D_{-1} is the gradient of the initial state.
     Grid as the forward state pass; the ratio readout's ones channel (zq = dden) takes no
     product: its column D^1 is a [BT, BM] weighted sum, carried by the first value block."""
-    i_c, i_nh = tl.program_id(0), tl.program_id(1)
+    i_nh, i_c = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos = tl.load(cu + i_n), tl.load(cu + i_n + 1)
     g0 = tl.load(chunk_offsets + i_n)
@@ -506,7 +506,7 @@ def _s4d_reverse_state_pass(
         k = NT - 1 - kk
         t0 = bos + k * BT
         L = tl.minimum(BT, eos - t0)
-        p_ds = dstates + ((g0 + k) * H + i_h).to(tl.int64) * M * C * 2
+        p_ds = dstates + ((g0 + k).to(tl.int64) * H + i_h) * M * C * 2
         store_state(p_ds, (d_re, d_im), (d1_re, d1_im), p_hm, m_hm, one, RATIO)
         tok = t0 + o_t
         m_t = o_t < L
@@ -573,7 +573,7 @@ def _s4d_chunk_grads(
     o_m = tl.arange(0, BM)
     o_t = tl.arange(0, BT)
     c_loc, c_st, m_c = channel_block(i_c, NKB, R, V, BC)
-    off = (i_g * H + i_h).to(tl.int64) * M * C * 2 + (o_m[:, None] * C + c_st[None, :]) * 2
+    off = (i_g.to(tl.int64) * H + i_h) * M * C * 2 + (o_m[:, None] * C + c_st[None, :]) * 2
     m_hm = (o_m < M)[:, None] & m_c[None, :]
     s_re = tl.load(states + off, mask=m_hm, other=0.0).to(ACC)
     s_im = tl.load(states + off + 1, mask=m_hm, other=0.0).to(ACC)
@@ -607,7 +607,7 @@ def _s4d_chunk_grads(
     x_re = tl.sum(w_re * y_re + w_im * y_im, axis=0)
     x_im = tl.sum(w_re * y_im - w_im * y_re, axis=0)
     if RATIO:  # the ones column: <S0^1, D^1> and y[u] = D^1 for every token of the chunk
-        p_one = (i_g * H + i_h).to(tl.int64) * M * C * 2 + (o_m * C + R + V) * 2
+        p_one = (i_g.to(tl.int64) * H + i_h) * M * C * 2 + (o_m * C + R + V) * 2
         m_one = (o_m < M) & (o_m * 0 + i_c == NKB)
         s1_re = tl.load(states + p_one, mask=m_one, other=0.0).to(ACC)
         s1_im = tl.load(states + p_one + 1, mask=m_one, other=0.0).to(ACC)
@@ -625,7 +625,7 @@ def _s4d_chunk_grads(
         gl_im += gl1[1]
     gl_re += b_re * x_re + b_im * x_im
     gl_im += b_re * x_im - b_im * x_re
-    p_part = ((i_g * tl.num_programs(1) + i_c) * H + i_h).to(tl.int64) * 2 * BM + o_m
+    p_part = ((i_g.to(tl.int64) * tl.num_programs(1) + i_c) * H + i_h) * 2 * BM + o_m
     tl.store(glam_part + p_part, gl_re)
     tl.store(glam_part + p_part + BM, gl_im)
     tl.store(gb_part + p_part, gb_re)
@@ -671,7 +671,7 @@ def _s4d_bwd_inputs(
     tok, m_t, _ = rows_of(sc, BS)
     bc = b_modes(b, i_h, M, BM, ACC)
     pw = pw + i_h * 2 * TAB
-    ds = dstates + (g * H + i_h).to(tl.int64) * M * C * 2
+    ds = dstates + (g.to(tl.int64) * H + i_h) * M * C * 2
     if tl.program_id(2) == 0:
         dk = _s4d_adjoint_inputs(
             gp_buf, fq, R, ds, 0, pw, bc, sc, C, M, BT, BS, BB, BR, BM, TAB, DIAG, ACC, PREC
@@ -828,7 +828,7 @@ def s4d_bwd(
         **sizes,
         **plan.state_tiles,
     )
-    blocks = plan.grid_states[0]
+    blocks = plan.grid_states[1]
     glam2 = torch.empty(lay.n_chunks, blocks, H, 2, BM, dtype=acc, device=dev)
     gb2 = torch.empty_like(glam2)
     _s4d_chunk_grads[(lay.n_chunks, blocks, H)](

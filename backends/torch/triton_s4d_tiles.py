@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from .triton_chunks import load_modes, load_rows, state_pairs, store_rows
-from .triton_fpa import _bf16_nearest
+from .triton_helpers import bf16_nearest
 
 # Tables (host side)
 
@@ -86,7 +86,7 @@ def opnd(x: tl.tensor, OP: tl.constexpr, ROUND_BF16: tl.constexpr) -> tl.tensor:
     operand is a float32 value rounded to bfloat16 (ROUND_BF16), the rounding a GPU's bfloat16
     product sees."""
     if ROUND_BF16:
-        return _bf16_nearest(x.to(tl.float32))
+        return bf16_nearest(x.to(tl.float32))
     return x.to(OP)
 
 
