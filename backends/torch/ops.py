@@ -6,7 +6,8 @@ implementation and a registered autograd formula whose backward is a second cust
 :mod:`.dispatch` by the ``impl`` string it carries: ``"eager"`` (the twins in
 :mod:`.eager_fpa`, :mod:`.eager_interdomain`) or ``"triton"``, registered by the Triton modules
 beside this one when they are imported. ``impl=None`` picks "triton" for CUDA tensors when a
-Triton kernel is registered, else "eager"; a backward with no Triton kernel runs the eager twin.
+Triton kernel is registered and serves the call (the envelope, backends/envelope.py: not, e.g.,
+float64 FPA), else "eager"; a backward with no Triton kernel runs the eager twin.
 Value checks (NaN/Inf, gates, |Lambda|, offsets) read the data, so they run inside the custom
 op, where compiled code runs them too; while a CUDA graph captures, only the offsets are read
 (:func:`.checks.values_checked`), so a call without cu_seqlens can be captured. Every custom op
@@ -360,7 +361,9 @@ def fpa_attention(
             name (keyword only; give one of the two).
         cu_seqlens: int32/int64 offsets [N + 1] of N packed sequences (B must be 1).
         return_lse: also return lse [B, T, HQ] (natural log, field's dtype).
-        impl: "eager", "triton", or None (Triton on CUDA when registered, else eager).
+        impl: "eager", "triton", or None (Triton on CUDA when registered and the envelope,
+            backends/envelope.py, says a kernel serves the call; else eager). "triton" at a
+            corner no kernel serves on CUDA is a ValueError.
 
     Returns:
         o [B, T, HQ, V] in q's dtype, or (o, lse). An empty batch (B = 0) gives empty outputs
@@ -854,7 +857,9 @@ def interdomain_s4d(
         initial_state: [N, H, M, C] complex (C = R + V, + 1 for "ratio"; N = B, or the number
             of packed sequences), the state x before the first token; zeros if None.
         output_final_state: also return the state after the last token.
-        impl: "eager", "triton", or None (Triton on CUDA when registered, else eager).
+        impl: "eager", "triton", or None (Triton on CUDA when registered and the envelope,
+            backends/envelope.py, says a kernel serves the call; else eager). "triton" at a
+            corner no kernel serves on CUDA is a ValueError.
 
     Returns:
         o [B, T, H, V] in fq's dtype, or (o, final state [N, H, M, C] complex).
