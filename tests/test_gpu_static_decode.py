@@ -2,6 +2,7 @@
 sm_90 at the launcher's tiles beside fla's attn_decoding_one_step, its budgets asserted, and the
 decode benchmark's dry run (bench/decode.py --dry-run, the kernel interpreted)."""
 
+import importlib.util
 import json
 import os
 import pathlib
@@ -47,9 +48,12 @@ def test_decode_section_of_the_gpu_check_dry_run(tmp_path):
     report = json.loads((tmp_path / "decode.json").read_text())
     assert report["grid"] == "dry" and report["attention"] == "triton"
     rows = report["rows"]
+    # fla's one-step decode is a peer where flash-linear-attention is installed (its kernel
+    # interpreted in the dry run); FlashAttention's needs CUDA
+    peers = {"fla one-step"} if importlib.util.find_spec("fla") else set()
     assert {r["variant"] for r in rows} == {
-        "sdpa", "fpa inf", "fpa kept=0.25 indep", "fpa kept=0.25 shared",
-        "fpa trained L1 theta=16", "fpa trained L2 theta=16",
+        "sdpa", "fpa inf", "fpa inf compiled", "fpa kept=0.25 indep", "fpa kept=0.25 shared",
+        "fpa trained L1 theta=16", "fpa trained L2 theta=16", *peers,
     }  # fmt: skip
     trained = [r for r in rows if "trained" in r["variant"]]
     assert {(r["HQ"], r["H"], r["d"]) for r in trained} == {(2, 2, 32)}  # E4's layer
