@@ -676,6 +676,15 @@ def _fox_call_order(rng: np.random.Generator, n: int) -> Built:
     return _fox_inputs(rng, 2, 2, 65), {}
 
 
+def _fox_large_logits(rng: np.random.Generator, n: int) -> Built:
+    """Large q and k norms and the default scale: s q.k in the hundreds, and log f ~ -8, so
+    the decay c_i - c_j passes -50 within a few tokens while the logits outweigh it."""
+    B, H, T = [(1, 2, 33), (2, 1, 65)][n]
+    inputs = _fox_inputs(rng, B, H, T, decay=8.0)
+    inputs["q"], inputs["k"] = 18.0 * inputs["q"], 18.0 * inputs["k"]  # s q.k ~ N(0, 324^2)
+    return inputs, {}
+
+
 # FoX at W = 1 has o = v and gradients of q, k and log_f exactly zero (FPA's lse cotangent keeps
 # its own nonzero): a relative check of them is ill-posed, so W = 1 is an outputs-only family.
 FOX_WINDOWS = [(65, 2), *WINDOWS[1:]]
@@ -700,6 +709,12 @@ FOX_FAMILIES = {
         2,
         lambda rng, n: (_fox_inputs(rng, 2, 2, [257, 300][n], decay=0.05), {}),
         "T >= 257 across tile borders, weak decay, B*H > 1",
+        gradient=True,
+    ),
+    "large_logits": Family(
+        2,
+        _fox_large_logits,
+        "large q and k norms without a custom scale: logits in the hundreds, decays past -50",
         gradient=True,
     ),
     "scale": Family(

@@ -1415,6 +1415,17 @@ class PackedRopePositions(Mutant):
 _rope = idm.rope
 
 
+class DecayClampedAt50(_FPAMutant):
+    """FoX with the decay bias clamped at -50 ("exp(-50) is zero anyway"): wrong once the
+    logits are large enough to outweigh it."""
+
+    ops: ClassVar[tuple[str, ...]] = ("fox_attention",)
+    caught_by: ClassVar[tuple[str, ...]] = ("fox/large_logits/",)
+
+    def depth(self, field: NDArray[np.float64], level: NDArray[np.float64]) -> NDArray[np.float64]:
+        return np.minimum(fpa.descent_depth(field, level), 50.0)
+
+
 MUTANTS: dict[str, type[Mutant]] = {
     cls.__name__: cls
     for cls in [
@@ -1466,6 +1477,7 @@ MUTANTS: dict[str, type[Mutant]] = {
         StridedGQAQueryHeads,
         PersistentOutputs,
         PackedRopePositions,
+        DecayClampedAt50,
     ]
 }
 for _name, _cls in MUTANTS.items():

@@ -89,6 +89,8 @@ class SessionMutant(NumpyBackend):
 
 
 class _PaddingUpdatesMinima(_Loop, ref.FPASession):
+    """A padding position's field enters the running minima of the live keys."""
+
     def _absent(self, state: Any, token: Arrays, t: int) -> Any:
         if state is None:
             return state
@@ -99,6 +101,8 @@ class _PaddingUpdatesMinima(_Loop, ref.FPASession):
 
 
 class _IdleRowReset(ref.FPASession):
+    """A row with no token in a chunk is taken as finished and its state freed."""
+
     def advance(self, inputs: Mapping[str, ArrayLike], present: ArrayLike) -> Arrays:
         out = super().advance(inputs, present)
         mask = np.asarray(present)
@@ -109,6 +113,8 @@ class _IdleRowReset(ref.FPASession):
 
 
 class _FreedByFirstHead(ref.FPASession):
+    """A GQA entry freed once any query head of its group evicts it, not all."""
+
     def _step(self, state: Any, token: Arrays, t: int) -> tuple[Any, Any]:
         cache, o = super()._step(state, token, t)
         G = self.heads // self.kv_heads
@@ -120,6 +126,8 @@ class _FreedByFirstHead(ref.FPASession):
 
 
 class _StrictAtTheta(ref.FPASession):
+    """Evicts only when the depth exceeds theta, not when it reaches it."""
+
     def _step(self, state: Any, token: Arrays, t: int) -> tuple[Any, Any]:
         theta, self.theta = self.theta, float(np.nextafter(self.theta, math.inf))
         try:
@@ -129,6 +137,8 @@ class _StrictAtTheta(ref.FPASession):
 
 
 class _CurrentFieldDepth(ref.FPASession):
+    """At theta = inf the depth is taken against the current field, not the minimum."""
+
     def _step(self, state: Any, token: Arrays, t: int) -> tuple[Any, Any]:
         if state is not None and math.isinf(self.theta):
             # "nothing is evicted, so the running minimum is not needed": pi = l_j - phi_t
@@ -137,6 +147,8 @@ class _CurrentFieldDepth(ref.FPASession):
 
 
 class _WindowOffByOne(ref.FPASession):
+    """The window keeps W + 1 keys."""
+
     def _step(self, state: Any, token: Arrays, t: int) -> tuple[Any, Any]:
         window, self.window = self.window, None if self.window is None else self.window + 1
         try:
@@ -146,6 +158,8 @@ class _WindowOffByOne(ref.FPASession):
 
 
 class _AliasingSelect(ref.FPASession):
+    """select's copies of a row share its storage."""
+
     aliases: list[int]
 
     def select(self, rows: Sequence[int]) -> None:
@@ -162,6 +176,8 @@ class _AliasingSelect(ref.FPASession):
 
 
 class _MinimaNotRestored(ref.FPASession):
+    """A rollback restores the keys but not their running minima."""
+
     def rollback(self, row: int, n: int) -> None:
         current = self.rows[row].state if 0 <= row < len(self.rows) else None
         super().rollback(row, n)
@@ -172,6 +188,8 @@ class _MinimaNotRestored(ref.FPASession):
 
 
 class _PartialRollback(ref.FPASession):
+    """A rollback past the budget goes as far as it can instead of raising."""
+
     def rollback(self, row: int, n: int) -> None:
         if isinstance(n, int) and 0 <= row < len(self.rows) and n <= self.max_rollback:
             n = min(n, self.rows[row].budget)  # as far as it can, silently
@@ -179,6 +197,8 @@ class _PartialRollback(ref.FPASession):
 
 
 class _ChangedByFailedCall(_Loop, ref.FPASession):
+    """A call with a bad mask advances the session before raising."""
+
     def advance(self, inputs: Mapping[str, ArrayLike], present: ArrayLike) -> Arrays:
         mask = np.asarray(present)
         n = np.asarray(inputs["q"]).shape[2] if "q" in inputs else 0
@@ -189,6 +209,8 @@ class _ChangedByFailedCall(_Loop, ref.FPASession):
 
 
 class _Capacity128(ref.FPASession):
+    """A ring buffer of 128 entries per head: the oldest live key is dropped."""
+
     def _step(self, state: Any, token: Arrays, t: int) -> tuple[Any, Any]:
         if state is not None:
             live = state.evicted < 0
@@ -198,6 +220,8 @@ class _Capacity128(ref.FPASession):
 
 
 class _PrefillBlockBorder(_Loop, ref.FPASession):
+    """A prefill in blocks of 8 whose first block misses later tokens' fields."""
+
     BLOCK = 8
 
     def _step_at(self, state: Any, token: Arrays, t: int, p: int) -> tuple[Any, Any]:
@@ -212,6 +236,8 @@ class _PrefillBlockBorder(_Loop, ref.FPASession):
 
 
 class _EmptyChunkRejected(ref.FPASession):
+    """A chunk of zero tokens is rejected."""
+
     def advance(self, inputs: Mapping[str, ArrayLike], present: ArrayLike) -> Arrays:
         if "q" in inputs and np.asarray(inputs["q"]).shape[2:3] == (0,):
             raise ValueError("q: expected every axis to have length >= 1")  # the op's check
@@ -219,11 +245,15 @@ class _EmptyChunkRejected(ref.FPASession):
 
 
 class _LegsChunkCounter(_Loop, ref.LegsSession):
+    """The LegS step counts chunk positions, padding included, not the row's tokens."""
+
     def _step_at(self, state: Any, token: Arrays, t: int, p: int) -> tuple[Any, Any]:
         return self._step(state, token, self._start + p)  # the chunk position, not the token's
 
 
 class _S4DPaddingAdvances(_Loop, ref.S4DSession):
+    """A padding position advances the S4D state (it decays)."""
+
     def _absent(self, state: Any, token: Arrays, t: int) -> Any:
         zero = {k: np.zeros_like(v) for k, v in token.items()}
         decoder, _ = self._step(state, zero, t)  # x <- Lambda x (+ b 0): the state decays
@@ -231,6 +261,8 @@ class _S4DPaddingAdvances(_Loop, ref.S4DSession):
 
 
 class _LayerFieldCountsPadding(_Loop, ref.FPALayerSession):
+    """The layer's field takes the increment of padding positions too."""
+
     def _absent(self, state: Any, token: Arrays, t: int) -> Any:
         if state is None:
             return state
@@ -241,6 +273,8 @@ class _LayerFieldCountsPadding(_Loop, ref.FPALayerSession):
 
 
 class _LayerTailWithPadding(_Loop, ref.InterdomainLayerSession):
+    """The layer's short-conv tail takes padding positions in."""
+
     def _absent(self, state: Any, token: Arrays, t: int) -> Any:
         if state is None:
             return state
