@@ -19,6 +19,7 @@ from numpy.typing import ArrayLike, NDArray
 
 from attnspec.reference import sessions as ref
 
+from . import session_programs
 from .numpy_backend import NumpyBackend, NumpySession
 
 Arrays = dict[str, NDArray[np.float64]]
@@ -283,6 +284,42 @@ class _LayerTailWithPadding(_Loop, ref.InterdomainLayerSession):
         return state._replace(tail_q=tail_q, tail_k=tail_k)  # the conv window over positions
 
 
+class _FoxGateAtOwnKey(ref.FoxSession):
+    """The gate counted at its own key: key j's level c_{j-1}, so f_j decays key j too."""
+
+    def _step(self, state: Any, token: Arrays, t: int) -> tuple[Any, Any]:
+        if state is None:
+            empty = ref.FPACache.empty(self.kv_heads, self.heads, self.dk, self.dv)
+            state = ref.FoxState(np.zeros(self.heads), empty)
+        c = state.c + token["log_f"]
+        step = {**token, "field": c, "level": state.c}  # the level before this token's gate
+        cache, o = ref.FPASession._step(self, state.cache, step, t)
+        return ref.FoxState(c, cache), o
+
+
+class _FoxNoCausalMaskInChunk(ref.FoxSession):
+    """No causal mask inside a multi-token chunk: a query sees the later tokens of its chunk."""
+
+    def advance(self, inputs: Mapping[str, ArrayLike], present: ArrayLike) -> Arrays:
+        before = [row.tokens for row in self.rows]
+        out = super().advance(inputs, present)
+        o, q = out["o"].copy(), np.asarray(inputs["q"], dtype=np.float64)
+        group = self.heads // self.kv_heads
+        for r, row in enumerate(self.rows):
+            positions = np.flatnonzero(np.asarray(present)[r])
+            if row.state is None or len(positions) < 2:
+                continue
+            cache = row.state.cache  # every token up to the chunk's last, levels = c
+            for i, p in enumerate(positions):
+                t = before[r] + i
+                for h in range(self.heads):
+                    c = cache.levels[:, h]
+                    logits = self.scale * cache.keys[:, h // group] @ q[r, h, p] + c[t] - c
+                    weights = np.exp(logits - logits.max())
+                    o[r, h, p] = weights @ cache.values[:, h // group] / weights.sum()
+        return {"o": o}
+
+
 # the backends
 
 
@@ -294,6 +331,8 @@ def _mutant(name: str, wrong: type[ref.Session], op: str, family: str, *also: st
     )
 
 
+# the FoX errors show in every program with a chunk of several tokens: every family
+_FOX_OTHERS = tuple(f for f in session_programs.FAMILIES["fox_attention"] if f != "prefill")
 SESSION_MUTANTS: dict[str, type[SessionMutant]] = {
     cls.__name__: cls
     for cls in [
@@ -314,6 +353,14 @@ SESSION_MUTANTS: dict[str, type[SessionMutant]] = {
         _mutant("S4DPaddingAdvances", _S4DPaddingAdvances, "interdomain_s4d", "padding"),
         _mutant("LayerFieldCountsPadding", _LayerFieldCountsPadding, "fpa_layer", "padding"),
         _mutant("LayerTailWithPadding", _LayerTailWithPadding, "interdomain_layer", "padding"),
+        _mutant("FoxGateAtOwnKey", _FoxGateAtOwnKey, "fox_attention", "prefill", *_FOX_OTHERS),
+        _mutant(
+            "FoxNoCausalMaskInChunk",
+            _FoxNoCausalMaskInChunk,
+            "fox_attention",
+            "prefill",
+            *_FOX_OTHERS,
+        ),
     ]
 }
 globals().update(SESSION_MUTANTS)  # attnspec.conformance.session_mutants:<Name> loads each

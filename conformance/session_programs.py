@@ -119,6 +119,21 @@ class Script:
                 mask = np.broadcast_to(absent[:, :1, :, None], (R, heads, n, 1))
                 inputs[name] = np.where(mask, 30.0 * inputs[name], inputs[name])
             return inputs
+        if self.op == "fox_attention":
+            HQ, H, dk, dv = d["heads"], d["kv_heads"], d["dk"], d["dv"]
+            absent = ~present[:, None, :]
+            log_f = -rng.exponential(d.get("decay", 0.3), (R, HQ, n))
+            inputs = {
+                "q": rng.standard_normal((R, HQ, n, dk)),
+                "k": rng.standard_normal((R, H, n, dk)),
+                "v": rng.standard_normal((R, H, n, dv)),
+                "log_f": np.where(absent, -abs(self.garbage_field) / 100, log_f),  # a decay if read
+            }
+            for name in ("q", "k", "v"):
+                heads = inputs[name].shape[1]
+                mask = np.broadcast_to(absent[:, :1, :, None], (R, heads, n, 1))
+                inputs[name] = np.where(mask, 30.0 * inputs[name], inputs[name])
+            return inputs
         if self.op in ("interdomain_s4d", "interdomain_legs"):
             H, Rf, dv = d["H"], d["R"], d["dv"]
             names = ("fq", "kt", "vt") if self.op == "interdomain_s4d" else ("fq", "fk", "v")
@@ -204,6 +219,18 @@ def script(
             "dv": 8,
             "scale": 1 / math.sqrt(8),
             "theta": theta,
+            "window": window,
+            "max_rollback": max_rollback,
+        }
+    elif op == "fox_attention":
+        HQ, H = heads
+        d = {"heads": HQ, "kv_heads": H, "dk": 8, "dv": 8, **dims}
+        config = {
+            "heads": HQ,
+            "kv_heads": H,
+            "dk": 8,
+            "dv": 8,
+            "scale": 1 / math.sqrt(8),
             "window": window,
             "max_rollback": max_rollback,
         }
@@ -392,13 +419,16 @@ def _long(op: str) -> Build:
     return build
 
 
-def _gqa(rng: np.random.Generator, n: int) -> Program:
-    s = script("fpa_decode", rng, n, 2, heads=(4, 2), max_rollback=2)
-    s.full(8, "each query head evicts on its own field")
-    s.steps(3)
-    s.full(5)
-    s.steps(2)
-    return s.program()
+def _gqa(op: str) -> Build:
+    def build(rng: np.random.Generator, n: int) -> Program:
+        s = script(op, rng, n, 2, heads=(4, 2), max_rollback=2)
+        s.full(8, "each query head on its own field")
+        s.steps(3)
+        s.full(5)
+        s.steps(2)
+        return s.program()
+
+    return build
 
 
 def _theta_exact(rng: np.random.Generator, n: int) -> Program:
@@ -457,7 +487,7 @@ COMMON = {
     "long": (_long, "one row, 310 tokens in chunks of 8 (FPA: over 128 live keys)"),
 }
 FPA_ONLY = {
-    "gqa": (lambda op: _gqa, "GQA (HQ = 4, H = 2): live per query head, stored by the union rule"),
+    "gqa": (_gqa, "GQA (HQ = 4, H = 2): live per query head, stored by the union rule"),
     "theta_exact": (
         lambda op: _theta_exact_fpa,
         "integer field and levels: depths equal to theta = 2 inside a chunk",
@@ -475,10 +505,19 @@ def _families(op: str) -> dict[str, tuple[int, Build, str]]:
         menu.update(FPA_ONLY)
     if op in FPA_OPS:
         menu.update(DENSE)
+    if op == "fox_attention":
+        menu.update({"gqa": FPA_ONLY["gqa"], "window": DENSE["window"]})
     return {
         name: (1 if name == "long" else 2, make(op), note) for name, (make, note) in menu.items()
     }
 
 
-OPS = ("fpa_decode", "interdomain_s4d", "interdomain_legs", "fpa_layer", "interdomain_layer")
+OPS = (
+    "fpa_decode",
+    "fox_attention",
+    "interdomain_s4d",
+    "interdomain_legs",
+    "fpa_layer",
+    "interdomain_layer",
+)
 FAMILIES: dict[str, dict[str, tuple[int, Build, str]]] = {op: _families(op) for op in OPS}
