@@ -685,6 +685,21 @@ def _fox_large_logits(rng: np.random.Generator, n: int) -> Built:
     return inputs, {}
 
 
+PADDED = [(0, 5, 20), (9, 0, 32)]  # left padding per row (0: none; 32: one token)
+
+
+def _fox_padded(rng: np.random.Generator, n: int) -> Built:
+    """A left-padded batch (B = 3, T = 33, GQA 4/2 in case 1): absent positions hold garbage
+    (q, k, v x 30, log f = -20), so a backend that reads them shows it."""
+    H, H_kv = [(2, 2), (4, 2)][n]
+    inputs = _fox_inputs(rng, 3, H, 33, decay=0.3, H_kv=H_kv)
+    present = np.arange(33)[None, :] >= np.array(PADDED[n])[:, None]  # (B, T)
+    for name in ("q", "k", "v"):
+        inputs[name] = np.where(present[:, None, :, None], inputs[name], 30.0 * inputs[name])
+    inputs["log_f"] = np.where(present[:, None, :], inputs["log_f"], -20.0)
+    return inputs, {"present": present}
+
+
 # FoX at W = 1 has o = v and gradients of q, k and log_f exactly zero (FPA's lse cotangent keeps
 # its own nonzero): a relative check of them is ill-posed, so W = 1 is an outputs-only family.
 FOX_WINDOWS = [(65, 2), *WINDOWS[1:]]
@@ -710,6 +725,13 @@ FOX_FAMILIES = {
         lambda rng, n: (_fox_inputs(rng, 2, 2, [257, 300][n], decay=0.05), {}),
         "T >= 257 across tile borders, weak decay, B*H > 1",
         gradient=True,
+    ),
+    "padded": Family(
+        2,
+        _fox_padded,
+        "left-padded rows (params present (B, T) bool; needs fox_attention.padding)",
+        gradient=True,
+        per_case=lambda n: (("fox_attention.padding", "fox_attention.gqa")[: n + 1], ""),
     ),
     "large_logits": Family(
         2,

@@ -71,7 +71,10 @@ class FoxVariant(Mutant):
         scale: float | None = None,
         cu_seqlens: ArrayLike | None = None,
         window: int | None = None,
+        present: ArrayLike | None = None,
     ) -> FloatArray:
+        if present is not None:
+            raise NotImplementedError("present: the FoX variants declare no padding")
         q64, k64, v64, g = (np.asarray(x, dtype=np.float64) for x in (q, k, v, log_f))
         group = q64.shape[-3] // k64.shape[-3]  # GQA: each key/value head serves a group
         k64, v64 = np.repeat(k64, group, axis=-3), np.repeat(v64, group, axis=-3)

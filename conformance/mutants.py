@@ -1426,6 +1426,31 @@ class DecayClampedAt50(_FPAMutant):
         return np.minimum(fpa.descent_depth(field, level), 50.0)
 
 
+class PaddingKeysAttended(Mutant):
+    """A padding mask applied to the outputs only: each padded row runs as one sequence, its
+    padding positions attended as keys, and the outputs there set to 0."""
+
+    FEATURES: ClassVar[tuple[str, ...]] = ("fox_attention.padding", "fox_attention.gqa")
+    ops: ClassVar[tuple[str, ...]] = ("fox_attention",)
+    caught_by: ClassVar[tuple[str, ...]] = ("fox/padded/",)
+
+    def fox_attention(  # type: ignore[override]  # no cu_seqlens: declares no varlen
+        self,
+        q: FloatArray,
+        k: FloatArray,
+        v: FloatArray,
+        log_f: FloatArray,
+        *,
+        scale: float | None = None,
+        window: int | None = None,
+        present: ArrayLike | None = None,
+    ) -> FloatArray:
+        o = super().fox_attention(q, k, v, log_f, scale=scale, window=window)
+        if present is None:
+            return o
+        return np.where(np.asarray(present)[:, None, :, None], o, 0.0).astype(q.dtype)
+
+
 MUTANTS: dict[str, type[Mutant]] = {
     cls.__name__: cls
     for cls in [
@@ -1478,6 +1503,7 @@ MUTANTS: dict[str, type[Mutant]] = {
         PersistentOutputs,
         PackedRopePositions,
         DecayClampedAt50,
+        PaddingKeysAttended,
     ]
 }
 for _name, _cls in MUTANTS.items():

@@ -65,6 +65,7 @@ CATCHING = {
     "PersistentOutputs": ("s4d/call_order/0", "float64"),
     "PackedRopePositions": ("interdomain_layer/covering/8", "float64"),
     "DecayClampedAt50": ("fox/large_logits/0", "float64"),
+    "PaddingKeysAttended": ("fox/padded/0", "float64"),
     "GateAtOwnKey": ("fox/covering/17", "float64"),
     "NoCausalMaskInChunk": ("fox/covering/17", "float64"),
     "GateMultipliesScores": ("fox/covering/17", "float64"),
