@@ -68,7 +68,7 @@ class Suspect:
 
 def _summary(cls: type) -> str:
     doc = (cls.__doc__ or "").strip()
-    return doc.split("\n\n")[0].replace("\n", " ").rstrip(".")
+    return " ".join(doc.split("\n\n")[0].split()).rstrip(".")
 
 
 def suspects(case: Case) -> list[Suspect]:

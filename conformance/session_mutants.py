@@ -10,6 +10,7 @@ family of the op but those in ``also`` passes. Select one with
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
@@ -284,6 +285,46 @@ class _LayerTailWithPadding(_Loop, ref.InterdomainLayerSession):
         return state._replace(tail_q=tail_q, tail_k=tail_k)  # the conv window over positions
 
 
+class _OffsetNotShifted(ref.FPASession):
+    """Fields kept relative to an offset (a multiple of 4096 near the field, for float32
+    precision) that moves with the field; a move shifts the minima, not the stored levels."""
+
+    REBASE = 4096.0
+
+    def _step(self, state: Any, token: Arrays, t: int) -> tuple[Any, Any]:
+        cache, offset = (None, None) if state is None else state
+        moved = self.REBASE * np.round(token["field"] / self.REBASE)  # (HQ,) the new offset
+        if cache is not None and offset is not None and np.any(moved != offset):
+            # relative levels l - offset kept as they were: read back as l + (moved - offset)
+            cache = cache._replace(levels=cache.levels + (moved - offset))
+        cache, o = super()._step(cache, token, t)
+        return (cache, moved), o
+
+    def counts(self) -> dict[str, NDArray[np.int64]]:
+        rows = self.rows
+        self.rows = [
+            ref._Row(None if r.state is None else r.state[0], r.tokens, r.past) for r in rows
+        ]
+        try:
+            return super().counts()
+        finally:
+            self.rows = rows
+
+
+class _S4DUnrescaled(ref.S4DSession):
+    """The state kept as u_t = Lambda^-t x_t (one multiply-add a token; x_t = Lambda^t u_t when
+    read): it overflows once |Lambda|^-t does."""
+
+    def _step(self, state: Any, token: Arrays, t: int) -> tuple[Any, Any]:
+        if state is not None and state.state is not None:
+            state = copy.copy(state)
+            power = self.prototype.lam[:, :, None] ** t  # (H, M, 1) Lambda^t
+            with np.errstate(all="ignore"):  # the overflow is the error
+                state.state = (state.state / power) * power
+        with np.errstate(all="ignore"):
+            return super()._step(state, token, t)
+
+
 class _FoxGateAtOwnKey(ref.FoxSession):
     """The gate counted at its own key: key j's level c_{j-1}, so f_j decays key j too."""
 
@@ -353,6 +394,8 @@ SESSION_MUTANTS: dict[str, type[SessionMutant]] = {
         _mutant("S4DPaddingAdvances", _S4DPaddingAdvances, "interdomain_s4d", "padding"),
         _mutant("LayerFieldCountsPadding", _LayerFieldCountsPadding, "fpa_layer", "padding"),
         _mutant("LayerTailWithPadding", _LayerTailWithPadding, "interdomain_layer", "padding"),
+        _mutant("OffsetNotShifted", _OffsetNotShifted, "fpa_decode", "drift"),
+        _mutant("S4DUnrescaled", _S4DUnrescaled, "interdomain_s4d", "horizon"),
         _mutant("FoxGateAtOwnKey", _FoxGateAtOwnKey, "fox_attention", "prefill", *_FOX_OTHERS),
         _mutant(
             "FoxNoCausalMaskInChunk",

@@ -419,6 +419,49 @@ def _long(op: str) -> Build:
     return build
 
 
+LONG_TOKENS = 2048  # a long session: past |Lambda|^-t = 1e308 for |Lambda| = 0.6 (t = 1390)
+
+
+def _drift(rng: np.random.Generator, n: int) -> Program:
+    """fpa_decode: one row whose field rises by 5 a token (levels 1 below it), past 1e4."""
+    s = script(
+        "fpa_decode",
+        rng,
+        n,
+        1,
+        theta=3.0 + 1 / 16,
+        window=32,
+        max_rollback=4,
+        drift=5.0,
+        offset=-1.0,
+    )
+    for _ in range(LONG_TOKENS // 128 - 1):
+        s.full(128, "a field drifting past 1e4, in chunks of 128")
+    s.full(120)
+    s.steps(4)
+    s.rollback(0, 3, note="a rollback at |phi| > 1e4")
+    s.steps(4)
+    return s.program()
+
+
+def _horizon(rng: np.random.Generator, n: int) -> Program:
+    """interdomain_s4d: one row of 2,048 tokens with a mode of |Lambda| = 0.6 (the menu's least):
+    |Lambda|^-t passes the float64 range at t = 1390."""
+    s = script("interdomain_s4d", rng, n, 1, max_rollback=2)
+    lam = s.config["lam_re"][0, 0] + 1j * s.config["lam_im"][0, 0]
+    s.config["lam_re"][0, 0], s.config["lam_im"][0, 0] = (
+        (0.6 * lam / abs(lam)).real,
+        (0.6 * lam / abs(lam)).imag,
+    )
+    for _ in range(LONG_TOKENS // 128 - 1):
+        s.full(128, "past the horizon of an unrescaled state, in chunks of 128")
+    s.full(120)
+    s.steps(4)
+    s.rollback(0, 2, note="a rollback past the horizon")
+    s.steps(4)
+    return s.program()
+
+
 def _gqa(op: str) -> Build:
     def build(rng: np.random.Generator, n: int) -> Program:
         s = script(op, rng, n, 2, heads=(4, 2), max_rollback=2)
@@ -499,6 +542,10 @@ DENSE = {
 }
 
 
+LONG_SESSIONS = ("drift", "horizon")  # 2,048 tokens a row: seconds per backend
+LONG = ("long", *LONG_SESSIONS)  # one case each
+
+
 def _families(op: str) -> dict[str, tuple[int, Build, str]]:
     menu: dict[str, tuple[Callable[[str], Build], str]] = dict(COMMON)
     if op == "fpa_decode":
@@ -507,9 +554,11 @@ def _families(op: str) -> dict[str, tuple[int, Build, str]]:
         menu.update(DENSE)
     if op == "fox_attention":
         menu.update({"gqa": FPA_ONLY["gqa"], "window": DENSE["window"]})
-    return {
-        name: (1 if name == "long" else 2, make(op), note) for name, (make, note) in menu.items()
-    }
+    if op == "fpa_decode":
+        menu["drift"] = (lambda op: _drift, "one row of 2,048 tokens; its field drifts past 1e4")
+    if op == "interdomain_s4d":
+        menu["horizon"] = (lambda op: _horizon, "one row of 2,048 tokens, a mode |Lambda| = 0.6")
+    return {name: (1 if name in LONG else 2, make(op), note) for name, (make, note) in menu.items()}
 
 
 OPS = (
