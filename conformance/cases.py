@@ -7,6 +7,7 @@ recompile per case. Assumptions that keep a case well conditioned are stated in 
 
 from __future__ import annotations
 
+import functools
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ from attnspec.reference import fpa, hippo
 from attnspec.reference import interdomain as idm
 from attnspec.reference.ops import OPS
 
-from . import session_programs
+from . import session_covering, session_programs
 
 GENERATOR_VERSION = "1"
 
@@ -1375,6 +1376,13 @@ for _op, _families in session_programs.FAMILIES.items():
             )
             for name, (count, build, note) in _families.items()
         }
+    )
+for _op in session_covering.OPS:  # every pair of session-feature values (session_covering.py)
+    FAMILIES[_op]["session_covering"] = Family(
+        len(session_covering.rows(_op)),
+        _session_builder(functools.partial(session_covering.program, _op)),
+        session_covering.NOTE,
+        requires=(f"{_op}.session",),
     )
 PREFIX = {op: spec.prefix for op, spec in OPS.items()}
 OP_OF_PREFIX = {prefix: op for op, prefix in PREFIX.items()}

@@ -53,7 +53,8 @@ def test_every_session_mutant_fails_its_family_and_passes_the_others(name, first
     long = set(session_programs.LONG_SESSIONS) - {mutant.family}
     selected = [c for c in first_cases[mutant.op] if _family(c.id) not in long]
     report = runner.run(mutant, selected, ["float64"], name_bugs=False)
-    failed = {_family(r.case_id) for r in report.results if r.verdict == "failed"}
+    # the covering programs combine every feature: they may catch any wrong session
+    failed = {_family(r.case_id) for r in report.results if r.verdict == "failed"} - {"covering"}
     assert mutant.family in failed
     assert failed <= {mutant.family, *mutant.also}, failed
     families = {_family(c.id) for c in selected}
