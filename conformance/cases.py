@@ -225,7 +225,7 @@ HEADDIM_BIG = [(192, 128, 130), (256, 192, 130), (128, 256, 65)]
 
 
 # Gradients on long rows: kernels change strategy past 512 keys. (B, H, T, dk, dv), small.
-LONG_GRADIENT_SHAPES = [(1, 1, 1024, 16, 16), (1, 1, 1100, 8, 16)]
+LONG_GRADIENT_SHAPES = [(1, 1, 1024, 16, 16), (1, 1, 1100, 8, 16), (2, 2, 640, 16, 16)]
 
 
 STRIDED_LAYOUTS = ("slice", "transpose")
@@ -568,7 +568,10 @@ FPA_FAMILIES = {
         finite_difference=True,
     ),
     "long_gradient": Family(
-        2, _fpa_long_gradient, "gradients at T = 1024 and 1100 (small B, H, D)", gradient=True
+        3,
+        _fpa_long_gradient,
+        "gradients at T = 1024 and 1100 (small B, H, D), and at T = 640 with B = H = 2",
+        gradient=True,
     ),
     "call_order": Family(
         1,
@@ -797,7 +800,10 @@ FOX_FAMILIES = {
         finite_difference=True,
     ),
     "long_gradient": Family(
-        2, _fox_long_gradient, "gradients at T = 1024 and 1100 (small B, H, D)", gradient=True
+        3,
+        _fox_long_gradient,
+        "gradients at T = 1024 and 1100 (small B, H, D), and at T = 640 with B = H = 2",
+        gradient=True,
     ),
     "call_order": Family(
         1, _fox_call_order, CALL_ORDER, gradient=True, finite_difference=True, call_order=True

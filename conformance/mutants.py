@@ -1451,6 +1451,33 @@ class PaddingKeysAttended(Mutant):
         return np.where(np.asarray(present)[:, None, :, None], o, 0.0).astype(q.dtype)
 
 
+class LongRowSharedAccumulator(Mutant):
+    """Past T = 512 the backward's second key split (keys from 512 on) accumulates dk and dv
+    in one buffer for every (batch, head) row: each row gets the sum of all rows there. Right
+    whenever B = H = 1."""
+
+    caught_by: ClassVar[tuple[str, ...]] = ("fpa/long_gradient/2", "fox/long_gradient/2")
+    ops: ClassVar[tuple[str, ...]] = ("fpa_attention", "fox_attention")
+    SPLIT = 512
+
+    def vjp(
+        self,
+        op: str,
+        inputs: Mapping[str, FloatArray],
+        params: Mapping[str, Any],
+        cotangents: Mapping[str, FloatArray],
+    ) -> dict[str, FloatArray]:
+        grads = super().vjp(op, inputs, params, cotangents)
+        if inputs["q"].shape[-2] <= self.SPLIT:
+            return grads
+        for name in ("k", "v"):
+            g = np.array(grads[name], dtype=np.float64)  # (B, H_kv, T, D)
+            shared = g[:, :, self.SPLIT :, :].sum(axis=(0, 1), keepdims=True)
+            g[:, :, self.SPLIT :, :] = shared  # one accumulator for every row
+            grads[name] = g.astype(grads[name].dtype)
+        return grads
+
+
 MUTANTS: dict[str, type[Mutant]] = {
     cls.__name__: cls
     for cls in [
@@ -1504,6 +1531,7 @@ MUTANTS: dict[str, type[Mutant]] = {
         PackedRopePositions,
         DecayClampedAt50,
         PaddingKeysAttended,
+        LongRowSharedAccumulator,
     ]
 }
 for _name, _cls in MUTANTS.items():

@@ -66,6 +66,7 @@ CATCHING = {
     "PackedRopePositions": ("interdomain_layer/covering/8", "float64"),
     "DecayClampedAt50": ("fox/large_logits/0", "float64"),
     "PaddingKeysAttended": ("fox/padded/0", "float64"),
+    "LongRowSharedAccumulator": ("fox/long_gradient/2", "float64"),
     "GateAtOwnKey": ("fox/covering/17", "float64"),
     "NoCausalMaskInChunk": ("fox/covering/17", "float64"),
     "GateMultipliesScores": ("fox/covering/17", "float64"),
@@ -81,6 +82,7 @@ LONG = {
     "PersistentOutputs": "call_order",
     "HeadDimTail": "output",
     "GQABatchStride": "output",
+    "LongRowSharedAccumulator": "gradient",
 }
 WRONG_BACKENDS = {**mutants.MUTANTS, **fox_variants.FOX_VARIANTS}
 
