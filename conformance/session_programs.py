@@ -419,11 +419,22 @@ def _long(op: str) -> Build:
     return build
 
 
-LONG_TOKENS = 2048  # a long session: past |Lambda|^-t = 1e308 for |Lambda| = 0.6 (t = 1390)
+# Long sessions: case 0 short enough for every CI subset (256 tokens: drift 40 a token, a mode
+# of abs(Lambda) = 0.05, whose abs(Lambda)^-t passes 1e308 at t = 237), case 1 at 2,048 tokens
+# (drift 5 a token; abs(Lambda) = 0.6, the least of the menu: past 1e308 at t = 1390).
+LONG_SESSION = [(256, 40.0, 0.05), (2048, 5.0, 0.6)]  # (tokens, drift, least abs(Lambda))
+
+
+def _long_chunks(s: Script, tokens: int, note: str) -> None:
+    for _ in range(tokens // 128 - 1):
+        s.full(128, note + ", in chunks of 128")
+    s.full(120)
 
 
 def _drift(rng: np.random.Generator, n: int) -> Program:
-    """fpa_decode: one row whose field rises by 5 a token (levels 1 below it), past 1e4."""
+    """fpa_decode: one row whose field rises by 40 (case 0) or 5 (case 1) a token, levels 1
+    below it: |phi| passes 1e4."""
+    tokens, drift, _ = LONG_SESSION[n]
     s = script(
         "fpa_decode",
         rng,
@@ -432,12 +443,10 @@ def _drift(rng: np.random.Generator, n: int) -> Program:
         theta=3.0 + 1 / 16,
         window=32,
         max_rollback=4,
-        drift=5.0,
+        drift=drift,
         offset=-1.0,
     )
-    for _ in range(LONG_TOKENS // 128 - 1):
-        s.full(128, "a field drifting past 1e4, in chunks of 128")
-    s.full(120)
+    _long_chunks(s, tokens, "a field drifting past 1e4")
     s.steps(4)
     s.rollback(0, 3, note="a rollback at |phi| > 1e4")
     s.steps(4)
@@ -445,17 +454,14 @@ def _drift(rng: np.random.Generator, n: int) -> Program:
 
 
 def _horizon(rng: np.random.Generator, n: int) -> Program:
-    """interdomain_s4d: one row of 2,048 tokens with a mode of |Lambda| = 0.6 (the menu's least):
-    |Lambda|^-t passes the float64 range at t = 1390."""
+    """interdomain_s4d: one row with a mode of small abs(Lambda), past the step where
+    abs(Lambda)^-t passes the float64 range."""
+    tokens, _, least = LONG_SESSION[n]
     s = script("interdomain_s4d", rng, n, 1, max_rollback=2)
     lam = s.config["lam_re"][0, 0] + 1j * s.config["lam_im"][0, 0]
-    s.config["lam_re"][0, 0], s.config["lam_im"][0, 0] = (
-        (0.6 * lam / abs(lam)).real,
-        (0.6 * lam / abs(lam)).imag,
-    )
-    for _ in range(LONG_TOKENS // 128 - 1):
-        s.full(128, "past the horizon of an unrescaled state, in chunks of 128")
-    s.full(120)
+    unit = lam / abs(lam)
+    s.config["lam_re"][0, 0], s.config["lam_im"][0, 0] = (least * unit).real, (least * unit).imag
+    _long_chunks(s, tokens, "past the horizon of an unrescaled state")
     s.steps(4)
     s.rollback(0, 2, note="a rollback past the horizon")
     s.steps(4)
@@ -542,8 +548,8 @@ DENSE = {
 }
 
 
-LONG_SESSIONS = ("drift", "horizon")  # 2,048 tokens a row: seconds per backend
-LONG = ("long", *LONG_SESSIONS)  # one case each
+LONG_SESSIONS = ("drift", "horizon")  # 256 and 2,048 tokens a row: seconds per backend
+LONG = ("long",)  # one case
 
 
 def _families(op: str) -> dict[str, tuple[int, Build, str]]:
@@ -555,9 +561,12 @@ def _families(op: str) -> dict[str, tuple[int, Build, str]]:
     if op == "fox_attention":
         menu.update({"gqa": FPA_ONLY["gqa"], "window": DENSE["window"]})
     if op == "fpa_decode":
-        menu["drift"] = (lambda op: _drift, "one row of 2,048 tokens; its field drifts past 1e4")
+        menu["drift"] = (lambda op: _drift, "one row of 256 and 2,048 tokens, fields past 1e4")
     if op == "interdomain_s4d":
-        menu["horizon"] = (lambda op: _horizon, "one row of 2,048 tokens, a mode |Lambda| = 0.6")
+        menu["horizon"] = (
+            lambda op: _horizon,
+            "one row of 256 and 2,048 tokens with a mode abs(Lambda) = 0.05 and 0.6",
+        )
     return {name: (1 if name in LONG else 2, make(op), note) for name, (make, note) in menu.items()}
 
 
