@@ -7,6 +7,7 @@ recompile per case. Assumptions that keep a case well conditioned are stated in 
 
 from __future__ import annotations
 
+import functools
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ from attnspec.reference import fpa, hippo
 from attnspec.reference import interdomain as idm
 from attnspec.reference.ops import OPS
 
-from . import session_programs
+from . import session_covering, session_programs
 
 GENERATOR_VERSION = "1"
 
@@ -224,7 +225,7 @@ HEADDIM_BIG = [(192, 128, 130), (256, 192, 130), (128, 256, 65)]
 
 
 # Gradients on long rows: kernels change strategy past 512 keys. (B, H, T, dk, dv), small.
-LONG_GRADIENT_SHAPES = [(1, 1, 1024, 16, 16), (1, 1, 1100, 8, 16)]
+LONG_GRADIENT_SHAPES = [(1, 1, 1024, 16, 16), (1, 1, 1100, 8, 16), (2, 2, 640, 16, 16)]
 
 
 STRIDED_LAYOUTS = ("slice", "transpose")
@@ -567,7 +568,10 @@ FPA_FAMILIES = {
         finite_difference=True,
     ),
     "long_gradient": Family(
-        2, _fpa_long_gradient, "gradients at T = 1024 and 1100 (small B, H, D)", gradient=True
+        3,
+        _fpa_long_gradient,
+        "gradients at T = 1024 and 1100 (small B, H, D), and at T = 640 with B = H = 2",
+        gradient=True,
     ),
     "call_order": Family(
         1,
@@ -676,6 +680,30 @@ def _fox_call_order(rng: np.random.Generator, n: int) -> Built:
     return _fox_inputs(rng, 2, 2, 65), {}
 
 
+def _fox_large_logits(rng: np.random.Generator, n: int) -> Built:
+    """Large q and k norms and the default scale: s q.k in the hundreds, and log f ~ -8, so
+    the decay c_i - c_j passes -50 within a few tokens while the logits outweigh it."""
+    B, H, T = [(1, 2, 33), (2, 1, 65)][n]
+    inputs = _fox_inputs(rng, B, H, T, decay=8.0)
+    inputs["q"], inputs["k"] = 18.0 * inputs["q"], 18.0 * inputs["k"]  # s q.k ~ N(0, 324^2)
+    return inputs, {}
+
+
+PADDED = [(0, 5, 20), (9, 0, 32)]  # left padding per row (0: none; 32: one token)
+
+
+def _fox_padded(rng: np.random.Generator, n: int) -> Built:
+    """A left-padded batch (B = 3, T = 33, GQA 4/2 in case 1): absent positions hold garbage
+    (q, k, v x 30, log f = -20), so a backend that reads them shows it."""
+    H, H_kv = [(2, 2), (4, 2)][n]
+    inputs = _fox_inputs(rng, 3, H, 33, decay=0.3, H_kv=H_kv)
+    present = np.arange(33)[None, :] >= np.array(PADDED[n])[:, None]  # (B, T)
+    for name in ("q", "k", "v"):
+        inputs[name] = np.where(present[:, None, :, None], inputs[name], 30.0 * inputs[name])
+    inputs["log_f"] = np.where(present[:, None, :], inputs["log_f"], -20.0)
+    return inputs, {"present": present}
+
+
 # FoX at W = 1 has o = v and gradients of q, k and log_f exactly zero (FPA's lse cotangent keeps
 # its own nonzero): a relative check of them is ill-posed, so W = 1 is an outputs-only family.
 FOX_WINDOWS = [(65, 2), *WINDOWS[1:]]
@@ -700,6 +728,19 @@ FOX_FAMILIES = {
         2,
         lambda rng, n: (_fox_inputs(rng, 2, 2, [257, 300][n], decay=0.05), {}),
         "T >= 257 across tile borders, weak decay, B*H > 1",
+        gradient=True,
+    ),
+    "padded": Family(
+        2,
+        _fox_padded,
+        "left-padded rows (params present (B, T) bool; needs fox_attention.padding)",
+        gradient=True,
+        per_case=lambda n: (("fox_attention.padding", "fox_attention.gqa")[: n + 1], ""),
+    ),
+    "large_logits": Family(
+        2,
+        _fox_large_logits,
+        "large q and k norms without a custom scale: logits in the hundreds, decays past -50",
         gradient=True,
     ),
     "scale": Family(
@@ -759,7 +800,10 @@ FOX_FAMILIES = {
         finite_difference=True,
     ),
     "long_gradient": Family(
-        2, _fox_long_gradient, "gradients at T = 1024 and 1100 (small B, H, D)", gradient=True
+        3,
+        _fox_long_gradient,
+        "gradients at T = 1024 and 1100 (small B, H, D), and at T = 640 with B = H = 2",
+        gradient=True,
     ),
     "call_order": Family(
         1, _fox_call_order, CALL_ORDER, gradient=True, finite_difference=True, call_order=True
@@ -1356,6 +1400,13 @@ for _op, _families in session_programs.FAMILIES.items():
             )
             for name, (count, build, note) in _families.items()
         }
+    )
+for _op in session_covering.OPS:  # every pair of session-feature values (session_covering.py)
+    FAMILIES[_op]["session_covering"] = Family(
+        len(session_covering.rows(_op)),
+        _session_builder(functools.partial(session_covering.program, _op)),
+        session_covering.NOTE,
+        requires=(f"{_op}.session",),
     )
 PREFIX = {op: spec.prefix for op, spec in OPS.items()}
 OP_OF_PREFIX = {prefix: op for op, prefix in PREFIX.items()}

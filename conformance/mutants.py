@@ -1415,6 +1415,69 @@ class PackedRopePositions(Mutant):
 _rope = idm.rope
 
 
+class DecayClampedAt50(_FPAMutant):
+    """FoX with the decay bias clamped at -50 ("exp(-50) is zero anyway"): wrong once the
+    logits are large enough to outweigh it."""
+
+    ops: ClassVar[tuple[str, ...]] = ("fox_attention",)
+    caught_by: ClassVar[tuple[str, ...]] = ("fox/large_logits/",)
+
+    def depth(self, field: NDArray[np.float64], level: NDArray[np.float64]) -> NDArray[np.float64]:
+        return np.minimum(fpa.descent_depth(field, level), 50.0)
+
+
+class PaddingKeysAttended(Mutant):
+    """A padding mask applied to the outputs only: each padded row runs as one sequence, its
+    padding positions attended as keys, and the outputs there set to 0."""
+
+    FEATURES: ClassVar[tuple[str, ...]] = ("fox_attention.padding", "fox_attention.gqa")
+    ops: ClassVar[tuple[str, ...]] = ("fox_attention",)
+    caught_by: ClassVar[tuple[str, ...]] = ("fox/padded/",)
+
+    def fox_attention(  # type: ignore[override]  # no cu_seqlens: declares no varlen
+        self,
+        q: FloatArray,
+        k: FloatArray,
+        v: FloatArray,
+        log_f: FloatArray,
+        *,
+        scale: float | None = None,
+        window: int | None = None,
+        present: ArrayLike | None = None,
+    ) -> FloatArray:
+        o = super().fox_attention(q, k, v, log_f, scale=scale, window=window)
+        if present is None:
+            return o
+        return np.where(np.asarray(present)[:, None, :, None], o, 0.0).astype(q.dtype)
+
+
+class LongRowSharedAccumulator(Mutant):
+    """Past T = 512 the backward's second key split (keys from 512 on) accumulates dk and dv
+    in one buffer for every (batch, head) row: each row gets the sum of all rows there. Right
+    whenever B = H = 1."""
+
+    caught_by: ClassVar[tuple[str, ...]] = ("fpa/long_gradient/2", "fox/long_gradient/2")
+    ops: ClassVar[tuple[str, ...]] = ("fpa_attention", "fox_attention")
+    SPLIT = 512
+
+    def vjp(
+        self,
+        op: str,
+        inputs: Mapping[str, FloatArray],
+        params: Mapping[str, Any],
+        cotangents: Mapping[str, FloatArray],
+    ) -> dict[str, FloatArray]:
+        grads = super().vjp(op, inputs, params, cotangents)
+        if inputs["q"].shape[-2] <= self.SPLIT:
+            return grads
+        for name in ("k", "v"):
+            g = np.array(grads[name], dtype=np.float64)  # (B, H_kv, T, D)
+            shared = g[:, :, self.SPLIT :, :].sum(axis=(0, 1), keepdims=True)
+            g[:, :, self.SPLIT :, :] = shared  # one accumulator for every row
+            grads[name] = g.astype(grads[name].dtype)
+        return grads
+
+
 MUTANTS: dict[str, type[Mutant]] = {
     cls.__name__: cls
     for cls in [
@@ -1466,6 +1529,9 @@ MUTANTS: dict[str, type[Mutant]] = {
         StridedGQAQueryHeads,
         PersistentOutputs,
         PackedRopePositions,
+        DecayClampedAt50,
+        PaddingKeysAttended,
+        LongRowSharedAccumulator,
     ]
 }
 for _name, _cls in MUTANTS.items():

@@ -90,12 +90,39 @@ ATTENTION_AXES = {"q": -2, "k": -2, "v": -2, "field": -1, "level": -1, "log_f": 
 ATTENTION_AXES["d_lse"] = -1
 
 
+def each_row_present(
+    fn: Callable[[dict[str, FloatArray]], Mapping[str, NDArray[Any]]],
+    arrays: Mapping[str, FloatArray],
+    present: ArrayLike,
+) -> dict[str, NDArray[np.float64]]:
+    """(padding) ``fn`` on the present positions of each batch row alone, its results put back
+    at those positions and 0 at the absent ones. ``present`` (B, T) bool; token axes as in
+    :data:`ATTENTION_AXES` (the output ``o`` and its cotangent ``d_o`` on -2)."""
+    mask = np.asarray(present, dtype=bool)
+    axes = {**ATTENTION_AXES, "o": -2, "d_o": -2}  # outputs and their cotangents
+    out: dict[str, NDArray[np.float64]] = {}
+    for b in range(mask.shape[0]):
+        idx = np.flatnonzero(mask[b])
+        if not idx.size:
+            continue  # a row without tokens: 0 everywhere
+        sub = {n: np.take(x[b : b + 1], idx, axis=axes[n]) for n, x in arrays.items()}
+        for name, y in fn(sub).items():
+            axis = y.ndim + axes[name]
+            if name not in out:
+                shape = list(y.shape)
+                shape[0], shape[axis] = mask.shape[0], mask.shape[1]
+                out[name] = np.zeros(shape)
+            where: tuple[Any, ...] = (slice(b, b + 1), *[slice(None)] * (axis - 1), idx)
+            out[name][where] = y
+    return out
+
+
 class NumpyBackend:
     name: str = "numpy"
     dtypes: tuple[str, ...] = ("float64", "float32", "float16")
     # every op of the protocol, with every optional feature the op table defines
     OPS: ClassVar[tuple[str, ...]] = tuple(OP_TABLE)
-    FEATURES: ClassVar[tuple[str, ...]] = op_features(OP_TABLE)
+    FEATURES: ClassVar[tuple[str, ...]] = (*op_features(OP_TABLE), "fox_attention.padding")
 
     def __init__(self, device: str = "cpu") -> None:
         if device != "cpu":
@@ -220,7 +247,16 @@ class NumpyBackend:
         scale: float | None = None,
         cu_seqlens: ArrayLike | None = None,
         window: int | None = None,
+        present: ArrayLike | None = None,
     ) -> FloatArray:
+        if present is not None:  # padding: each row's present tokens alone
+            if cu_seqlens is not None:
+                raise ValueError("present: give present (padding) or cu_seqlens, not both")
+            return each_row_present(
+                lambda a: {"o": self.fox_attention(**a, scale=scale, window=window)},
+                {"q": q, "k": k, "v": v, "log_f": log_f},
+                present,
+            )["o"].astype(q.dtype)
         H = q.shape[-3]
         k, v = _heads_for_queries(k, H, "k"), _heads_for_queries(v, H, "v")
         parts = _per_segment(
@@ -329,6 +365,15 @@ class NumpyBackend:
         cotangents: Mapping[str, FloatArray],
     ) -> dict[str, NDArray[np.float64]]:
         cu_seqlens = params.get("cu_seqlens")
+        if params.get("present") is not None:  # padding: each row's present tokens alone
+            rest = {k: v for k, v in params.items() if k != "present"}
+            return each_row_present(
+                lambda a: self._vjp(
+                    op, {n: a[n] for n in inputs}, rest, {n: a[f"d_{n}"] for n in cotangents}
+                ),
+                {**inputs, **{f"d_{n}": c for n, c in cotangents.items()}},
+                params["present"],
+            )
         if op in ("fpa_attention", "fox_attention"):
             H, H_kv = inputs["q"].shape[-3], inputs["k"].shape[-3]
             arrays = dict(inputs)

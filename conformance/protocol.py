@@ -42,6 +42,10 @@ Conventions the runner checks:
   optional parameters wg and norm_o_g are in the dict only when their flag is on).
 - Results do not depend on call history: call-order cases interleave the forwards and VJPs of
   two input sets of the same shape.
+- padding (``fox_attention.padding``, a capability a backend declares itself; the op table does
+  not derive it): ``params["present"]`` is a NumPy bool array (B, T), False at padding. A
+  padding position is no token: each batch row is its present tokens alone (no key, no gate;
+  the window counts tokens), and every output and gradient at a padding position is 0.
 - window: ``params["window"]`` is an int W >= 1 (spec/fpa.md (F3w)): query i sees keys
   i-W+1..i of its own sequence (flash-linear-attention's ``window_size``); the op is called with
   ``window=W``, and with no ``window`` keyword when the case has none.

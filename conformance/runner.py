@@ -619,13 +619,20 @@ def run(
     progress: Callable[[int, int, CaseResult], None] | None = None,
     probes: Iterable[str] = (),
     xfails: XfailList | None = None,
+    name_bugs: bool = True,
 ) -> RunReport:
     """Run every planned item; skip-list entries turn matching items into 'skipped', and
     expected-failure entries turn a failure into 'xfailed' and a pass into a failure.
 
     ``probes``: dtypes the backend does not declare but that are run anyway (see
     :func:`run_case`); :func:`probe_dtypes` says which are worth it.
+
+    ``name_bugs``: the first failure of each op and kind also says which known wrong backend
+    its values match (:mod:`.naming`).
     """
+    from .naming import annotate
+
+    named: set[tuple[str, str]] = set()
     name = backend_name or str(getattr(backend, "name", "?"))
     probes = [d for d in probes if d not in dtypes]
     work = plan(
@@ -662,6 +669,9 @@ def run(
             )
             if xfails is not None:
                 result = xfails.judge(result)
+            if name_bugs and (case.op, kind) not in named:
+                if annotate(backend, case, dtype, kind, result):
+                    named.add((case.op, kind))
         results.append(result)
         if progress:
             progress(n, len(work.items), result)

@@ -10,6 +10,7 @@ family of the op but those in ``also`` passes. Select one with
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
@@ -19,6 +20,7 @@ from numpy.typing import ArrayLike, NDArray
 
 from attnspec.reference import sessions as ref
 
+from . import session_programs
 from .numpy_backend import NumpyBackend, NumpySession
 
 Arrays = dict[str, NDArray[np.float64]]
@@ -89,6 +91,8 @@ class SessionMutant(NumpyBackend):
 
 
 class _PaddingUpdatesMinima(_Loop, ref.FPASession):
+    """A padding position's field enters the running minima of the live keys."""
+
     def _absent(self, state: Any, token: Arrays, t: int) -> Any:
         if state is None:
             return state
@@ -99,6 +103,8 @@ class _PaddingUpdatesMinima(_Loop, ref.FPASession):
 
 
 class _IdleRowReset(ref.FPASession):
+    """A row with no token in a chunk is taken as finished and its state freed."""
+
     def advance(self, inputs: Mapping[str, ArrayLike], present: ArrayLike) -> Arrays:
         out = super().advance(inputs, present)
         mask = np.asarray(present)
@@ -109,6 +115,8 @@ class _IdleRowReset(ref.FPASession):
 
 
 class _FreedByFirstHead(ref.FPASession):
+    """A GQA entry freed once any query head of its group evicts it, not all."""
+
     def _step(self, state: Any, token: Arrays, t: int) -> tuple[Any, Any]:
         cache, o = super()._step(state, token, t)
         G = self.heads // self.kv_heads
@@ -120,6 +128,8 @@ class _FreedByFirstHead(ref.FPASession):
 
 
 class _StrictAtTheta(ref.FPASession):
+    """Evicts only when the depth exceeds theta, not when it reaches it."""
+
     def _step(self, state: Any, token: Arrays, t: int) -> tuple[Any, Any]:
         theta, self.theta = self.theta, float(np.nextafter(self.theta, math.inf))
         try:
@@ -129,6 +139,8 @@ class _StrictAtTheta(ref.FPASession):
 
 
 class _CurrentFieldDepth(ref.FPASession):
+    """At theta = inf the depth is taken against the current field, not the minimum."""
+
     def _step(self, state: Any, token: Arrays, t: int) -> tuple[Any, Any]:
         if state is not None and math.isinf(self.theta):
             # "nothing is evicted, so the running minimum is not needed": pi = l_j - phi_t
@@ -137,6 +149,8 @@ class _CurrentFieldDepth(ref.FPASession):
 
 
 class _WindowOffByOne(ref.FPASession):
+    """The window keeps W + 1 keys."""
+
     def _step(self, state: Any, token: Arrays, t: int) -> tuple[Any, Any]:
         window, self.window = self.window, None if self.window is None else self.window + 1
         try:
@@ -146,6 +160,8 @@ class _WindowOffByOne(ref.FPASession):
 
 
 class _AliasingSelect(ref.FPASession):
+    """select's copies of a row share its storage."""
+
     aliases: list[int]
 
     def select(self, rows: Sequence[int]) -> None:
@@ -162,6 +178,8 @@ class _AliasingSelect(ref.FPASession):
 
 
 class _MinimaNotRestored(ref.FPASession):
+    """A rollback restores the keys but not their running minima."""
+
     def rollback(self, row: int, n: int) -> None:
         current = self.rows[row].state if 0 <= row < len(self.rows) else None
         super().rollback(row, n)
@@ -172,6 +190,8 @@ class _MinimaNotRestored(ref.FPASession):
 
 
 class _PartialRollback(ref.FPASession):
+    """A rollback past the budget goes as far as it can instead of raising."""
+
     def rollback(self, row: int, n: int) -> None:
         if isinstance(n, int) and 0 <= row < len(self.rows) and n <= self.max_rollback:
             n = min(n, self.rows[row].budget)  # as far as it can, silently
@@ -179,6 +199,8 @@ class _PartialRollback(ref.FPASession):
 
 
 class _ChangedByFailedCall(_Loop, ref.FPASession):
+    """A call with a bad mask advances the session before raising."""
+
     def advance(self, inputs: Mapping[str, ArrayLike], present: ArrayLike) -> Arrays:
         mask = np.asarray(present)
         n = np.asarray(inputs["q"]).shape[2] if "q" in inputs else 0
@@ -189,6 +211,8 @@ class _ChangedByFailedCall(_Loop, ref.FPASession):
 
 
 class _Capacity128(ref.FPASession):
+    """A ring buffer of 128 entries per head: the oldest live key is dropped."""
+
     def _step(self, state: Any, token: Arrays, t: int) -> tuple[Any, Any]:
         if state is not None:
             live = state.evicted < 0
@@ -198,6 +222,8 @@ class _Capacity128(ref.FPASession):
 
 
 class _PrefillBlockBorder(_Loop, ref.FPASession):
+    """A prefill in blocks of 8 whose first block misses later tokens' fields."""
+
     BLOCK = 8
 
     def _step_at(self, state: Any, token: Arrays, t: int, p: int) -> tuple[Any, Any]:
@@ -212,6 +238,8 @@ class _PrefillBlockBorder(_Loop, ref.FPASession):
 
 
 class _EmptyChunkRejected(ref.FPASession):
+    """A chunk of zero tokens is rejected."""
+
     def advance(self, inputs: Mapping[str, ArrayLike], present: ArrayLike) -> Arrays:
         if "q" in inputs and np.asarray(inputs["q"]).shape[2:3] == (0,):
             raise ValueError("q: expected every axis to have length >= 1")  # the op's check
@@ -219,11 +247,15 @@ class _EmptyChunkRejected(ref.FPASession):
 
 
 class _LegsChunkCounter(_Loop, ref.LegsSession):
+    """The LegS step counts chunk positions, padding included, not the row's tokens."""
+
     def _step_at(self, state: Any, token: Arrays, t: int, p: int) -> tuple[Any, Any]:
         return self._step(state, token, self._start + p)  # the chunk position, not the token's
 
 
 class _S4DPaddingAdvances(_Loop, ref.S4DSession):
+    """A padding position advances the S4D state (it decays)."""
+
     def _absent(self, state: Any, token: Arrays, t: int) -> Any:
         zero = {k: np.zeros_like(v) for k, v in token.items()}
         decoder, _ = self._step(state, zero, t)  # x <- Lambda x (+ b 0): the state decays
@@ -231,6 +263,8 @@ class _S4DPaddingAdvances(_Loop, ref.S4DSession):
 
 
 class _LayerFieldCountsPadding(_Loop, ref.FPALayerSession):
+    """The layer's field takes the increment of padding positions too."""
+
     def _absent(self, state: Any, token: Arrays, t: int) -> Any:
         if state is None:
             return state
@@ -241,12 +275,90 @@ class _LayerFieldCountsPadding(_Loop, ref.FPALayerSession):
 
 
 class _LayerTailWithPadding(_Loop, ref.InterdomainLayerSession):
+    """The layer's short-conv tail takes padding positions in."""
+
     def _absent(self, state: Any, token: Arrays, t: int) -> Any:
         if state is None:
             return state
         tail_q = np.concatenate([state.tail_q, (token["x"] @ self.P["wq"])[None]])[-self.TAIL :]
         tail_k = np.concatenate([state.tail_k, (token["x"] @ self.P["wk"])[None]])[-self.TAIL :]
         return state._replace(tail_q=tail_q, tail_k=tail_k)  # the conv window over positions
+
+
+class _OffsetNotShifted(ref.FPASession):
+    """Fields kept relative to an offset (a multiple of 4096 near the field, for float32
+    precision) that moves with the field; a move shifts the minima, not the stored levels."""
+
+    REBASE = 4096.0
+
+    def _step(self, state: Any, token: Arrays, t: int) -> tuple[Any, Any]:
+        cache, offset = (None, None) if state is None else state
+        moved = self.REBASE * np.round(token["field"] / self.REBASE)  # (HQ,) the new offset
+        if cache is not None and offset is not None and np.any(moved != offset):
+            # relative levels l - offset kept as they were: read back as l + (moved - offset)
+            cache = cache._replace(levels=cache.levels + (moved - offset))
+        cache, o = super()._step(cache, token, t)
+        return (cache, moved), o
+
+    def counts(self) -> dict[str, NDArray[np.int64]]:
+        rows = self.rows
+        self.rows = [
+            ref._Row(None if r.state is None else r.state[0], r.tokens, r.past) for r in rows
+        ]
+        try:
+            return super().counts()
+        finally:
+            self.rows = rows
+
+
+class _S4DUnrescaled(ref.S4DSession):
+    """The state kept as u_t = Lambda^-t x_t (one multiply-add a token; x_t = Lambda^t u_t when
+    read): it overflows once |Lambda|^-t does."""
+
+    def _step(self, state: Any, token: Arrays, t: int) -> tuple[Any, Any]:
+        if state is not None and state.state is not None:
+            state = copy.copy(state)
+            power = self.prototype.lam[:, :, None] ** t  # (H, M, 1) Lambda^t
+            with np.errstate(all="ignore"):  # the overflow is the error
+                state.state = (state.state / power) * power
+        with np.errstate(all="ignore"):
+            return super()._step(state, token, t)
+
+
+class _FoxGateAtOwnKey(ref.FoxSession):
+    """The gate counted at its own key: key j's level c_{j-1}, so f_j decays key j too."""
+
+    def _step(self, state: Any, token: Arrays, t: int) -> tuple[Any, Any]:
+        if state is None:
+            empty = ref.FPACache.empty(self.kv_heads, self.heads, self.dk, self.dv)
+            state = ref.FoxState(np.zeros(self.heads), empty)
+        c = state.c + token["log_f"]
+        step = {**token, "field": c, "level": state.c}  # the level before this token's gate
+        cache, o = ref.FPASession._step(self, state.cache, step, t)
+        return ref.FoxState(c, cache), o
+
+
+class _FoxNoCausalMaskInChunk(ref.FoxSession):
+    """No causal mask inside a multi-token chunk: a query sees the later tokens of its chunk."""
+
+    def advance(self, inputs: Mapping[str, ArrayLike], present: ArrayLike) -> Arrays:
+        before = [row.tokens for row in self.rows]
+        out = super().advance(inputs, present)
+        o, q = out["o"].copy(), np.asarray(inputs["q"], dtype=np.float64)
+        group = self.heads // self.kv_heads
+        for r, row in enumerate(self.rows):
+            positions = np.flatnonzero(np.asarray(present)[r])
+            if row.state is None or len(positions) < 2:
+                continue
+            cache = row.state.cache  # every token up to the chunk's last, levels = c
+            for i, p in enumerate(positions):
+                t = before[r] + i
+                for h in range(self.heads):
+                    c = cache.levels[:, h]
+                    logits = self.scale * cache.keys[:, h // group] @ q[r, h, p] + c[t] - c
+                    weights = np.exp(logits - logits.max())
+                    o[r, h, p] = weights @ cache.values[:, h // group] / weights.sum()
+        return {"o": o}
 
 
 # the backends
@@ -260,6 +372,8 @@ def _mutant(name: str, wrong: type[ref.Session], op: str, family: str, *also: st
     )
 
 
+# the FoX errors show in every program with a chunk of several tokens: every family
+_FOX_OTHERS = tuple(f for f in session_programs.FAMILIES["fox_attention"] if f != "prefill")
 SESSION_MUTANTS: dict[str, type[SessionMutant]] = {
     cls.__name__: cls
     for cls in [
@@ -280,6 +394,16 @@ SESSION_MUTANTS: dict[str, type[SessionMutant]] = {
         _mutant("S4DPaddingAdvances", _S4DPaddingAdvances, "interdomain_s4d", "padding"),
         _mutant("LayerFieldCountsPadding", _LayerFieldCountsPadding, "fpa_layer", "padding"),
         _mutant("LayerTailWithPadding", _LayerTailWithPadding, "interdomain_layer", "padding"),
+        _mutant("OffsetNotShifted", _OffsetNotShifted, "fpa_decode", "drift"),
+        _mutant("S4DUnrescaled", _S4DUnrescaled, "interdomain_s4d", "horizon"),
+        _mutant("FoxGateAtOwnKey", _FoxGateAtOwnKey, "fox_attention", "prefill", *_FOX_OTHERS),
+        _mutant(
+            "FoxNoCausalMaskInChunk",
+            _FoxNoCausalMaskInChunk,
+            "fox_attention",
+            "prefill",
+            *_FOX_OTHERS,
+        ),
     ]
 }
 globals().update(SESSION_MUTANTS)  # attnspec.conformance.session_mutants:<Name> loads each

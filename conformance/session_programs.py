@@ -119,6 +119,21 @@ class Script:
                 mask = np.broadcast_to(absent[:, :1, :, None], (R, heads, n, 1))
                 inputs[name] = np.where(mask, 30.0 * inputs[name], inputs[name])
             return inputs
+        if self.op == "fox_attention":
+            HQ, H, dk, dv = d["heads"], d["kv_heads"], d["dk"], d["dv"]
+            absent = ~present[:, None, :]
+            log_f = -rng.exponential(d.get("decay", 0.3), (R, HQ, n))
+            inputs = {
+                "q": rng.standard_normal((R, HQ, n, dk)),
+                "k": rng.standard_normal((R, H, n, dk)),
+                "v": rng.standard_normal((R, H, n, dv)),
+                "log_f": np.where(absent, -abs(self.garbage_field) / 100, log_f),  # a decay if read
+            }
+            for name in ("q", "k", "v"):
+                heads = inputs[name].shape[1]
+                mask = np.broadcast_to(absent[:, :1, :, None], (R, heads, n, 1))
+                inputs[name] = np.where(mask, 30.0 * inputs[name], inputs[name])
+            return inputs
         if self.op in ("interdomain_s4d", "interdomain_legs"):
             H, Rf, dv = d["H"], d["R"], d["dv"]
             names = ("fq", "kt", "vt") if self.op == "interdomain_s4d" else ("fq", "fk", "v")
@@ -204,6 +219,18 @@ def script(
             "dv": 8,
             "scale": 1 / math.sqrt(8),
             "theta": theta,
+            "window": window,
+            "max_rollback": max_rollback,
+        }
+    elif op == "fox_attention":
+        HQ, H = heads
+        d = {"heads": HQ, "kv_heads": H, "dk": 8, "dv": 8, **dims}
+        config = {
+            "heads": HQ,
+            "kv_heads": H,
+            "dk": 8,
+            "dv": 8,
+            "scale": 1 / math.sqrt(8),
             "window": window,
             "max_rollback": max_rollback,
         }
@@ -392,13 +419,65 @@ def _long(op: str) -> Build:
     return build
 
 
-def _gqa(rng: np.random.Generator, n: int) -> Program:
-    s = script("fpa_decode", rng, n, 2, heads=(4, 2), max_rollback=2)
-    s.full(8, "each query head evicts on its own field")
-    s.steps(3)
-    s.full(5)
-    s.steps(2)
+# Long sessions: case 0 short enough for every CI subset (256 tokens: drift 40 a token, a mode
+# of abs(Lambda) = 0.05, whose abs(Lambda)^-t passes 1e308 at t = 237), case 1 at 2,048 tokens
+# (drift 5 a token; abs(Lambda) = 0.6, the least of the menu: past 1e308 at t = 1390).
+LONG_SESSION = [(256, 40.0, 0.05), (2048, 5.0, 0.6)]  # (tokens, drift, least abs(Lambda))
+
+
+def _long_chunks(s: Script, tokens: int, note: str) -> None:
+    for _ in range(tokens // 128 - 1):
+        s.full(128, note + ", in chunks of 128")
+    s.full(120)
+
+
+def _drift(rng: np.random.Generator, n: int) -> Program:
+    """fpa_decode: one row whose field rises by 40 (case 0) or 5 (case 1) a token, levels 1
+    below it: |phi| passes 1e4."""
+    tokens, drift, _ = LONG_SESSION[n]
+    s = script(
+        "fpa_decode",
+        rng,
+        n,
+        1,
+        theta=3.0 + 1 / 16,
+        window=32,
+        max_rollback=4,
+        drift=drift,
+        offset=-1.0,
+    )
+    _long_chunks(s, tokens, "a field drifting past 1e4")
+    s.steps(4)
+    s.rollback(0, 3, note="a rollback at |phi| > 1e4")
+    s.steps(4)
     return s.program()
+
+
+def _horizon(rng: np.random.Generator, n: int) -> Program:
+    """interdomain_s4d: one row with a mode of small abs(Lambda), past the step where
+    abs(Lambda)^-t passes the float64 range."""
+    tokens, _, least = LONG_SESSION[n]
+    s = script("interdomain_s4d", rng, n, 1, max_rollback=2)
+    lam = s.config["lam_re"][0, 0] + 1j * s.config["lam_im"][0, 0]
+    unit = lam / abs(lam)
+    s.config["lam_re"][0, 0], s.config["lam_im"][0, 0] = (least * unit).real, (least * unit).imag
+    _long_chunks(s, tokens, "past the horizon of an unrescaled state")
+    s.steps(4)
+    s.rollback(0, 2, note="a rollback past the horizon")
+    s.steps(4)
+    return s.program()
+
+
+def _gqa(op: str) -> Build:
+    def build(rng: np.random.Generator, n: int) -> Program:
+        s = script(op, rng, n, 2, heads=(4, 2), max_rollback=2)
+        s.full(8, "each query head on its own field")
+        s.steps(3)
+        s.full(5)
+        s.steps(2)
+        return s.program()
+
+    return build
 
 
 def _theta_exact(rng: np.random.Generator, n: int) -> Program:
@@ -457,7 +536,7 @@ COMMON = {
     "long": (_long, "one row, 310 tokens in chunks of 8 (FPA: over 128 live keys)"),
 }
 FPA_ONLY = {
-    "gqa": (lambda op: _gqa, "GQA (HQ = 4, H = 2): live per query head, stored by the union rule"),
+    "gqa": (_gqa, "GQA (HQ = 4, H = 2): live per query head, stored by the union rule"),
     "theta_exact": (
         lambda op: _theta_exact_fpa,
         "integer field and levels: depths equal to theta = 2 inside a chunk",
@@ -469,16 +548,34 @@ DENSE = {
 }
 
 
+LONG_SESSIONS = ("drift", "horizon")  # 256 and 2,048 tokens a row: seconds per backend
+LONG = ("long",)  # one case
+
+
 def _families(op: str) -> dict[str, tuple[int, Build, str]]:
     menu: dict[str, tuple[Callable[[str], Build], str]] = dict(COMMON)
     if op == "fpa_decode":
         menu.update(FPA_ONLY)
     if op in FPA_OPS:
         menu.update(DENSE)
-    return {
-        name: (1 if name == "long" else 2, make(op), note) for name, (make, note) in menu.items()
-    }
+    if op == "fox_attention":
+        menu.update({"gqa": FPA_ONLY["gqa"], "window": DENSE["window"]})
+    if op == "fpa_decode":
+        menu["drift"] = (lambda op: _drift, "one row of 256 and 2,048 tokens, fields past 1e4")
+    if op == "interdomain_s4d":
+        menu["horizon"] = (
+            lambda op: _horizon,
+            "one row of 256 and 2,048 tokens with a mode abs(Lambda) = 0.05 and 0.6",
+        )
+    return {name: (1 if name in LONG else 2, make(op), note) for name, (make, note) in menu.items()}
 
 
-OPS = ("fpa_decode", "interdomain_s4d", "interdomain_legs", "fpa_layer", "interdomain_layer")
+OPS = (
+    "fpa_decode",
+    "fox_attention",
+    "interdomain_s4d",
+    "interdomain_legs",
+    "fpa_layer",
+    "interdomain_layer",
+)
 FAMILIES: dict[str, dict[str, tuple[int, Build, str]]] = {op: _families(op) for op in OPS}

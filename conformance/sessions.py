@@ -45,7 +45,7 @@ from .session_programs import Call, Program
 from .tolerances import round_to, tolerance, wide_dtype
 
 # Count keys every session reports, and the FPA ops' extra ones.
-FPA_COUNT_OPS = ("fpa_decode", "fpa_layer")
+FPA_COUNT_OPS = ("fpa_decode", "fox_attention", "fpa_layer")
 S4D_PARAMETERS = ("lam_re", "lam_im", "b_re", "b_im", "c_re", "c_im")
 
 

@@ -301,7 +301,7 @@ class FPASession(Session):
     and returns {"o": (R, HQ, n, dv)}. Cost per token: O(HQ C (dk + dv)) for C entries so far.
     """
 
-    NAMES = ("q", "k", "v", "field", "level")
+    NAMES: tuple[str, ...] = ("q", "k", "v", "field", "level")
 
     def __init__(
         self,
@@ -332,8 +332,7 @@ class FPASession(Session):
             "q": (R, HQ, n, self.dk),
             "k": (R, H, n, self.dk),
             "v": (R, H, n, self.dv),
-            "field": (R, HQ, n),
-            "level": (R, HQ, n),
+            **{name: (R, HQ, n) for name in self.NAMES[3:]},  # field, level (FoX: log_f)
         }
         for name, shape in expected.items():
             check_shape(name, arrays[name], shape, "(rows, heads, n, ...) of the session")
@@ -366,6 +365,83 @@ class FPASession(Session):
         ]
         return {
             **super().counts(),
+            "live": np.stack([live for live, _ in pairs]),
+            "stored": np.stack([stored for _, stored in pairs]),
+        }
+
+
+class FoxState(NamedTuple):
+    """One row of a FoX session: c_t = sum of the row's log f so far (HQ,), and the (F7) cache
+    with field = level = c."""
+
+    c: NDArray[np.float64]
+    cache: FPACache
+
+
+class FoxSession(FPASession):
+    """Sessions of :func:`attnspec.reference.fpa.fox_attention`: (F6) FoX as FPA with
+    field = level = c = cumsum(log f), c summed over the row's own tokens (padding adds nothing).
+
+    Args: as :class:`FPASession` without theta (a FoX key is never evicted by depth: theta = inf).
+
+    advance takes q (R, HQ, n, dk), k (R, H, n, dk), v (R, H, n, dv), log_f (R, HQ, n) (all
+    <= 0) and returns {"o": (R, HQ, n, dv)}; counts as :class:`FPASession`'s.
+    """
+
+    NAMES = ("q", "k", "v", "log_f")
+
+    def __init__(
+        self,
+        rows: int,
+        *,
+        heads: int,
+        kv_heads: int,
+        dk: int,
+        dv: int,
+        scale: float,
+        window: int | None = None,
+        max_rollback: int = 0,
+    ) -> None:
+        super().__init__(
+            rows,
+            heads=heads,
+            kv_heads=kv_heads,
+            dk=dk,
+            dv=dv,
+            scale=scale,
+            window=window,
+            max_rollback=max_rollback,
+        )
+
+    def _check_chunk(self, arrays: Arrays) -> int:
+        n = super()._check_chunk(arrays)
+        if (arrays["log_f"] > 0).any():
+            raise ValueError("log_f: expected log forget gates <= 0")
+        return n
+
+    def _step(self, state: Any, token: Arrays, t: int) -> tuple[Any, NDArray[np.float64]]:
+        if state is None:
+            state = FoxState(
+                np.zeros(self.heads), FPACache.empty(self.kv_heads, self.heads, self.dk, self.dv)
+            )
+        c = state.c + token["log_f"]  # (F6) c_t = c_{t-1} + log f_t
+        cache, o = super()._step(state.cache, {**token, "field": c, "level": c}, t)
+        return FoxState(c, cache), o
+
+    def counts(self) -> dict[str, NDArray[np.int64]]:
+        """tokens (R,), live (R, HQ), stored (R, H)."""
+        pairs = [
+            fpa_live_and_stored(
+                None if row.state is None else row.state.cache,
+                row.tokens,
+                row.budget,
+                self.kv_heads,
+                self.heads,
+            )
+            for row in self.rows
+        ]
+        return {
+            **Session.counts(self),
             "live": np.stack([live for live, _ in pairs]),
             "stored": np.stack([stored for _, stored in pairs]),
         }
@@ -679,6 +755,7 @@ class InterdomainLayerSession(Session):
 
 SESSION_OPS = (
     "fpa_decode",
+    "fox_attention",
     "interdomain_s4d",
     "interdomain_legs",
     "fpa_layer",
@@ -691,6 +768,8 @@ def open_session(op: str, *, rows: int, config: Mapping[str, Any]) -> Session:
 
     config keys per op (docs/conformance.md, "Decode sessions"):
       fpa_decode: heads, kv_heads, dk, dv, scale, theta, window, max_rollback.
+      fox_attention: heads, kv_heads, dk, dv, scale, window, max_rollback (FoX decode: inputs
+        q, k, v, log_f).
       interdomain_s4d: lam_re, lam_im, b_re, b_im (H, M), c_re, c_im (H, M, M), max_rollback;
         optionally readout (default "linear").
       interdomain_legs: M, max_rollback.
@@ -703,6 +782,7 @@ def open_session(op: str, *, rows: int, config: Mapping[str, Any]) -> Session:
         config.update(config.pop("options"))
     allowed = {
         "fpa_decode": {"heads", "kv_heads", "dk", "dv", "scale", "theta", "window"},
+        "fox_attention": {"heads", "kv_heads", "dk", "dv", "scale", "window"},
         "interdomain_s4d": {"lam_re", "lam_im", "b_re", "b_im", "c_re", "c_im", "readout"},
         "interdomain_legs": {"M"},
         "fpa_layer": {"params", "increments", "theta", "window"},
@@ -716,6 +796,8 @@ def open_session(op: str, *, rows: int, config: Mapping[str, Any]) -> Session:
     max_rollback = config.pop("max_rollback", 0)
     if op == "fpa_decode":
         return FPASession(rows, max_rollback=max_rollback, **config)
+    if op == "fox_attention":
+        return FoxSession(rows, max_rollback=max_rollback, **config)
     if op == "interdomain_s4d":
         for name in ("lam", "b", "c"):
             config[name] = np.asarray(config.pop(f"{name}_re")) + 1j * np.asarray(

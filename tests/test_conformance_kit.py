@@ -252,7 +252,9 @@ def test_every_mutant_is_caught(name, all_cases):
     dtypes = [] if probes else [mutant.caught_in]
     if mutant.caught_by:
         selected = [c for c in all_cases if c.id.startswith(mutant.caught_by)]
-        report = runner.run(mutant, selected, dtypes, backend_name=name, probes=probes)
+        report = runner.run(
+            mutant, selected, dtypes, backend_name=name, probes=probes, name_bugs=False
+        )
         caught = sorted({r.case_id for r in report.results if r.verdict == "failed"})
         assert caught == sorted(c.id for c in selected)
         return

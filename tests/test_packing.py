@@ -10,7 +10,9 @@ from itertools import pairwise
 import numpy as np
 import pytest
 
+from attnspec.conformance import cases
 from attnspec.conformance.numpy_backend import NumpyBackend
+from attnspec.reference import fpa
 from attnspec.reference.packing import packing
 
 GOOD = [(0, 9), (0, 0, 9), (0, 3, 3, 3, 9), (0, 9, 9), (0, 1, 2, 9)]
@@ -113,3 +115,28 @@ def test_every_backend_takes_a_zero_length_sequence(backend):
     # JAX without x64 computes the float64 inputs in float32
     tol = 1e-12 if with_empty.dtype == np.float64 else 2e-6
     np.testing.assert_allclose(with_empty, without, rtol=tol, atol=tol)
+
+
+def test_a_padded_fox_batch_is_each_row_alone_and_zero_at_padding():
+    # the reference adapter's padding (fox/padded) against a literal loop over rows: FoX on
+    # the row's present positions alone, 0 at the others; the VJP likewise
+    case = cases.build_case("fox/padded/1")
+    x, present = case.inputs, case.params["present"]
+    backend = NumpyBackend()
+    o = backend.fox_attention(**x, present=present)
+    d_o = np.random.default_rng(0).standard_normal(o.shape)
+    grads = backend.vjp("fox_attention", x, case.params, {"o": d_o})
+    for b in range(present.shape[0]):
+        idx = np.flatnonzero(present[b])
+        row = {n: np.take(a[b], idx, axis=-1 if n == "log_f" else -2) for n, a in x.items()}
+        row["k"], row["v"] = np.repeat(row["k"], 2, axis=0), np.repeat(row["v"], 2, axis=0)
+        expected = fpa.fox_attention(**row)
+        np.testing.assert_allclose(o[b][:, idx], expected, rtol=1e-12, atol=1e-12)
+        assert not np.delete(o[b], idx, axis=-2).any()
+        g = fpa.fox_attention_vjp(**row, d_out=d_o[b][:, idx])
+        np.testing.assert_allclose(grads["q"][b][:, idx], g.dq, rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(grads["log_f"][b][:, idx], g.dlog_f, rtol=1e-10, atol=1e-12)
+        summed = g.dk.reshape(2, 2, *g.dk.shape[1:]).sum(axis=1)  # GQA: 4 query heads, 2 kv
+        np.testing.assert_allclose(grads["k"][b][:, idx], summed, rtol=1e-10, atol=1e-12)
+        for name in ("q", "k", "v"):
+            assert not np.delete(grads[name][b], idx, axis=-2).any()
