@@ -338,7 +338,8 @@ def session_coverage(with_covering: bool = True) -> dict[str, tuple[int, int, se
 
 def session_coverage_lines() -> list[str]:
     """The report: per op the pairs covered without and with the covering family."""
-    before, after = session_coverage(False), session_coverage(True)
+    before = session_coverage(with_covering=False)
+    after = session_coverage(with_covering=True)
     lines = []
     for op in OPS:
         b, required, _ = before[op]
