@@ -29,18 +29,18 @@ from numpy.typing import NDArray
 from attnspec.reference import sessions as reference_sessions
 
 from .cases import Case, build_case
+from .judging import (
+    REFERENCE_CACHE,
+    CaseResult,
+    mutated,
+    mutation_comparison,
+    returned_dtype,
+    snapshot,
+    storage_dtype,
+    summarise,
+)
 from .metrics import Comparison, compare
 from .protocol import OPS, Backend
-from .runner import (
-    _CACHE,
-    CaseResult,
-    _mutated,
-    _mutation_comparison,
-    _snapshot,
-    _summarise,
-    returned_dtype,
-    storage_dtype,
-)
 from .session_programs import Call, Program
 from .tolerances import round_to, tolerance, wide_dtype
 
@@ -128,7 +128,7 @@ def reference_for(case: Case, dtype: str) -> tuple[Program, list[Step]]:
         program = rounded_program(case.params["session"], dtype)
         return program, reference_trace(program)
 
-    return _CACHE.get((case.id, case.seed, dtype, "session"), compute)
+    return REFERENCE_CACHE.get((case.id, case.seed, dtype, "session"), compute)
 
 
 def native_config(backend: Backend, program: Program, dtype: str) -> dict[str, Any]:
@@ -240,15 +240,15 @@ def run_program(
     for i, (call, step) in enumerate(zip(program.calls, trace, strict=True)):
         label = f"call {i} {call.method}"
         args = native_args(backend, op, call, dtype)
-        before = _snapshot(backend, args["inputs"]) if call.method == "advance" else {}
+        before = snapshot(backend, args["inputs"]) if call.method == "advance" else {}
         try:
             result = getattr(session, call.method)(**args)
             raised = None
         except Exception as exc:  # judged below
             result, raised = None, exc
-        changed = _mutated(backend, args["inputs"], before) if before else []
+        changed = mutated(backend, args["inputs"], before) if before else []
         if changed:
-            comparisons[f"{label}: inputs"] = _mutation_comparison("inputs", changed)
+            comparisons[f"{label}: inputs"] = mutation_comparison("inputs", changed)
         if call.error:
             if raised is None:
                 comparisons[label] = _failure(f"expected a ValueError naming {call.error!r}")
@@ -281,12 +281,12 @@ def run_session(backend: Backend, case: Case, dtype: str, result: CaseResult) ->
     """The "output" check of a session case: the whole program, compared call by call."""
     program, trace = reference_for(case, dtype)
     comparisons, failed_at = run_program(backend, program, trace, dtype)
-    result = _summarise(result, comparisons)
+    result = summarise(result, comparisons)
     if failed_at >= 0:
         result.message += "\nprogram up to the failing call:\n" + program.listing(failed_at)
         result.repro += (
             f"\nreplay call by call: python -m attnspec.conformance.sessions --backend "
-            f"{result.repro.split('--backend ')[1].split()[0]} --case {case.id} --dtype {dtype}"
+            f"{result.backend} --case {case.id} --dtype {dtype}"
         )
     result.details = {"calls": len(program.calls), "failed_at": failed_at}
     return result
