@@ -42,7 +42,14 @@ from scipy.special import expit, logsumexp
 from . import fpa
 from . import interdomain as idm
 from .hippo import legs_step
-from .validation import check_shape, nonnegative_int, positive_int, real_array, scalar
+from .validation import (
+    check_shape,
+    nonnegative_int,
+    positive_int,
+    real_array,
+    scalar,
+    threshold,
+)
 
 Arrays = dict[str, NDArray[np.float64]]
 
@@ -284,7 +291,7 @@ def fpa_live_and_stored(
 
 
 def _theta_window(theta: float, window: int | None) -> tuple[float, int | None]:
-    theta = scalar("theta", theta, positive=True, allow_inf=True)
+    theta = threshold("theta", theta)
     return theta, None if window is None else positive_int("window", window)
 
 

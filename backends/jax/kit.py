@@ -45,6 +45,7 @@ from attnspec.backends import session_checks
 from attnspec.conformance.protocol import OPS as OP_TABLE
 from attnspec.conformance.protocol import op_claims
 from attnspec.reference.ops import S4D_PARAMS
+from attnspec.reference.validation import positive_int, threshold
 
 from . import decode, fpa, interdomain, layers, sessions
 
@@ -282,7 +283,7 @@ class JaxBackend:
             raise NotImplementedError(f"op: no decode session for {op!r} in {self.name}")
         if dtype not in self.dtypes:
             raise ValueError(f"dtype: expected one of {self.dtypes}, got {dtype!r}")
-        rows = session_checks.count("rows", rows, 1)
+        rows = positive_int("rows", rows)
         W = session_checks.max_rollback(config)
         with jax.enable_x64(True):
             spec = SESSION_SPECS[op](jnp.dtype(dtype), config)
@@ -682,23 +683,22 @@ def _config_keys(config: dict[str, Any], known: set[str], required: set[str]) ->
 
 
 def _capacity(config: dict[str, Any]) -> int:
-    return session_checks.count("capacity", config.get("capacity", SESSION_CAPACITY), 1)
+    return positive_int("capacity", config.get("capacity", SESSION_CAPACITY))
 
 
 def _theta_window(config: dict[str, Any], ct: jnp.dtype) -> tuple[jax.Array, jax.Array]:
     theta = config.get("theta", np.inf)
-    if isinstance(theta, bool) or not isinstance(theta, int | float) or not theta > 0:
-        raise ValueError(f"theta: expected a positive threshold (or inf), got {theta!r}")
+    threshold("theta", theta)
     window = config.get("window")
-    window = sessions.NO_WINDOW if window is None else session_checks.count("window", window, 1)
+    window = sessions.NO_WINDOW if window is None else positive_int("window", window)
     return jnp.asarray(theta, ct), jnp.asarray(window, jnp.int32)
 
 
 def _fpa_decode_spec(dtype: jnp.dtype, config: dict[str, Any]) -> _SessionSpec:
     keys = {"heads", "kv_heads", "dk", "dv", "scale", "theta", "window", "max_rollback"}
     _config_keys(config, keys | {"capacity"}, {"heads", "kv_heads", "dk", "dv"})
-    HQ, H = (session_checks.count(n, config[n], 1) for n in ("heads", "kv_heads"))
-    dk, dv = (session_checks.count(n, config[n], 1) for n in ("dk", "dv"))
+    HQ, H = (positive_int(n, config[n]) for n in ("heads", "kv_heads"))
+    dk, dv = (positive_int(n, config[n]) for n in ("dk", "dv"))
     if HQ % H:
         raise ValueError(f"kv_heads: expected a divisor of heads = {HQ}, got {H}")
     ct = jnp.result_type(jnp.float32, dtype)
@@ -812,7 +812,7 @@ def _s4d_spec(dtype: jnp.dtype, config: dict[str, Any]) -> _SessionSpec:
 
 def _legs_spec(dtype: jnp.dtype, config: dict[str, Any]) -> _SessionSpec:
     _config_keys(config, {"M", "max_rollback", "capacity"}, {"M"})
-    M = session_checks.count("M", config["M"], 1)
+    M = positive_int("M", config["M"])
     capacity = _capacity(config)
     E, F = sessions.legs_table(M, capacity, dtype)
 

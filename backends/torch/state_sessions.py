@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from attnspec.backends import session_checks
+from attnspec.reference.validation import positive_int
 
 from . import checks
 from .decode import LegSDecodeState, S4DDecodeState
@@ -251,7 +252,7 @@ class StateSession:
 
     def __init__(self, step: StateStep, rows: int, max_rollback: int):
         self.kind = step
-        self.R = session_checks.count("rows", rows, 1)
+        self.R = positive_int("rows", rows)
         self.W = max_rollback
         self.state: State | None = None
         self.snapshot: State | None = None  # each row's state before its kept tokens
@@ -393,7 +394,7 @@ def legs_session(
 ) -> StateSession:
     """interdomain_legs.session: config M (modes), max_rollback."""
     _config(config, {"M", "max_rollback"}, {"M"})
-    M = session_checks.count("M", config["M"], 1)
+    M = positive_int("M", config["M"])
     return StateSession(LegSStep(M, dtype, device), rows, session_checks.max_rollback(config))
 
 
