@@ -27,6 +27,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from attnspec.reference import sessions as reference_sessions
+from attnspec.reference.ops import session_contract
 
 from .cases import Case, build_case
 from .judging import (
@@ -40,13 +41,9 @@ from .judging import (
     summarise,
 )
 from .metrics import Comparison, compare
-from .protocol import OPS, Backend
+from .protocol import OPS, S4D_PARAMS, Backend
 from .session_programs import Call, Program
 from .tolerances import round_to, tolerance, wide_dtype
-
-# Count keys every session reports, and the FPA ops' extra ones.
-FPA_COUNT_OPS = ("fpa_decode", "fpa_layer")
-S4D_PARAMETERS = ("lam_re", "lam_im", "b_re", "b_im", "c_re", "c_im")
 
 
 def is_session(case: Case) -> bool:
@@ -55,11 +52,13 @@ def is_session(case: Case) -> bool:
 
 
 def count_names(op: str) -> tuple[str, ...]:
-    return ("tokens", "live", "stored") if op in FPA_COUNT_OPS else ("tokens",)
+    """The keys of the op's counts() (its session contract, reference/ops.py)."""
+    return session_contract(op).counts
 
 
 def output_name(op: str) -> str:
-    return "y" if OPS[op].layer else "o"
+    """The name of the output of the op's advance (its session contract)."""
+    return session_contract(op).output
 
 
 def _input_dtype(op: str, name: str, dtype: str) -> str:
@@ -74,7 +73,7 @@ def rounded_program(program: Program, dtype: str) -> Program:
         if isinstance(value, dict):
             return {k: round_to(v, dtype) for k, v in value.items()}
         if isinstance(value, np.ndarray):
-            return round_to(value, wide_dtype(dtype) if name in S4D_PARAMETERS else dtype)
+            return round_to(value, wide_dtype(dtype) if name in S4D_PARAMS else dtype)
         return value
 
     calls = []
@@ -138,7 +137,7 @@ def native_config(backend: Backend, program: Program, dtype: str) -> dict[str, A
         if isinstance(value, dict):
             config[name] = {k: backend.asarray(v.copy(), dtype) for k, v in value.items()}
         elif isinstance(value, np.ndarray):
-            wide = name in S4D_PARAMETERS
+            wide = name in S4D_PARAMS
             config[name] = backend.asarray(value.copy(), wide_dtype(dtype) if wide else dtype)
         else:
             config[name] = value
@@ -182,9 +181,10 @@ def compare_outputs(
         return _failure(f"{name}: wrong shape {x.shape}, expected {ref.shape}")
     if ref.size == 0:
         return _passed()
-    quantity = "output" if op in FPA_COUNT_OPS or OPS[op].layer else "state"
+    # FPA decode and the layers: outputs; S4D and LegS decode: the state's readout
+    quantity = "output" if op == "fpa_decode" or OPS[op].layer else "state"
     comparison = compare(x, ref, tolerance(op, dtype, quantity))
-    token_axis = 1 if OPS[op].layer else 2
+    token_axis = session_contract(op).token_axis
     mask = np.asarray(present, dtype=bool)
     absent = ~np.expand_dims(mask, (*range(1, token_axis), -1))  # (R, 1, n, 1) or (R, n, 1)
     absent = np.broadcast_to(absent, x.shape)

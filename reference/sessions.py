@@ -42,6 +42,7 @@ from scipy.special import expit, logsumexp
 from . import fpa
 from . import interdomain as idm
 from .hippo import legs_step
+from .ops import OPS, session_contract
 from .validation import (
     check_shape,
     nonnegative_int,
@@ -397,8 +398,8 @@ class FPALayerSession(Session):
     """
 
     NAMES = ("x",)
-    TOKEN_AXIS = 1
-    OUTPUT = "y"
+    TOKEN_AXIS = session_contract("fpa_layer").token_axis
+    OUTPUT = session_contract("fpa_layer").output
 
     def __init__(
         self,
@@ -607,8 +608,8 @@ class InterdomainLayerSession(Session):
     """
 
     NAMES = ("x",)
-    TOKEN_AXIS = 1
-    OUTPUT = "y"
+    TOKEN_AXIS = session_contract("interdomain_layer").token_axis
+    OUTPUT = session_contract("interdomain_layer").output
     TAIL = 3  # K - 1 for the layer's convolutions of width K = 4 (I8)
 
     def __init__(
@@ -684,19 +685,14 @@ class InterdomainLayerSession(Session):
         return InterdomainLayerState(*tails, decoder), o @ P["wo"]
 
 
-SESSION_OPS = (
-    "fpa_decode",
-    "interdomain_s4d",
-    "interdomain_legs",
-    "fpa_layer",
-    "interdomain_layer",
-)
+SESSION_OPS = tuple(op for op, spec in OPS.items() if spec.session is not None)
 
 
 def open_session(op: str, *, rows: int, config: Mapping[str, Any]) -> Session:
     """The reference session of ``op`` with the protocol's config (float64 arrays inside).
 
-    config keys per op (docs/conformance.md, "Decode sessions"):
+    config keys per op (``session_contract(op)`` of reference/ops.py; docs/conformance.md,
+    "Decode sessions"):
       fpa_decode: heads, kv_heads, dk, dv, scale, theta, window, max_rollback.
       interdomain_s4d: lam_re, lam_im, b_re, b_im (H, M), c_re, c_im (H, M, M), max_rollback;
         optionally readout (default "linear").
@@ -708,13 +704,7 @@ def open_session(op: str, *, rows: int, config: Mapping[str, Any]) -> Session:
     config = dict(config)
     if isinstance(config.get("options"), Mapping):
         config.update(config.pop("options"))
-    allowed = {
-        "fpa_decode": {"heads", "kv_heads", "dk", "dv", "scale", "theta", "window"},
-        "interdomain_s4d": {"lam_re", "lam_im", "b_re", "b_im", "c_re", "c_im", "readout"},
-        "interdomain_legs": {"M"},
-        "fpa_layer": {"params", "increments", "theta", "window"},
-        "interdomain_layer": {"params", "readout", "gate", "use_rope", "output_norm"},
-    }
+    allowed = {op: set(session_contract(op).keys) - {"max_rollback"} for op in SESSION_OPS}
     if op not in allowed:
         raise ValueError(f"op: expected one of {list(SESSION_OPS)}, got {op!r}")
     unknown = sorted(set(config) - allowed[op] - {"max_rollback"})

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attnspec.backends import session_checks
+from attnspec.reference.ops import session_contract
 from attnspec.reference.validation import positive_int, threshold
 
 from . import compile_budget, layers, sessions
@@ -182,7 +183,15 @@ def _expect_shape(name: str, x: jax.Array, shape: tuple[int, ...], meaning: str)
         raise ValueError(f"{name}: expected shape {tuple(shape)} ({meaning}), got {x.shape}")
 
 
-def _config_keys(config: dict[str, Any], known: set[str], required: set[str]) -> None:
+def _config_keys(
+    op: str, config: dict[str, Any], extra: set[str], defaults: tuple[str, ...] = ()
+) -> None:
+    """``config`` against the op's session contract (reference/ops.py): no key outside its keys
+    and the adapter's ``extra`` ones, none of its required keys missing but those the adapter
+    gives a default (``defaults``)."""
+    contract = session_contract(op)
+    known = set(contract.keys) | extra
+    required = set(contract.required) - set(defaults)
     unknown = sorted(set(config) - known)
     if unknown:
         raise ValueError(f"config: unknown keys {unknown}; expected some of {sorted(known)}")
@@ -204,8 +213,7 @@ def _theta_window(config: dict[str, Any], ct: jnp.dtype) -> tuple[jax.Array, jax
 
 
 def _fpa_decode_spec(dtype: jnp.dtype, config: dict[str, Any]) -> _SessionSpec:
-    keys = {"heads", "kv_heads", "dk", "dv", "scale", "theta", "window", "max_rollback"}
-    _config_keys(config, keys | {"capacity"}, {"heads", "kv_heads", "dk", "dv"})
+    _config_keys("fpa_decode", config, {"capacity"}, defaults=("scale",))  # scale: 1/sqrt(dk)
     HQ, H = (positive_int(n, config[n]) for n in ("heads", "kv_heads"))
     dk, dv = (positive_int(n, config[n]) for n in ("dk", "dv"))
     if HQ % H:
@@ -280,8 +288,7 @@ def _features_check(names: tuple[str, str, str], dtype: jnp.dtype, heads: int | 
 
 
 def _s4d_spec(dtype: jnp.dtype, config: dict[str, Any]) -> _SessionSpec:
-    names = {f"{p}_{part}" for p in ("lam", "b", "c") for part in ("re", "im")}
-    _config_keys(config, names | {"readout", "max_rollback"}, names)
+    _config_keys("interdomain_s4d", config, set())
     readout = config.get("readout", "linear")
     if readout not in ("linear", "ratio"):
         raise ValueError(f"readout: expected 'linear' or 'ratio', got {readout!r}")
@@ -320,7 +327,7 @@ def _s4d_spec(dtype: jnp.dtype, config: dict[str, Any]) -> _SessionSpec:
 
 
 def _legs_spec(dtype: jnp.dtype, config: dict[str, Any]) -> _SessionSpec:
-    _config_keys(config, {"M", "max_rollback", "capacity"}, {"M"})
+    _config_keys("interdomain_legs", config, {"capacity"})
     M = positive_int("M", config["M"])
     capacity = _capacity(config)
     E, F = sessions.legs_table(M, capacity, dtype)
@@ -360,8 +367,7 @@ def _layer_check(dtype: jnp.dtype, d: int) -> Any:
 
 
 def _fpa_layer_spec(dtype: jnp.dtype, config: dict[str, Any]) -> _SessionSpec:
-    keys = {"params", "increments", "theta", "window", "max_rollback", "capacity", "options"}
-    _config_keys(config, keys, {"params"})
+    _config_keys("fpa_layer", config, {"capacity", "options"})
     options = {
         **config.get("options", {}),
         **({"increments": config["increments"]} if "increments" in config else {}),
@@ -401,7 +407,7 @@ def _fpa_layer_spec(dtype: jnp.dtype, config: dict[str, Any]) -> _SessionSpec:
 
 def _interdomain_layer_spec(dtype: jnp.dtype, config: dict[str, Any]) -> _SessionSpec:
     flags = ("readout", "gate", "use_rope", "output_norm")
-    _config_keys(config, {"params", "options", "max_rollback", *flags}, {"params"})
+    _config_keys("interdomain_layer", config, {"options"})
     options = {**config.get("options", {}), **{f: config[f] for f in flags if f in config}}
     params = dict(config["params"])
     gate = bool(options.get("gate", "wg" in params))
