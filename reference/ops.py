@@ -170,4 +170,19 @@ def session_contract(op: str) -> SessionContract:
     return spec.session
 
 
-__all__ = ["FPA_COUNTS", "OPS", "S4D_PARAMS", "OpSpec", "SessionContract", "session_contract"]
+def session_inputs(op: str) -> tuple[str, ...]:
+    """The arrays of a chunk of ``op``'s session: its inputs but those its config gives (the
+    S4D parameters), in canonical order."""
+    config = set(session_contract(op).keys)
+    return tuple(name for name in OPS[op].inputs if name not in config)
+
+
+__all__ = [
+    "FPA_COUNTS",
+    "OPS",
+    "S4D_PARAMS",
+    "OpSpec",
+    "SessionContract",
+    "session_contract",
+    "session_inputs",
+]

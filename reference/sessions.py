@@ -42,7 +42,7 @@ from scipy.special import expit, logsumexp
 from . import fpa
 from . import interdomain as idm
 from .hippo import legs_step
-from .ops import OPS, session_contract
+from .ops import OPS, session_contract, session_inputs
 from .validation import (
     check_shape,
     nonnegative_int,
@@ -309,7 +309,7 @@ class FPASession(Session):
     and returns {"o": (R, HQ, n, dv)}. Cost per token: O(HQ C (dk + dv)) for C entries so far.
     """
 
-    NAMES = ("q", "k", "v", "field", "level")
+    NAMES = session_inputs("fpa_decode")
 
     def __init__(
         self,
@@ -397,7 +397,7 @@ class FPALayerSession(Session):
     row's increments (sec. 3), levels phi_t + lam_t; H heads, no GQA; scale 1/sqrt(dk).
     """
 
-    NAMES = ("x",)
+    NAMES = session_inputs("fpa_layer")
     TOKEN_AXIS = session_contract("fpa_layer").token_axis
     OUTPUT = session_contract("fpa_layer").output
 
@@ -492,7 +492,7 @@ class S4DSession(Session):
     and returns {"o": (R, H, n, dv)}. Cost per token: O(H M^2 (R_f + dv)).
     """
 
-    NAMES = ("fq", "kt", "vt")
+    NAMES = session_inputs("interdomain_s4d")
 
     def __init__(
         self,
@@ -547,7 +547,7 @@ class LegsSession(Session):
     ratio readout (I3) after each token. Cost per token: O(H M^2 (R_f + dv)) (steps cached).
     """
 
-    NAMES = ("fq", "fk", "v")
+    NAMES = session_inputs("interdomain_legs")
 
     def __init__(self, rows: int, *, M: int, max_rollback: int = 0) -> None:
         super().__init__(rows, max_rollback)
@@ -607,7 +607,7 @@ class InterdomainLayerSession(Session):
     plus O(t H R) for RoPE at position t.
     """
 
-    NAMES = ("x",)
+    NAMES = session_inputs("interdomain_layer")
     TOKEN_AXIS = session_contract("interdomain_layer").token_axis
     OUTPUT = session_contract("interdomain_layer").output
     TAIL = 3  # K - 1 for the layer's convolutions of width K = 4 (I8)

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attnspec.backends import session_checks
-from attnspec.reference.ops import session_contract
+from attnspec.reference.ops import session_contract, session_inputs
 from attnspec.reference.validation import positive_int, threshold
 
 from . import compile_budget, layers, sessions
@@ -140,8 +140,6 @@ class _SessionSpec:
     def __init__(
         self,
         op: str,
-        inputs: tuple[str, ...],
-        output: str,
         *,
         dtype: jnp.dtype,
         check: Any,
@@ -151,8 +149,14 @@ class _SessionSpec:
         capacity: int | None = None,
         capacity_unit: str = "",
     ) -> None:
-        self.op, self.inputs, self.output, self.dtype = op, inputs, output, dtype
-        self.axis = 1 if op.endswith("layer") else 2
+        contract = session_contract(op)  # the op's card (reference/ops.py)
+        self.op, self.inputs, self.output, self.dtype = (
+            op,
+            session_inputs(op),
+            contract.output,
+            dtype,
+        )
+        self.axis = contract.token_axis
         self.check, self.empty, self.advance, self.rollback = check, empty, advance, rollback
         self.capacity, self.capacity_unit = capacity, capacity_unit
 
@@ -258,8 +262,6 @@ def _fpa_decode_spec(dtype: jnp.dtype, config: dict[str, Any]) -> _SessionSpec:
 
     return _SessionSpec(
         "fpa_decode",
-        ("q", "k", "v", "field", "level"),
-        "o",
         dtype=dtype,
         check=check,
         empty=empty,
@@ -316,8 +318,6 @@ def _s4d_spec(dtype: jnp.dtype, config: dict[str, Any]) -> _SessionSpec:
 
     return _SessionSpec(
         "interdomain_s4d",
-        ("fq", "kt", "vt"),
-        "o",
         dtype=dtype,
         check=_features_check(("fq", "kt", "vt"), dtype, H),
         empty=empty,
@@ -344,8 +344,6 @@ def _legs_spec(dtype: jnp.dtype, config: dict[str, Any]) -> _SessionSpec:
 
     return _SessionSpec(
         "interdomain_legs",
-        ("fq", "fk", "v"),
-        "o",
         dtype=dtype,
         check=_features_check(("fq", "fk", "v"), dtype, None),
         empty=empty,
@@ -393,8 +391,6 @@ def _fpa_layer_spec(dtype: jnp.dtype, config: dict[str, Any]) -> _SessionSpec:
 
     return _SessionSpec(
         "fpa_layer",
-        ("x",),
-        "y",
         dtype=dtype,
         check=_layer_check(dtype, d),
         empty=empty,
@@ -432,8 +428,6 @@ def _interdomain_layer_spec(dtype: jnp.dtype, config: dict[str, Any]) -> _Sessio
 
     return _SessionSpec(
         "interdomain_layer",
-        ("x",),
-        "y",
         dtype=dtype,
         check=_layer_check(dtype, d),
         empty=empty,
