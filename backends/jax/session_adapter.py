@@ -16,7 +16,7 @@ from attnspec.backends import session_checks
 from attnspec.reference.ops import session_contract, session_inputs
 from attnspec.reference.validation import positive_int, threshold
 
-from . import compile_budget, layers, sessions
+from . import compile_budget, layers, sessions, validation
 
 SESSION_CAPACITY = 1024  # default fixed capacity: FPA slots per (row, kv head), LegS steps
 
@@ -182,11 +182,6 @@ def _array(name: str, x: object, ndim: int, dtype: jnp.dtype | None, meaning: st
     return x
 
 
-def _expect_shape(name: str, x: jax.Array, shape: tuple[int, ...], meaning: str) -> None:
-    if tuple(x.shape) != tuple(shape):
-        raise ValueError(f"{name}: expected shape {tuple(shape)} ({meaning}), got {x.shape}")
-
-
 def _config_keys(
     op: str, config: dict[str, Any], extra: set[str], defaults: tuple[str, ...] = ()
 ) -> None:
@@ -233,9 +228,9 @@ def _fpa_decode_spec(dtype: jnp.dtype, config: dict[str, Any]) -> _SessionSpec:
         n = q.shape[2]
         for name, heads, width in (("q", HQ, dk), ("k", H, dk), ("v", H, dv)):
             y = _array(name, x[name], 4, dtype, "(R, heads, n, dim)")
-            _expect_shape(name, y, (R, heads, n, width), f"{R} rows, {heads} heads, n of q")
+            validation.shape(name, y, (R, heads, n, width), f"{R} rows, {heads} heads, n of q")
         for name in ("field", "level"):
-            _expect_shape(
+            validation.shape(
                 name, _array(name, x[name], 3, None, "(R, HQ, n)"), (R, HQ, n), "(R, HQ, n)"
             )
         return n, ()
@@ -280,7 +275,7 @@ def _features_check(names: tuple[str, str, str], dtype: jnp.dtype, heads: int | 
         H, n, F = fq.shape[1:]
         if fq.shape[0] != R or (heads is not None and H != heads):
             raise ValueError(f"{a}: expected shape ({R}, {heads or 'H'}, n, R), got {fq.shape}")
-        _expect_shape(b, _array(b, x[b], 4, dtype, "(R, H, n, R)"), (R, H, n, F), f"as {a}")
+        validation.shape(b, _array(b, x[b], 4, dtype, "(R, H, n, R)"), (R, H, n, F), f"as {a}")
         v = _array(c, x[c], 4, dtype, "(R, H, n, dv)")
         if v.shape[:3] != (R, H, n):
             raise ValueError(f"{c}: expected shape ({R}, {H}, {n}, dv) (as {a}), got {v.shape}")
