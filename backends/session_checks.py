@@ -10,17 +10,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
-
-def count(name: str, value: object, minimum: int = 0) -> int:
-    """A Python or NumPy integer >= ``minimum`` (bools refused), as int."""
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
-        raise ValueError(f"{name}: expected an integer >= {minimum}, got {value!r}")
-    return int(value)
+from attnspec.reference.validation import nonnegative_int
 
 
 def max_rollback(config: dict[str, object]) -> int:
     """The delay W of (F9) from a session config (default 0: plain (F7))."""
-    return count("max_rollback", config.get("max_rollback", 0))
+    return nonnegative_int("max_rollback", config.get("max_rollback", 0))
 
 
 def selected_rows(rows: object, R: int) -> list[int]:
@@ -43,7 +38,7 @@ def rollback_args(
     ("max_rollback") and at most the row's undoable tokens ``budget[row]``."""
     if isinstance(row, bool) or not isinstance(row, int | np.integer) or not 0 <= row < R:
         raise ValueError(f"row: expected a row index in [0, {R}), got {row!r}")
-    n = count("n", n)
+    n = nonnegative_int("n", n)
     if n > delay:
         raise ValueError(
             f"max_rollback: the session keeps W = {delay} tokens for rollback (F9), "

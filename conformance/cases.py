@@ -8,167 +8,40 @@ recompile per case. Assumptions that keep a case well conditioned are stated in 
 from __future__ import annotations
 
 import functools
-import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from itertools import pairwise
 from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
 
-from attnspec.reference import fpa, hippo
+from attnspec.reference import fpa
 from attnspec.reference import interdomain as idm
 from attnspec.reference.ops import OPS
 
 from . import session_covering, session_programs
+from .covering_cases import families as covering_families
+from .drawers import (
+    RATIO_LAYER,
+    TRAINED,
+    Builder,
+    Built,
+    Case,
+    Family,
+    Inputs,
+    bracket_walk,
+    case_seed,
+    draw_fox_inputs,
+    draw_fpa_inputs,
+    draw_interdomain_layer,
+    draw_layer_inputs,
+    legs_builder,
+    s4d_builder,
+    trained,
+)
 
 GENERATOR_VERSION = "1"
 
-# A family's builder draws a case's float64 inputs and its static params from (rng, n).
-Inputs = dict[str, NDArray[np.float64]]
-Built = tuple[Inputs, dict[str, Any]]
-Builder = Callable[[np.random.Generator, int], Built]
-
-
-@dataclass(frozen=True)
-class Case:
-    """One conformance case: float64 inputs, static params, and what it is checked for.
-
-    gradient: in the gradient suite (backend VJP vs reference VJP).
-    finite_difference: the reference VJP is also checked by central differences (inputs are
-    away from kinks); False for tie cases, which check the conventions of spec/fpa.md sec. 6.
-    requires: optional capabilities beyond the op ("fpa_attention.varlen", ...).
-    call_order: also checked for independence of call history (a second input set of the same
-    shape, forwards and VJPs of both interleaved in a shuffled order; see :func:`partner`).
-    layout: "" for fresh contiguous inputs, else the strided variant ("slice", "transpose")
-    the backend's ``asarray_strided`` is asked for (protocol.py).
-    """
-
-    id: str
-    op: str
-    seed: int
-    inputs: Inputs
-    params: dict[str, Any] = field(default_factory=dict)
-    gradient: bool = False
-    finite_difference: bool = False
-    note: str = ""
-    requires: tuple[str, ...] = ()
-    call_order: bool = False
-    layout: str = ""
-
-    @property
-    def family(self) -> str:
-        return self.id.split("/")[1]
-
-    def shapes(self) -> dict[str, tuple[int, ...]]:
-        return {name: tuple(x.shape) for name, x in self.inputs.items()}
-
-
-@dataclass(frozen=True)
-class Family:
-    """count cases built by ``build(rng, n) -> (inputs, params)``; flags as on :class:`Case`;
-    ``layouts``: case n gets the strided input layout ``layouts[n % len(layouts)]``;
-    ``per_case``: n -> (requires, layout) of case n, in place of both (covering designs)."""
-
-    count: int
-    build: Builder
-    note: str
-    gradient: bool = False
-    finite_difference: bool = False
-    requires: tuple[str, ...] = ()
-    call_order: bool = False
-    layouts: tuple[str, ...] = ()
-    per_case: Callable[[int], tuple[tuple[str, ...], str]] | None = None
-
-
-def case_seed(case_id: str) -> int:
-    return zlib.crc32(case_id.encode())
-
-
 # FPA
-
-
-def fpa_kink_margin(field_: NDArray[np.float64], level: NDArray[np.float64]) -> float:
-    """Distance of the inputs from the kinks of FPA.
-
-    The smaller of: |l_j - m_ij| over j < i (the clamp of (F2)), and the gap between the
-    smallest and second-smallest field value of each segment (j, i] (ties of the argmin in (G3)).
-    """
-    T = field_.shape[-1]
-    if T < 2:
-        return np.inf
-    m = fpa.segment_min(field_)
-    lower = np.tril(np.ones((T, T), dtype=bool), k=-1)
-    margin = np.abs(level[..., None, :] - m)[..., lower].min()
-    first = np.full(field_.shape, np.inf)  # running min of (j, i] for each j
-    second = np.full(field_.shape, np.inf)  # running second min
-    for i in range(1, T):
-        new = field_[..., i, None]
-        second[..., :i] = np.minimum(second[..., :i], np.maximum(first[..., :i], new))
-        first[..., :i] = np.minimum(first[..., :i], new)
-        with np.errstate(invalid="ignore"):  # inf - inf where the segment has one value
-            gap = (second - first)[..., :i]
-        margin = min(margin, gap[np.isfinite(gap)].min(initial=np.inf))
-    return float(margin)
-
-
-def _bracket_walk(
-    rng: np.random.Generator, shape: tuple[int, ...], step: float = 1.0
-) -> NDArray[np.float64]:
-    steps = rng.choice([step, -step, 0.0], size=shape, p=[0.35, 0.35, 0.3])
-    return np.cumsum(steps, axis=-1)
-
-
-def _fields(rng: np.random.Generator, kind: str, shape: tuple[int, ...]) -> NDArray[np.float64]:
-    if kind == "walk":
-        return np.cumsum(rng.standard_normal(shape), axis=-1)
-    if kind == "monotone":  # FoX-like, strictly decreasing
-        return np.cumsum(-rng.exponential(0.5, shape) - 0.01, axis=-1)
-    if kind == "brackets":
-        return _bracket_walk(rng, shape)
-    if kind == "constant":
-        return np.zeros(shape)
-    if kind == "huge":
-        return 1e4 * np.cumsum(rng.standard_normal(shape), axis=-1) / np.sqrt(shape[-1])
-    if kind == "cliff":  # a -inf-like descent in the middle
-        walk = np.cumsum(rng.standard_normal(shape), axis=-1)
-        walk[..., shape[-1] // 2 :] -= 1e30
-        return walk
-    raise ValueError(kind)
-
-
-def _levels(
-    rng: np.random.Generator, kind: str, field_: NDArray[np.float64]
-) -> NDArray[np.float64]:
-    if kind == "one_walk":
-        return field_.copy()
-    if kind == "offset":
-        return field_ + rng.standard_normal(field_.shape)
-    if kind == "extreme":  # some keys never die, some die at once
-        return field_ + rng.choice([-1e4, 0.0, 1e4], size=field_.shape)
-    raise ValueError(kind)
-
-
-def _fpa_inputs(
-    rng: np.random.Generator,
-    shape: tuple[int, int, int, int, int],
-    *,
-    field_kind: str = "walk",
-    level_kind: str = "offset",
-    logit: float = 1.0,
-    margin: float = 0.0,
-) -> Inputs:
-    (B, H, T, dk, dv) = shape
-    for _ in range(50):
-        q = logit * rng.standard_normal((B, H, T, dk))
-        k = rng.standard_normal((B, H, T, dk))
-        v = rng.standard_normal((B, H, T, dv))
-        f = _fields(rng, field_kind, (B, H, T))
-        lev = _levels(rng, level_kind, f)
-        if margin == 0.0 or fpa_kink_margin(f, lev) > margin:
-            return {"q": q, "k": k, "v": v, "field": f, "level": lev}
-    raise RuntimeError("could not draw inputs away from the kinks")
 
 
 # The shape menu (B, H, T, dk, dv); families pick from it by index.
@@ -276,7 +149,7 @@ def _window_gqa(inputs: Callable[[np.random.Generator, int, int, int], Inputs]) 
 
 def _fpa_family(shape_list: Sequence[tuple[int, int, int, int, int]], **kw: Any) -> Builder:
     def build(rng: np.random.Generator, n: int) -> Built:
-        return _fpa_inputs(rng, shape_list[n % len(shape_list)], **kw), {}
+        return draw_fpa_inputs(rng, shape_list[n % len(shape_list)], **kw), {}
 
     return build
 
@@ -292,7 +165,7 @@ def _fpa_tiles(rng: np.random.Generator, n: int) -> Built:
     field_kind, level_kind = TILE_FIELDS[n % 3]
     B, H = (2, 2) if n % 2 else (1, 3)
     shape = (B, H, TILE_LENGTHS[n], 16, 16)
-    return _fpa_inputs(rng, shape, field_kind=field_kind, level_kind=level_kind), {}
+    return draw_fpa_inputs(rng, shape, field_kind=field_kind, level_kind=level_kind), {}
 
 
 # Every head-dim pair meets every length: (dk, dv) x T.
@@ -303,7 +176,7 @@ HEADDIM_LENGTHS = [
 
 def _fpa_headdim_long(rng: np.random.Generator, n: int) -> Built:
     dk, dv, T = HEADDIM_LENGTHS[n]
-    return _fpa_inputs(rng, (1, 2, T, dk, dv)), {}
+    return draw_fpa_inputs(rng, (1, 2, T, dk, dv)), {}
 
 
 TIE_TILES = [(kind, T) for T in (65, 130, 257) for kind in ("brackets", "constant")]
@@ -312,23 +185,23 @@ TIE_TILES = [(kind, T) for T in (65, 130, 257) for kind in ("brackets", "constan
 def _fpa_ties_tiles(rng: np.random.Generator, n: int) -> Built:
     kind, T = TIE_TILES[n]
     level_kind = "one_walk" if kind == "brackets" else "offset"
-    return _fpa_inputs(rng, (1, 2, T, 16, 16), field_kind=kind, level_kind=level_kind), {}
+    return draw_fpa_inputs(rng, (1, 2, T, 16, 16), field_kind=kind, level_kind=level_kind), {}
 
 
 def _fpa_scale(rng: np.random.Generator, n: int) -> Built:
     scale, T = [(0.3, 65), (2.5, 33)][n]
-    return _fpa_inputs(rng, (1, 2, T, 16, 16), margin=1e-4), {"scale": scale}
+    return draw_fpa_inputs(rng, (1, 2, T, 16, 16), margin=1e-4), {"scale": scale}
 
 
 def _fpa_large_logits(rng: np.random.Generator, n: int) -> Built:
     # s <q, k> ~ N(0, 300^2): logits in the hundreds, far beyond exp's float32 range.
-    return _fpa_inputs(rng, (1, 2, [65, 130][n], 16, 16), logit=300.0, margin=1e-4), {}
+    return draw_fpa_inputs(rng, (1, 2, [65, 130][n], 16, 16), logit=300.0, margin=1e-4), {}
 
 
 def _fpa_low_rows(rng: np.random.Generator, n: int) -> Built:
     """Some rows have every logit near -200 (exp underflows in float32 without a row max)."""
     B, H, T, dk, dv = (1, 2, [65, 130][n], 16, 16)
-    inputs = _fpa_inputs(rng, (B, H, T, dk, dv), margin=1e-4)
+    inputs = draw_fpa_inputs(rng, (B, H, T, dk, dv), margin=1e-4)
     u = rng.standard_normal(dk)
     u /= np.linalg.norm(u)
     k = 8.0 * u + 0.3 * rng.standard_normal((B, H, T, dk))  # <u, k_j> ~ 8 for every key
@@ -352,7 +225,7 @@ def _fpa_long_uniform(rng: np.random.Generator, n: int) -> Built:
 
 def _fpa_large_field(rng: np.random.Generator, n: int) -> Built:
     """Fields near +-1e4 plus an O(1) walk: O(1) penalties as differences of large numbers."""
-    inputs = _fpa_inputs(rng, FPA_FIELD_SHAPE, margin=1e-4)
+    inputs = draw_fpa_inputs(rng, FPA_FIELD_SHAPE, margin=1e-4)
     centre = np.array([1e4, -1e4])[:, None]  # one head near +1e4, one near -1e4
     inputs["field"] = inputs["field"] + centre
     inputs["level"] = inputs["level"] + centre
@@ -361,13 +234,13 @@ def _fpa_large_field(rng: np.random.Generator, n: int) -> Built:
 
 def _fpa_varlen(rng: np.random.Generator, n: int) -> Built:
     offsets = VARLEN_OFFSETS[n % 2]
-    inputs = _fpa_inputs(rng, (1, 2, offsets[-1], 16, 16))
+    inputs = draw_fpa_inputs(rng, (1, 2, offsets[-1], 16, 16))
     return inputs, {"cu_seqlens": offsets}
 
 
 def _fpa_gqa(rng: np.random.Generator, n: int) -> Built:
     B, H, H_kv, T = GQA_SHAPES[n]
-    inputs = _fpa_inputs(rng, (B, H, T, 16, 16), margin=1e-4)
+    inputs = draw_fpa_inputs(rng, (B, H, T, 16, 16), margin=1e-4)
     inputs["k"] = inputs["k"][:, :H_kv]
     inputs["v"] = inputs["v"][:, :H_kv]
     return inputs, {}
@@ -375,45 +248,45 @@ def _fpa_gqa(rng: np.random.Generator, n: int) -> Built:
 
 def _fpa_empty_segment(rng: np.random.Generator, n: int) -> Built:
     offsets = EMPTY_SEGMENT_OFFSETS[n]
-    return _fpa_inputs(rng, (1, 2, offsets[-1], 16, 16)), {"cu_seqlens": offsets}
+    return draw_fpa_inputs(rng, (1, 2, offsets[-1], 16, 16)), {"cu_seqlens": offsets}
 
 
 def _fpa_packings(rng: np.random.Generator, n: int) -> Built:
     offsets = draw_packing(rng, n)
-    return _fpa_inputs(rng, (1, 2, offsets[-1], 16, 16)), {"cu_seqlens": offsets}
+    return draw_fpa_inputs(rng, (1, 2, offsets[-1], 16, 16)), {"cu_seqlens": offsets}
 
 
 def _fpa_varlen_gqa(rng: np.random.Generator, n: int) -> Built:
     H, H_kv = VARLEN_GQA_HEADS[n]
     offsets = draw_packing(rng, n + 1)
-    inputs = _fpa_inputs(rng, (1, H, offsets[-1], 16, 16))
+    inputs = draw_fpa_inputs(rng, (1, H, offsets[-1], 16, 16))
     inputs["k"], inputs["v"] = inputs["k"][:, :H_kv], inputs["v"][:, :H_kv]
     return inputs, {"cu_seqlens": offsets}
 
 
 def _fpa_gqa_batch(rng: np.random.Generator, n: int) -> Built:
     B, H, H_kv, T = GQA_BATCH_SHAPES[n]
-    inputs = _fpa_inputs(rng, (B, H, T, 16, 16), margin=1e-4)
+    inputs = draw_fpa_inputs(rng, (B, H, T, 16, 16), margin=1e-4)
     inputs["k"], inputs["v"] = inputs["k"][:, :H_kv], inputs["v"][:, :H_kv]
     return inputs, {}
 
 
 def _fpa_headdim_big(rng: np.random.Generator, n: int) -> Built:
     dk, dv, T = HEADDIM_BIG[n]
-    return _fpa_inputs(rng, (1, 2, T, dk, dv), margin=1e-4), {}
+    return draw_fpa_inputs(rng, (1, 2, T, dk, dv), margin=1e-4), {}
 
 
 def _fpa_long_gradient(rng: np.random.Generator, n: int) -> Built:
-    return _fpa_inputs(rng, LONG_GRADIENT_SHAPES[n]), {}
+    return draw_fpa_inputs(rng, LONG_GRADIENT_SHAPES[n]), {}
 
 
 def _fpa_call_order(rng: np.random.Generator, n: int) -> Built:
-    return _fpa_inputs(rng, (2, 2, 65, 16, 16), margin=1e-4), {}
+    return draw_fpa_inputs(rng, (2, 2, 65, 16, 16), margin=1e-4), {}
 
 
 def _fpa_window(rng: np.random.Generator, n: int) -> Built:
     T, W = WINDOWS[n]
-    return _fpa_inputs(rng, (1 + n % 2, 2, T, 16, 16), margin=1e-4), {"window": W}
+    return draw_fpa_inputs(rng, (1 + n % 2, 2, T, 16, 16), margin=1e-4), {"window": W}
 
 
 FPA_FAMILIES = {
@@ -598,14 +471,14 @@ FPA_FAMILIES = {
     ),
     "window_varlen": Family(
         2,
-        _window_varlen(lambda rng, T: (_fpa_inputs(rng, (1, 2, T, 16, 16)), {})),
+        _window_varlen(lambda rng, T: (draw_fpa_inputs(rng, (1, 2, T, 16, 16)), {})),
         WINDOW + "; " + VARLEN,
         gradient=True,
         requires=("fpa_attention.window", "fpa_attention.varlen"),
     ),
     "window_gqa": Family(
         2,
-        _window_gqa(lambda rng, B, H, T: _fpa_inputs(rng, (B, H, T, 16, 16), margin=1e-4)),
+        _window_gqa(lambda rng, B, H, T: draw_fpa_inputs(rng, (B, H, T, 16, 16), margin=1e-4)),
         WINDOW + "; " + GQA + "; " + SMOOTH,
         gradient=True,
         finite_difference=True,
@@ -629,62 +502,46 @@ def _fox_family(unit_gates: float, decay: float) -> Builder:
     return build
 
 
-def _fox_inputs(
-    rng: np.random.Generator,
-    B: int,
-    H: int,
-    T: int,
-    dk: int = 16,
-    dv: int = 16,
-    decay: float = 0.5,
-    H_kv: int | None = None,
-) -> Inputs:
-    q = rng.standard_normal((B, H, T, dk))
-    k, v = rng.standard_normal((B, H_kv or H, T, dk)), rng.standard_normal((B, H_kv or H, T, dv))
-    log_f = -rng.exponential(decay, (B, H, T)) - 1e-2
-    return {"q": q, "k": k, "v": v, "log_f": log_f}
-
-
 def _fox_empty_segment(rng: np.random.Generator, n: int) -> Built:
     offsets = EMPTY_SEGMENT_OFFSETS[n]
-    return _fox_inputs(rng, 1, 2, offsets[-1], decay=0.05), {"cu_seqlens": offsets}
+    return draw_fox_inputs(rng, 1, 2, offsets[-1], decay=0.05), {"cu_seqlens": offsets}
 
 
 def _fox_packings(rng: np.random.Generator, n: int) -> Built:
     offsets = draw_packing(rng, n)
-    return _fox_inputs(rng, 1, 2, offsets[-1], decay=0.05), {"cu_seqlens": offsets}
+    return draw_fox_inputs(rng, 1, 2, offsets[-1], decay=0.05), {"cu_seqlens": offsets}
 
 
 def _fox_varlen_gqa(rng: np.random.Generator, n: int) -> Built:
     H, H_kv = VARLEN_GQA_HEADS[n]
     offsets = draw_packing(rng, n + 1)
-    return _fox_inputs(rng, 1, H, offsets[-1], decay=0.05, H_kv=H_kv), {"cu_seqlens": offsets}
+    return draw_fox_inputs(rng, 1, H, offsets[-1], decay=0.05, H_kv=H_kv), {"cu_seqlens": offsets}
 
 
 def _fox_gqa_batch(rng: np.random.Generator, n: int) -> Built:
     B, H, H_kv, T = GQA_BATCH_SHAPES[n]
-    return _fox_inputs(rng, B, H, T, H_kv=H_kv), {}
+    return draw_fox_inputs(rng, B, H, T, H_kv=H_kv), {}
 
 
 def _fox_headdim_big(rng: np.random.Generator, n: int) -> Built:
     dk, dv, T = HEADDIM_BIG[n]
-    return _fox_inputs(rng, 1, 2, T, dk, dv), {}
+    return draw_fox_inputs(rng, 1, 2, T, dk, dv), {}
 
 
 def _fox_long_gradient(rng: np.random.Generator, n: int) -> Built:
     B, H, T, dk, dv = LONG_GRADIENT_SHAPES[n]
-    return _fox_inputs(rng, B, H, T, dk, dv, decay=0.02), {}
+    return draw_fox_inputs(rng, B, H, T, dk, dv, decay=0.02), {}
 
 
 def _fox_call_order(rng: np.random.Generator, n: int) -> Built:
-    return _fox_inputs(rng, 2, 2, 65), {}
+    return draw_fox_inputs(rng, 2, 2, 65), {}
 
 
 def _fox_large_logits(rng: np.random.Generator, n: int) -> Built:
     """Large q and k norms and the default scale: s q.k in the hundreds, and log f ~ -8, so
     the decay c_i - c_j passes -50 within a few tokens while the logits outweigh it."""
     B, H, T = [(1, 2, 33), (2, 1, 65)][n]
-    inputs = _fox_inputs(rng, B, H, T, decay=8.0)
+    inputs = draw_fox_inputs(rng, B, H, T, decay=8.0)
     inputs["q"], inputs["k"] = 18.0 * inputs["q"], 18.0 * inputs["k"]  # s q.k ~ N(0, 324^2)
     return inputs, {}
 
@@ -696,7 +553,7 @@ def _fox_padded(rng: np.random.Generator, n: int) -> Built:
     """A left-padded batch (B = 3, T = 33, GQA 4/2 in case 1): absent positions hold garbage
     (q, k, v x 30, log f = -20), so a backend that reads them shows it."""
     H, H_kv = [(2, 2), (4, 2)][n]
-    inputs = _fox_inputs(rng, 3, H, 33, decay=0.3, H_kv=H_kv)
+    inputs = draw_fox_inputs(rng, 3, H, 33, decay=0.3, H_kv=H_kv)
     present = np.arange(33)[None, :] >= np.array(PADDED[n])[:, None]  # (B, T)
     for name in ("q", "k", "v"):
         inputs[name] = np.where(present[:, None, :, None], inputs[name], 30.0 * inputs[name])
@@ -711,7 +568,7 @@ FOX_WINDOWS = [(65, 2), *WINDOWS[1:]]
 
 def _fox_window(rng: np.random.Generator, n: int) -> Built:
     T, W = FOX_WINDOWS[n]
-    return _fox_inputs(rng, 1 + n % 2, 2, T, decay=0.05), {"window": W}
+    return draw_fox_inputs(rng, 1 + n % 2, 2, T, decay=0.05), {"window": W}
 
 
 FOX_FAMILIES = {
@@ -726,7 +583,7 @@ FOX_FAMILIES = {
     ),
     "long": Family(
         2,
-        lambda rng, n: (_fox_inputs(rng, 2, 2, [257, 300][n], decay=0.05), {}),
+        lambda rng, n: (draw_fox_inputs(rng, 2, 2, [257, 300][n], decay=0.05), {}),
         "T >= 257 across tile borders, weak decay, B*H > 1",
         gradient=True,
     ),
@@ -745,7 +602,7 @@ FOX_FAMILIES = {
     ),
     "scale": Family(
         1,
-        lambda rng, n: (_fox_inputs(rng, 1, 2, 65), {"scale": 0.3}),
+        lambda rng, n: (draw_fox_inputs(rng, 1, 2, 65), {"scale": 0.3}),
         "scale 0.3",
         gradient=True,
         finite_difference=True,
@@ -753,7 +610,7 @@ FOX_FAMILIES = {
     "varlen": Family(
         2,
         lambda rng, n: (
-            _fox_inputs(rng, 1, 2, VARLEN_OFFSETS[n][-1], decay=0.05),
+            draw_fox_inputs(rng, 1, 2, VARLEN_OFFSETS[n][-1], decay=0.05),
             {"cu_seqlens": VARLEN_OFFSETS[n]},
         ),
         VARLEN,
@@ -763,7 +620,7 @@ FOX_FAMILIES = {
     "gqa": Family(
         3,
         lambda rng, n: (
-            _fox_inputs(rng, *GQA_SHAPES[n][:2], GQA_SHAPES[n][3], H_kv=GQA_SHAPES[n][2]),
+            draw_fox_inputs(rng, *GQA_SHAPES[n][:2], GQA_SHAPES[n][3], H_kv=GQA_SHAPES[n][2]),
             {},
         ),
         GQA,
@@ -810,7 +667,7 @@ FOX_FAMILIES = {
     ),
     "strided": Family(
         2,
-        lambda rng, n: (_fox_inputs(rng, 2, 2, 65), {}),
+        lambda rng, n: (draw_fox_inputs(rng, 2, 2, 65), {}),
         STRIDED,
         gradient=True,
         layouts=STRIDED_LAYOUTS,
@@ -825,21 +682,21 @@ FOX_FAMILIES = {
     ),
     "window_one": Family(
         1,
-        lambda rng, n: (_fox_inputs(rng, 2, 2, 65), {"window": 1}),
+        lambda rng, n: (draw_fox_inputs(rng, 2, 2, 65), {"window": 1}),
         "W = 1: each query sees its own key only (o = v); outputs only, the gradients of q, "
         "k and log_f being exactly zero",
         requires=("fox_attention.window",),
     ),
     "window_varlen": Family(
         2,
-        _window_varlen(lambda rng, T: (_fox_inputs(rng, 1, 2, T, decay=0.05), {})),
+        _window_varlen(lambda rng, T: (draw_fox_inputs(rng, 1, 2, T, decay=0.05), {})),
         WINDOW + "; " + VARLEN,
         gradient=True,
         requires=("fox_attention.window", "fox_attention.varlen"),
     ),
     "window_gqa": Family(
         2,
-        _window_gqa(lambda rng, B, H, T: _fox_inputs(rng, B, H, T)),
+        _window_gqa(lambda rng, B, H, T: draw_fox_inputs(rng, B, H, T)),
         WINDOW + "; " + GQA,
         gradient=True,
         finite_difference=True,
@@ -866,7 +723,7 @@ def _decode_family(kind: str) -> Builder:
         B, H, T, dk, dv = [(1, 1, 1, 8, 8), (1, 2, 33, 8, 4), (2, 1, 65, 4, 8)][n % 3]
         level = None
         if kind == "brackets":
-            f = 4.0 * _bracket_walk(rng, (B, H, T))
+            f = 4.0 * bracket_walk(rng, (B, H, T))
             theta = 6.0  # depths are multiples of 4: no depth within 2 of theta
         elif kind == "walk":
             f = 2.0 * np.cumsum(rng.standard_normal((B, H, T)), axis=-1)
@@ -886,7 +743,7 @@ def _decode_family(kind: str) -> Builder:
 def _decode_boundary(rng: np.random.Generator, n: int) -> Built:
     """Integer field and levels, so every depth is an exact integer; theta is one of them."""
     B, H, T, dk, dv = [(1, 2, 65, 8, 8), (2, 2, 130, 8, 8)][n]
-    f = _bracket_walk(rng, (B, H, T))
+    f = bracket_walk(rng, (B, H, T))
     level = f + rng.choice([-1.0, 0.0, 0.0, 1.0], size=f.shape)
     depths = fpa.descent_depth(f, level)
     theta = 2.0 if (depths == 2.0).any() else float(depths[depths > 0].min())
@@ -915,7 +772,7 @@ def _decode_theta_near(rng: np.random.Generator, n: int) -> Built:
     """Integer depths (exact in float32) and theta just off an occurring depth d: d + 1e-4,
     d - 1e-4, d + 1/3, none of them exactly representable in binary."""
     B, H, T, dk, dv = [(1, 2, 65, 8, 8), (2, 2, 130, 8, 8), (1, 1, 33, 8, 8)][n]
-    f = _bracket_walk(rng, (B, H, T))
+    f = bracket_walk(rng, (B, H, T))
     level = f + rng.choice([-1.0, 0.0, 0.0, 1.0], size=f.shape)
     depths = fpa.descent_depth(f, level)
     d = 2.0 if (depths == 2.0).any() else float(depths[depths > 0].min())
@@ -958,46 +815,29 @@ DECODE_FAMILIES = {
 # interdomain_legs
 
 
-def _positive(rng: np.random.Generator, shape: tuple[int, ...]) -> NDArray[np.float64]:
-    return np.exp(0.5 * rng.standard_normal(shape))  # ratio readouts need fq . u_0 > 0
-
-
-def _legs_family(menu: Sequence[tuple[int, int, int, int, int, int]]) -> Builder:
-    def build(rng: np.random.Generator, n: int) -> Built:
-        B, H, T, R, dv, M = menu[n % len(menu)]
-        inputs = {
-            "fq": _positive(rng, (B, H, T, R)),
-            "fk": _positive(rng, (B, H, T, R)),
-            "v": rng.standard_normal((B, H, T, dv)),
-        }
-        return inputs, {"M": M}
-
-    return build
-
-
 def _legs_strided(rng: np.random.Generator, n: int) -> Built:
-    return _legs_family([(2, 2, 33, 4, 8, 8)])(rng, n)
+    return legs_builder([(2, 2, 33, 4, 8, 8)])(rng, n)
 
 
 LEGS_FAMILIES = {
     "basis_size": Family(
         4,
-        _legs_family([(1, 2, 80, 4, 4, M) for M in (1, 4, 16, 64)]),
+        legs_builder([(1, 2, 80, 4, 4, M) for M in (1, 4, 16, 64)]),
         "positive features; T >> M for small M",
         gradient=True,
         finite_difference=True,
     ),
     "shapes": Family(
         3,
-        _legs_family([(1, 1, 1, 3, 2, 4), (2, 3, 17, 8, 4, 8), (1, 2, 65, 4, 8, 16)]),
+        legs_builder([(1, 1, 1, 3, 2, 4), (2, 3, 17, 8, 4, 8), (1, 2, 65, 4, 8, 16)]),
         "positive features",
         gradient=True,
         finite_difference=True,
     ),
-    "long": Family(1, _legs_family([(1, 1, 300, 4, 4, 16)]), "T = 300, M = 16", gradient=True),
+    "long": Family(1, legs_builder([(1, 1, 300, 4, 4, 16)]), "T = 300, M = 16", gradient=True),
     "tiles": Family(
         3,
-        _legs_family([(1, 2, 127, 4, 4, 16), (1, 2, 129, 4, 4, 64), (2, 1, 257, 4, 8, 16)]),
+        legs_builder([(1, 2, 127, 4, 4, 16), (1, 2, 129, 4, 4, 64), (2, 1, 257, 4, 8, 16)]),
         "T across chunk borders (127, 129, 257), M = 16 and 64",
         gradient=True,
         finite_difference=True,
@@ -1011,47 +851,10 @@ LEGS_FAMILIES = {
 # interdomain_s4d
 
 
-def _s4d_family(
-    menu: Sequence[tuple[int, int, int, int, int, int]],
-    *,
-    dt_range: tuple[float, float] = (0.01, 0.3),
-    readout: str = "linear",
-    offsets: Sequence[tuple[int, ...]] | None = None,
-) -> Builder:
-    def build(rng: np.random.Generator, n: int) -> Built:
-        B, H, T, R, dv, M = menu[n % len(menu)]
-        a_log, a_im = hippo.s4d_init(M)
-        dt = rng.uniform(*dt_range, H)
-        lam = idm.s4d_lambda(np.log(dt), np.tile(a_log, (H, 1)), np.tile(a_im, (H, 1)))
-        b = rng.standard_normal((H, M)) + 1j * rng.standard_normal((H, M))
-        c = (rng.standard_normal((H, M, M)) + 1j * rng.standard_normal((H, M, M))) / np.sqrt(2 * M)
-        if readout == "ratio":
-            fq, kt, b = _positive(rng, (B, H, T, R)), _positive(rng, (B, H, T, R)), np.abs(b)
-            c = np.eye(M) + 0.1 * c  # keeps the denominator Re(fq . conj(U) eta) away from 0
-        else:
-            fq, kt = rng.standard_normal((2, B, H, T, R))
-        inputs = {
-            "fq": fq,
-            "kt": kt,
-            "vt": rng.standard_normal((B, H, T, dv)),
-            "lam_re": lam.real,
-            "lam_im": lam.imag,
-            "b_re": b.real,
-            "b_im": b.imag,
-            "c_re": c.real,
-            "c_im": c.imag,
-        }
-        if offsets is not None:
-            return inputs, {"readout": readout, "cu_seqlens": offsets[n % len(offsets)]}
-        return inputs, {"readout": readout}
-
-    return build
-
-
 def _s4d_packings(rng: np.random.Generator, n: int) -> Built:
     readout = ("linear", "ratio")[n % 2]
     offsets = draw_packing(rng, n)
-    inputs, params = _s4d_family([(1, 2, offsets[-1], 4, 4, 8)], readout=readout)(rng, n)
+    inputs, params = s4d_builder([(1, 2, offsets[-1], 4, 4, 8)], readout=readout)(rng, n)
     return inputs, {**params, "cu_seqlens": offsets}
 
 
@@ -1059,19 +862,19 @@ def _s4d_zero_mode(rng: np.random.Generator, n: int) -> Built:
     """Mode h of head h has Lambda = 0 (it forgets at once); the rest as usual."""
     readout = ("linear", "ratio")[n]
     menu = [(2, 2, 65, 4, 4, 8), (1, 3, 33, 4, 8, 4)]
-    inputs, params = _s4d_family(menu, readout=readout)(rng, n)
+    inputs, params = s4d_builder(menu, readout=readout)(rng, n)
     for h in range(inputs["lam_re"].shape[0]):
         inputs["lam_re"][h, h] = inputs["lam_im"][h, h] = 0.0
     return inputs, params
 
 
 def _s4d_call_order(rng: np.random.Generator, n: int) -> Built:
-    return _s4d_family([(2, 2, 65, 4, 4, 8)])(rng, n)
+    return s4d_builder([(2, 2, 65, 4, 4, 8)])(rng, n)
 
 
 def _s4d_empty_segment(rng: np.random.Generator, n: int) -> Built:
     offsets = EMPTY_SEGMENT_OFFSETS[n]
-    inputs, params = _s4d_family(
+    inputs, params = s4d_builder(
         [(1, 2, offsets[-1], 4, 4, 8)], readout=("linear", "ratio")[n % 2]
     )(rng, n)
     return inputs, {**params, "cu_seqlens": offsets}
@@ -1080,28 +883,28 @@ def _s4d_empty_segment(rng: np.random.Generator, n: int) -> Built:
 S4D_FAMILIES = {
     "modes": Family(
         4,
-        _s4d_family([(1, 2, 40, 4, 4, M) for M in (1, 4, 16, 64)]),
+        s4d_builder([(1, 2, 40, 4, 4, M) for M in (1, 4, 16, 64)]),
         "M from 1 to 64",
         gradient=True,
         finite_difference=True,
     ),
     "long_memory": Family(
         2,
-        _s4d_family([(1, 2, 130, 4, 4, 8)], dt_range=(1e-3, 2e-3)),
+        s4d_builder([(1, 2, 130, 4, 4, 8)], dt_range=(1e-3, 2e-3)),
         "|Lambda| near 1, T >> M",
         gradient=True,
         finite_difference=True,
     ),
     "short_memory": Family(
         2,
-        _s4d_family([(1, 2, 40, 4, 4, 8)], dt_range=(1.0, 2.0)),
+        s4d_builder([(1, 2, 40, 4, 4, 8)], dt_range=(1.0, 2.0)),
         "|Lambda| = exp(-dt/2) <= 0.61",
         gradient=True,
         finite_difference=True,
     ),
     "ratio": Family(
         3,
-        _s4d_family(
+        s4d_builder(
             [(1, 2, 1, 4, 4, 4), (2, 2, 17, 4, 8, 8), (1, 3, 65, 8, 4, 16)], readout="ratio"
         ),
         "ratio readout, positive features, C near I",
@@ -1110,28 +913,28 @@ S4D_FAMILIES = {
     ),
     "shapes": Family(
         3,
-        _s4d_family([(1, 1, 1, 3, 2, 4), (2, 3, 17, 8, 4, 8), (1, 2, 65, 16, 16, 16)]),
+        s4d_builder([(1, 1, 1, 3, 2, 4), (2, 3, 17, 8, 4, 8), (1, 2, 65, 16, 16, 16)]),
         "B*H > 1, odd sizes",
         gradient=True,
         finite_difference=True,
     ),
     "long": Family(
         2,
-        _s4d_family([(2, 2, 300, 4, 4, 16), (1, 2, 257, 8, 4, 64)]),
+        s4d_builder([(2, 2, 300, 4, 4, 16), (1, 2, 257, 8, 4, 64)]),
         "T >= 257 across chunk borders, M = 16 and 64",
         gradient=True,
         finite_difference=True,
     ),
     "long_ratio": Family(
         1,
-        _s4d_family([(1, 1, 2048, 4, 4, 8)], dt_range=(1e-3, 2e-3), readout="ratio"),
+        s4d_builder([(1, 1, 2048, 4, 4, 8)], dt_range=(1e-3, 2e-3), readout="ratio"),
         "long memory (|Lambda| near 1) with the ratio readout at T = 2048",
         gradient=True,
         finite_difference=True,
     ),
     "varlen": Family(
         2,
-        _s4d_family([(1, 2, 300, 4, 4, 8), (1, 2, 130, 4, 8, 4)], offsets=VARLEN_OFFSETS),
+        s4d_builder([(1, 2, 300, 4, 4, 8), (1, 2, 130, 4, 8, 4)], offsets=VARLEN_OFFSETS),
         VARLEN + "; the state resets at each boundary",
         gradient=True,
         requires=("interdomain_s4d.varlen",),
@@ -1161,32 +964,12 @@ S4D_FAMILIES = {
         1, _s4d_call_order, CALL_ORDER, gradient=True, finite_difference=True, call_order=True
     ),
     "strided": Family(
-        1, _s4d_family([(2, 2, 33, 4, 4, 8)]), STRIDED, gradient=True, layouts=("slice",)
+        1, s4d_builder([(2, 2, 33, 4, 4, 8)]), STRIDED, gradient=True, layouts=("slice",)
     ),
 }
 
 
 # The layers (fpa_layer, interdomain_layer), the sessions and the case ids
-
-
-def trained(
-    params: dict[str, NDArray[np.float64]], rng: np.random.Generator
-) -> dict[str, NDArray[np.float64]]:
-    """Every entry of every parameter moved away from its initial value, entry by entry (so
-    per head and per channel distinct): p + (0.1 rms(p) + 0.1) N(0, 1). Generic over the dict,
-    so parameters added to a layer later are covered too."""
-    return {
-        name: p + (0.1 * float(np.sqrt(np.mean(p**2))) + 0.1) * rng.standard_normal(p.shape)
-        for name, p in sorted(params.items())
-    }
-
-
-def _layer_inputs(
-    rng: np.random.Generator, params: dict[str, NDArray[np.float64]], B: int, T: int, d: int
-) -> Inputs:
-    inputs = {"x": rng.standard_normal((B, T, d))}
-    inputs.update({f"params.{k}": v for k, v in params.items()})
-    return inputs
 
 
 # FPA layer options: (increments,); Interdomain: (readout, gate, use_rope, output_norm).
@@ -1210,7 +993,7 @@ def _fpa_layer_trained(B: int, T: int, d: int, packed: bool = False) -> Builder:
             T_ = options["cu_seqlens"][-1]
         else:
             T_ = T
-        return _layer_inputs(rng, params, B, T_, d), options
+        return draw_layer_inputs(rng, params, B, T_, d), options
 
     return build
 
@@ -1230,87 +1013,11 @@ def _interdomain_layer_trained(
         if packed:
             options["cu_seqlens"] = draw_packing(rng, n)
             T_ = options["cu_seqlens"][-1]
-        return _interdomain_layer_draw(rng, B, T_, d, options)
+        return draw_interdomain_layer(rng, B, T_, d, options)
 
     return build
 
 
-def _interdomain_layer_draw(
-    rng: np.random.Generator, B: int, T: int, d: int, options: dict[str, Any]
-) -> Built:
-    """Trained parameters (H = 2, R = dv = 4, M = 8) and x for the layer ``options`` (readout,
-    gate, use_rope, output_norm, cu_seqlens). A ratio readout is drawn until RATIO_LAYER holds:
-    a few rows that move too much are tokens whose query features nearly cancel a denominator,
-    and that token of x is redrawn (worst first, at most RATIO_LAYER_REPAIRS times); parameters
-    that leave more rows than that are drawn again. Measured at T = 130 (the "long" family, the
-    hardest): 200 of 405 draws of parameters were accepted over 200 seeds, so the
-    RATIO_LAYER_DRAWS draws all fail with probability about 0.51^300 < 1e-80 (before: 50 draws
-    without redrawing tokens, accepted 1 in 15, failed 2 seeds of 60); at T = 17, 199 of 201."""
-    for _ in range(RATIO_LAYER_DRAWS):
-        init = idm.init_interdomain_params(
-            d,
-            2,
-            4,
-            4,
-            8,
-            int(rng.integers(2**31)),
-            gate=options["gate"],
-            output_norm=options["output_norm"],
-        )
-        params = trained(init, rng)
-        if options["readout"] == "ratio":
-            params["norm_k_b"] += 3.0  # positive k~ keeps the denominator away from zero
-            params["c_re"] += np.eye(8)
-        inputs = _layer_inputs(rng, params, B, T, d)
-        if options["readout"] != "ratio":
-            return inputs, options
-        for _ in range(RATIO_LAYER_REPAIRS + 1):
-            motion = _layer_motion(inputs, options, rng)  # (B, T)
-            if motion.size == 0 or motion.max() <= RATIO_LAYER_MOTION:
-                return inputs, options
-            row, t = np.unravel_index(int(np.argmax(motion)), motion.shape)
-            inputs["x"][row, t] = rng.standard_normal(d)
-    raise RuntimeError("could not draw a well-conditioned ratio layer")  # pragma: no cover
-
-
-RATIO_LAYER_DRAWS = 300
-RATIO_LAYER_REPAIRS = 8
-RATIO_LAYER_MOTION = 0.02
-RATIO_LAYER = (
-    "ratio readout drawn so that a relative perturbation of 1e-3 of x and of every parameter "
-    "moves no output row by more than 2% of the typical row (denominators away from zero; "
-    "a token of x that breaks it is redrawn)"
-)
-
-
-def _layer_motion(
-    inputs: Inputs, options: dict[str, Any], rng: np.random.Generator
-) -> NDArray[np.float64]:
-    """Per output row (B, T), how far the reference layer's output moves under a relative
-    perturbation of 1e-3 of x and of every parameter, over the typical row's norm (the measure
-    of RATIO_LAYER; on each packed segment)."""
-    params = {k.removeprefix("params."): v for k, v in inputs.items() if k != "x"}
-    layer_options = {k: v for k, v in options.items() if k != "cu_seqlens"}
-    offsets = options.get("cu_seqlens") or (0, inputs["x"].shape[-2])
-
-    def layer(x: NDArray[np.float64], p: Inputs) -> NDArray[np.float64]:
-        parts = [
-            idm.interdomain_layer(x[..., a:b, :], p, **layer_options)
-            for a, b in pairwise(offsets)
-            if b > a  # a zero-length sequence contributes nothing
-        ]
-        return np.concatenate(parts, axis=-2)
-
-    y = layer(inputs["x"], params)
-    noise = np.random.default_rng(int(rng.integers(2**31)))
-    x2 = inputs["x"] * (1 + 1e-3 * noise.standard_normal(inputs["x"].shape))
-    p2 = {k: v * (1 + 1e-3 * noise.standard_normal(v.shape)) for k, v in params.items()}
-    moved = np.linalg.norm(layer(x2, p2) - y, axis=-1)
-    typical = np.sqrt(np.mean(np.sum(y**2, axis=-1)))
-    return moved / typical
-
-
-TRAINED = "parameters as trained (every entry moved off its initial value, distinct per entry)"
 FPA_LAYER_FAMILIES = {
     "trained": Family(
         2, _fpa_layer_trained(2, 17, 16), TRAINED + "; signed and logsigmoid increments"
@@ -1365,25 +1072,6 @@ def _layer_family(kind: str, readout: str = "linear") -> Builder:
     return build
 
 
-FAMILIES: dict[str, dict[str, Family]] = {
-    "fpa_attention": FPA_FAMILIES,
-    "fox_attention": FOX_FAMILIES,
-    "fpa_decode": DECODE_FAMILIES,
-    "interdomain_legs": LEGS_FAMILIES,
-    "interdomain_s4d": S4D_FAMILIES,
-    # Layers have no reference VJP: forward only [decision].
-    "fpa_layer": {
-        "shapes": Family(2, _layer_family("fpa"), "random layer, H = 2"),
-        **FPA_LAYER_FAMILIES,
-    },
-    "interdomain_layer": {
-        "shapes": Family(2, _layer_family("interdomain"), "S4D-Inv init, linear readout"),
-        "ratio": Family(1, _layer_family("interdomain", "ratio"), "ratio readout, positive k~"),
-        **INTERDOMAIN_LAYER_FAMILIES,
-    },
-}
-
-
 def _session_builder(build: session_programs.Build) -> Builder:
     def session_case(rng: np.random.Generator, n: int) -> Built:
         return {}, {"session": build(rng, n)}
@@ -1391,23 +1079,46 @@ def _session_builder(build: session_programs.Build) -> Builder:
     return session_case
 
 
-# Decode sessions (session_programs.py): <prefix>/session_<family>/<n>, for "<op>.session".
-for _op, _families in session_programs.FAMILIES.items():
-    FAMILIES[_op].update(
-        {
-            f"session_{name}": Family(
-                count, _session_builder(build), note, requires=(f"{_op}.session",)
-            )
-            for name, (count, build, note) in _families.items()
-        }
-    )
-for _op in session_covering.OPS:  # every pair of session-feature values (session_covering.py)
-    FAMILIES[_op]["session_covering"] = Family(
-        len(session_covering.rows(_op)),
-        _session_builder(functools.partial(session_covering.program, _op)),
-        session_covering.NOTE,
-        requires=(f"{_op}.session",),
-    )
+def _session_families(op: str) -> dict[str, Family]:
+    """The decode sessions of ``op`` (session_programs.py): <prefix>/session_<family>/<n>, for
+    "<op>.session", then its programs covering every pair of session-feature values
+    (session_covering.py): <prefix>/session_covering/<n>."""
+    families = {
+        f"session_{name}": Family(count, _session_builder(build), note, requires=(f"{op}.session",))
+        for name, (count, build, note) in session_programs.FAMILIES.get(op, {}).items()
+    }
+    if op in session_covering.OPS:
+        families["session_covering"] = Family(
+            len(session_covering.rows(op)),
+            _session_builder(functools.partial(session_covering.program, op)),
+            session_covering.NOTE,
+            requires=(f"{op}.session",),
+        )
+    return families
+
+
+# The menu: per op its families, then its decode sessions, then its all-pairs covering family
+# over the feature axes (conformance/covering_cases.py).
+FAMILIES: dict[str, dict[str, Family]] = {
+    op: {**families, **_session_families(op), **covering_families().get(op, {})}
+    for op, families in {
+        "fpa_attention": FPA_FAMILIES,
+        "fox_attention": FOX_FAMILIES,
+        "fpa_decode": DECODE_FAMILIES,
+        "interdomain_legs": LEGS_FAMILIES,
+        "interdomain_s4d": S4D_FAMILIES,
+        # Layers have no reference VJP: forward only [decision].
+        "fpa_layer": {
+            "shapes": Family(2, _layer_family("fpa"), "random layer, H = 2"),
+            **FPA_LAYER_FAMILIES,
+        },
+        "interdomain_layer": {
+            "shapes": Family(2, _layer_family("interdomain"), "S4D-Inv init, linear readout"),
+            "ratio": Family(1, _layer_family("interdomain", "ratio"), "ratio readout, positive k~"),
+            **INTERDOMAIN_LAYER_FAMILIES,
+        },
+    }.items()
+}
 PREFIX = {op: spec.prefix for op, spec in OPS.items()}
 OP_OF_PREFIX = {prefix: op for op, prefix in PREFIX.items()}
 
@@ -1468,12 +1179,3 @@ def generate_cases(ops: list[str] | None = None, prefixes: list[str] | None = No
     """All cases of the given ops whose id starts with one of ``prefixes`` (all by default)."""
     ids = [i for i in case_ids(ops) if not prefixes or any(i.startswith(p) for p in prefixes)]
     return [build_case(i) for i in ids]
-
-
-# covering designs
-# The all-pairs families over the feature axes (conformance/covering_cases.py), last in each
-# op's menu.
-from .covering_cases import families as _covering_families  # noqa: E402
-
-for _op, _covering in _covering_families().items():
-    FAMILIES[_op].update(_covering)

@@ -318,7 +318,8 @@ def _report_path(path: str, backend: str, several: bool) -> str:
 
 def conformance_main(argv: list[str] | None = None, prog: str = "attnspec conformance") -> int:
     from .cases import generate_cases
-    from .covering_cases import backend_capabilities, coverage_lines
+    from .coverage_report import coverage_lines
+    from .covering_cases import backend_capabilities
     from .registry import available_backends
     from .report import format_report, write_json, write_junit
     from .runner import probe_dtypes, run

@@ -10,9 +10,10 @@ uncovered pairs; ties broken by a generator seeded from the family), determinist
 is one the op cannot take (packed sequences need B = 1), never counted as missing.
 
 The kit's whole menu is judged by the same axes: :func:`axis_values` reads a case's value on
-each axis from its shapes and params, so :func:`menu_coverage` counts the pairs the menu
-covers, with and without these families, and :func:`coverage_lines` prints them with the pairs
-that need a capability a backend lacks (docs/conformance.md, "Covering designs").
+each axis from its shapes and params, so :func:`.coverage_report.menu_coverage` counts the pairs
+the menu covers, with and without these families, and :func:`.coverage_report.coverage_lines`
+prints them with the pairs that need a capability a backend lacks (docs/conformance.md,
+"Covering designs").
 """
 
 from __future__ import annotations

@@ -1,31 +1,43 @@
 """The covering families of the kit (``<op>/covering/<n>``): the rows of :mod:`.covering`'s
-all-pairs design over each op's feature axes, built into cases. Imported at the end of
-cases.py, which registers them in FAMILIES; :func:`case_axes` reads any case's values on the
-same axes for the menu's coverage report.
+all-pairs design over each op's feature axes, built into cases by the kit's drawers
+(:mod:`.drawers`). cases.py puts them last in each op's menu (FAMILIES); :func:`case_axes` reads
+any case's values on the same axes for the menu's coverage report (:mod:`.coverage_report`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from attnspec.reference import fpa
+from attnspec.reference.ops import OPS
+
 from .covering import (
     Design,
-    Pair,
     Row,
     classify_length,
     classify_packing,
-    coverage,
     design_rows,
     draw_offsets,
     power_of_two,
-    unavailable,
 )
-
-if TYPE_CHECKING:
-    from . import cases as C
+from .drawers import (
+    RATIO_LAYER,
+    TRAINED,
+    Built,
+    Case,
+    Family,
+    Inputs,
+    case_seed,
+    draw_fox_inputs,
+    draw_fpa_inputs,
+    draw_interdomain_layer,
+    draw_layer_inputs,
+    legs_builder,
+    s4d_builder,
+    trained,
+)
 
 BUDGET = 30  # cases at most per attention family (T x packing alone needs 20)
 LENGTHS = {"below": 33, "on": 128, "across": 129, "long": 300}
@@ -181,14 +193,10 @@ LAYER_D = 16  # the layers' model width (H = 2 heads of 4: cases.py's trained la
 
 def rows(op: str) -> tuple[Row, ...]:
     """The covering rows of ``op``'s family, from (family, seed)."""
-    from . import cases as C
-
-    return design_rows(DESIGNS[op], C.case_seed(f"{C.PREFIX[op]}/covering"))
+    return design_rows(DESIGNS[op], case_seed(f"{OPS[op].prefix}/covering"))
 
 
-def _attention(op: str, rng: np.random.Generator, n: int) -> C.Built:
-    from . import cases as C
-
+def _attention(op: str, rng: np.random.Generator, n: int) -> Built:
     row = rows(op)[n]
     T = LENGTHS[row["T"]]
     dk = HEAD_DIMS[row["dk"]]
@@ -196,10 +204,10 @@ def _attention(op: str, rng: np.random.Generator, n: int) -> C.Built:
     H_kv, H = row["H_kv"], row["H_kv"] * row["group"]
     B = row["B"]
     if op == "fpa_attention":
-        inputs = C._fpa_inputs(rng, (B, H, T, dk, dv), field_kind=row["field"])
+        inputs = draw_fpa_inputs(rng, (B, H, T, dk, dv), field_kind=row["field"])
     else:
         decay = {"decay": 0.5, "unit": 0.5, "strong": 5.0}[row["gates"]]
-        inputs = C._fox_inputs(rng, B, H, T, dk, dv, decay=decay)
+        inputs = draw_fox_inputs(rng, B, H, T, dk, dv, decay=decay)
         if row["gates"] == "unit":
             inputs["log_f"][rng.random(inputs["log_f"].shape) < 0.4] = 0.0
     inputs["k"], inputs["v"] = inputs["k"][:, :H_kv], inputs["v"][:, :H_kv]
@@ -217,15 +225,13 @@ def _logits(kind: str, dk: int) -> tuple[str, float | None]:
     return kind, {"default": None, "small": 0.3, "large": 40.0 / float(np.sqrt(dk))}[kind]
 
 
-def _s4d(rng: np.random.Generator, n: int) -> C.Built:
-    from . import cases as C
-
+def _s4d(rng: np.random.Generator, n: int) -> Built:
     row = rows("interdomain_s4d")[n]
     T = LENGTHS[row["T"]]
     dt = {"long": (1e-3, 2e-3), "mid": (0.01, 0.3), "short": (1.0, 2.0)}[row["memory"]]
     menu = [(row["B"], row["H"], T, row["R"], row["dv"], row["M"])]
     for _ in range(20):
-        inputs, params = C._s4d_family(menu, dt_range=dt, readout=row["readout"])(rng, 0)
+        inputs, params = s4d_builder(menu, dt_range=dt, readout=row["readout"])(rng, 0)
         offsets = draw_offsets(rng, row["packing"], T)
         if offsets is not None:
             params["cu_seqlens"] = offsets
@@ -241,7 +247,7 @@ RATIO_CONDITION = (
 )
 
 
-def _well_conditioned(inputs: C.Inputs, params: dict[str, Any], rng: np.random.Generator) -> bool:
+def _well_conditioned(inputs: Inputs, params: dict[str, Any], rng: np.random.Generator) -> bool:
     """RATIO_CONDITION, by the reference VJP (the ratio's b and C gradients cancel in part: the
     ratio is invariant to a common scale of them)."""
     from .metrics import compare
@@ -258,39 +264,32 @@ def _well_conditioned(inputs: C.Inputs, params: dict[str, Any], rng: np.random.G
     return all(compare(again[n], g, 1.0).rel <= 1e-5 for n, g in grads.items())
 
 
-def _legs(rng: np.random.Generator, n: int) -> C.Built:
-    from . import cases as C
-
+def _legs(rng: np.random.Generator, n: int) -> Built:
     row = rows("interdomain_legs")[n]
     T = LENGTHS[row["T"]]
-    return C._legs_family([(row["B"], row["H"], T, row["R"], row["dv"], row["M"])])(rng, 0)
+    return legs_builder([(row["B"], row["H"], T, row["R"], row["dv"], row["M"])])(rng, 0)
 
 
-def _fpa_layer(rng: np.random.Generator, n: int) -> C.Built:
-    from attnspec.reference import fpa
-
-    from . import cases as C
+def _fpa_layer(rng: np.random.Generator, n: int) -> Built:
 
     row = rows("fpa_layer")[n]
     T = LENGTHS[row["T"]]
-    params = C.trained(fpa.init_fpa_params(LAYER_D, 2, 4, 4, int(rng.integers(2**31))), rng)
+    params = trained(fpa.init_fpa_params(LAYER_D, 2, 4, 4, int(rng.integers(2**31))), rng)
     options: dict[str, Any] = {"increments": row["increments"]}
     offsets = draw_offsets(rng, row["packing"], T)
     if offsets is not None:
         options["cu_seqlens"] = offsets
-    return C._layer_inputs(rng, params, row["B"], T, LAYER_D), options
+    return draw_layer_inputs(rng, params, row["B"], T, LAYER_D), options
 
 
-def _interdomain_layer(rng: np.random.Generator, n: int) -> C.Built:
-    from . import cases as C
-
+def _interdomain_layer(rng: np.random.Generator, n: int) -> Built:
     row = rows("interdomain_layer")[n]
     T = LENGTHS[row["T"]]
     options: dict[str, Any] = {a: row[a] for a in ("readout", "gate", "use_rope", "output_norm")}
     offsets = draw_offsets(rng, row["packing"], T)
     if offsets is not None:
         options["cu_seqlens"] = offsets
-    return C._interdomain_layer_draw(rng, row["B"], T, LAYER_D, options)
+    return draw_interdomain_layer(rng, row["B"], T, LAYER_D, options)
 
 
 def per_case(op: str) -> Any:
@@ -316,11 +315,9 @@ LAYER_COVERING = (
 )
 
 
-def families() -> dict[str, dict[str, C.Family]]:
+def families() -> dict[str, dict[str, Family]]:
     """The covering family of each op, for cases.FAMILIES."""
-    from . import cases as C
-
-    out: dict[str, dict[str, C.Family]] = {}
+    out: dict[str, dict[str, Family]] = {}
     for op, build in (
         ("fpa_attention", lambda rng, n: _attention("fpa_attention", rng, n)),
         ("fox_attention", lambda rng, n: _attention("fox_attention", rng, n)),
@@ -331,19 +328,17 @@ def families() -> dict[str, dict[str, C.Family]]:
     ):
         note = {
             "interdomain_s4d": f"{COVERING}; {RATIO_CONDITION}",
-            "fpa_layer": f"{LAYER_COVERING}; {C.TRAINED}",
-            "interdomain_layer": f"{LAYER_COVERING}; {C.TRAINED}; {C.RATIO_LAYER}",
+            "fpa_layer": f"{LAYER_COVERING}; {TRAINED}",
+            "interdomain_layer": f"{LAYER_COVERING}; {TRAINED}; {RATIO_LAYER}",
         }.get(op, COVERING)
         gradient = op not in ("fpa_layer", "interdomain_layer")  # layers: forward only
         out[op] = {
-            "covering": C.Family(
-                len(rows(op)), build, note, gradient=gradient, per_case=per_case(op)
-            )
+            "covering": Family(len(rows(op)), build, note, gradient=gradient, per_case=per_case(op))
         }
     return out
 
 
-def case_axes(case: C.Case) -> Row:
+def case_axes(case: Case) -> Row:
     """A case's values on its op's axes (as far as the case shows them)."""
     x = case.inputs
     p = case.params
@@ -419,56 +414,6 @@ def case_axes(case: C.Case) -> Row:
     return row
 
 
-def menu_coverage(
-    with_covering: bool = True,
-    capabilities: set[str] | None = None,
-    menu: Sequence[C.Case] | None = None,
-) -> dict[str, tuple[int, int, set[Pair], set[Pair]]]:
-    """Per op: (covered, required, missing pairs, covered pairs unavailable to
-    ``capabilities``) over ``menu`` (default: the kit's whole menu, with or without the
-    covering families); a given menu reports the ops it holds."""
-    from . import cases as C
-
-    if menu is None:
-        menu = [
-            C.build_case(i)
-            for i in C.case_ids(list(DESIGNS))
-            if with_covering or "/covering/" not in i
-        ]
-    held = {c.op for c in menu}
-    out = {}
-    for op, design in DESIGNS.items():
-        if op not in held:
-            continue
-        rows_ = [case_axes(c) for c in menu if c.op == op and "session" not in c.params]
-        covered, missing = coverage(design, rows_)
-        lacking = set() if capabilities is None else unavailable(design, covered, capabilities)
-        out[op] = (len(covered), len(design.required()), missing, lacking)
-    return out
-
-
-def coverage_lines(
-    capabilities: set[str] | None = None, menu: Sequence[C.Case] | None = None
-) -> list[str]:
-    """The report the kit prints: per op the pairs its menu covers, those it misses, and those
-    a backend with ``capabilities`` cannot run ("strided": it has asarray_strided)."""
-    lines = []
-    for op, (covered, required, missing, lacking) in menu_coverage(
-        with_covering=True, capabilities=capabilities, menu=menu
-    ).items():
-        line = f"pair coverage, {op}: {covered}/{required} pairs of its axes"
-        if lacking:
-            design = DESIGNS[op]
-            needed = {design.needs(a, x) for a, x, _, _ in lacking}
-            needed |= {design.needs(b, y) for _, _, b, y in lacking}
-            kinds = sorted(needed - {""} - (capabilities or set()))
-            line += f"; {len(lacking)} not run here (the backend lacks {', '.join(kinds)})"
-        lines.append(line)
-        for a, x, b, y in sorted(missing, key=repr)[:10]:
-            lines.append(f"  not covered: {a}={x!r} with {b}={y!r}")
-    return lines
-
-
 def backend_capabilities(backend: Any) -> set[str]:
     """The backend's capabilities, with "strided" when it offers strided inputs."""
     caps = set(backend.capabilities())
@@ -479,8 +424,6 @@ __all__ = [
     "DESIGNS",
     "backend_capabilities",
     "case_axes",
-    "coverage_lines",
     "families",
-    "menu_coverage",
     "rows",
 ]

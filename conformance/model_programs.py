@@ -8,7 +8,7 @@ presence mask: 0 at left padding), the cache calls of transformers' ``Cache`` (`
 cache and compares every forward's logits with the forward of the same tokens without a cache.
 
 :data:`FAMILIES` maps each family to ``(count, build, note)``; case ids are
-``model/<family>/<n>``, seeded by :func:`.cases.case_seed` of the id. Padded positions hold random
+``model/<family>/<n>``, seeded by :func:`.drawers.case_seed` of the id. Padded positions hold random
 token ids, so a cache that reads them shows it. ``crop`` follows transformers' definition: a
 negative argument removes that many positions from the end of every row, 0 removes nothing
 (the paths of assisted decoding that reject candidates and that accept them all).
@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from .cases import case_seed
+from .drawers import case_seed
 
 PREFIX = "model"
 

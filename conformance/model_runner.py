@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .cases import case_seed
+from .drawers import case_seed
 from .metrics import Comparison, compare
 from .model_loading import format_overrides
 from .model_programs import ModelProgram, Op, build_program, family_of, note_of

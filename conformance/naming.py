@@ -154,7 +154,7 @@ def op_trace(backend: Backend, case: Case, dtype: str, kind: str) -> Trace:
 
 def session_trace(backend: Backend, case: Case, dtype: str, upto: int) -> Trace:
     """The backend's outputs, counts and errors for the calls 0..``upto`` of a session case."""
-    from .sessions import FPA_COUNT_OPS, native_args, native_config, output_name
+    from .sessions import native_args, native_config, output_name, output_quantity
     from .sessions import reference_for as program_for
 
     program, _ = program_for(case, dtype)
@@ -172,11 +172,7 @@ def session_trace(backend: Backend, case: Case, dtype: str, upto: int) -> Trace:
             if call.method == "advance" and isinstance(result, dict):
                 name = output_name(program.op)
                 if name in result:
-                    quantity = (
-                        "output"
-                        if program.op in FPA_COUNT_OPS or OPS[program.op].layer
-                        else "state"
-                    )
+                    quantity = output_quantity(program.op)
                     trace[f"call {i}: {name}"] = _entry(backend, result[name], quantity)
         try:
             counts = session.counts()

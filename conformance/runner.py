@@ -14,50 +14,35 @@ import sys
 import sysconfig
 import time
 import traceback
-from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from itertools import pairwise
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
 
 from .cases import Case, partner
 from .gradcheck import directional_check
+from .judging import (
+    REFERENCE_CACHE,
+    CaseResult,
+    dtype_problem,
+    mutated,
+    mutation_comparison,
+    snapshot,
+    storage_dtype,
+    summarise,
+)
 from .metrics import Comparison, compare, compare_count, gradient_floors, row_ndim
 from .numpy_backend import NumpyBackend
 from .protocol import OPS, Backend, UnsupportedShape, call_op
+from .sessions import run_session
 from .skips import SkipList, XfailList
 from .tolerances import round_to, tolerance, wide_dtype
 
 KINDS = ("output", "gradient", "finite_difference", "call_order")
-Result = TypeVar("Result")
 REFERENCE = NumpyBackend()
-
-
-@dataclass
-class CaseResult:
-    """The verdict of one (case, dtype, kind)."""
-
-    case_id: str
-    op: str
-    dtype: str
-    kind: str
-    verdict: str  # passed | failed | not implemented | skipped
-    error: float = float("nan")  # normwise relative error of the worst-placed quantity
-    tolerance: float = float("nan")
-    ratio: float = float("nan")  # worst error / tolerance over the compared quantities
-    message: str = ""
-    raised: str = ""  # "<type>: <message>" when the backend raised
-    repro: str = ""
-    seed: int = 0
-    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    details: dict[str, Any] = field(default_factory=dict)
-    note: str = ""  # the case's note: its conventions (ties of spec/fpa.md section 6), limits
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def reference_outputs(case: Case, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -116,29 +101,6 @@ def cotangents(case: Case, outputs: dict[str, np.ndarray], dtype: str) -> dict[s
     return {n: round_to(rng.standard_normal(outputs[n].shape), dtype) for n in names}
 
 
-class _ReferenceCache:
-    """The reference's outputs and gradients per (case, seed, dtype), reused across backends run
-    in one process (the mutant self-test runs the same cases many times). Bounded; the arrays
-    handed out are never given to a backend (see :func:`native_inputs`)."""
-
-    def __init__(self, size: int = 4096) -> None:
-        self.size = size
-        self.entries: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
-
-    def get(self, key: tuple[Any, ...], compute: Callable[[], Result]) -> Result:
-        if key in self.entries:
-            self.entries.move_to_end(key)
-            return self.entries[key]
-        value = compute()
-        self.entries[key] = value
-        if len(self.entries) > self.size:
-            self.entries.popitem(last=False)
-        return value
-
-
-_CACHE = _ReferenceCache()
-
-
 Arrays = dict[str, NDArray[np.float64]]
 
 
@@ -149,7 +111,7 @@ def reference_for(case: Case, dtype: str) -> tuple[Arrays, Arrays]:
         inputs = rounded_inputs(case, dtype)
         return inputs, reference_outputs(case, inputs)
 
-    return _CACHE.get((case.id, case.seed, dtype, "output"), compute)
+    return REFERENCE_CACHE.get((case.id, case.seed, dtype, "output"), compute)
 
 
 def reference_vjp_for(case: Case, dtype: str) -> tuple[Arrays, dict[str, np.ndarray]]:
@@ -160,66 +122,7 @@ def reference_vjp_for(case: Case, dtype: str) -> tuple[Arrays, dict[str, np.ndar
         cot = cotangents(case, outputs, dtype)
         return cot, REFERENCE.vjp(case.op, inputs, case.params, cot)
 
-    return _CACHE.get((case.id, case.seed, dtype, "gradient"), compute)
-
-
-def _summarise(result: CaseResult, comparisons: dict[str, Comparison]) -> CaseResult:
-    failed = {n: c for n, c in comparisons.items() if not c.passed}
-    worst = max(comparisons.values(), key=lambda c: c.ratio)
-    result.error = worst.rel
-    result.tolerance = worst.tolerance
-    result.ratio = worst.ratio
-    result.details = {n: c.describe() for n, c in comparisons.items()}
-    if failed:
-        result.verdict = "failed"
-        result.message = "; ".join(f"{n}: {c.describe()}" for n, c in failed.items())
-    else:
-        result.verdict = "passed"
-    return result
-
-
-def storage_dtype(dtype: str) -> str:
-    """The dtype an array of the tested ``dtype`` is stored in (tf32 is float32 storage)."""
-    return "float32" if dtype == "tf32" else dtype
-
-
-def returned_dtype(backend: Backend, x: Any) -> str:
-    """The dtype of a returned array in the kit's names: ``backend.dtype_name`` if it has one."""
-    namer = getattr(backend, "dtype_name", None)
-    if namer is not None:
-        return str(namer(x))
-    return np.asarray(backend.to_numpy(x)).dtype.name
-
-
-def _dtype_problem(backend: Backend, x: Any, allowed: tuple[str, ...]) -> str:
-    got = returned_dtype(backend, x)
-    if got in allowed:
-        return ""
-    if got == "float32" and "bfloat16" in allowed and not hasattr(backend, "dtype_name"):
-        return ""  # widened by to_numpy; without dtype_name the kit cannot tell
-    return f"wrong dtype {got}, expected {' or '.join(allowed)}"
-
-
-def _snapshot(backend: Backend, arrays: dict[str, Any]) -> dict[str, np.ndarray]:
-    return {n: np.array(backend.to_numpy(x), copy=True) for n, x in arrays.items()}
-
-
-def _mutated(backend: Backend, arrays: dict[str, Any], before: dict[str, np.ndarray]) -> list[str]:
-    """Names of the arrays whose values changed since the snapshot ``before``."""
-    changed = []
-    for name, x in arrays.items():
-        after = np.asarray(backend.to_numpy(x))
-        if after.shape != before[name].shape or not np.array_equal(
-            after, before[name], equal_nan=True
-        ):
-            changed.append(name)
-    return changed
-
-
-def _mutation_comparison(what: str, names: list[str]) -> Comparison:
-    return Comparison(
-        np.inf, 0.0, np.inf, (), f"the backend modified its {what} {', '.join(names)} in place"
-    )
+    return REFERENCE_CACHE.get((case.id, case.seed, dtype, "gradient"), compute)
 
 
 Held = list[tuple[str, Any, np.ndarray]]
@@ -232,7 +135,7 @@ def _output_comparisons(
     returned array with a copy of its values at return."""
     inputs, ref = reference_for(case, dtype)
     native = native_inputs(backend, case, inputs, dtype)
-    before = _snapshot(backend, native)
+    before = snapshot(backend, native)
     outs = call_op(backend, case.op, native, case.params)
     if held is not None:
         held += [(name, x, np.array(backend.to_numpy(x), copy=True)) for name, x in outs.items()]
@@ -250,17 +153,17 @@ def _output_comparisons(
             backend.to_numpy(outs[name]), ref[name], tol, row_ndim=row_ndim(name)
         )
         allowed = (storage_dtype(dtype),) if name != "lse" else ("float32", "float64")
-        problem = _dtype_problem(backend, outs[name], allowed)
+        problem = dtype_problem(backend, outs[name], allowed)
         if problem and comparisons[name].passed:
             comparisons[name] = comparisons[name].failed_with(problem)
-    changed = _mutated(backend, native, before)
+    changed = mutated(backend, native, before)
     if changed:
-        comparisons["inputs"] = _mutation_comparison("inputs", changed)
+        comparisons["inputs"] = mutation_comparison("inputs", changed)
     return comparisons
 
 
 def _run_output(backend: Backend, case: Case, dtype: str, result: CaseResult) -> CaseResult:
-    return _summarise(result, _output_comparisons(backend, case, dtype))
+    return summarise(result, _output_comparisons(backend, case, dtype))
 
 
 def _gradient_comparisons(
@@ -273,8 +176,8 @@ def _gradient_comparisons(
     cot, ref = reference_vjp_for(case, dtype)
     native = native_inputs(backend, case, inputs, dtype)
     native_cot = {n: native_array(backend, c.copy(), dtype, case.layout) for n, c in cot.items()}
-    before = _snapshot(backend, native)
-    before_cot = _snapshot(backend, native_cot)
+    before = snapshot(backend, native)
+    before_cot = snapshot(backend, native_cot)
     got = backend.vjp(case.op, native, case.params, native_cot)
     if held is not None:
         held += [(name, x, np.array(backend.to_numpy(x), copy=True)) for name, x in got.items()]
@@ -290,20 +193,20 @@ def _gradient_comparisons(
             backend.to_numpy(got[name]), ref[name], tol, row_ndim=row_ndim(name), floor=floors[name]
         )
         expected = wide_dtype(dtype) if name in spec.wide else storage_dtype(dtype)
-        problem = _dtype_problem(backend, got[name], (expected,))
+        problem = dtype_problem(backend, got[name], (expected,))
         if problem and comparisons[name].passed:
             comparisons[name] = comparisons[name].failed_with(problem)
-    changed = _mutated(backend, native, before)
+    changed = mutated(backend, native, before)
     if changed:
-        comparisons["inputs"] = _mutation_comparison("inputs", changed)
-    changed = _mutated(backend, native_cot, before_cot)
+        comparisons["inputs"] = mutation_comparison("inputs", changed)
+    changed = mutated(backend, native_cot, before_cot)
     if changed:
-        comparisons["cotangents"] = _mutation_comparison("cotangents", changed)
+        comparisons["cotangents"] = mutation_comparison("cotangents", changed)
     return comparisons
 
 
 def _run_gradient(backend: Backend, case: Case, dtype: str, result: CaseResult) -> CaseResult:
-    return _summarise(result, _gradient_comparisons(backend, case, dtype))
+    return summarise(result, _gradient_comparisons(backend, case, dtype))
 
 
 def call_sequence(seed: int) -> list[tuple[str, int]]:
@@ -342,7 +245,7 @@ def _run_call_order(backend: Backend, case: Case, dtype: str, result: CaseResult
     for label, returned in held:
         for name, x, copy in returned:
             comparisons[f"{label} held: {name}"] = _held_comparison(backend, x, copy)
-    return _summarise(result, comparisons)
+    return summarise(result, comparisons)
 
 
 def _held_comparison(backend: Backend, x: Any, copy: np.ndarray) -> Comparison:
@@ -354,8 +257,11 @@ def _held_comparison(backend: Backend, x: Any, copy: np.ndarray) -> Comparison:
     return Comparison(np.inf, 0.0, np.inf, (), "changed by a later call (a reused output buffer)")
 
 
-def _run_finite_difference(case: Case, result: CaseResult) -> CaseResult:
-    """The reference VJP against float64 central differences along a random direction."""
+def _run_finite_difference(
+    backend: Backend, case: Case, dtype: str, result: CaseResult
+) -> CaseResult:
+    """The reference VJP against float64 central differences along a random direction (the
+    backend and the dtype play no part: the check is of the reference itself)."""
     spec = OPS[case.op]
     rng = np.random.default_rng(case.seed + 2)
     inputs = dict(case.inputs)
@@ -385,6 +291,25 @@ def _run_finite_difference(case: Case, result: CaseResult) -> CaseResult:
             f"{check.finite_difference:.12g} (rel {check.error:.2e})"
         )
     return result
+
+
+Check = Callable[[Backend, Case, str, CaseResult], CaseResult]
+
+# Every kind of check, by name: (backend, case, dtype, result) -> the result, judged. A plan's
+# kind names the check, except a session case's "output": its program (:func:`check_of`).
+CHECKS: dict[str, Check] = {
+    "output": _run_output,
+    "gradient": _run_gradient,
+    "call_order": _run_call_order,
+    "finite_difference": _run_finite_difference,
+    "session": run_session,
+}
+
+
+def check_of(case: Case, kind: str) -> str:
+    """The check that judges ``kind`` of ``case``: "session" for the output of a decode-session
+    program, else the kind itself."""
+    return "session" if kind == "output" and "session" in case.params else kind
 
 
 def repro_line(
@@ -458,6 +383,7 @@ def run_case(
         seed=case.seed,
         shapes=case.shapes(),
         note=case.note,
+        backend=name,
     )
     try:
         result.repro = repro_line(name, case.id, dtype, device, backend_environment(backend))
@@ -473,23 +399,15 @@ def run_case(
             result.verdict = "not implemented"
             result.message = f"dtype {dtype} is not in the backend's dtypes"
             return result
-        if kind == "output" and "session" in case.params:  # a decode-session program
-            from .sessions import run_session
-
-            return run_session(backend, case, dtype, result)
-
-        reason = None if kind == "finite_difference" else unsupported_reason(backend, case)
-        if reason is not None:
-            result.verdict = "not implemented"
-            result.message = f"not supported for this shape: {reason}"
-            return result
-        if kind == "output":
-            return _run_output(backend, case, dtype, result)
-        if kind == "gradient":
-            return _run_gradient(backend, case, dtype, result)
-        if kind == "call_order":
-            return _run_call_order(backend, case, dtype, result)
-        return _run_finite_difference(case, result)
+        check = check_of(case, kind)
+        # a session program is judged call by call (its shapes are the program's)
+        if check not in ("session", "finite_difference"):
+            reason = unsupported_reason(backend, case)
+            if reason is not None:
+                result.verdict = "not implemented"
+                result.message = f"not supported for this shape: {reason}"
+                return result
+        return CHECKS[check](backend, case, dtype, result)
     except NotOffered as exc:
         result.verdict = "not implemented"
         result.message = str(exc)
@@ -656,6 +574,7 @@ def run(
                 message=reason,
                 seed=case.seed,
                 shapes=case.shapes(),
+                backend=name,
             )
         else:
             result = run_case(

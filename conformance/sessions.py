@@ -27,26 +27,23 @@ import numpy as np
 from numpy.typing import NDArray
 
 from attnspec.reference import sessions as reference_sessions
+from attnspec.reference.ops import session_contract
 
 from .cases import Case, build_case
-from .metrics import Comparison, compare
-from .protocol import OPS, Backend
-from .runner import (
-    _CACHE,
+from .judging import (
+    REFERENCE_CACHE,
     CaseResult,
-    _mutated,
-    _mutation_comparison,
-    _snapshot,
-    _summarise,
+    mutated,
+    mutation_comparison,
     returned_dtype,
+    snapshot,
     storage_dtype,
+    summarise,
 )
+from .metrics import Comparison, compare
+from .protocol import OPS, S4D_PARAMS, Backend
 from .session_programs import Call, Program
 from .tolerances import round_to, tolerance, wide_dtype
-
-# Count keys every session reports, and the FPA ops' extra ones.
-FPA_COUNT_OPS = ("fpa_decode", "fox_attention", "fpa_layer")
-S4D_PARAMETERS = ("lam_re", "lam_im", "b_re", "b_im", "c_re", "c_im")
 
 
 def is_session(case: Case) -> bool:
@@ -55,11 +52,19 @@ def is_session(case: Case) -> bool:
 
 
 def count_names(op: str) -> tuple[str, ...]:
-    return ("tokens", "live", "stored") if op in FPA_COUNT_OPS else ("tokens",)
+    """The keys of the op's counts() (its session contract, reference/ops.py)."""
+    return session_contract(op).counts
+
+
+def output_quantity(op: str) -> str:
+    """The tolerance quantity of a session's output: an attention output for the FPA and FoX
+    sessions and the layers, a state's readout for the Interdomain states."""
+    return "output" if op in ("fpa_decode", "fox_attention") or OPS[op].layer else "state"
 
 
 def output_name(op: str) -> str:
-    return "y" if OPS[op].layer else "o"
+    """The name of the output of the op's advance (its session contract)."""
+    return session_contract(op).output
 
 
 def _input_dtype(op: str, name: str, dtype: str) -> str:
@@ -74,7 +79,7 @@ def rounded_program(program: Program, dtype: str) -> Program:
         if isinstance(value, dict):
             return {k: round_to(v, dtype) for k, v in value.items()}
         if isinstance(value, np.ndarray):
-            return round_to(value, wide_dtype(dtype) if name in S4D_PARAMETERS else dtype)
+            return round_to(value, wide_dtype(dtype) if name in S4D_PARAMS else dtype)
         return value
 
     calls = []
@@ -128,7 +133,7 @@ def reference_for(case: Case, dtype: str) -> tuple[Program, list[Step]]:
         program = rounded_program(case.params["session"], dtype)
         return program, reference_trace(program)
 
-    return _CACHE.get((case.id, case.seed, dtype, "session"), compute)
+    return REFERENCE_CACHE.get((case.id, case.seed, dtype, "session"), compute)
 
 
 def native_config(backend: Backend, program: Program, dtype: str) -> dict[str, Any]:
@@ -138,7 +143,7 @@ def native_config(backend: Backend, program: Program, dtype: str) -> dict[str, A
         if isinstance(value, dict):
             config[name] = {k: backend.asarray(v.copy(), dtype) for k, v in value.items()}
         elif isinstance(value, np.ndarray):
-            wide = name in S4D_PARAMETERS
+            wide = name in S4D_PARAMS
             config[name] = backend.asarray(value.copy(), wide_dtype(dtype) if wide else dtype)
         else:
             config[name] = value
@@ -182,9 +187,10 @@ def compare_outputs(
         return _failure(f"{name}: wrong shape {x.shape}, expected {ref.shape}")
     if ref.size == 0:
         return _passed()
-    quantity = "output" if op in FPA_COUNT_OPS or OPS[op].layer else "state"
+    # FPA decode and the layers: outputs; S4D and LegS decode: the state's readout
+    quantity = output_quantity(op)
     comparison = compare(x, ref, tolerance(op, dtype, quantity))
-    token_axis = 1 if OPS[op].layer else 2
+    token_axis = session_contract(op).token_axis
     mask = np.asarray(present, dtype=bool)
     absent = ~np.expand_dims(mask, (*range(1, token_axis), -1))  # (R, 1, n, 1) or (R, n, 1)
     absent = np.broadcast_to(absent, x.shape)
@@ -240,15 +246,15 @@ def run_program(
     for i, (call, step) in enumerate(zip(program.calls, trace, strict=True)):
         label = f"call {i} {call.method}"
         args = native_args(backend, op, call, dtype)
-        before = _snapshot(backend, args["inputs"]) if call.method == "advance" else {}
+        before = snapshot(backend, args["inputs"]) if call.method == "advance" else {}
         try:
             result = getattr(session, call.method)(**args)
             raised = None
         except Exception as exc:  # judged below
             result, raised = None, exc
-        changed = _mutated(backend, args["inputs"], before) if before else []
+        changed = mutated(backend, args["inputs"], before) if before else []
         if changed:
-            comparisons[f"{label}: inputs"] = _mutation_comparison("inputs", changed)
+            comparisons[f"{label}: inputs"] = mutation_comparison("inputs", changed)
         if call.error:
             if raised is None:
                 comparisons[label] = _failure(f"expected a ValueError naming {call.error!r}")
@@ -281,12 +287,12 @@ def run_session(backend: Backend, case: Case, dtype: str, result: CaseResult) ->
     """The "output" check of a session case: the whole program, compared call by call."""
     program, trace = reference_for(case, dtype)
     comparisons, failed_at = run_program(backend, program, trace, dtype)
-    result = _summarise(result, comparisons)
+    result = summarise(result, comparisons)
     if failed_at >= 0:
         result.message += "\nprogram up to the failing call:\n" + program.listing(failed_at)
         result.repro += (
             f"\nreplay call by call: python -m attnspec.conformance.sessions --backend "
-            f"{result.repro.split('--backend ')[1].split()[0]} --case {case.id} --dtype {dtype}"
+            f"{result.backend} --case {case.id} --dtype {dtype}"
         )
     result.details = {"calls": len(program.calls), "failed_at": failed_at}
     return result

@@ -15,7 +15,7 @@ from importlib import resources
 from typing import TYPE_CHECKING, Self
 
 if TYPE_CHECKING:
-    from .runner import CaseResult
+    from .judging import CaseResult
 
 
 @dataclass

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from attnspec.reference.validation import nonnegative_int, scalar
+from attnspec.reference.validation import nonnegative_int, threshold
 
 from .configuration import AttnSpecConfig
 
@@ -271,7 +271,7 @@ class AttnSpecCache(Cache):
         max_rollback: int | None = None,
     ):
         theta = config.theta if theta is None else theta
-        theta = scalar("theta", theta, positive=True, allow_inf=True)  # inf: no eviction
+        theta = threshold("theta", theta)  # inf: no eviction
         W = config.max_rollback if max_rollback is None else max_rollback
         W = nonnegative_int("max_rollback", W)
         self.session_layers: list[FPASessionLayer | InterdomainSessionLayer] = [

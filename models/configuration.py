@@ -32,7 +32,7 @@ from typing import Any, ClassVar, NamedTuple
 
 from transformers import PretrainedConfig
 
-from attnspec.reference.validation import nonnegative_int, positive_int, scalar
+from attnspec.reference.validation import nonnegative_int, positive_int, threshold
 
 LAYER_KINDS = ("FPA", "FPA_FOX", "FOX", "ID")
 FORGET_GATE_KINDS = ("FPA", "FPA_FOX", "FOX")
@@ -150,7 +150,7 @@ class AttnSpecConfig(PretrainedConfig):
         )
         if self.window_size is not None:
             positive_int("window_size", self.window_size)
-        self.theta = scalar("theta", self.theta, positive=True, allow_inf=True)  # inf: none
+        self.theta = threshold("theta", self.theta)  # inf: none
         self.max_rollback = nonnegative_int("max_rollback", self.max_rollback)
         if self.id_readout not in ("linear", "ratio"):
             raise ValueError(f"id_readout: expected 'linear' or 'ratio', got {self.id_readout!r}")

@@ -29,6 +29,7 @@ from .validation import (
     positive_int,
     real_array,
     scalar,
+    threshold,
 )
 
 # Validation
@@ -780,7 +781,7 @@ class FPADecoder:
 
     def __init__(self, *, scale: float, theta: float = np.inf) -> None:
         self.scale = scalar("scale", scale)
-        self.theta = scalar("theta", theta, positive=True, allow_inf=True)
+        self.theta = threshold("theta", theta)
         self.keys: list[NDArray[np.float64]] = []
         self.values: list[NDArray[np.float64]] = []
         self.levels: list[float] = []
@@ -891,7 +892,7 @@ def fpa_decode(
     eviction: O(n T^2 (dk + dv))); O(n T dv + C (dk + dv)) memory.
     """
     q, k, v, field, level, s = _check_fpa(q, k, v, field, level, scale)
-    theta = scalar("theta", theta, positive=True, allow_inf=True)
+    theta = threshold("theta", theta)
     *lead, T, _ = q.shape
     o = np.zeros((*lead, T, v.shape[-1]))
     sizes = np.zeros((*lead, T), dtype=np.int64)
@@ -996,7 +997,7 @@ def tile_skippable(
     field = real_array("field", field, min_ndim=1)
     level = real_array("level", level, min_ndim=1)
     check_shape("level", level, field.shape, "same as field")
-    theta = scalar("theta", theta, positive=True, allow_inf=True)
+    theta = threshold("theta", theta)
     if not (isinstance(keys, tuple | list) and len(keys) == 2):
         raise ValueError(f"keys: expected a pair (j0, j1), got {keys!r}")
     j0, j1 = (nonnegative_int("keys", j) for j in keys)

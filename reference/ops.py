@@ -3,13 +3,42 @@
 The conformance kit (``attnspec.conformance.protocol`` re-exports the table), the numpy adapter,
 the torch and JAX kits and the torch kernel registry all derive their per-op lists from
 :data:`OPS`: the case-id prefix, the inputs and outputs, the differentiable inputs and outputs,
-the optional features and the torch kernels.
+the optional features, the torch kernels and the contract of the op's decode session (the
+reference sessions, the kit's session driver and the torch and JAX session adapters read it).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+
+@dataclass(frozen=True)
+class SessionContract:
+    """What a decode session of an op takes and gives (docs/conformance.md, "Decode sessions").
+
+    required, optional: the config keys every session needs and those it may take, besides
+    ``max_rollback`` (every session's delay W of (F9)); an adapter may take keys of its own
+    (a capacity, a page size).
+    output: the name of the output ``advance`` returns.
+    token_axis: the axis of the chunk's positions in the inputs and the output ((R, H, n, ...)
+    for the ops, (R, n, d) for the layers).
+    counts: the keys ``counts()`` reports, integer arrays.
+    """
+
+    required: tuple[str, ...]
+    optional: tuple[str, ...] = ()
+    output: str = "o"
+    token_axis: int = 2
+    counts: tuple[str, ...] = ("tokens",)
+
+    @property
+    def keys(self) -> frozenset[str]:
+        """Every config key of the contract (required and optional), max_rollback included."""
+        return frozenset((*self.required, *self.optional, "max_rollback"))
+
+
+FPA_COUNTS = ("tokens", "live", "stored")
 
 
 @dataclass(frozen=True)
@@ -29,6 +58,8 @@ class OpSpec:
     varlen, gqa, window: the op defines packed sequences (``cu_seqlens``), grouped-query
     attention and the window of (F3w), the optional capabilities ``<op>.varlen``, ``<op>.gqa``
     and ``<op>.window``.
+    session: the contract of its decode session (the capability ``<op>.session``); None when
+    the op has none.
     """
 
     name: str
@@ -44,6 +75,7 @@ class OpSpec:
     cotangents: tuple[str, ...] = ("o",)
     call_options: tuple[tuple[str, Any], ...] = ()
     torch_kernels: tuple[str, ...] = ()
+    session: SessionContract | None = None
 
 
 S4D_PARAMS = ("lam_re", "lam_im", "b_re", "b_im", "c_re", "c_im")
@@ -76,6 +108,9 @@ OPS: dict[str, OpSpec] = {
             window=True,
             prefix="fox",
             torch_kernels=("fox_fwd", "fox_bwd"),
+            session=SessionContract(
+                ("heads", "kv_heads", "dk", "dv", "scale"), ("window",), counts=FPA_COUNTS
+            ),
         ),
         OpSpec(
             "fpa_decode",
@@ -83,6 +118,11 @@ OPS: dict[str, OpSpec] = {
             (("o", "output"), ("kept_fraction", "state")),
             wide=("field", "level"),
             prefix="decode",
+            session=SessionContract(
+                ("heads", "kv_heads", "dk", "dv", "scale"),
+                ("theta", "window"),
+                counts=FPA_COUNTS,
+            ),
         ),
         OpSpec(
             "interdomain_legs",
@@ -91,6 +131,7 @@ OPS: dict[str, OpSpec] = {
             ("fq", "fk", "v"),
             prefix="legs",
             torch_kernels=("legs_fwd", "legs_bwd"),
+            session=SessionContract(("M",)),
         ),
         OpSpec(
             "interdomain_s4d",
@@ -101,6 +142,7 @@ OPS: dict[str, OpSpec] = {
             varlen=True,
             prefix="s4d",
             torch_kernels=("s4d_fwd", "s4d_bwd"),
+            session=SessionContract(S4D_PARAMS, ("readout",)),
         ),
         *(
             OpSpec(
@@ -111,10 +153,39 @@ OPS: dict[str, OpSpec] = {
                 varlen=True,
                 prefix=name,
                 cotangents=(),
+                session=SessionContract(("params",), options, "y", 1, counts),
             )
-            for name in ("fpa_layer", "interdomain_layer")
+            for name, options, counts in (
+                ("fpa_layer", ("increments", "theta", "window"), FPA_COUNTS),
+                ("interdomain_layer", ("readout", "gate", "use_rope", "output_norm"), ("tokens",)),
+            )
         ),
     ]
 }
 
-__all__ = ["OPS", "S4D_PARAMS", "OpSpec"]
+
+def session_contract(op: str) -> SessionContract:
+    """The session contract of ``op``; ValueError naming the op when it has no session."""
+    spec = OPS.get(op)
+    if spec is None or spec.session is None:
+        sessions = [name for name, s in OPS.items() if s.session is not None]
+        raise ValueError(f"op: expected one of {sessions}, got {op!r}")
+    return spec.session
+
+
+def session_inputs(op: str) -> tuple[str, ...]:
+    """The arrays of a chunk of ``op``'s session: its inputs but those its config gives (the
+    S4D parameters), in canonical order."""
+    config = set(session_contract(op).keys)
+    return tuple(name for name in OPS[op].inputs if name not in config)
+
+
+__all__ = [
+    "FPA_COUNTS",
+    "OPS",
+    "S4D_PARAMS",
+    "OpSpec",
+    "SessionContract",
+    "session_contract",
+    "session_inputs",
+]

@@ -42,7 +42,15 @@ from scipy.special import expit, logsumexp
 from . import fpa
 from . import interdomain as idm
 from .hippo import legs_step
-from .validation import check_shape, nonnegative_int, positive_int, real_array, scalar
+from .ops import OPS, session_contract, session_inputs
+from .validation import (
+    check_shape,
+    nonnegative_int,
+    positive_int,
+    real_array,
+    scalar,
+    threshold,
+)
 
 Arrays = dict[str, NDArray[np.float64]]
 
@@ -284,7 +292,7 @@ def fpa_live_and_stored(
 
 
 def _theta_window(theta: float, window: int | None) -> tuple[float, int | None]:
-    theta = scalar("theta", theta, positive=True, allow_inf=True)
+    theta = threshold("theta", theta)
     return theta, None if window is None else positive_int("window", window)
 
 
@@ -301,7 +309,7 @@ class FPASession(Session):
     and returns {"o": (R, HQ, n, dv)}. Cost per token: O(HQ C (dk + dv)) for C entries so far.
     """
 
-    NAMES: tuple[str, ...] = ("q", "k", "v", "field", "level")
+    NAMES = session_inputs("fpa_decode")
 
     def __init__(
         self,
@@ -388,7 +396,7 @@ class FoxSession(FPASession):
     <= 0) and returns {"o": (R, HQ, n, dv)}; counts as :class:`FPASession`'s.
     """
 
-    NAMES = ("q", "k", "v", "log_f")
+    NAMES = session_inputs("fox_attention")
 
     def __init__(
         self,
@@ -465,9 +473,9 @@ class FPALayerSession(Session):
     row's increments (sec. 3), levels phi_t + lam_t; H heads, no GQA; scale 1/sqrt(dk).
     """
 
-    NAMES = ("x",)
-    TOKEN_AXIS = 1
-    OUTPUT = "y"
+    NAMES = session_inputs("fpa_layer")
+    TOKEN_AXIS = session_contract("fpa_layer").token_axis
+    OUTPUT = session_contract("fpa_layer").output
 
     def __init__(
         self,
@@ -560,7 +568,7 @@ class S4DSession(Session):
     and returns {"o": (R, H, n, dv)}. Cost per token: O(H M^2 (R_f + dv)).
     """
 
-    NAMES = ("fq", "kt", "vt")
+    NAMES = session_inputs("interdomain_s4d")
 
     def __init__(
         self,
@@ -615,7 +623,7 @@ class LegsSession(Session):
     ratio readout (I3) after each token. Cost per token: O(H M^2 (R_f + dv)) (steps cached).
     """
 
-    NAMES = ("fq", "fk", "v")
+    NAMES = session_inputs("interdomain_legs")
 
     def __init__(self, rows: int, *, M: int, max_rollback: int = 0) -> None:
         super().__init__(rows, max_rollback)
@@ -675,9 +683,9 @@ class InterdomainLayerSession(Session):
     plus O(t H R) for RoPE at position t.
     """
 
-    NAMES = ("x",)
-    TOKEN_AXIS = 1
-    OUTPUT = "y"
+    NAMES = session_inputs("interdomain_layer")
+    TOKEN_AXIS = session_contract("interdomain_layer").token_axis
+    OUTPUT = session_contract("interdomain_layer").output
     TAIL = 3  # K - 1 for the layer's convolutions of width K = 4 (I8)
 
     def __init__(
@@ -753,20 +761,14 @@ class InterdomainLayerSession(Session):
         return InterdomainLayerState(*tails, decoder), o @ P["wo"]
 
 
-SESSION_OPS = (
-    "fpa_decode",
-    "fox_attention",
-    "interdomain_s4d",
-    "interdomain_legs",
-    "fpa_layer",
-    "interdomain_layer",
-)
+SESSION_OPS = tuple(op for op, spec in OPS.items() if spec.session is not None)
 
 
 def open_session(op: str, *, rows: int, config: Mapping[str, Any]) -> Session:
     """The reference session of ``op`` with the protocol's config (float64 arrays inside).
 
-    config keys per op (docs/conformance.md, "Decode sessions"):
+    config keys per op (``session_contract(op)`` of reference/ops.py; docs/conformance.md,
+    "Decode sessions"):
       fpa_decode: heads, kv_heads, dk, dv, scale, theta, window, max_rollback.
       fox_attention: heads, kv_heads, dk, dv, scale, window, max_rollback (FoX decode: inputs
         q, k, v, log_f).
@@ -780,14 +782,7 @@ def open_session(op: str, *, rows: int, config: Mapping[str, Any]) -> Session:
     config = dict(config)
     if isinstance(config.get("options"), Mapping):
         config.update(config.pop("options"))
-    allowed = {
-        "fpa_decode": {"heads", "kv_heads", "dk", "dv", "scale", "theta", "window"},
-        "fox_attention": {"heads", "kv_heads", "dk", "dv", "scale", "window"},
-        "interdomain_s4d": {"lam_re", "lam_im", "b_re", "b_im", "c_re", "c_im", "readout"},
-        "interdomain_legs": {"M"},
-        "fpa_layer": {"params", "increments", "theta", "window"},
-        "interdomain_layer": {"params", "readout", "gate", "use_rope", "output_norm"},
-    }
+    allowed = {op: set(session_contract(op).keys) - {"max_rollback"} for op in SESSION_OPS}
     if op not in allowed:
         raise ValueError(f"op: expected one of {list(SESSION_OPS)}, got {op!r}")
     unknown = sorted(set(config) - allowed[op] - {"max_rollback"})

@@ -86,17 +86,24 @@ def scalar(name: str, x: object, *, positive: bool = False, allow_inf: bool = Fa
     return value
 
 
+def threshold(name: str, x: object) -> float:
+    """Return the eviction threshold ``theta`` of (F7) as a float: a real number > 0, ``inf``
+    allowed (no key is evicted)."""
+    return scalar(name, x, positive=True, allow_inf=True)
+
+
 def positive_int(name: str, x: object) -> int:
-    """Return ``x`` as an int >= 1."""
-    return _int_at_least(name, x, 1)
+    """Return ``x`` as an int >= 1 (a size: heads, a basis size, a window)."""
+    return integer_at_least(name, x, 1)
 
 
 def nonnegative_int(name: str, x: object) -> int:
-    """Return ``x`` as an int >= 0 (a position)."""
-    return _int_at_least(name, x, 0)
+    """Return ``x`` as an int >= 0 (a position, a count)."""
+    return integer_at_least(name, x, 0)
 
 
-def _int_at_least(name: str, x: object, minimum: int) -> int:
+def integer_at_least(name: str, x: object, minimum: int) -> int:
+    """Return ``x``, a Python or NumPy integer >= ``minimum`` (bools refused), as int."""
     if isinstance(x, bool) or not isinstance(x, int | np.integer) or int(x) < minimum:
         raise ValueError(f"{name}: expected an integer >= {minimum}, got {x!r}")
     return int(x)

@@ -1,44 +1,44 @@
-"""Inputs of the backend tests, drawn by the conformance kit's drawers (conformance/cases.py),
+"""Inputs of the backend tests, drawn by the conformance kit's drawers (conformance/drawers.py),
 so that the kit and the tests share one source for fields, levels, forget gates and S4D
 parameters; and the two layouts the torch tests convert between.
 
-Arrays are float64 in the reference layout (B, H, T, ...). The kit's drawers are private names of
-cases.py: this module is the one place the tests import them.
+Arrays are float64 in the reference layout (B, H, T, ...); this module gives the kit's drawers the
+shapes and layouts the backend tests ask for.
 """
 
 import numpy as np
 
-from attnspec.conformance import cases
+from attnspec.conformance import drawers as kit
 
 
 def attention(rng, B, T, HQ, H, K, V, *, field="walk", level="offset", centre=0.0):
     """q, k, v, field, level; k and v with H heads (GQA when H < HQ, as the kit's families).
 
-    field: a kind of :func:`cases._fields` ("walk", "monotone", "brackets", "constant", "huge",
-    "cliff"); level: of :func:`cases._levels` ("offset", "one_walk", "extreme"); centre: added
+    field: a kind of :func:`kit.draw_field` ("walk", "monotone", "brackets", "constant", "huge",
+    "cliff"); level: of :func:`kit.draw_level` ("offset", "one_walk", "extreme"); centre: added
     to both (as the kit's large_field family: O(1) penalties as differences of large numbers).
     """
-    x = cases._fpa_inputs(rng, (B, HQ, T, K, V), field_kind=field, level_kind=level)
+    x = kit.draw_fpa_inputs(rng, (B, HQ, T, K, V), field_kind=field, level_kind=level)
     k, v = x["k"][:, :H].copy(), x["v"][:, :H].copy()
     return x["q"], k, v, x["field"] + centre, x["level"] + centre
 
 
 def field(rng, kind, shape):
-    """A field of one of the kit's kinds (:func:`cases._fields`: "walk", "monotone", "brackets",
+    """A field of one of the kit's kinds (:func:`kit.draw_field`: "walk", "monotone", "brackets",
     "constant", "huge", "cliff"), a walk along the last axis of ``shape``."""
-    return cases._fields(rng, kind, shape)
+    return kit.draw_field(rng, kind, shape)
 
 
 def level(rng, kind, field_):
-    """Levels of one of the kit's kinds (:func:`cases._levels`: "offset", "one_walk",
+    """Levels of one of the kit's kinds (:func:`kit.draw_level`: "offset", "one_walk",
     "extreme") for ``field_``."""
-    return cases._levels(rng, kind, field_)
+    return kit.draw_level(rng, kind, field_)
 
 
 def gated(rng, B, T, HQ, H, K, V, *, unit=0.0, decay=0.5):
     """q, k, v, log_f of forget-gate attention; log f = -Exp(decay) - 0.01, a fraction ``unit``
     of the gates exactly 1 (log f = 0: the ties of (F6))."""
-    x = cases._fox_inputs(rng, B, HQ, T, K, V, decay=decay, H_kv=H)
+    x = kit.draw_fox_inputs(rng, B, HQ, T, K, V, decay=decay, H_kv=H)
     log_f = x["log_f"]
     log_f[rng.random(log_f.shape) < unit] = 0.0
     return x["q"], x["k"], x["v"], log_f
@@ -46,7 +46,7 @@ def gated(rng, B, T, HQ, H, K, V, *, unit=0.0, decay=0.5):
 
 def positive(rng, shape):
     """Positive features (ratio readouts need fq . u_0 > 0)."""
-    return cases._positive(rng, shape)
+    return kit.draw_positive(rng, shape)
 
 
 def features(rng, shape, readout="linear"):
@@ -58,7 +58,7 @@ def features(rng, shape, readout="linear"):
 def s4d(rng, B, H, T, R, V, M, readout="linear", dt=(0.01, 0.3)):
     """fq, kt, vt and the complex lam, b, c of an S4D-Inv layer with steps dt ~ U(dt); for the
     ratio readout positive features and C near I (the denominator stays away from 0)."""
-    x, _ = cases._s4d_family([(B, H, T, R, V, M)], dt_range=dt, readout=readout)(rng, 0)
+    x, _ = kit.s4d_builder([(B, H, T, R, V, M)], dt_range=dt, readout=readout)(rng, 0)
     pair = {name: x[f"{name}_re"] + 1j * x[f"{name}_im"] for name in ("lam", "b", "c")}
     return x["fq"], x["kt"], x["vt"], pair["lam"], pair["b"], pair["c"]
 

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 
 from attnspec.cli import main
-from attnspec.conformance import cases, mutants, runner, strategies, vectors
+from attnspec.conformance import cases, drawers, mutants, runner, strategies, vectors
 from attnspec.conformance.cli import smoke_cases
 from attnspec.conformance.metrics import compare, relative_error
 from attnspec.conformance.numpy_backend import NumpyBackend
@@ -129,7 +129,7 @@ def test_families_of_the_spec_are_present():
 def test_gradient_cases_are_away_from_kinks(all_cases):
     for case in all_cases:
         if case.op == "fpa_attention" and case.finite_difference:
-            assert cases.fpa_kink_margin(case.inputs["field"], case.inputs["level"]) > 1e-4
+            assert drawers.fpa_kink_margin(case.inputs["field"], case.inputs["level"]) > 1e-4
 
 
 def test_ratio_cases_have_positive_denominators(all_cases):
@@ -630,7 +630,7 @@ def test_zero_mode_and_near_threshold_cases():
 def test_trained_parameters_move_every_entry_of_any_dict():
     rng = np.random.default_rng(0)
     init = {"g": np.ones((2, 3)), "b": np.zeros(4), "added_later": np.full((2, 2), 5.0)}
-    moved = cases.trained(init, rng)
+    moved = drawers.trained(init, rng)
     assert moved.keys() == init.keys()
     for name, p in init.items():
         assert (moved[name] != p).all(), name  # every entry, distinct per entry

@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from attnspec.conformance import cases, covering, covering_cases, mutants, runner
+from attnspec.conformance import cases, coverage_report, covering, covering_cases, mutants, runner
 
 AXES = (("a", (0, 1, 2)), ("b", ("x", "y")), ("c", (0, 1, 2, 3)), ("d", (True, False)))
 
@@ -63,11 +63,11 @@ def test_each_covering_family_alone_covers_every_pair_of_its_axes():
 
 
 def test_the_menu_coverage_before_and_after():
-    before = covering_cases.menu_coverage(with_covering=False)
-    after = covering_cases.menu_coverage(with_covering=True)
+    before = coverage_report.menu_coverage(with_covering=False)
+    after = coverage_report.menu_coverage(with_covering=True)
     for op in covering_cases.DESIGNS:
         assert before[op][0] < before[op][1] == after[op][0] == after[op][1], op
-    lines = covering_cases.coverage_lines({"fpa_attention.varlen"})
+    lines = coverage_report.coverage_lines({"fpa_attention.varlen"})
     assert lines[0].startswith("pair coverage, fpa_attention: 480/480 pairs")
     assert "the backend lacks fpa_attention.gqa, strided" in lines[0]
 

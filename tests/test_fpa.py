@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from attnspec.conformance.cases import fpa_kink_margin
+from attnspec.conformance.drawers import fpa_kink_margin
 from attnspec.conformance.gradcheck import directional_check
 from attnspec.conformance.metrics import relative_error as rel_err
 from attnspec.reference import fpa

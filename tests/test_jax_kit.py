@@ -79,20 +79,20 @@ def test_compiled_programs_stay_within_the_budget(monkeypatch):
     """The adapters clear JAX's caches after PROGRAM_BUDGET distinct programs (each compiled
     program keeps its code mapped; a process has a bounded number of maps), and the results
     after a clear are still the reference's."""
-    from attnspec.backends.jax import kit
+    from attnspec.backends.jax import compile_budget, kit
     from attnspec.conformance import runner
 
-    monkeypatch.setattr(kit, "PROGRAM_BUDGET", 2)
-    monkeypatch.setattr(kit, "_programs", set())
+    monkeypatch.setattr(compile_budget, "PROGRAM_BUDGET", 2)
+    monkeypatch.setattr(compile_budget, "programs", set())
     ids = ["fpa/shapes/0", "fpa/headdim/0", "fox/shapes/0", "fpa/shapes/0"]
     seen = []
-    original = kit._count_program
+    original = compile_budget.count_program
 
     def watch(*args):
         original(*args)
-        seen.append((len(kit._programs), kit._joint._cache_size()))
+        seen.append((len(compile_budget.programs), kit._joint._cache_size()))
 
-    monkeypatch.setattr(kit, "_count_program", watch)
+    monkeypatch.setattr(compile_budget, "count_program", watch)
     report = runner.run(get_backend("jax"), [cases.build_case(i) for i in ids], ["float32"])
     assert all(r.verdict == "passed" for r in report.results), report.results
     assert max(n for n, _ in seen) <= 2

@@ -6,20 +6,22 @@ returning a statement, a witness, a measured value,
 a tolerance and a verdict. ``python -m attnspec.theory`` prints the table.
 """
 
+# Every check module, imported with the package so that its checks register (Python imports
+# this file before any module of the package, so ``registry.run_checks`` always sees them all).
+from . import (  # noqa: F401
+    context_parallel,
+    eviction,
+    expressivity,
+    fox_reduction,
+    hippo_identities,
+    sessions,
+    stack,
+)
 from .registry import CHECKS, CheckResult, run_checks
 
 
 def load_all() -> None:
-    """Import every check module so that its checks register."""
-    from . import (  # noqa: F401
-        context_parallel,
-        eviction,
-        expressivity,
-        fox_reduction,
-        hippo_identities,
-        sessions,
-        stack,
-    )
+    """Every check module is registered on import of the package; kept for callers that ask."""
 
 
 __all__ = ["CHECKS", "CheckResult", "load_all", "run_checks"]

@@ -30,6 +30,7 @@ from numpy.typing import NDArray
 
 from attnspec.reference import hippo
 from attnspec.reference.packing import Packing
+from attnspec.reference.validation import positive_int
 
 from ..tile_sizes import JAX_CHUNK, fitted
 from . import validation as check
@@ -448,8 +449,7 @@ def interdomain_legs(
     :func:`legs_chunk_operators`; memory O(B N T (L + M) + T M (M + L)).
     """
     fq, fk, v = _check_features(("fq", "fk", "v"), (fq, fk, v), "[B, T, N, R]")
-    if isinstance(M, bool) or not isinstance(M, int | np.integer) or M < 1:
-        raise ValueError(f"M: expected an integer >= 1, got {M!r}")
+    M = positive_int("M", M)
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"chunk: expected a positive int, got {chunk!r}")
     if fq.shape[0] == 0:  # an empty batch [decision, as SDPA]

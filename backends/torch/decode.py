@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from attnspec.reference import hippo
+from attnspec.reference.validation import positive_int, threshold
 
 from ..tile_sizes import EAGER_QUERY_BLOCK
 from . import checks
@@ -30,9 +31,7 @@ _INF = float("inf")
 
 
 def _theta(theta: float) -> float:
-    if isinstance(theta, bool) or not isinstance(theta, int | float) or not theta > 0:
-        raise ValueError(f"theta: expected a positive number (or inf), got {theta!r}")
-    return float(theta)
+    return threshold("theta", theta)
 
 
 class FPADecodeCache:
@@ -279,9 +278,7 @@ class LegSDecodeState:
     have a size independent of T. Step cost O(M^2 (R + V)) per batch-head."""
 
     def __init__(self, M: int):
-        if isinstance(M, bool) or not isinstance(M, int) or M < 1:
-            raise ValueError(f"M: expected an integer >= 1, got {M!r}")
-        self.M, self.n = M, 0
+        self.M, self.n = positive_int("M", M), 0
         self.coefficients: Tensor | None = None  # [B, H, M, R + V]
 
     def step(self, fq: Tensor, fk: Tensor, v: Tensor) -> Tensor:

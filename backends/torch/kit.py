@@ -20,6 +20,7 @@ from torch import Tensor
 
 from attnspec.conformance.protocol import OPS as OP_TABLE
 from attnspec.conformance.protocol import call_op, op_claims
+from attnspec.reference.ops import session_contract
 
 from . import dispatch, ops
 from .decode import FPADecodeCache
@@ -281,11 +282,11 @@ class TorchBackend:
 
     def _fpa_decode_session(self, rows: int, dtype: str, config: dict[str, Any]) -> Any:
         """The paged FPA session (:mod:`.paged`); config as the session contract states."""
-        known = {"heads", "kv_heads", "dk", "dv", "scale", "theta", "window", "max_rollback"}
-        unknown = set(config) - known - {"page_size", "max_pages"}
+        contract = session_contract("fpa_decode")
+        unknown = set(config) - contract.keys - {"page_size", "max_pages"}
         if unknown:
             raise ValueError(f"config: unknown keys {sorted(unknown)}")
-        missing = known - set(config) - {"window", "max_rollback", "theta"}
+        missing = set(contract.required) - set(config)
         if missing:
             raise ValueError(f"config: missing {sorted(missing)}")
         return PagedFPASession(

@@ -26,6 +26,7 @@ from attnspec.reference import hippo
 from attnspec.reference.fpa import FPA_PARAMETER_SCHEMA, fpa_parameter_shapes
 from attnspec.reference.interdomain import PARAMETER_SCHEMA as INTERDOMAIN_PARAMETER_SCHEMA
 from attnspec.reference.interdomain import interdomain_parameter_shapes
+from attnspec.reference.validation import positive_int
 
 from . import checks
 from .decode import FPADecodeCache, S4DDecodeState
@@ -108,10 +109,8 @@ def _autocast_casts(x: Tensor, dtype: torch.dtype) -> bool:
 def _check_sizes(**sizes: int | None) -> None:
     """The layer's sizes (d_model, n_heads, head_dim, ...): integers >= 1 (None: a default)."""
     for name, value in sizes.items():
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, int) or value < 1
-        ):
-            raise ValueError(f"{name}: expected an integer >= 1, got {value!r}")
+        if value is not None:
+            positive_int(name, value)
 
 
 def _check_padding(padding: Padding | None, cu_seqlens: Tensor | None, x: Tensor) -> None:

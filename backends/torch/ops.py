@@ -29,6 +29,7 @@ from torch import Tensor
 
 from attnspec.backends import envelope
 from attnspec.reference.packing import Packing
+from attnspec.reference.validation import positive_int
 
 from . import checks, dispatch
 from . import eager_fpa as _eager_fpa  # noqa: F401  (registers the eager FPA/FoX kernels)
@@ -977,8 +978,7 @@ def interdomain_legs(
         the cached step products hold T (M^2 + L M) numbers per (M, dtype, device).
     """
     dims = checks.interdomain_features(("fq", "fk", "v"), fq, fk, v)
-    if isinstance(M, bool) or not isinstance(M, int) or M < 1:
-        raise ValueError(f"M: expected an integer >= 1, got {M!r}")
+    M = positive_int("M", M)
     cu_seqlens = checks.cu_seqlens(cu_seqlens, dims.B, fq)
     requested, impl = impl, resolve_impl("legs_fwd", impl, fq.device)
     fq, fk, v = _autocast(fq, fk, v)

@@ -49,6 +49,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from attnspec.reference.validation import nonnegative_int, positive_int, threshold
+
 from . import checks, devices, dispatch
 
 LIVE = torch.iinfo(torch.int64).max // 2  # the eviction step of an entry still attended
@@ -57,12 +59,6 @@ PAGE_SIZE = 16
 DECODE_RESERVE = 64  # tokens per row that PagedFPASession.decode reserves at a time
 
 Attention = Callable[..., Tensor]
-
-
-def _int(name: str, value: object, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name}: expected an integer >= {low}, got {value!r}")
-    return value
 
 
 def pages_in_place(table: Tensor) -> tuple[int, int, int]:
@@ -298,18 +294,21 @@ class PagedFPASession:
         device: torch.device | str = "cpu",
         attention: Attention = paged_attention_eager,
     ):
-        R, HQ, H = _int("rows", rows, 1), _int("heads", heads, 1), _int("kv_heads", kv_heads, 1)
+        R, HQ, H = (
+            positive_int("rows", rows),
+            positive_int("heads", heads),
+            positive_int("kv_heads", kv_heads),
+        )
         if HQ % H:
             raise ValueError(f"kv_heads: expected a divisor of heads={HQ}, got {H}")
-        self.dk, self.dv = _int("dk", dk, 1), _int("dv", dv, 1)
+        self.dk, self.dv = positive_int("dk", dk), positive_int("dv", dv)
         if dtype not in checks.QKV_DTYPES:
             raise ValueError(f"dtype: expected one of {checks.QKV_DTYPES}, got {dtype!r}")
-        if isinstance(theta, bool) or not isinstance(theta, int | float) or not theta > 0:
-            raise ValueError(f"theta: expected a positive number (or inf), got {theta!r}")
-        self.window = None if window is None else _int("window", window, 1)
-        self.W = _int("max_rollback", max_rollback, 0)
-        self.P = _int("page_size", page_size, 1)
-        self.max_pages = None if max_pages is None else _int("max_pages", max_pages, 1)
+        threshold("theta", theta)
+        self.window = None if window is None else positive_int("window", window)
+        self.W = nonnegative_int("max_rollback", max_rollback)
+        self.P = positive_int("page_size", page_size)
+        self.max_pages = None if max_pages is None else positive_int("max_pages", max_pages)
         self.scale = checks.scale(scale, self.dk)
         self.theta = float(theta)
         self.evicting = math.isfinite(self.theta) or self.window is not None
@@ -532,7 +531,7 @@ class PagedFPASession:
         on the host; a later :meth:`advance`, :meth:`select`, :meth:`rollback` or
         :meth:`prefill_state` ends the reservation.
         """
-        steps = _int("steps", steps, 0)
+        steps = nonnegative_int("steps", steps)
         self._reserved = 0
         self._release()
         fresh, shared = self._pages_needed(torch.full((self.rows,), steps, device=self.device))

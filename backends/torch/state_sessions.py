@@ -24,6 +24,8 @@ import torch
 from torch import Tensor
 
 from attnspec.backends import session_checks
+from attnspec.reference.ops import session_contract
+from attnspec.reference.validation import positive_int
 
 from . import checks
 from .decode import LegSDecodeState, S4DDecodeState
@@ -251,7 +253,7 @@ class StateSession:
 
     def __init__(self, step: StateStep, rows: int, max_rollback: int):
         self.kind = step
-        self.R = session_checks.count("rows", rows, 1)
+        self.R = positive_int("rows", rows)
         self.W = max_rollback
         self.state: State | None = None
         self.snapshot: State | None = None  # each row's state before its kept tokens
@@ -358,7 +360,11 @@ class StateSession:
         return {"tokens": torch.tensor(self.rows.tokens, dtype=torch.int64)}
 
 
-def _config(config: dict[str, Any], known: set[str], required: set[str]) -> None:
+def _config(op: str, config: dict[str, Any], extra: tuple[str, ...] = ()) -> None:
+    """``config`` against the op's session contract (reference/ops.py) and the adapter's
+    ``extra`` keys: nothing unknown, nothing required missing."""
+    contract = session_contract(op)
+    known, required = set(contract.keys) | set(extra), set(contract.required)
     unknown = sorted(set(config) - known)
     if unknown:
         raise ValueError(f"config: unknown keys {unknown}; expected some of {sorted(known)}")
@@ -372,8 +378,7 @@ def s4d_session(rows: int, dtype: torch.dtype, config: dict[str, Any]) -> StateS
     (H, M, M) as the parallel op takes them (float32 or wider), readout (default "linear"),
     max_rollback."""
     pairs = ("lam", "b", "c")
-    names = {f"{p}_{part}" for p in pairs for part in ("re", "im")}
-    _config(config, names | {"readout", "max_rollback"}, names)
+    _config("interdomain_s4d", config)
     joined = []
     for p in pairs:
         re, im = config[f"{p}_re"], config[f"{p}_im"]
@@ -392,8 +397,8 @@ def legs_session(
     rows: int, dtype: torch.dtype, device: torch.device, config: dict[str, Any]
 ) -> StateSession:
     """interdomain_legs.session: config M (modes), max_rollback."""
-    _config(config, {"M", "max_rollback"}, {"M"})
-    M = session_checks.count("M", config["M"], 1)
+    _config("interdomain_legs", config)
+    M = positive_int("M", config["M"])
     return StateSession(LegSStep(M, dtype, device), rows, session_checks.max_rollback(config))
 
 
@@ -403,7 +408,7 @@ def interdomain_layer_session(
     """interdomain_layer.session: config params (the reference's dict), the options readout,
     gate, use_rope, output_norm (flat or as a dict "options"), max_rollback."""
     flags = ("readout", "gate", "use_rope", "output_norm")
-    _config(config, {"params", "options", "max_rollback", *flags}, {"params"})
+    _config("interdomain_layer", config, ("options",))
     options = {**config.get("options", {}), **{f: config[f] for f in flags if f in config}}
     params = dict(config["params"])
     if not options.get("gate", "wg" in params):
