@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from . import session_covering
 from .cases import build_case, case_ids
 from .covering import Pair, coverage, unavailable
 from .covering_cases import DESIGNS, case_axes
 from .drawers import Case
+from .sessions import is_session
 
 
 def menu_coverage(
@@ -57,4 +59,41 @@ def coverage_lines(
         lines.append(line)
         for a, x, b, y in sorted(missing, key=repr)[:10]:
             lines.append(f"  not covered: {a}={x!r} with {b}={y!r}")
+    return lines
+
+
+def session_coverage(with_covering: bool = True) -> dict[str, tuple[int, int, set[Pair]]]:
+    """Per session op: (covered, required, missing pairs) over the kit's session programs
+    (with or without the covering family)."""
+    out = {}
+    for op in session_covering.OPS:
+        required = session_covering.DESIGNS[op].required()
+        got: set[Pair] = set()
+        for case_id in case_ids([op]):
+            if "/session_" not in case_id or (
+                not with_covering and "/session_covering/" in case_id
+            ):
+                continue
+            case = build_case(case_id)
+            if is_session(case):
+                got |= session_covering.covered_pairs(
+                    op, session_covering.program_axes(op, case.params["session"])
+                )
+        out[op] = (len(required & got), len(required), required - got)
+    return out
+
+
+def session_coverage_lines() -> list[str]:
+    """The report: per op the pairs covered without and with the covering family."""
+    before = session_coverage(with_covering=False)
+    after = session_coverage(with_covering=True)
+    lines = []
+    for op in session_covering.OPS:
+        b, required, _ = before[op]
+        a, _, missing = after[op]
+        lines.append(
+            f"session pair coverage, {op}: {a}/{required} (without the covering family {b})"
+        )
+        for x in sorted(missing, key=repr)[:10]:
+            lines.append(f"  not covered: {x[0]}={x[1]!r} with {x[2]}={x[3]!r}")
     return lines

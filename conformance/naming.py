@@ -27,18 +27,18 @@ from typing import Any
 import numpy as np
 
 from . import fox_variants, mutants, session_mutants
-from .cases import Case, partner
-from .metrics import compare, gradient_floors, row_ndim
-from .numpy_backend import NumpyBackend
-from .protocol import OPS, Backend, call_op
-from .runner import (
+from .calls import (
     call_sequence,
     native_array,
     native_inputs,
     reference_for,
     reference_vjp_for,
-    returned_dtype,
 )
+from .cases import Case, partner
+from .judging import returned_dtype
+from .metrics import compare, gradient_floors, row_ndim
+from .numpy_backend import NumpyBackend
+from .protocol import OPS, Backend, call_op
 from .tolerances import tolerance
 
 
@@ -109,7 +109,7 @@ def _modified(backend: Backend, native: dict[str, Any], before: dict[str, np.nda
 
 def op_trace(backend: Backend, case: Case, dtype: str, kind: str) -> Trace:
     """The backend's results of one (case, dtype, kind) item: output, gradient or call_order
-    (the call sequence of :func:`~.runner.call_sequence`, then every result held to the end)."""
+    (the call sequence of :func:`~.calls.call_sequence`, then every result held to the end)."""
     calls: list[tuple[str, Case]]
     if kind == "call_order":
         pair = (case, partner(case))

@@ -6,8 +6,8 @@ Per session op a :class:`~.covering.Design` over the session's feature axes give
 rows (:func:`~.covering.all_pairs`), and :func:`program` writes each row as a program
 (``<prefix>/session_covering/<n>``). :func:`program_axes` reads the axis values any program
 shows (a program may show several values of one axis: a chunk of one token and a whole prompt),
-so :func:`session_coverage` counts the pairs the session menu covers, with and without the
-covering families.
+so :func:`.coverage_report.session_coverage` counts the pairs the session menu covers, with
+and without the covering families.
 
 Axes: theta (finite, inf), window (none, small: 4, larger than the session), max_rollback
 (0, small: 3, large: 6), rollback depth (none: n = 0, partial, whole: the row's budget) and when
@@ -312,41 +312,3 @@ def covered_pairs(op: str, shown: Mapping[str, set[Any]]) -> set[Pair]:
     for a, b in combinations(names, 2):
         out |= {(a, x, b, y) for x, y in product(shown[a], shown[b])}
     return out
-
-
-def session_coverage(with_covering: bool = True) -> dict[str, tuple[int, int, set[Pair]]]:
-    """Per session op: (covered, required, missing pairs) over the kit's session programs
-    (with or without the covering family)."""
-    from . import cases as C
-    from .sessions import is_session
-
-    out = {}
-    for op in OPS:
-        required = DESIGNS[op].required()
-        got: set[Pair] = set()
-        for case_id in C.case_ids([op]):
-            if "/session_" not in case_id or (
-                not with_covering and "/session_covering/" in case_id
-            ):
-                continue
-            case = C.build_case(case_id)
-            if is_session(case):
-                got |= covered_pairs(op, program_axes(op, case.params["session"]))
-        out[op] = (len(required & got), len(required), required - got)
-    return out
-
-
-def session_coverage_lines() -> list[str]:
-    """The report: per op the pairs covered without and with the covering family."""
-    before = session_coverage(with_covering=False)
-    after = session_coverage(with_covering=True)
-    lines = []
-    for op in OPS:
-        b, required, _ = before[op]
-        a, _, missing = after[op]
-        lines.append(
-            f"session pair coverage, {op}: {a}/{required} (without the covering family {b})"
-        )
-        for x in sorted(missing, key=repr)[:10]:
-            lines.append(f"  not covered: {x[0]}={x[1]!r} with {x[2]}={x[3]!r}")
-    return lines

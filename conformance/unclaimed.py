@@ -26,17 +26,6 @@ FAILS = "unclaimed: fails"
 UNCLAIMED = (PASSES, FAILS)
 
 
-def backend_claims(backend: Backend) -> dict[str, Any]:
-    """The claims of the JSON report: the dtypes and the sorted capabilities (with
-    "strided" when the adapter offers strided inputs)."""
-    from .covering_cases import backend_capabilities
-
-    return {
-        "dtypes": list(backend.dtypes),
-        "capabilities": sorted(backend_capabilities(backend)),
-    }
-
-
 class Claiming:
     """``backend`` as if it claimed ``dtype`` and ``capabilities`` too (everything else is the
     backend's own), so that the runner judges an unclaimed item as a claimed one. A proxy;

@@ -25,10 +25,10 @@ from typing import Any
 import numpy as np
 from numpy.lib.npyio import NpzFile
 
+from .calls import REFERENCE, cotangents, reference_outputs, rounded_inputs
 from .cases import GENERATOR_VERSION, Case, generate_cases
 from .metrics import Comparison, compare, compare_count, gradient_floors, row_ndim
 from .protocol import OPS, Backend
-from .runner import REFERENCE, cotangents, reference_outputs, rounded_inputs
 from .tolerances import tolerance, wide_dtype
 
 FORMAT = "attnspec-vectors"

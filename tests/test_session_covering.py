@@ -5,6 +5,7 @@ ones."""
 import numpy as np
 import pytest
 
+from attnspec.conformance import coverage_report
 from attnspec.conformance import session_covering as sc
 from attnspec.conformance.session_programs import script
 
@@ -17,9 +18,11 @@ def test_each_program_shows_the_values_of_its_row(op):
 
 
 def test_every_pair_of_session_features_is_covered():
-    for op, (covered, required, missing) in sc.session_coverage().items():
+    for op, (covered, required, missing) in coverage_report.session_coverage().items():
         assert covered == required and not missing, (op, sorted(missing, key=repr)[:5])
-    assert sc.session_coverage_lines()[0].startswith("session pair coverage, fpa_decode: ")
+    assert coverage_report.session_coverage_lines()[0].startswith(
+        "session pair coverage, fpa_decode: "
+    )
 
 
 def test_the_reading_of_a_hand_made_program():

@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from attnspec.backends.torch import dispatch, ops  # noqa: E402
-from attnspec.conformance import cases, runner  # noqa: E402
+from attnspec.conformance import calls, cases, runner  # noqa: E402
 from attnspec.conformance.cli import smoke_cases  # noqa: E402
 from attnspec.conformance.registry import get_backend  # noqa: E402
 from attnspec.conformance.skips import SkipList  # noqa: E402
@@ -48,9 +48,7 @@ def test_the_kit_passes_every_case(dtype, all_cases):
 def test_adapter_returns_the_protocols_dtypes_and_leaves_inputs_alone():
     backend = get_backend("torch")
     case = cases.build_case("fpa/shapes/1")
-    inputs = runner.native_inputs(
-        backend, case, runner.rounded_inputs(case, "bfloat16"), "bfloat16"
-    )
+    inputs = calls.native_inputs(backend, case, calls.rounded_inputs(case, "bfloat16"), "bfloat16")
     before = {n: x.clone() for n, x in inputs.items()}
     o, lse = backend.fpa_attention(**inputs, return_lse=True)
     assert (backend.dtype_name(o), backend.dtype_name(lse)) == ("bfloat16", "float32")
