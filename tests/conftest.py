@@ -61,6 +61,8 @@ SLOW_FIRST = (
     "tests/test_jax_kit.py::test_kit_passes",
     "tests/test_triton_kit.py",
     "tests/test_conformance_kit.py::test_reference_backend_passes_everything",
+    "tests/test_conformance_kit.py::test_cli_reports_json_junit_and_exit_codes",
+    "tests/test_envelope_gate.py",
     "tests/test_gpu_static_interdomain.py",
     "tests/test_gpu_check_dryrun.py",
     "tests/test_triton_interdomain.py::test_gpu_s4d_dry_run",

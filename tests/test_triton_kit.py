@@ -28,6 +28,7 @@ GROUPS = {
 }
 
 
+@pytest.mark.verify_kit
 @pytest.mark.parametrize("group", sorted(GROUPS))
 @pytest.mark.parametrize("dtype", ["float32"])
 def test_the_kit_passes_the_first_case_of_every_family(dtype, group):
